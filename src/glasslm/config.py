@@ -1,0 +1,183 @@
+"""One dataclass describes every model glasslm can build, plus named presets.
+
+GPT-2, Llama and the original Vaswani decoder are all points in this one space: they differ in
+positions, norm, activation, MLP shape, norm placement, biases and tying — each a field here.
+
+Example:
+    >>> from glasslm.config import ModelConfig, get_preset
+    >>> cfg = get_preset("gpt2-small")
+    >>> cfg.d_head
+    64
+    >>> ModelConfig(d_model=100, n_heads=3)
+    Traceback (most recent call last):
+    ...
+    ValueError: d_model (100) must be divisible by n_heads (3)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Positional = Literal["learned", "sinusoidal", "rope", "none"]
+Norm = Literal["layernorm", "rmsnorm"]
+Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
+MLPKind = Literal["mlp", "swiglu"]
+NormPlacement = Literal["pre", "post"]
+Init = Literal["gpt2", "truncated_normal", "xavier"]
+AttentionImpl = Literal["fast", "readable"]
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "positional": ("learned", "sinusoidal", "rope", "none"),
+    "norm": ("layernorm", "rmsnorm"),
+    "activation": ("gelu", "gelu_tanh", "relu", "silu"),
+    "mlp": ("mlp", "swiglu"),
+    "norm_placement": ("pre", "post"),
+    "init": ("gpt2", "truncated_normal", "xavier"),
+    "attention_impl": ("fast", "readable"),
+}
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a decoder-only transformer. Validated on construction."""
+
+    vocab_size: int = 50257
+    context_length: int = 1024
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    n_kv_heads: int | None = None  # None means n_heads (plain multi-head attention)
+    d_mlp: int | None = None  # None means 4 * d_model
+    positional: Positional = "learned"
+    rope_theta: float = 10000.0
+    norm: Norm = "layernorm"
+    norm_eps: float = 1e-5
+    activation: Activation = "gelu_tanh"
+    mlp: MLPKind = "mlp"
+    norm_placement: NormPlacement = "pre"
+    final_norm: bool = True
+    bias: bool = True
+    tie_embeddings: bool = True
+    scale_embeddings: bool = False  # multiply token embeddings by sqrt(d_model) (Vaswani)
+    dropout: float = 0.0  # on embeddings, attention probabilities and residual outputs
+    init: Init = "gpt2"
+    init_std: float = 0.02
+    attention_impl: AttentionImpl = "fast"
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.d_mlp is None:
+            self.d_mlp = 4 * self.d_model
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_mlp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        assert self.n_kv_heads is not None
+        if self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.positional == "rope" and self.d_head % 2 != 0:
+            raise ValueError(f"rotary positions need an even head size, got d_head={self.d_head}")
+        if self.positional == "sinusoidal" and self.d_model % 2 != 0:
+            raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
+            raise ValueError("norm_eps, rope_theta and init_std must be positive")
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with some fields changed (validated again)."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+        # Fields left at their derived default follow the field they derive from.
+        if "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
+            changes["n_kv_heads"] = None
+        if "d_mlp" not in changes and self.d_mlp == 4 * self.d_model:
+            changes["d_mlp"] = None
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def _gpt2(d_model: int, n_layers: int, n_heads: int) -> ModelConfig:
+    return ModelConfig(vocab_size=50257, context_length=1024, d_model=d_model, n_layers=n_layers, n_heads=n_heads)
+
+
+def _llama(**kw: Any) -> ModelConfig:
+    base: dict[str, Any] = dict(
+        positional="rope", norm="rmsnorm", activation="silu", mlp="swiglu", bias=False,
+        tie_embeddings=False, init="gpt2",
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _char(**kw: Any) -> ModelConfig:
+    # nanoGPT-style character model: GPT-2 architecture with exact GELU and no biases.
+    base: dict[str, Any] = dict(vocab_size=65, activation="gelu", bias=False)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "gpt2-small": _gpt2(768, 12, 12),
+    "gpt2-medium": _gpt2(1024, 24, 16),
+    "gpt2-large": _gpt2(1280, 36, 20),
+    "gpt2-xl": _gpt2(1600, 48, 25),
+    "llama-tiny": _llama(vocab_size=512, context_length=256, d_model=128, n_layers=4, n_heads=8,
+                         n_kv_heads=2, d_mlp=344, norm_eps=1e-5),
+    "tinyllama-1.1b": _llama(vocab_size=32000, context_length=2048, d_model=2048, n_layers=22, n_heads=32,
+                             n_kv_heads=4, d_mlp=5632, norm_eps=1e-5),
+    "llama2-7b": _llama(vocab_size=32000, context_length=4096, d_model=4096, n_layers=32, n_heads=32,
+                        d_mlp=11008, norm_eps=1e-5),
+    "llama3-8b": _llama(vocab_size=128256, context_length=8192, d_model=4096, n_layers=32, n_heads=32,
+                        n_kv_heads=8, d_mlp=14336, norm_eps=1e-5, rope_theta=500000.0),
+    "vaswani-decoder": ModelConfig(
+        vocab_size=37000, context_length=512, d_model=512, n_layers=6, n_heads=8, d_mlp=2048,
+        positional="sinusoidal", norm="layernorm", norm_eps=1e-6, activation="relu", norm_placement="post",
+        final_norm=False, bias=True, tie_embeddings=True, scale_embeddings=True, dropout=0.1, init="xavier",
+    ),
+    "shakespeare-char": _char(context_length=256, d_model=384, n_layers=6, n_heads=6, dropout=0.2),
+    "shakespeare-char-cpu": _char(context_length=64, d_model=128, n_layers=4, n_heads=4, dropout=0.0),
+    "tiny-transformer": ModelConfig(
+        vocab_size=65, context_length=256, d_model=195, n_layers=5, n_heads=5, activation="relu",
+        dropout=0.15, norm="layernorm", positional="learned",
+    ),
+}
+
+
+def get_preset(name: str, **overrides: Any) -> ModelConfig:
+    """The preset called `name` (exact name), with optional field overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(sorted(PRESETS))}")
+    return PRESETS[name].replace(**overrides)
