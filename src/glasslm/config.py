@@ -36,7 +36,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "mlp": ("mlp", "swiglu"),
     "norm_placement": ("pre", "post"),
     "init": ("gpt2", "truncated_normal", "xavier"),
-    "attention_impl": ("fast", "readable"),
+    "impl": ("fast", "readable"),
 }
 
 
@@ -65,7 +65,7 @@ class ModelConfig:
     dropout: float = 0.0  # on embeddings, attention probabilities and residual outputs
     init: Init = "gpt2"
     init_std: float = 0.02
-    attention_impl: AttentionImpl = "fast"
+    impl: AttentionImpl = "fast"
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:

@@ -1,0 +1,170 @@
+"""Causal multi-head self-attention, written out step by step, with a fused fast path and a KV cache.
+
+Example:
+    >>> import torch
+    >>> softmax(torch.tensor([1e30, 0.0]), dim=-1)  # stays finite for huge logits
+    tensor([1., 0.])
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
+from torch import Tensor, nn
+
+from .layers import HookPoint, Linear, dropout
+from .positions import RotaryPositions
+
+
+def softmax(x: Float[Tensor, "..."], dim: int = -1) -> Float[Tensor, "..."]:
+    """exp(x) / sum(exp(x)), computed after subtracting the max so exp never overflows.
+
+    A row that is entirely -inf (every key masked out) gives zeros rather than NaN.
+    """
+    row_max = x.amax(dim=dim, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    exps = torch.exp(x - row_max)
+    return exps / exps.sum(dim=dim, keepdim=True).clamp_min(torch.finfo(exps.dtype).tiny)
+
+
+def causal_mask(n_queries: int, n_keys: int, device: torch.device | None = None) -> Bool[Tensor, "q k"]:
+    """True where a query may attend: the last n_queries slots of n_keys see themselves and the past."""
+    offset = n_keys - n_queries
+    q = torch.arange(n_queries, device=device)[:, None]
+    k = torch.arange(n_keys, device=device)[None, :]
+    return k <= q + offset
+
+
+def scaled_dot_product_attention(
+    q: Float[Tensor, "batch heads q_seq d_head"],
+    k: Float[Tensor, "batch heads k_seq d_head"],
+    v: Float[Tensor, "batch heads k_seq d_head"],
+    mask: Bool[Tensor, "... q_seq k_seq"] | None = None,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    scores_hook: HookPoint | None = None,
+    pattern_hook: HookPoint | None = None,
+) -> Float[Tensor, "batch heads q_seq d_head"]:
+    """softmax(q k^T / sqrt(d_head), masked) v — the readable reference for the fused kernel."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (batch, heads, q_seq, k_seq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if scores_hook is not None:
+        scores = scores_hook(scores)
+    pattern = softmax(scores.float(), dim=-1).to(q.dtype)
+    if pattern_hook is not None:
+        pattern = pattern_hook(pattern)
+    pattern = dropout(pattern, dropout_p, training)
+    return pattern @ v
+
+
+class KVCache:
+    """Per-layer key/value buffers, preallocated to max_length and filled in place.
+
+    `length` counts the slots already written; a forward pass writes its keys and values at
+    [length, length + seq) in every layer, then `advance(seq)` moves the cursor.
+
+    Example:
+        >>> cache = KVCache(n_layers=1, batch=1, n_kv_heads=2, max_length=8, d_head=4)
+        >>> cache.length
+        0
+    """
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_length: int, d_head: int,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
+        shape = (batch, n_kv_heads, max_length, d_head)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.max_length = max_length
+        self.length = 0
+
+    def update(
+        self, layer: int, k: Float[Tensor, "batch kv_heads seq d_head"], v: Float[Tensor, "batch kv_heads seq d_head"]
+    ) -> tuple[Float[Tensor, "batch kv_heads total d_head"], Float[Tensor, "batch kv_heads total d_head"]]:
+        end = self.length + k.shape[2]
+        if end > self.max_length:
+            raise ValueError(f"KV cache is full: {end} slots needed, {self.max_length} allocated")
+        self.keys[layer][:, :, self.length:end] = k
+        self.values[layer][:, :, self.length:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention with a causal mask and optional grouped-query heads.
+
+    Queries have n_heads heads; keys and values have n_kv_heads, each shared by
+    n_heads / n_kv_heads query heads (n_kv_heads == n_heads is ordinary multi-head attention).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout_p: float,
+                 impl: str, rotary: RotaryPositions | None = None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_model // n_heads
+        self.dropout_p, self.impl = dropout_p, impl
+        # One projection makes q, k and v together: one matmul instead of three.
+        self.qkv = Linear(d_model, (n_heads + 2 * n_kv_heads) * self.d_head, bias=bias)
+        self.out = Linear(n_heads * self.d_head, d_model, bias=bias)
+        self.rotary = rotary
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        self.hook_attn_scores, self.hook_pattern, self.hook_z = HookPoint(), HookPoint(), HookPoint()
+
+    def forward(
+        self,
+        x: Float[Tensor, "batch seq d_model"],
+        positions: Int[Tensor, "seq"] | Int[Tensor, "batch seq"],
+        kv_cache: KVCache | None = None,
+        layer: int = 0,
+        attn_mask: Bool[Tensor, "batch q_seq k_seq"] | None = None,
+    ) -> Float[Tensor, "batch seq d_model"]:
+        batch, seq, _ = x.shape
+        qkv = self.qkv(x)  # (batch, seq, (n_heads + 2 n_kv_heads) d_head)
+        q, k, v = qkv.split(
+            [self.n_heads * self.d_head, self.n_kv_heads * self.d_head, self.n_kv_heads * self.d_head], dim=-1
+        )
+        # Split the feature axis into heads: (batch, seq, heads, d_head).
+        q = self.hook_q(q.view(batch, seq, self.n_heads, self.d_head))
+        k = self.hook_k(k.view(batch, seq, self.n_kv_heads, self.d_head))
+        v = self.hook_v(v.view(batch, seq, self.n_kv_heads, self.d_head))
+        # Heads become a batch axis: (batch, heads, seq, d_head).
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.rotary is not None:
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer, k, v)  # (batch, kv_heads, cached + seq, d_head)
+
+        mask = None
+        if attn_mask is not None:
+            mask = attn_mask[:, None]  # (batch, 1, q_seq, k_seq): same mask for every head
+        elif kv_cache is not None and seq > 1 and k.shape[2] > seq:
+            mask = causal_mask(seq, k.shape[2], device=x.device)
+        # Otherwise the mask is plain causal (no cache, or prefill into an empty cache), or not
+        # needed at all (one new query may see every cached key).
+        plain_causal = mask is None and k.shape[2] == seq and seq > 1
+        p = self.dropout_p if self.training else 0.0
+
+        needs_pattern = self.hook_attn_scores.active or self.hook_pattern.active
+        if self.impl == "fast" and not needs_pattern:
+            z = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=plain_causal,
+                enable_gqa=self.n_kv_heads != self.n_heads,
+            )
+        else:
+            groups = self.n_heads // self.n_kv_heads
+            if groups > 1:  # each kv head serves `groups` consecutive query heads
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            if plain_causal:
+                mask = causal_mask(seq, seq, device=x.device)
+            z = scaled_dot_product_attention(
+                q, k, v, mask, p, self.training, self.hook_attn_scores, self.hook_pattern
+            )
+        z = self.hook_z(z.transpose(1, 2))  # (batch, seq, heads, d_head)
+        return self.out(z.reshape(batch, seq, self.n_heads * self.d_head))

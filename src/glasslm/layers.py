@@ -1,0 +1,200 @@
+"""The small building blocks: linear maps, embeddings, norms, activations, MLPs, dropout, loss.
+
+Each is written out from tensor ops so it can be read line by line. Where PyTorch has a fused
+kernel for the same maths, `impl="fast"` uses it; tests check both give the same numbers.
+
+Example:
+    >>> import torch
+    >>> norm = LayerNorm(4)
+    >>> norm(torch.tensor([[1.0, 2.0, 3.0, 4.0]])).mean().abs() < 1e-6
+    tensor(True)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+
+class HookPoint(nn.Module):
+    """An identity function with a name, where hooks can read or replace an activation.
+
+    With no hook registered, calling it costs one Python call and no copy.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+    @property
+    def active(self) -> bool:
+        return bool(self._forward_hooks or self._forward_pre_hooks)
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T + bias, with weight stored (d_out, d_in) like torch and HF."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
+        # F.linear is exactly x @ weight.T + bias, done as one BLAS call (addmm).
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """A lookup table: token id -> row of `weight` (vocab_size, d_model)."""
+
+    def __init__(self, vocab_size: int, d_model: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, tokens: Int[Tensor, "batch seq"]) -> Float[Tensor, "batch seq d_model"]:
+        return self.weight[tokens]
+
+
+class LayerNorm(nn.Module):
+    """Normalise each vector to zero mean and unit variance, then scale and shift."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5, bias: bool = True, impl: str = "readable"):
+        super().__init__()
+        self.eps, self.impl = eps, impl
+        self.weight = nn.Parameter(torch.ones(d_model))
+        self.bias = nn.Parameter(torch.zeros(d_model)) if bias else None
+        self.hook_normalized = HookPoint()
+
+    def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
+        if self.impl == "fast":
+            out = F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        else:
+            mean = x.mean(dim=-1, keepdim=True)
+            var = x.var(dim=-1, keepdim=True, unbiased=False)  # biased, as in the LayerNorm paper
+            out = (x - mean) * torch.rsqrt(var + self.eps) * self.weight
+            if self.bias is not None:
+                out = out + self.bias
+        return self.hook_normalized(out)
+
+
+class RMSNorm(nn.Module):
+    """Scale each vector by the inverse of its root-mean-square (no centring, no bias).
+
+    Computed in float32 and cast back, because squaring bf16/fp16 values loses too much precision.
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-6, impl: str = "readable"):
+        super().__init__()
+        self.eps, self.impl = eps, impl
+        self.weight = nn.Parameter(torch.ones(d_model))
+        self.hook_normalized = HookPoint()
+
+    def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
+        x32 = x.float()
+        if self.impl == "fast":
+            normed = F.rms_norm(x32, x.shape[-1:], eps=self.eps)
+        else:
+            normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.hook_normalized(normed.to(x.dtype) * self.weight)
+
+
+def make_norm(kind: str, d_model: int, eps: float, bias: bool, impl: str) -> nn.Module:
+    if kind == "layernorm":
+        return LayerNorm(d_model, eps=eps, bias=bias, impl=impl)
+    return RMSNorm(d_model, eps=eps, impl=impl)
+
+
+# --- activations -------------------------------------------------------------------------------
+
+def gelu(x: Tensor) -> Tensor:
+    """Exact GELU: x * Phi(x), Phi the standard normal CDF."""
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    """GPT-2's tanh approximation of GELU ("gelu_new" in HF)."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+def relu(x: Tensor) -> Tensor:
+    return x.clamp_min(0.0)
+
+
+def silu(x: Tensor) -> Tensor:
+    """x * sigmoid(x), also called swish."""
+    return x * torch.sigmoid(x)
+
+
+READABLE_ACTIVATIONS = {"gelu": gelu, "gelu_tanh": gelu_tanh, "relu": relu, "silu": silu}
+FAST_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def activation(name: str, impl: str = "readable"):
+    table = FAST_ACTIVATIONS if impl == "fast" else READABLE_ACTIVATIONS
+    return table[name]
+
+
+def dropout(x: Tensor, p: float, training: bool, impl: str = "readable") -> Tensor:
+    """Zero each element with probability p and scale survivors by 1/(1-p) (identity in eval)."""
+    if not training or p == 0.0:
+        return x
+    if impl == "fast":
+        return F.dropout(x, p, training=True)
+    keep = torch.rand_like(x) >= p
+    return x * keep / (1.0 - p)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: down(act(up(x)))."""
+
+    def __init__(self, d_model: int, d_mlp: int, act: str, bias: bool, impl: str):
+        super().__init__()
+        self.up = Linear(d_model, d_mlp, bias=bias)
+        self.down = Linear(d_mlp, d_model, bias=bias)
+        self.act = activation(act, impl)
+        self.hook_pre, self.hook_post = HookPoint(), HookPoint()
+
+    def forward(self, x: Float[Tensor, "batch seq d_model"]) -> Float[Tensor, "batch seq d_model"]:
+        hidden = self.hook_pre(self.up(x))  # (batch, seq, d_mlp)
+        return self.down(self.hook_post(self.act(hidden)))
+
+
+class SwiGLU(nn.Module):
+    """Gated feed-forward (Shazeer 2020, used by Llama): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, d_model: int, d_mlp: int, act: str, bias: bool, impl: str):
+        super().__init__()
+        self.gate = Linear(d_model, d_mlp, bias=bias)
+        self.up = Linear(d_model, d_mlp, bias=bias)
+        self.down = Linear(d_mlp, d_model, bias=bias)
+        self.act = activation(act, impl)
+        self.hook_pre, self.hook_post = HookPoint(), HookPoint()
+
+    def forward(self, x: Float[Tensor, "batch seq d_model"]) -> Float[Tensor, "batch seq d_model"]:
+        gate = self.hook_pre(self.gate(x))  # (batch, seq, d_mlp)
+        return self.down(self.hook_post(self.act(gate) * self.up(x)))
+
+
+def cross_entropy(
+    logits: Float[Tensor, "... vocab"], targets: Int[Tensor, "..."], impl: str = "fast",
+    ignore_index: int = -100,
+) -> Float[Tensor, ""]:
+    """Mean of -log softmax(logits)[target] over all positions whose target is not ignore_index."""
+    logits = logits.reshape(-1, logits.shape[-1])  # (positions, vocab)
+    targets = targets.reshape(-1)
+    if impl == "fast":
+        return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
+    keep = targets != ignore_index
+    logits, targets = logits[keep].float(), targets[keep]
+    log_probs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    return -log_probs.gather(-1, targets[:, None]).mean()

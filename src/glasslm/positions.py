@@ -1,0 +1,76 @@
+"""Three ways to tell the model where a token sits: learned, sinusoidal and rotary (RoPE).
+
+Learned and sinusoidal positions are vectors added to the token embeddings; rotary positions
+rotate each head's queries and keys so that q·k depends only on how far apart two tokens are.
+
+Example:
+    >>> import torch
+    >>> table = sinusoidal_table(8, 4)
+    >>> table[0].tolist()  # position 0: sin(0)=0, cos(0)=1 in each pair
+    [0.0, 1.0, 0.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+
+class LearnedPositions(nn.Module):
+    """One trained vector per position (GPT-2's `wpe`)."""
+
+    def __init__(self, context_length: int, d_model: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(context_length, d_model))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, positions: Int[Tensor, "seq"]) -> Float[Tensor, "seq d_model"]:
+        return self.weight[positions]
+
+
+def sinusoidal_table(context_length: int, d_model: int, base: float = 10000.0) -> Float[Tensor, "seq d_model"]:
+    """PE[pos, 2i] = sin(pos / base^(2i/d)), PE[pos, 2i+1] = cos(pos / base^(2i/d)) (Vaswani et al.)."""
+    positions = torch.arange(context_length, dtype=torch.float64)[:, None]  # (seq, 1)
+    inv_freq = base ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # (d_model/2,)
+    angles = positions * inv_freq  # (seq, d_model/2)
+    table = torch.empty(context_length, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles)
+    return table.float()
+
+
+class SinusoidalPositions(nn.Module):
+    """Fixed sine/cosine position vectors; nothing to learn, not saved in checkpoints."""
+
+    def __init__(self, context_length: int, d_model: int):
+        super().__init__()
+        self.register_buffer("table", sinusoidal_table(context_length, d_model), persistent=False)
+
+    def forward(self, positions: Int[Tensor, "seq"]) -> Float[Tensor, "seq d_model"]:
+        return self.table[positions]
+
+
+class RotaryPositions(nn.Module):
+    """Rotary embedding (Su et al. 2021): rotate pairs of features by position-dependent angles.
+
+    Pairs are adjacent features (x[2i], x[2i+1]), as in the paper and Meta's original Llama code.
+    (Hugging Face's Llama instead pairs x[i] with x[i + d_head/2]; interop permutes weights.)
+    """
+
+    def __init__(self, context_length: int, d_head: int, theta: float = 10000.0):
+        super().__init__()
+        inv_freq = theta ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)  # (d_head/2,)
+        angles = torch.arange(context_length, dtype=torch.float64)[:, None] * inv_freq  # (seq, d_head/2)
+        self.register_buffer("cos", torch.cos(angles).float(), persistent=False)
+        self.register_buffer("sin", torch.sin(angles).float(), persistent=False)
+
+    def forward(
+        self, x: Float[Tensor, "batch heads seq d_head"], positions: Int[Tensor, "seq"]
+    ) -> Float[Tensor, "batch heads seq d_head"]:
+        cos, sin = self.cos[positions], self.sin[positions]  # (seq, d_head/2)
+        pairs = x.float().unflatten(-1, (-1, 2))  # (batch, heads, seq, d_head/2, 2)
+        first, second = pairs[..., 0], pairs[..., 1]
+        # 2-D rotation of each (first, second) pair by its angle.
+        rotated = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1)
+        return rotated.flatten(-2).to(x.dtype)
