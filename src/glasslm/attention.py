@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
-from .layers import HookPoint, Linear, dropout
+from .layers import HookPoint, Linear, dropout, upcast
 from .positions import RotaryPositions
 
 
@@ -54,7 +54,8 @@ def scaled_dot_product_attention(
         scores = scores.masked_fill(~mask, float("-inf"))
     if scores_hook is not None:
         scores = scores_hook(scores)
-    pattern = softmax(scores.float(), dim=-1).to(q.dtype)
+    # Softmax in at least float32: bf16/fp16 exponentials lose too much precision.
+    pattern = softmax(upcast(scores), dim=-1).to(q.dtype)
     if pattern_hook is not None:
         pattern = pattern_hook(pattern)
     pattern = dropout(pattern, dropout_p, training)

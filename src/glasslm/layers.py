@@ -20,6 +20,11 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 
+def upcast(x: Tensor) -> Tensor:
+    """x in at least float32 (bf16/fp16 go up, float64 stays): for numerically touchy steps."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class HookPoint(nn.Module):
     """An identity function with a name, where hooks can read or replace an activation.
 
@@ -95,12 +100,13 @@ class RMSNorm(nn.Module):
         self.hook_normalized = HookPoint()
 
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
-        x32 = x.float()
+        x32 = upcast(x)
         if self.impl == "fast":
             normed = F.rms_norm(x32, x.shape[-1:], eps=self.eps)
         else:
             normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.hook_normalized(normed.to(x.dtype) * self.weight)
+        # Round to the input dtype before scaling (as HF Llama does), and keep that dtype.
+        return self.hook_normalized((normed.to(x.dtype) * self.weight).to(x.dtype))
 
 
 def make_norm(kind: str, d_model: int, eps: float, bias: bool, impl: str) -> nn.Module:
@@ -193,8 +199,8 @@ def cross_entropy(
     logits = logits.reshape(-1, logits.shape[-1])  # (positions, vocab)
     targets = targets.reshape(-1)
     if impl == "fast":
-        return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
+        return F.cross_entropy(upcast(logits), targets, ignore_index=ignore_index)
     keep = targets != ignore_index
-    logits, targets = logits[keep].float(), targets[keep]
+    logits, targets = upcast(logits[keep]), targets[keep]
     log_probs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
     return -log_probs.gather(-1, targets[:, None]).mean()

@@ -16,6 +16,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from .layers import upcast
+
 
 class LearnedPositions(nn.Module):
     """One trained vector per position (GPT-2's `wpe`)."""
@@ -69,7 +71,7 @@ class RotaryPositions(nn.Module):
         self, x: Float[Tensor, "batch heads seq d_head"], positions: Int[Tensor, "seq"]
     ) -> Float[Tensor, "batch heads seq d_head"]:
         cos, sin = self.cos[positions], self.sin[positions]  # (seq, d_head/2)
-        pairs = x.float().unflatten(-1, (-1, 2))  # (batch, heads, seq, d_head/2, 2)
+        pairs = upcast(x).unflatten(-1, (-1, 2))  # (batch, heads, seq, d_head/2, 2)
         first, second = pairs[..., 0], pairs[..., 1]
         # 2-D rotation of each (first, second) pair by its angle.
         rotated = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1)

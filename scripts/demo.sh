@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The main job: train the shakespeare-char-cpu model on tiny Shakespeare and print a sample.
+# Sets up ./.venv on first use. Extra arguments go to `glasslm train` (e.g. --max-steps 500).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/venv.sh
+# Use the shared data copy when it sits beside the checkout (as on CI); else glasslm downloads it.
+if [ -z "${GLASSLM_DATA_DIR:-}" ] && [ -f ../shared/data/tinyshakespeare.txt ]; then
+    export GLASSLM_DATA_DIR="$(cd ../shared/data && pwd)"
+fi
+exec glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare-char-cpu "$@"
