@@ -67,3 +67,90 @@ def test_offline_download_says_where_to_put_the_file(tmp_path, monkeypatch):
 def test_resolve_text_errors_on_unknown_name():
     with pytest.raises(FileNotFoundError, match="neither a known dataset"):
         resolve_text("no-such-dataset-or-file")
+
+
+# --- prepared token files ------------------------------------------------------------------------
+
+import json
+import tracemalloc
+
+import numpy as np
+
+from glasslm.data import load_prepared, load_token_file, load_training_data, prepare
+from glasslm.tokenizers import CharTokenizer
+
+
+def test_prepare_splits_losslessly_at_a_line_start(tmp_path, shakespeare_text):
+    src = tmp_path / "s.txt"
+    src.write_text(shakespeare_text[:50_000])
+    tok = CharTokenizer.from_text(shakespeare_text)
+    meta = prepare([src], tok, tmp_path / "ds", val_fraction=0.1, chunk_bytes=4096, progress=False)
+    data = load_prepared(tmp_path / "ds")
+    assert meta["dtype"] == "uint16" and data.train.dtype == np.uint16
+    train_text, val_text = tok.decode(data.train.tolist()), tok.decode(data.val.tolist())
+    assert train_text + val_text == shakespeare_text[:50_000]
+    assert train_text.endswith("\n") and abs(len(val_text) - 5000) < 200
+    assert (meta["train_tokens"], meta["val_tokens"]) == (len(train_text), len(val_text))
+
+
+def test_large_vocabularies_use_uint32(tmp_path):
+    class Wide(CharTokenizer):
+        vocab_size = 70_000
+
+        def encode(self, text):
+            return [69_999 if c == "z" else ord(c) for c in text]
+
+    src = tmp_path / "t.txt"
+    src.write_text("az\n" * 100)
+    meta = prepare([src], Wide(["a"]), tmp_path / "ds", progress=False)
+    assert meta["dtype"] == "uint32"
+    tokens = load_token_file(tmp_path / "ds" / "train.bin", "uint32")
+    assert tokens.max() == 69_999
+
+
+def test_memmap_batches_equal_tensor_batches(tmp_path):
+    tokens = (np.arange(5000) % 251).astype(np.uint16)
+    tokens.tofile(tmp_path / "t.bin")
+    mapped = load_token_file(tmp_path / "t.bin", "uint16")
+    a = get_batch(mapped, 8, 32, torch.Generator().manual_seed(1))
+    b = get_batch(torch.from_numpy(tokens.astype(np.int64)), 8, 32, torch.Generator().manual_seed(1))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[0].dtype == torch.long
+
+
+def test_prepare_memory_does_not_grow_with_the_corpus(tmp_path):
+    line = "The quick brown fox jumps over the lazy dog; ünïcödé too.\n"
+    src = tmp_path / "big.txt"
+    with open(src, "w") as f:
+        for _ in range(16_000_000 // len(line)):
+            f.write(line)
+    tok = CharTokenizer.from_text(line)
+    tracemalloc.start()
+    meta = prepare([src], tok, tmp_path / "ds", chunk_bytes=1 << 16, progress=False)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert meta["train_tokens"] + meta["val_tokens"] == len(src.read_text())
+    assert peak < 4_000_000, f"peak Python allocation {peak:,} bytes for a 16 MB corpus"
+
+
+def test_bad_token_data_gives_clear_errors(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        prepare([tmp_path / "empty.txt"], CharTokenizer(["a"]), tmp_path / "ds", progress=False)
+    (tmp_path / "e.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="empty"):
+        load_token_file(tmp_path / "e.bin", "uint16")
+    (tmp_path / "odd.bin").write_bytes(b"\x00" * 7)
+    with pytest.raises(ValueError, match="wrong dtype"):
+        load_token_file(tmp_path / "odd.bin", "uint32")
+
+
+def test_training_data_from_a_prepared_directory_or_text(tmp_path):
+    src = tmp_path / "t.txt"
+    src.write_text("to be or not to be\n" * 50)
+    prepare([src], CharTokenizer.from_text("to be or not\n"), tmp_path / "ds", progress=False)
+    from_dir = load_training_data(str(tmp_path / "ds"))
+    from_text = load_training_data(str(src))
+    assert isinstance(from_dir.train, np.ndarray) and isinstance(from_text.train, torch.Tensor)
+    assert from_dir.tokenizer.vocab_size == from_text.tokenizer.vocab_size
+    meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
+    assert len(from_dir.train) == meta["train_tokens"]

@@ -14,18 +14,25 @@ Example:
 
 from __future__ import annotations
 
+import codecs
 import hashlib
+import itertools
+import json
 import os
 import shutil
 import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Int
 from torch import Tensor
+from tqdm.auto import tqdm
 
 DATA_DIR_ENV = "GLASSLM_DATA_DIR"
 
@@ -114,13 +121,17 @@ def train_val_split(tokens: Int[Tensor, "n"], val_fraction: float = 0.1) -> tupl
 
 
 def get_batch(
-    tokens: Int[Tensor, "n"],
+    tokens: Int[Tensor, "n"] | np.ndarray,
     batch_size: int,
     context_length: int,
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
 ) -> tuple[Int[Tensor, "batch seq"], Int[Tensor, "batch seq"]]:
-    """Random contiguous windows: inputs tokens[i : i+T] and next-token targets tokens[i+1 : i+T+1]."""
+    """Random contiguous windows: inputs tokens[i : i+T] and next-token targets tokens[i+1 : i+T+1].
+
+    `tokens` may be a tensor or a numpy array, including a memory-mapped token file: only the
+    sampled windows are read from disk.
+    """
     n_starts = len(tokens) - context_length
     if n_starts < 1:
         raise ValueError(
@@ -129,8 +140,193 @@ def get_batch(
         )
     starts = torch.randint(n_starts, (batch_size,), generator=generator)
     offsets = starts[:, None] + torch.arange(context_length + 1)  # (batch, seq + 1)
-    windows = tokens[offsets].long()
+    if isinstance(tokens, np.ndarray):
+        windows = torch.from_numpy(tokens[offsets.numpy()].astype(np.int64))
+    else:
+        windows = tokens[offsets].long()
     x, y = windows[:, :-1], windows[:, 1:]
     if torch.device(device).type == "cuda":
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
+
+
+# --- prepared token files ---------------------------------------------------------------------
+
+META_FILE = "meta.json"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (half the disk and memory bandwidth), else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def _split_point(path: Path, val_fraction: float) -> int:
+    """Byte offset where validation text starts: the first line start at or after (1 - val_fraction) of
+    the file, or the next UTF-8 character boundary if no newline follows within 1 MiB."""
+    size = path.stat().st_size
+    cut = int(size * (1.0 - val_fraction))
+    if cut == 0:
+        return 0
+    with open(path, "rb") as f:
+        f.seek(cut - 1)
+        ahead = f.read(1 << 20)  # ahead[0] is the byte before the cut
+    newline = ahead.find(b"\n")
+    if newline >= 0:
+        return cut + newline
+    ahead = ahead[1:]
+    step = 0
+    while step < len(ahead) and ahead[step] & 0xC0 == 0x80:  # skip UTF-8 continuation bytes
+        step += 1
+    return cut + step
+
+
+def _read_text(path: Path, start: int, end: int, chunk_bytes: int, bar: Any) -> Iterator[str]:
+    """Decoded text of bytes [start, end) of a file, in chunks (multi-byte characters kept whole)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    with open(path, "rb") as f:
+        f.seek(start)
+        remaining = end - start
+        while remaining > 0:
+            block = f.read(min(chunk_bytes, remaining))
+            if not block:
+                break
+            remaining -= len(block)
+            bar.update(len(block))
+            yield decoder.decode(block)
+    yield decoder.decode(b"", final=True)
+
+
+def _write_tokens(ids: Iterator[int], path: Path, dtype: np.dtype, vocab_size: int, block_size: int = 1 << 16) -> int:
+    """Stream ids to a flat binary file in fixed-size blocks; returns the number written."""
+    count = 0
+    ids = iter(ids)
+    with open(path, "wb") as f:
+        while True:
+            # np.fromiter pulls a whole block from the iterator in C, not one Python step per token.
+            block = np.fromiter(itertools.islice(ids, block_size), dtype=np.int64)
+            if len(block) == 0:
+                return count
+            count += _flush(block, f, dtype, vocab_size)
+
+
+def _flush(block: np.ndarray, f: Any, dtype: np.dtype, vocab_size: int) -> int:
+    if len(block) and (block.min() < 0 or block.max() >= vocab_size):
+        raise ValueError(f"tokenizer produced an id outside [0, {vocab_size})")
+    block.astype(dtype).tofile(f)
+    return len(block)
+
+
+def prepare(
+    sources: Sequence[str | os.PathLike], tokenizer: Any, out_dir: str | os.PathLike,
+    val_fraction: float = 0.1, chunk_bytes: int = 1 << 20, progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenize text files into `train.bin` / `val.bin` + `meta.json` + the tokenizer's files.
+
+    Split rule: in each source file, text before the first line start at or after (1 - val_fraction) of
+    its bytes goes to train.bin, the rest to val.bin, so every file contributes to both. Text is
+    streamed in chunks, so memory does not grow with the corpus.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from glasslm.tokenizers import CharTokenizer
+        >>> d = pathlib.Path(tempfile.mkdtemp()); (d / "a.txt").write_text("hello world\\n" * 20)
+        240
+        >>> prepare([d / "a.txt"], CharTokenizer.from_text("helo wrd\\n"), d / "out", progress=False)["train_tokens"]
+        216
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    paths = [Path(p) for p in sources]
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist")
+    total = sum(p.stat().st_size for p in paths)
+    if total == 0:
+        raise ValueError("the input text is empty: nothing to prepare")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    splits = {p: _split_point(p, val_fraction) for p in paths}
+    counts = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not progress) as bar:
+        for split in ("train", "val"):
+            def texts() -> Iterator[str]:
+                for p in paths:
+                    start, end = (0, splits[p]) if split == "train" else (splits[p], p.stat().st_size)
+                    yield from _read_text(p, start, end, chunk_bytes, bar)
+
+            tmp = out / f".{split}.bin.tmp"
+            counts[split] = _write_tokens(tokenizer.encode_iterable(texts()), tmp, dtype, tokenizer.vocab_size)
+            os.replace(tmp, out / f"{split}.bin")
+    tokenizer.save(out)
+    meta = {
+        "vocab_size": tokenizer.vocab_size, "dtype": dtype.name, "train_tokens": counts["train"],
+        "val_tokens": counts["val"], "val_fraction": val_fraction, "sources": [str(p) for p in paths],
+        "tokenizer": getattr(tokenizer, "kind", type(tokenizer).__name__),
+    }
+    (out / META_FILE).write_text(json.dumps(meta, indent=2))  # written last: marks the set complete
+    return meta
+
+
+def is_prepared(path: str | os.PathLike) -> bool:
+    return (Path(path) / META_FILE).is_file()
+
+
+def load_token_file(path: str | os.PathLike, dtype: str | np.dtype) -> np.ndarray:
+    """A read-only memory map of a flat token file, with clear errors for empty or mis-typed files."""
+    path, dtype = Path(path), np.dtype(dtype)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    size = path.stat().st_size
+    if size == 0:
+        raise ValueError(f"{path} is empty: no tokens to train on")
+    if size % dtype.itemsize:
+        raise ValueError(f"{path} is {size} bytes, not a whole number of {dtype.name} tokens: wrong dtype?")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+@dataclass
+class TokenData:
+    """Training and validation token streams plus the tokenizer that made them."""
+
+    train: Tensor | np.ndarray
+    val: Tensor | np.ndarray
+    tokenizer: Any
+    description: str
+
+
+def load_prepared(directory: str | os.PathLike) -> TokenData:
+    """The memory-mapped train/val files and tokenizer of a directory written by `prepare`."""
+    from .tokenizers import load_tokenizer
+
+    root = Path(directory)
+    try:
+        meta = json.loads((root / META_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{root / META_FILE} is unreadable ({err})") from None
+    tokenizer = load_tokenizer(root)
+    if tokenizer.vocab_size != meta.get("vocab_size"):
+        raise ValueError(f"{root}: tokenizer has {tokenizer.vocab_size} tokens but meta.json says {meta.get('vocab_size')}")
+    train = load_token_file(root / "train.bin", meta["dtype"])
+    val = load_token_file(root / "val.bin", meta["dtype"])
+    return TokenData(train, val, tokenizer, f"{root} ({len(train):,} train / {len(val):,} val tokens, "
+                                            f"vocab {tokenizer.vocab_size})")
+
+
+def load_training_data(source: str, directory: str | os.PathLike | None = None, val_fraction: float = 0.1,
+                       tokenizer: Any | None = None) -> TokenData:
+    """A prepared dataset directory, or a text file / dataset name tokenized in memory
+    (character-level unless a tokenizer is given)."""
+    from .tokenizers import CharTokenizer
+
+    if is_prepared(source):
+        return load_prepared(source)
+    path = resolve_text(source, directory)
+    text = path.read_text(encoding="utf-8")
+    if not text:
+        raise ValueError(f"{path} is empty")
+    tokenizer = tokenizer or CharTokenizer.from_text(text)
+    tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+    train, val = train_val_split(tokens, val_fraction)
+    return TokenData(train, val, tokenizer, f"{path} ({len(text):,} characters, vocab {tokenizer.vocab_size}, "
+                                            f"{len(train):,} train / {len(val):,} val tokens)")
