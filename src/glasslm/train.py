@@ -6,7 +6,7 @@ Example (a few steps on a toy corpus):
     >>> from glasslm.train import TrainConfig, train
     >>> cfg = get_preset("shakespeare-char-cpu", vocab_size=4, n_layers=1, context_length=8)
     >>> tokens = torch.randint(0, 4, (1000,))
-    >>> result = train(cfg, TrainConfig(max_steps=3, eval_interval=0, progress=False), tokens[:900], tokens[900:])
+    >>> result = train(cfg, TrainConfig(max_steps=3, eval_interval=0, progress=False), tokens)
     >>> len(result.train_losses)
     3
 """

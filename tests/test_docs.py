@@ -1,0 +1,21 @@
+"""Every docstring example in the package runs and prints what it shows."""
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import glasslm
+
+MODULES = sorted(m.name for m in pkgutil.iter_modules(glasslm.__path__, "glasslm."))
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    try:
+        module = importlib.import_module(name)
+    except ImportError as err:  # a module behind an optional extra that is not installed
+        pytest.skip(f"{name} needs an optional dependency: {err}")
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
