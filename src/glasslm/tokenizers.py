@@ -371,13 +371,13 @@ class BPETokenizer:
             out += self.encode_ordinary(text[pos:])
         return out
 
-    def encode_iterable(self, chunks: Iterable[str], flush_chars: int = 1 << 16) -> Iterator[int]:
+    def encode_iterable(self, chunks: Iterable[str], flush_chars: int = 1 << 14) -> Iterator[int]:
         """Lazily encode a stream of text chunks (e.g. an open file's lines) in bounded memory.
 
         Gives exactly `encode("".join(chunks))`. Text is buffered until `flush_chars` characters,
-        then everything before the last safe cut (see `_stream_cut`) is encoded and the remainder
-        kept for the next round, so pre-tokens and special tokens straddling chunk edges are
-        handled. Memory stays about `flush_chars` + the largest chunk + the longest pre-token.
+        then everything before the last safe cut is encoded and the remainder kept for the next
+        round (see `_encode_settled`), so pre-tokens and special tokens straddling chunk edges
+        are handled. Memory stays about `flush_chars` + the largest chunk + the longest pre-token.
 
         Example:
             >>> tok = BPETokenizer({i: bytes([i]) for i in range(256)} | {256: b"ab"}, [(b"a", b"b")])
@@ -392,9 +392,8 @@ class BPETokenizer:
             if size < limit:
                 continue
             buf = "".join(pending)
-            cut = self._stream_cut(buf)
-            if cut:
-                yield from self.encode(buf[:cut])
+            ids, cut = self._encode_settled(buf)
+            yield from ids
             rest = buf[cut:]
             pending, size = [rest], len(rest)
             # A huge unbroken pre-token: wait for more text instead of re-scanning every chunk.
@@ -402,21 +401,23 @@ class BPETokenizer:
         if pending:
             yield from self.encode("".join(pending))
 
-    def _stream_cut(self, buf: str) -> int:
-        """A position c such that encode(buf[:c]) + encode(buf[c:] + more) == encode(buf + more)
-        for any later text `more` (0 if none is known yet).
+    def _encode_settled(self, buf: str) -> tuple[list[int], int]:
+        """(ids, c): the ids of buf[:c] for a c such that no later text can change them, i.e.
+        encode(buf + more) == ids + encode(buf[c:] + more) for any `more`.
 
         Special tokens are only trusted when they start `longest special` characters before the
-        end (more text could still extend them). After the last trusted special token, prefer a
-        newline between printable ASCII characters (see `glasslm.bpe.safe_cut_pattern`); failing
-        that, pre-tokenize and hold back the pre-tokens that end near the end of what is known:
-        the GPT-2 pattern decides a pre-token from at most 3 characters after its start and 1 after
-        its end.
+        end (more text could still extend them); cutting right after one is always safe. After
+        the last trusted special token, prefer cutting after a newline between printable ASCII
+        characters (see `glasslm.bpe.safe_cut_pattern`). Failing that, pre-tokenize up to a
+        horizon and keep the pre-tokens that end at least 2 characters before it: the GPT-2
+        pattern decides a pre-token from at most 3 characters after its start and 1 after its
+        end. Those pre-tokens are encoded as they are, not re-split: cut off from its context,
+        the text before the cut could pre-tokenize differently (" \n" alone is one pre-token).
         """
         longest = max(map(len, self.special_tokens), default=0)
         horizon = len(buf) - longest - 4  # nothing at or after this is settled
         if horizon <= 0:
-            return 0
+            return [], 0
         start = 0
         if self._special_re is not None:
             for match in self._special_re.finditer(buf, 0, len(buf)):
@@ -424,17 +425,23 @@ class BPETokenizer:
                     break
                 start = match.end()
             if start >= horizon:
-                return start
+                return self.encode(buf[:start]), start
         q = buf.rfind("\n", start + 1, horizon - 1)
         while q > start:
             if "!" <= buf[q - 1] <= "~" and "!" <= buf[q + 1] <= "~":
-                return q + 1
+                return self.encode(buf[: q + 1]), q + 1
             q = buf.rfind("\n", start + 1, q)
         pieces = PRETOKEN_RE.findall(buf, start, horizon)
         end = horizon
         while pieces and end > horizon - 2:
             end -= len(pieces.pop())
-        return end if end > start else start
+        return self.encode(buf[:start]) + self._encode_pieces(pieces), max(end, start)
+
+    def _encode_pieces(self, pieces: list[str]) -> list[int]:
+        """Ids for text already cut into pre-tokens (each pre-token re-splits to itself)."""
+        if self._tiktoken is not None:
+            return list(chain.from_iterable(map(self._tiktoken.encode_ordinary, pieces)))
+        return list(chain.from_iterable(map(self._cache.__getitem__, pieces)))
 
     # ------------------------------------------------------------------ decoding
 
