@@ -253,25 +253,6 @@ def _reverse_order_key(token: bytes) -> bytes:
     return b"".join((256 - x).to_bytes(2, "big") for x in token) + (257).to_bytes(2, "big")
 
 
-def _merge_word(word: list[int], a: int, b: int, new: int) -> list[int] | None:
-    """`word` with every non-overlapping (a, b), left to right, replaced by `new`; None if absent."""
-    n = len(word)
-    i = word.index(a) if a in word else n
-    if i == n:
-        return None
-    out = word[:i]
-    found = False
-    while i < n:
-        if word[i] == a and i + 1 < n and word[i + 1] == b:
-            out.append(new)
-            i += 2
-            found = True
-        else:
-            out.append(word[i])
-            i += 1
-    return out if found else None
-
-
 def merge_counts(word_counts: dict[bytes, int], num_merges: int) -> list[tuple[bytes, bytes]]:
     """Learn up to `num_merges` BPE merges from pre-tokens (as bytes) and their counts.
 
@@ -290,7 +271,7 @@ def merge_counts(word_counts: dict[bytes, int], num_merges: int) -> list[tuple[b
             words.append(list(word))
             freqs.append(count)
 
-    counts: dict[tuple[int, int], int] = defaultdict(int)
+    counts: defaultdict[tuple[int, int], int] = defaultdict(int)
     where: dict[tuple[int, int], set[int]] = defaultdict(set)  # may hold stale indices (checked on use)
     for w, (word, f) in enumerate(zip(words, freqs)):
         for pair in zip(word, word[1:]):
@@ -319,31 +300,53 @@ def merge_counts(word_counts: dict[bytes, int], num_merges: int) -> list[tuple[b
 
 
 def _apply_merge(words, freqs, counts, where, heap, keys, a: int, b: int, new: int) -> None:
-    """Merge (a, b) -> new in every word that has it, updating pair counts, index and heap."""
+    """Merge (a, b) -> new in every word that has it, updating pair counts, index and heap.
+
+    Only the pairs beside each merge site change: (left, a) becomes (left, new) and (b, right)
+    becomes (new, right). Where two merge sites touch ("a b a b"), the pair between them,
+    (b, a) -> (new, new), is handled once, by the second site's left side.
+    """
     delta: dict[tuple[int, int], int] = defaultdict(int)
     for w in where.pop((a, b)):
         word = words[w]
-        merged = _merge_word(word, a, b, new)
-        if merged is None:  # stale index entry
-            continue
+        n = len(word)
         f = freqs[w]
-        for pair in zip(word, word[1:]):
-            delta[pair] -= f
-        for pair in zip(merged, merged[1:]):
-            delta[pair] += f
-            if new in pair:  # only pairs with the new token are new to this word
+        out: list[int] = []
+        i = 0
+        while i < n:
+            if word[i] != a or i + 1 == n or word[i + 1] != b:
+                out.append(word[i])
+                i += 1
+                continue
+            if out:
+                delta[(word[i - 1], a)] -= f
+                pair = (out[-1], new)
+                delta[pair] += f
                 where[pair].add(w)
-        words[w] = merged
+            j = i + 2
+            if j < n and not (word[j] == a and j + 1 < n and word[j + 1] == b):
+                right = word[j]
+                delta[(b, right)] -= f
+                pair = (new, right)
+                delta[pair] += f
+                where[pair].add(w)
+            out.append(new)
+            i = j
+        if len(out) < n:  # else a stale index entry: the word no longer has the pair
+            words[w] = out
+    # Every occurrence was merged, and merging left to right leaves no (a, b) behind.
+    counts.pop((a, b), None)
+    delta.pop((a, b), None)
     for pair, d in delta.items():
         if d == 0:
             continue
-        c = counts[pair] + d
+        c = counts.get(pair, 0) + d
         if c > 0:
             counts[pair] = c
             if d > 0:
                 heapq.heappush(heap, (-c, keys[pair[0]], keys[pair[1]], pair[0], pair[1]))
         else:
-            del counts[pair]
+            counts.pop(pair, None)
 
 
 def train_bpe(
