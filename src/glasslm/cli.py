@@ -3,7 +3,11 @@
 
     glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare
     glasslm sample --checkpoint runs/shakespeare --prompt "ROMEO:" --max-new-tokens 300
-    glasslm info --preset gpt2-small
+    glasslm info --preset gpt2-small --context-length 1024
+    glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2
+    glasslm convert --to-hf --checkpoint runs/gpt2 --out exported/gpt2
+    glasslm inspect attention --checkpoint runs/shakespeare --prompt "ROMEO:" --layer 0 --head 1 --out attn.png
+    glasslm inspect logit-lens --checkpoint runs/shakespeare --prompt "ROMEO:" --out lens.png
 """
 
 from __future__ import annotations
@@ -141,6 +145,27 @@ def cmd_info(args: argparse.Namespace) -> None:
         print(json.dumps(cfg.to_dict(), indent=2))
 
 
+def cmd_convert(args: argparse.Namespace) -> None:
+    from .checkpoint import save_checkpoint
+    from .interop import export_hf, import_hf, hf_tokenizer, load_model
+
+    if args.from_hf:
+        model = import_hf(args.from_hf, context_length=args.context_length)
+        tokenizer = hf_tokenizer(args.from_hf)
+        if tokenizer is not None and not hasattr(tokenizer, "save"):
+            tokenizer = None
+        meta = {"converted_from": str(args.from_hf)}
+        save_checkpoint(args.out, model, tokenizer, meta)
+        print(f"{args.from_hf} -> {args.out} ({model.num_parameters():,} parameters, "
+              f"tokenizer {'included' if tokenizer is not None else 'not found'})")
+    else:
+        if not args.checkpoint:
+            raise ValueError("--to-hf needs --checkpoint")
+        model, tokenizer = load_model(args.checkpoint)
+        export_hf(model, args.out, tokenizer)
+        print(f"{args.checkpoint} -> {args.out} (Hugging Face format)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glasslm", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,6 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="also print the full config")
     add_dataclass_options(p, ModelConfig, "model settings (override the preset's)")
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("convert", help="convert between glasslm checkpoints and Hugging Face directories")
+    direction = p.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--from-hf", metavar="DIR", help="an HF GPT-2 or Llama directory to import")
+    direction.add_argument("--to-hf", action="store_true", help="export --checkpoint as an HF directory")
+    p.add_argument("--checkpoint", help="glasslm checkpoint to export (with --to-hf)")
+    p.add_argument("--out", required=True, help="where to write the converted model")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="Llama only: context length to use instead of max_position_embeddings")
+    p.set_defaults(func=cmd_convert)
     return parser
 
 
