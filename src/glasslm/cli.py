@@ -131,16 +131,11 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    from .model import TransformerLM
+    from .accounting import format_cost_table
 
+    # --context-length (a ModelConfig option) sets the model's context and the FLOPs' context alike.
     cfg = get_preset(args.preset, **dataclass_overrides(args, ModelConfig))
-    import torch
-
-    with torch.device("meta"):  # shapes only: even gpt2-xl costs no memory
-        model = TransformerLM(cfg)
-    print(f"{args.preset}: {model.num_parameters():,} parameters")
-    for name, count in model.num_parameters(by_component=True).items():
-        print(f"  {name:<28} {count:>15,}")
+    print(format_cost_table(cfg, title=args.preset))
     if args.json:
         print(json.dumps(cfg.to_dict(), indent=2))
 
@@ -193,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_sample)
 
-    p = sub.add_parser("info", help="parameter counts of a preset")
+    p = sub.add_parser("info", help="parameters and FLOPs per token of a preset, by component")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
     p.add_argument("--json", action="store_true", help="also print the full config")
     add_dataclass_options(p, ModelConfig, "model settings (override the preset's)")
