@@ -157,3 +157,45 @@ def test_hook_point_without_hooks_returns_the_same_tensor_object():
     model = small_model("llama-tiny")
     x = torch.randn(2, 3, 128)
     assert model.blocks[0].hook_resid_pre(x) is x  # no copy when nothing is attached
+
+
+# --- pictures (glasslm.inspection and `glasslm inspect`) ----------------------------------------------
+
+@pytest.fixture
+def char_checkpoint(tmp_path):
+    from glasslm.checkpoint import save_checkpoint
+    from glasslm.tokenizers import CharTokenizer
+
+    tokenizer = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz ,.:\n")
+    model = TransformerLM(get_preset("shakespeare-char-cpu", n_layers=2, vocab_size=tokenizer.vocab_size))
+    return save_checkpoint(tmp_path / "ckpt", model, tokenizer)
+
+
+def _is_png(path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5_000
+
+
+def test_inspect_commands_write_pngs(char_checkpoint, tmp_path):
+    pytest.importorskip("matplotlib")
+    from glasslm.cli import main
+
+    common = ["--checkpoint", str(char_checkpoint), "--prompt", "romeo: what light"]
+    assert main(["inspect", "attention", *common, "--layer", "1", "--head", "3", "--out", str(tmp_path / "a.png")]) == 0
+    assert _is_png(tmp_path / "a.png")
+    assert main(["inspect", "logit-lens", *common, "--out", str(tmp_path / "l.png")]) == 0
+    assert _is_png(tmp_path / "l.png")
+    assert main(["inspect", "attention", *common, "--layer", "2", "--head", "0", "--out", str(tmp_path / "x.png")]) == 1
+    assert main(["inspect", "attention", *common, "--layer", "0", "--head", "4", "--out", str(tmp_path / "x.png")]) == 1
+
+
+@torch.no_grad()
+def test_logit_lens_top_tokens_of_last_layer_are_the_models_argmax():
+    from glasslm.inspection import attention_pattern, logit_lens_top
+
+    model = small_model("llama-tiny")
+    tokens = tokens_for(model)[:1]
+    top_ids, top_probs = logit_lens_top(model, tokens)
+    logits = model(tokens)[0]
+    assert torch.equal(top_ids[-1], logits.argmax(-1))
+    torch.testing.assert_close(top_probs[-1], torch.softmax(logits, -1).amax(-1), atol=1e-5, rtol=1e-5)
+    assert attention_pattern(model, tokens, layer=2).shape == (8, 10, 10)

@@ -112,10 +112,11 @@ def _count(cfg: ModelConfig) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
-    from .checkpoint import load_checkpoint
     from .generate import generate_tokens
+    from .interop import load_model
 
-    model, tokenizer, _ = load_checkpoint(args.checkpoint, device=args.device)
+    # A glasslm checkpoint or a Hugging Face GPT-2/Llama directory.
+    model, tokenizer = load_model(args.checkpoint, device=args.device)
     if tokenizer is None:
         raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
     model.eval()
@@ -161,6 +162,18 @@ def cmd_convert(args: argparse.Namespace) -> None:
         print(f"{args.checkpoint} -> {args.out} (Hugging Face format)")
 
 
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from .inspection import draw_attention, draw_logit_lens
+    from .interop import load_model
+
+    model, tokenizer = load_model(args.checkpoint, device=args.device)
+    if args.what == "attention":
+        path = draw_attention(model, tokenizer, args.prompt, args.layer, args.head, args.out)
+    else:
+        path = draw_logit_lens(model, tokenizer, args.prompt, args.out)
+    print(f"wrote {path}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glasslm", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -178,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("sample", aliases=["generate"], help="write text from a trained checkpoint")
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or Hugging Face model directory")
     p.add_argument("--prompt", default="")
     p.add_argument("--max-new-tokens", type=int, default=500)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -203,6 +216,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None,
                    help="Llama only: context length to use instead of max_position_embeddings")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("inspect", help="draw attention patterns or the logit lens (needs matplotlib)")
+    what = p.add_subparsers(dest="what", required=True)
+    for name, help_text in (("attention", "one head's attention pattern, tokens on both axes"),
+                            ("logit-lens", "top next token read from every layer, as a grid")):
+        q = what.add_parser(name, help=help_text)
+        q.add_argument("--checkpoint", required=True, help="glasslm checkpoint or Hugging Face model directory")
+        q.add_argument("--prompt", required=True)
+        q.add_argument("--out", required=True, help="PNG file to write")
+        q.add_argument("--device", default="cpu")
+        if name == "attention":
+            q.add_argument("--layer", type=int, required=True)
+            q.add_argument("--head", type=int, required=True)
+        q.set_defaults(func=cmd_inspect)
     return parser
 
 
