@@ -7,6 +7,8 @@ nothing is downloaded.
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,3 +270,34 @@ def test_cli_convert_both_ways(tmp_path, capsys):
         torch.testing.assert_close(reloaded(tokens).logits, hf_model(tokens).logits, atol=1e-5, rtol=0)
     assert main(["convert", "--from-hf", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+@torch.no_grad()
+def test_gpt2_checkpoint_without_prefix_and_with_old_mask_buffers(tmp_path):
+    # The original hub "gpt2" files name tensors "h.0.attn.c_attn.weight" (no "transformer.") and
+    # carry the causal mask as attn.bias / attn.masked_bias buffers.
+    from safetensors.torch import load_file, save_file
+
+    hf_model, directory = hf_saved(gpt2_config(tied=True), tmp_path)
+    weights = {k.removeprefix("transformer."): v for k, v in load_file(directory / "model.safetensors").items()}
+    weights["h.0.attn.bias"] = torch.ones(1, 1, 48, 48).tril()
+    weights["h.0.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(weights, directory / "model.safetensors")
+    tokens = torch.randint(0, VOCAB, (1, 12))
+    torch.testing.assert_close(import_hf(directory)(tokens), hf_model(tokens).logits, atol=1e-5, rtol=0)
+
+
+def test_hf_tokenizer_files_are_picked_up_when_present(tmp_path):
+    import shutil
+
+    from glasslm.interop import hf_tokenizer
+
+    assert hf_tokenizer(tmp_path) is None
+    gpt2_files = Path(os.environ.get("GLASSLM_DATA_DIR", "/work/shared/data")) / "gpt2"
+    if not gpt2_files.is_dir():
+        pytest.skip("GPT-2 tokenizer files not available")
+    shutil.copy(gpt2_files / "gpt2_vocab.json", tmp_path / "vocab.json")
+    shutil.copy(gpt2_files / "gpt2_merges.txt", tmp_path / "merges.txt")
+    tokenizer = hf_tokenizer(tmp_path)  # None until glasslm has a BPE tokenizer
+    if tokenizer is not None:
+        assert tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"
