@@ -92,7 +92,7 @@ def test_zero_ablating_a_head_equals_removing_its_out_projection_columns(preset,
         z[:, :, head] = 0.0
         return z
 
-    watched = [f"blocks.0.hook_resid_post", f"blocks.{layer}.hook_resid_pre", f"blocks.{layer}.attn.hook_v"]
+    watched = ["blocks.0.hook_resid_post", f"blocks.{layer}.hook_resid_pre", f"blocks.{layer}.attn.hook_v"]
     clean_logits, clean = run_with_cache(model, tokens, names_filter=watched)
     ablated_logits, ablated = run_with_cache(
         model, tokens, names_filter=watched, fwd_hooks=[(f"blocks.{layer}.attn.hook_z", zero_head)]

@@ -252,19 +252,19 @@ class TensorSource:
     def from_directory(cls, directory: str | os.PathLike) -> "TensorSource":
         path = Path(directory)
         if (path / SAFETENSORS_FILE).is_file():
-            return cls._from_safetensors([path / SAFETENSORS_FILE], str(path / SAFETENSORS_FILE))
+            return cls.from_safetensors([path / SAFETENSORS_FILE], str(path / SAFETENSORS_FILE))
         if (path / SAFETENSORS_INDEX).is_file():
-            return cls._from_safetensors(_shard_files(path, SAFETENSORS_INDEX), str(path / SAFETENSORS_INDEX))
+            return cls.from_safetensors(_shard_files(path, SAFETENSORS_INDEX), str(path / SAFETENSORS_INDEX))
         if (path / TORCH_BIN_FILE).is_file():
-            return cls._from_torch_bin([path / TORCH_BIN_FILE], str(path / TORCH_BIN_FILE))
+            return cls.from_torch_bin([path / TORCH_BIN_FILE], str(path / TORCH_BIN_FILE))
         if (path / TORCH_BIN_INDEX).is_file():
-            return cls._from_torch_bin(_shard_files(path, TORCH_BIN_INDEX), str(path / TORCH_BIN_INDEX))
+            return cls.from_torch_bin(_shard_files(path, TORCH_BIN_INDEX), str(path / TORCH_BIN_INDEX))
         raise FileNotFoundError(
             f"no weights in {path}: expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX} or {TORCH_BIN_FILE}"
         )
 
     @classmethod
-    def _from_safetensors(cls, files: Iterable[Path], source: str) -> "TensorSource":
+    def from_safetensors(cls, files: Iterable[Path], source: str) -> "TensorSource":
         from safetensors import safe_open
 
         readers: dict[str, Callable[[], Tensor]] = {}
@@ -275,7 +275,7 @@ class TensorSource:
         return cls(readers, source)
 
     @classmethod
-    def _from_torch_bin(cls, files: Iterable[Path], source: str) -> "TensorSource":
+    def from_torch_bin(cls, files: Iterable[Path], source: str) -> "TensorSource":
         readers: dict[str, Callable[[], Tensor]] = {}
         for file in files:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
@@ -577,7 +577,7 @@ def load_model(
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise FileNotFoundError(f"{weights} is missing: not a glasslm checkpoint?")
-    source = TensorSource._from_safetensors([weights], str(weights))
+    source = TensorSource.from_safetensors([weights], str(weights))
     model = model_from_state_dict(config, {n: (lambda n=n: source.get(n)) for n in source.names()},
                                   device, dtype, str(weights))
     tokenizer = None
