@@ -3,7 +3,11 @@
 
     glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare
     glasslm sample --checkpoint runs/shakespeare --prompt "ROMEO:" --max-new-tokens 300
-    glasslm info --preset gpt2-small
+    glasslm info --preset gpt2-small --context-length 1024
+    glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2
+    glasslm convert --to-hf --checkpoint runs/gpt2 --out exported/gpt2
+    glasslm inspect attention --checkpoint runs/shakespeare --prompt "ROMEO:" --layer 0 --head 1 --out attn.png
+    glasslm inspect logit-lens --checkpoint runs/shakespeare --prompt "ROMEO:" --out lens.png
 """
 
 from __future__ import annotations
@@ -108,10 +112,11 @@ def _count(cfg: ModelConfig) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
-    from .checkpoint import load_checkpoint
     from .generate import generate_tokens
+    from .interop import load_model
 
-    model, tokenizer, _ = load_checkpoint(args.checkpoint, device=args.device)
+    # A glasslm checkpoint or a Hugging Face GPT-2/Llama directory.
+    model, tokenizer = load_model(args.checkpoint, device=args.device)
     if tokenizer is None:
         raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
     model.eval()
@@ -127,18 +132,46 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    from .model import TransformerLM
+    from .accounting import format_cost_table
 
+    # --context-length (a ModelConfig option) sets the model's context and the FLOPs' context alike.
     cfg = get_preset(args.preset, **dataclass_overrides(args, ModelConfig))
-    import torch
-
-    with torch.device("meta"):  # shapes only: even gpt2-xl costs no memory
-        model = TransformerLM(cfg)
-    print(f"{args.preset}: {model.num_parameters():,} parameters")
-    for name, count in model.num_parameters(by_component=True).items():
-        print(f"  {name:<28} {count:>15,}")
+    print(format_cost_table(cfg, title=args.preset))
     if args.json:
         print(json.dumps(cfg.to_dict(), indent=2))
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from .checkpoint import save_checkpoint
+    from .interop import export_hf, import_hf, hf_tokenizer, load_model
+
+    if args.from_hf:
+        model = import_hf(args.from_hf, context_length=args.context_length)
+        tokenizer = hf_tokenizer(args.from_hf)
+        if tokenizer is not None and not hasattr(tokenizer, "save"):
+            tokenizer = None
+        meta = {"converted_from": str(args.from_hf)}
+        save_checkpoint(args.out, model, tokenizer, meta)
+        print(f"{args.from_hf} -> {args.out} ({model.num_parameters():,} parameters, "
+              f"tokenizer {'included' if tokenizer is not None else 'not found'})")
+    else:
+        if not args.checkpoint:
+            raise ValueError("--to-hf needs --checkpoint")
+        model, tokenizer = load_model(args.checkpoint)
+        export_hf(model, args.out, tokenizer)
+        print(f"{args.checkpoint} -> {args.out} (Hugging Face format)")
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from .inspection import draw_attention, draw_logit_lens
+    from .interop import load_model
+
+    model, tokenizer = load_model(args.checkpoint, device=args.device)
+    if args.what == "attention":
+        path = draw_attention(model, tokenizer, args.prompt, args.layer, args.head, args.out)
+    else:
+        path = draw_logit_lens(model, tokenizer, args.prompt, args.out)
+    print(f"wrote {path}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("sample", aliases=["generate"], help="write text from a trained checkpoint")
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or Hugging Face model directory")
     p.add_argument("--prompt", default="")
     p.add_argument("--max-new-tokens", type=int, default=500)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -168,11 +201,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_sample)
 
-    p = sub.add_parser("info", help="parameter counts of a preset")
+    p = sub.add_parser("info", help="parameters and FLOPs per token of a preset, by component")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
     p.add_argument("--json", action="store_true", help="also print the full config")
     add_dataclass_options(p, ModelConfig, "model settings (override the preset's)")
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("convert", help="convert between glasslm checkpoints and Hugging Face directories")
+    direction = p.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--from-hf", metavar="DIR", help="an HF GPT-2 or Llama directory to import")
+    direction.add_argument("--to-hf", action="store_true", help="export --checkpoint as an HF directory")
+    p.add_argument("--checkpoint", help="glasslm checkpoint to export (with --to-hf)")
+    p.add_argument("--out", required=True, help="where to write the converted model")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="Llama only: context length to use instead of max_position_embeddings")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("inspect", help="draw attention patterns or the logit lens (needs matplotlib)")
+    what = p.add_subparsers(dest="what", required=True)
+    for name, help_text in (("attention", "one head's attention pattern, tokens on both axes"),
+                            ("logit-lens", "top next token read from every layer, as a grid")):
+        q = what.add_parser(name, help=help_text)
+        q.add_argument("--checkpoint", required=True, help="glasslm checkpoint or Hugging Face model directory")
+        q.add_argument("--prompt", required=True)
+        q.add_argument("--out", required=True, help="PNG file to write")
+        q.add_argument("--device", default="cpu")
+        if name == "attention":
+            q.add_argument("--layer", type=int, required=True)
+            q.add_argument("--head", type=int, required=True)
+        q.set_defaults(func=cmd_inspect)
     return parser
 
 
