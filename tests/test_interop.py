@@ -287,17 +287,19 @@ def test_gpt2_checkpoint_without_prefix_and_with_old_mask_buffers(tmp_path):
     torch.testing.assert_close(import_hf(directory)(tokens), hf_model(tokens).logits, atol=1e-5, rtol=0)
 
 
-def test_hf_tokenizer_files_are_picked_up_when_present(tmp_path):
-    import shutil
+def test_hf_tokenizer_files_are_picked_up_and_exported(tmp_path, data_dir):
+    from tokenizers import ByteLevelBPETokenizer
 
-    from glasslm.interop import hf_tokenizer
+    from glasslm.interop import hf_tokenizer, load_model
+    from glasslm.tokenizers import gpt2_tokenizer
 
     assert hf_tokenizer(tmp_path) is None
-    gpt2_files = Path(os.environ.get("GLASSLM_DATA_DIR", "/work/shared/data")) / "gpt2"
-    if not gpt2_files.is_dir():
-        pytest.skip("GPT-2 tokenizer files not available")
-    shutil.copy(gpt2_files / "gpt2_vocab.json", tmp_path / "vocab.json")
-    shutil.copy(gpt2_files / "gpt2_merges.txt", tmp_path / "merges.txt")
-    tokenizer = hf_tokenizer(tmp_path)  # None until glasslm has a BPE tokenizer
-    if tokenizer is not None:
-        assert tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"
+    tokenizer = gpt2_tokenizer(data_dir)
+    model = TransformerLM(get_preset("gpt2-small", n_layers=1, d_model=32, n_heads=2, context_length=32))
+    export_hf(model, tmp_path / "hf", tokenizer)
+    text = "Hello world, it's 2026 \u2014 caf\u00e9 \U0001F600!"
+    loaded_model, loaded_tokenizer = load_model(tmp_path / "hf")
+    assert loaded_tokenizer.encode(text) == tokenizer.encode(text)
+    assert loaded_tokenizer.decode(loaded_tokenizer.encode(text)) == text
+    hf = ByteLevelBPETokenizer(str(tmp_path / "hf" / "vocab.json"), str(tmp_path / "hf" / "merges.txt"))
+    assert hf.encode(text).ids == tokenizer.encode(text)

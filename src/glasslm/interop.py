@@ -508,7 +508,7 @@ def export_hf(model: TransformerLM, directory: str | os.PathLike, tokenizer: Any
     """Write `model` as an HF directory (config.json + model.safetensors) that transformers loads.
 
     Raises UnsupportedModelError for architectures outside the GPT-2 and Llama families.
-    If `tokenizer` can write GPT-2-format files (`save_hf(directory)`), it is saved alongside.
+    A byte-level BPE `tokenizer` is saved alongside as GPT-2-format vocab.json + merges.txt.
     """
     from safetensors.torch import save_file
 
@@ -519,30 +519,22 @@ def export_hf(model: TransformerLM, directory: str | os.PathLike, tokenizer: Any
     path.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(path / SAFETENSORS_FILE), metadata={"format": "pt"})
     (path / HF_CONFIG_FILE).write_text(json.dumps(config_dict, indent=2))
-    if tokenizer is not None and hasattr(tokenizer, "save_hf"):
-        tokenizer.save_hf(path)
+    if tokenizer is not None and getattr(tokenizer, "kind", None) == "bpe":
+        tokenizer.save(path)
     return path
 
 
 # --- tokenizers and one loader for both kinds of directory ---------------------------------------
 
 def hf_tokenizer(directory: str | os.PathLike) -> Any | None:
-    """A glasslm byte-level BPE tokenizer from GPT-2-format `vocab.json` + `merges.txt`, if present.
+    """A glasslm byte-level BPE tokenizer from GPT-2-format `vocab.json` + `merges.txt`, if present."""
+    from .tokenizers import BPETokenizer
 
-    Returns None when the files are absent or glasslm's BPE tokenizer is not available.
-    """
     path = Path(directory)
     vocab, merges = path / "vocab.json", path / "merges.txt"
     if not (vocab.is_file() and merges.is_file()):
         return None
-    try:
-        from .tokenizers import BPETokenizer  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    for constructor in ("from_gpt2_files", "from_files"):
-        if hasattr(BPETokenizer, constructor):
-            return getattr(BPETokenizer, constructor)(vocab, merges)
-    return None
+    return BPETokenizer.from_gpt2_files(vocab, merges)
 
 
 def is_hf_directory(directory: str | os.PathLike) -> bool:
