@@ -46,3 +46,22 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
     assert main(["train", "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 1
     with pytest.raises(SystemExit):
         main(["train", "--d-model", "not-a-number"])
+
+
+def test_train_tokenizer_then_prepare(tmp_path, shakespeare_text, capsys):
+    import numpy as np
+
+    from glasslm.data import load_prepared
+
+    text = tmp_path / "t.txt"
+    text.write_text(shakespeare_text[:30000])
+    assert main(["train-tokenizer", str(text), "--vocab-size", "400", "--out", str(tmp_path / "tok"),
+                 "--workers", "1"]) == 0
+    assert main(["prepare", str(text), "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "ds"),
+                 "--quiet"]) == 0
+    data = load_prepared(tmp_path / "ds")
+    assert data.tokenizer.vocab_size == 400  # bytes, merges and <|endoftext|> together
+    assert data.train.dtype == np.uint16
+    assert data.tokenizer.decode(np.concatenate([data.train, data.val]).tolist()) == shakespeare_text[:30000]
+    assert main(["prepare", str(text), "--out", str(tmp_path / "char"), "--quiet"]) == 0
+    assert load_prepared(tmp_path / "char").tokenizer.vocab_size == len(set(shakespeare_text[:30000]))

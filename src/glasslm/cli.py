@@ -174,6 +174,33 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
+def cmd_train_tokenizer(args: argparse.Namespace) -> None:
+    import time
+
+    from .data import resolve_text
+    from .tokenizers import train_tokenizer
+
+    paths = [resolve_text(source, args.data_dir) for source in args.inputs]
+    start = time.perf_counter()
+    tokenizer = train_tokenizer(paths, args.vocab_size, args.special_tokens, args.out, args.workers)
+    print(f"trained a {tokenizer.vocab_size:,}-token byte-level BPE in {time.perf_counter() - start:.2f} s "
+          f"-> {args.out} (vocab.json, merges.txt)")
+
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from .data import char_vocabulary, prepare, resolve_text
+    from .tokenizers import CharTokenizer, get_tokenizer
+
+    paths = [resolve_text(source, args.data_dir) for source in args.inputs]
+    if args.tokenizer == "char":
+        tokenizer = CharTokenizer(char_vocabulary(paths))
+    else:
+        tokenizer = get_tokenizer(args.tokenizer, data_dir=args.data_dir)
+    meta = prepare(paths, tokenizer, args.out, args.val_fraction, progress=not args.quiet)
+    print(f"{args.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
+          f"({meta['dtype']}, vocab {meta['vocab_size']:,})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glasslm", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -230,6 +257,25 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--layer", type=int, required=True)
             q.add_argument("--head", type=int, required=True)
         q.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("train-tokenizer", help="train a byte-level BPE vocabulary on text files")
+    p.add_argument("inputs", nargs="+", help="UTF-8 text files or dataset names")
+    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--special-tokens", nargs="*", default=["<|endoftext|>"])
+    p.add_argument("--out", required=True, help="directory for vocab.json + merges.txt")
+    p.add_argument("--workers", type=int, default=None, help="pre-tokenizing processes (default: all cores)")
+    p.add_argument("--data-dir", default=None)
+    p.set_defaults(func=cmd_train_tokenizer)
+
+    p = sub.add_parser("prepare", help="tokenize text files into train.bin / val.bin for training")
+    p.add_argument("inputs", nargs="+", help="UTF-8 text files or dataset names")
+    p.add_argument("--tokenizer", default="char", help="char, gpt2, or a saved tokenizer directory")
+    p.add_argument("--out", required=True, help="dataset directory to write")
+    p.add_argument("--val-fraction", type=float, default=0.1,
+                   help="the last fraction of each file (from a line start) becomes validation data")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_prepare)
     return parser
 
 

@@ -180,7 +180,7 @@ def _split_point(path: Path, val_fraction: float) -> int:
     return cut + step
 
 
-def _read_text(path: Path, start: int, end: int, chunk_bytes: int, bar: Any) -> Iterator[str]:
+def _read_text(path: Path, start: int, end: int, chunk_bytes: int, bar: Any = None) -> Iterator[str]:
     """Decoded text of bytes [start, end) of a file, in chunks (multi-byte characters kept whole)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     with open(path, "rb") as f:
@@ -191,7 +191,8 @@ def _read_text(path: Path, start: int, end: int, chunk_bytes: int, bar: Any) -> 
             if not block:
                 break
             remaining -= len(block)
-            bar.update(len(block))
+            if bar is not None:
+                bar.update(len(block))
             yield decoder.decode(block)
     yield decoder.decode(b"", final=True)
 
@@ -266,6 +267,17 @@ def prepare(
     }
     (out / META_FILE).write_text(json.dumps(meta, indent=2))  # written last: marks the set complete
     return meta
+
+
+def char_vocabulary(paths: Sequence[str | os.PathLike], chunk_bytes: int = 1 << 20) -> list[str]:
+    """Every distinct character in the files, sorted, read in chunks (for a character tokenizer)."""
+    chars: set[str] = set()
+    for path in paths:
+        for text in _read_text(Path(path), 0, Path(path).stat().st_size, chunk_bytes):
+            chars.update(text)
+    if not chars:
+        raise ValueError("the input text is empty: no characters for a vocabulary")
+    return sorted(chars)
 
 
 def is_prepared(path: str | os.PathLike) -> bool:
