@@ -561,8 +561,10 @@ def load_model(
     from .tokenizers import load_tokenizer
 
     directory = Path(path)
+    if not directory.exists():
+        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     if not directory.is_dir():
-        raise FileNotFoundError(f"{directory} is not a directory")
+        raise FileNotFoundError(f"{directory} is not a directory (expected a glasslm checkpoint or HF model directory)")
     if is_hf_directory(directory):
         return import_hf(directory, device, dtype), hf_tokenizer(directory)
     config = load_config(directory / CONFIG_FILE)
