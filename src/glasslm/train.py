@@ -187,14 +187,15 @@ def forward_backward(
     one big batch (chunks must be equal-sized). Returns the (detached) mean loss.
     `no_sync` (DDP's) skips the gradient all-reduce on every chunk but the last.
     """
-    total = torch.zeros((), device=x.device)
+    total: Tensor | None = None
     for i, (xc, yc) in enumerate(zip(x.tensor_split(accum_steps), y.tensor_split(accum_steps))):
         sync = no_sync() if no_sync is not None and i < accum_steps - 1 else nullcontext()
         with sync:
             with autocast():
                 loss = cross_entropy(model(xc), yc) / accum_steps
             (scaler.scale(loss) if scaler is not None else loss).backward()
-        total += loss.detach()
+        total = loss.detach() if total is None else total + loss.detach()
+    assert total is not None
     return total
 
 
@@ -361,14 +362,14 @@ def train(
     last_grad_norm = math.nan
     last_val_loss: float | None = None
 
-    def flush_pending(step: int) -> None:
+    def flush_pending(done: int) -> None:
         """Bring pending losses to the host (one sync) and stop on a non-finite loss or gradient."""
         nonlocal last_grad_norm
         if not pending_losses:
             return
         losses = all_reduce_mean(torch.stack(pending_losses), ctx).tolist()
         norms = torch.stack(pending_norms).tolist()
-        first = step - len(losses) + 1
+        first = done - len(losses) + 1  # steps are counted from 1, as in the metrics log
         for i, (loss, norm) in enumerate(zip(losses, norms)):
             # Under fp16 loss scaling an infinite gradient just skips that step, so it is not an error.
             if not math.isfinite(loss) or (scaler is None and not math.isfinite(norm)):
@@ -424,7 +425,7 @@ def train(
                     or (cfg.checkpoint_interval > 0 and done % cfg.checkpoint_interval == 0))
                 if not (is_log or is_eval or is_checkpoint):
                     continue
-                flush_pending(done - 1)
+                flush_pending(done)
                 record: dict[str, Any] = {}
                 if is_log:
                     total_train_time += window_train_time
