@@ -410,6 +410,8 @@ def train(
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 pending_losses.append(loss)
+                if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, already reduced over shards
+                    grad_norm = grad_norm.full_tensor()
                 pending_norms.append(grad_norm.detach().float().to(loss.device))
                 done = result.step = step + 1
                 window_train_time += time.perf_counter() - step_start
