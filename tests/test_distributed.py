@@ -1,6 +1,6 @@
 """Data parallelism on CPU with gloo: 2 processes with batch B follow the same loss trajectory as
-1 process with batch 2B (the same global batch), with DDP and with FSDP2; `torchrun` drives the CLI
-and resumes across the same world size."""
+1 process with batch 2B (the same global batch), with DDP and with FSDP2, and resume bit for bit;
+`torchrun` drives the CLI and resumes across the same world size."""
 
 from __future__ import annotations
 
@@ -49,8 +49,12 @@ def _worker(rank: int, world_size: int, port: int, out: str, fsdp: bool) -> None
         tokens = data()
         result = train(get_preset("shakespeare-char-cpu", **TINY), run_cfg(4, fsdp=fsdp), tokens[:3500], tokens[3500:],
                        dist_ctx=ctx, run_dir=Path(out) / "run")
+        # Resume (same world size) from the step-4 checkpoint the run above wrote.
+        resumed = train(get_preset("shakespeare-char-cpu", **TINY), run_cfg(4, fsdp=fsdp), tokens[:3500],
+                        tokens[3500:], dist_ctx=ctx, run_dir=Path(out) / "resumed",
+                        resume=Path(out) / "run" / "ckpt-000004")
         Path(out, f"rank{rank}.json").write_text(json.dumps(
-            {"train": result.train_losses, "val": result.val_losses,
+            {"train": result.train_losses, "val": result.val_losses, "resumed": resumed.train_losses,
              "weights": {k: v.sum().item() for k, v in result.model.state_dict().items()} if not fsdp else {}}))
     finally:
         shutdown_distributed()
@@ -70,6 +74,7 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, si
     mp.spawn(_worker, args=(2, free_port(), str(tmp_path), fsdp), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["train"] == ranks[1]["train"], "every rank reports the all-reduced loss"
+    assert ranks[0]["resumed"] == ranks[0]["train"][4:], "resuming continues bit for bit"
     assert ranks[0]["train"] == pytest.approx(single_process["train"], rel=1e-5)
     assert [v for _, v in ranks[0]["val"]] == pytest.approx([v for _, v in single_process["val"]], rel=1e-5)
     if not fsdp:
