@@ -187,7 +187,9 @@ def test_killed_run_resumes_with_identical_losses(corpus, uninterrupted, tmp_pat
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM), output
     stopped_at = int((out / "latest").read_text().strip().split("-")[1])
-    assert 40 <= stopped_at < 400, "the run should be stopped midway"
+    # SIGKILL may land after ckpt-000040 is renamed into place but before `latest` names it:
+    # then `latest` still names ckpt-000020, which is just as consistent a place to resume from.
+    assert 20 <= stopped_at < 400, "the run should be stopped midway"
     if sig == signal.SIGTERM:
         assert "interrupted after step" in output and f"ckpt-{stopped_at:06d}" in output
         # SIGTERM checkpoints the step it stopped at (not just the last periodic one).

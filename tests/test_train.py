@@ -92,8 +92,8 @@ def test_accumulated_gradient_equals_large_batch_gradient():
 def test_accumulation_run_matches_big_batch_run():
     data = tokens()
     model_cfg = get_preset("shakespeare-char-cpu", **TINY)
-    big = train(model_cfg, cfg(batch_size=8), data)
-    accumulated = train(model_cfg, cfg(batch_size=2, grad_accum_steps=4), data)
+    big = train(model_cfg, cfg(batch_size=8, max_steps=6), data)
+    accumulated = train(model_cfg, cfg(batch_size=2, grad_accum_steps=4, max_steps=6), data)
     # The same windows each step (one global batch per step), so only float rounding differs.
     assert accumulated.train_losses == pytest.approx(big.train_losses, rel=1e-5)
 
@@ -185,14 +185,14 @@ context_length = 16
 [train]
 max_steps = 30
 batch_size = 4
-eval_interval = 10
+eval_interval = 5
 eval_iters = 2
 progress = false
 """)
-    assert main(["train", "--config", str(config), "--max-steps", "20"]) == 0  # the flag beats the file
+    assert main(["train", "--config", str(config), "--max-steps", "10"]) == 0  # the flag beats the file
     run = tmp_path / "run"
-    saved = json.loads((run / "ckpt-000020" / "trainer_state.json").read_text())["train_config"]
-    assert saved["max_steps"] == 20 and saved["batch_size"] == 4
+    saved = json.loads((run / "ckpt-000010" / "trainer_state.json").read_text())["train_config"]
+    assert saved["max_steps"] == 10 and saved["batch_size"] == 4
     assert main(["plot", str(run), "--out", str(tmp_path / "loss.png")]) == 0
     png = (tmp_path / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

@@ -82,7 +82,8 @@ class TrainConfig:
     seed: int = 1337
     device: str = "cpu"
     dtype: DType = "float32"  # bfloat16/float16: autocast the forward pass; weights stay float32
-    compile: bool = False  # torch.compile the model
+    compile: bool = False  # torch.compile the model (measured no faster on CPU; see docs/training.md)
+    threads: int = 0  # CPU intra-op threads; 0 keeps torch's default (one per core)
     fsdp: bool = False  # shard parameters, gradients and optimizer state (FSDP2) instead of DDP
     tensorboard: bool = False
     wandb: bool = False
@@ -92,7 +93,7 @@ class TrainConfig:
         for name in ("max_steps", "batch_size", "eval_iters", "grad_accum_steps", "log_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "keep_last"):
+        for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "keep_last", "threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.min_lr <= self.lr:
@@ -295,6 +296,10 @@ def train(
     if cfg.dtype == "float16" and device_type != "cuda":
         raise ValueError("dtype float16 (with loss scaling) is for CUDA GPUs; use bfloat16 on CPU")
 
+    if cfg.threads:
+        # On a busy CPU fewer threads than cores can be several times faster (no waiting on
+        # descheduled sibling threads); the count also fixes the order of parallel float reductions.
+        torch.set_num_threads(cfg.threads)
     # Every process builds identical initial weights from the same seed.
     torch.manual_seed(cfg.seed)
     model = model_config if isinstance(model_config, TransformerLM) else TransformerLM(model_config)
