@@ -167,7 +167,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     finally:
         shutdown_distributed()
     if result.stopped_by_signal is not None:
-        say(f"interrupted after step {result.step}; continue with: glasslm train --resume {out}")
+        say(f"interrupted after step {result.step}, saved {result.checkpoint}; continue with: "
+            f"glasslm train --resume {out}")
         return 128 + result.stopped_by_signal
     if result.val_losses:
         step, val_loss = result.val_losses[-1]

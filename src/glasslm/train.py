@@ -135,7 +135,7 @@ def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: i
     at step == warmup_steps, where the cosine starts, so the curve is continuous.
 
     >>> [round(lr_at(s, 1.0, 0.1, warmup_steps=3, decay_steps=7), 3) for s in range(9)]
-    [0.25, 0.5, 0.75, 1.0, 0.873, 0.55, 0.227, 0.1, 0.1]
+    [0.25, 0.5, 0.75, 1.0, 0.868, 0.55, 0.232, 0.1, 0.1]
     """
     if step < warmup_steps:
         return lr * (step + 1) / (warmup_steps + 1)
@@ -458,7 +458,7 @@ def train(
                     result.best_val_loss = best_val_loss
                     record.update(step=done, tokens=done * tokens_per_step, val_loss=last_val_loss,
                                   val_ppl=math.exp(min(last_val_loss, 50.0)))
-                    if ctx.is_main:
+                    if ctx.is_main and cfg.progress:
                         bar.write(f"step {done}: train loss {result.train_losses[-1]:.4f}, val loss {last_val_loss:.4f}")
                     if on_eval is not None:
                         on_eval(done, last_val_loss, model)
@@ -474,7 +474,7 @@ def train(
                         best_val_loss, elapsed, improved, fsdp)
                 if stop_signal is not None:
                     result.stopped_by_signal = stop_signal
-                    if ctx.is_main:
+                    if ctx.is_main and cfg.progress:
                         bar.write(f"stopped by signal {signal.Signals(stop_signal).name} after step {done}; "
                                   f"checkpoint: {result.checkpoint}")
                     break
