@@ -2,6 +2,9 @@
 `ModelConfig` and `TrainConfig` dataclass fields, so the CLI never drifts from the configs.
 
     glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare
+    glasslm train --resume runs/shakespeare --max-steps 4000
+    torchrun --nproc_per_node=2 -m glasslm.cli train --batch-size 6 --out runs/ddp
+    glasslm plot runs/shakespeare
     glasslm sample --checkpoint runs/shakespeare --prompt "ROMEO:" --max-new-tokens 300
     glasslm info --preset gpt2-small --context-length 1024
     glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2
@@ -63,46 +66,147 @@ def dataclass_overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     return {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix) and v is not None}
 
 
-def cmd_train(args: argparse.Namespace) -> None:
+def load_config_file(path: str) -> dict[str, Any]:
+    """A run description from TOML (or YAML, if PyYAML is installed).
+
+    Top-level keys are the `train` command's own options (preset, data, out, ...); the tables
+    [model] and [train] override fields of ModelConfig and TrainConfig:
+
+        preset = "shakespeare-char-cpu"
+        data = "tinyshakespeare"
+        [model]
+        n_layers = 2
+        [train]
+        max_steps = 500
+        dtype = "bfloat16"
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"config file {file} does not exist")
+    if file.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ValueError(f"{file}: reading YAML needs PyYAML (pip install pyyaml); TOML works without") from None
+        data = yaml.safe_load(file.read_text()) or {}
+    else:
+        import tomllib
+
+        try:
+            data = tomllib.loads(file.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"{file} is not valid TOML: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a table of settings")
+    allowed = {"preset", "data", "data_dir", "out", "val_fraction", "sample_tokens", "model", "train"}
+    unknown = set(data) - allowed
+    if unknown:
+        raise ValueError(f"{file}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    return data
+
+
+def _pick(cli_value: Any, file: dict[str, Any], key: str, default: Any) -> Any:
+    """Command line beats the config file beats the default."""
+    return cli_value if cli_value is not None else file.get(key, default)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
-    from .checkpoint import save_checkpoint
+    from .checkpoint import load_config, read_json, resolve_checkpoint
     from .data import resolve_text, train_val_split
+    from .distributed import init_distributed, shutdown_distributed
     from .generate import generate_tokens
-    from .tokenizers import CharTokenizer
-    from .train import train
+    from .tokenizers import CharTokenizer, load_tokenizer
+    from .train import TRAINER_STATE_JSON, train
 
-    text_path = resolve_text(args.data, args.data_dir)
+    file = load_config_file(args.config) if args.config else {}
+    train_overrides = {**file.get("train", {}), **dataclass_overrides(args, TrainConfig)}
+    model_overrides = {**file.get("model", {}), **dataclass_overrides(args, ModelConfig)}
+    resume_dir = resolve_checkpoint(args.resume, prefer=("latest",)) if args.resume else None
+    if resume_dir is not None:
+        # The checkpoint records the run; the command line may change training settings (e.g.
+        # raise max_steps to train longer), not the model.
+        saved_meta = read_json(resume_dir / "meta.json")
+        saved_state = read_json(resume_dir / TRAINER_STATE_JSON)
+        if model_overrides:
+            raise ValueError(f"--resume continues the checkpoint's model; drop {sorted(model_overrides)}")
+        preset = saved_meta.get("preset", "checkpoint")
+        data_source = _pick(args.data, file, "data", saved_meta.get("data"))
+        val_fraction = _pick(args.val_fraction, file, "val_fraction", saved_meta.get("val_fraction", 0.1))
+        model_cfg = load_config(resume_dir / "config.json")
+        train_cfg = dataclasses.replace(TrainConfig.from_dict(saved_state["train_config"]), **train_overrides)
+        out = Path(_pick(args.out, file, "out", resume_dir.parent))
+    else:
+        preset = _pick(args.preset, file, "preset", "shakespeare-char-cpu")
+        data_source = _pick(args.data, file, "data", "tinyshakespeare")
+        val_fraction = _pick(args.val_fraction, file, "val_fraction", 0.1)
+        train_cfg = dataclasses.replace(TRAIN_PRESETS.get(preset, TrainConfig()), **train_overrides)
+        out = Path(_pick(args.out, file, "out", f"runs/{preset}"))
+
+    text_path = resolve_text(data_source, _pick(args.data_dir, file, "data_dir", None))
     text = text_path.read_text(encoding="utf-8")
     if not text:
         raise ValueError(f"{text_path} is empty")
-    tokenizer = CharTokenizer.from_text(text)
+    tokenizer = load_tokenizer(resume_dir) if resume_dir is not None else CharTokenizer.from_text(text)
     tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
-    train_tokens, val_tokens = train_val_split(tokens, args.val_fraction)
+    train_tokens, val_tokens = train_val_split(tokens, val_fraction)
+    if resume_dir is None:
+        model_cfg = get_preset(preset, **{"vocab_size": tokenizer.vocab_size, **model_overrides})
 
-    model_cfg = get_preset(args.preset, **{"vocab_size": tokenizer.vocab_size, **dataclass_overrides(args, ModelConfig)})
-    base_train = TRAIN_PRESETS.get(args.preset, TrainConfig())
-    train_cfg = dataclasses.replace(base_train, **dataclass_overrides(args, TrainConfig))
-    out = Path(args.out)
-    print(f"data: {text_path} ({len(text):,} characters, vocab {tokenizer.vocab_size}, "
-          f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens)")
-    print(f"model: {args.preset} ({_count(model_cfg):,} parameters) -> {out}")
+    ctx = init_distributed(train_cfg.device)
+    say = print if ctx.is_main else (lambda *a, **k: None)
+    say(f"data: {text_path} ({len(text):,} characters, vocab {tokenizer.vocab_size}, "
+        f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens)")
+    say(f"model: {preset} ({_count(model_cfg):,} parameters) -> {out}"
+        + (f", {ctx.world_size} processes" if ctx.enabled else "")
+        + (f", resuming from {resume_dir}" if resume_dir is not None else ""))
 
-    meta = {"preset": args.preset, "train_config": train_cfg.to_dict(), "data": str(text_path)}
-
-    def checkpoint(step: int, val_loss: float, model) -> None:
-        save_checkpoint(out, model, tokenizer, {**meta, "step": step, "val_loss": val_loss})
-
-    result = train(model_cfg, train_cfg, train_tokens, val_tokens, on_eval=checkpoint)
-    step, val_loss = result.val_losses[-1]
-    print(f"done: val loss {val_loss:.4f} after {step} steps, {result.tokens_per_second:,.0f} tokens/s; "
-          f"checkpoint in {out}")
-    if args.sample_tokens > 0:
+    meta = {"preset": preset, "data": str(text_path), "val_fraction": val_fraction, "train_config": train_cfg.to_dict()}
+    loggers = _optional_loggers(train_cfg, out, {"model": model_cfg.to_dict(), "train": train_cfg.to_dict()}) \
+        if ctx.is_main else []
+    try:
+        result = train(model_cfg, train_cfg, train_tokens, val_tokens, run_dir=out, resume=resume_dir,
+                       tokenizer=tokenizer, meta=meta, dist_ctx=ctx, loggers=loggers)
+    finally:
+        shutdown_distributed()
+    if result.stopped_by_signal is not None:
+        say(f"interrupted after step {result.step}, saved {result.checkpoint}; continue with: "
+            f"glasslm train --resume {out}")
+        return 128 + result.stopped_by_signal
+    if result.val_losses:
+        step, val_loss = result.val_losses[-1]
+        say(f"done: val loss {val_loss:.4f} after {step} steps, {result.tokens_per_second:,.0f} tokens/s; "
+            f"checkpoints in {out}")
+    if args.sample_tokens and ctx.is_main and not (train_cfg.fsdp and ctx.enabled):
         model = result.model.eval()
         prompt = tokenizer.encode("\n")
         ids = generate_tokens(model, prompt, args.sample_tokens, temperature=0.8, top_k=200, seed=train_cfg.seed)
         print("--- sample ---")
         print(tokenizer.decode(list(ids)))
+    return 0
+
+
+def _optional_loggers(cfg: TrainConfig, run_dir: Path, config: dict[str, Any]) -> list:
+    from .loggers import TensorBoardLogger, WandbLogger
+
+    loggers: list = []
+    for enabled, make, package in ((cfg.tensorboard, lambda: TensorBoardLogger(run_dir), "tensorboard"),
+                                   (cfg.wandb, lambda: WandbLogger(run_dir, config), "wandb")):
+        if enabled:
+            try:
+                loggers.append(make())
+            except ImportError:
+                raise ValueError(f"--{package} needs the {package} package: pip install 'glasslm[{package}]'") from None
+    return loggers
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from .plot import plot_run
+
+    path = plot_run(args.run_dir, args.out)
+    print(f"wrote {path}")
+    return 0
 
 
 def _count(cfg: ModelConfig) -> int:
@@ -207,15 +311,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model on a text file or a named dataset")
-    p.add_argument("--preset", default="shakespeare-char-cpu", choices=sorted(PRESETS))
-    p.add_argument("--data", default="tinyshakespeare", help="dataset name or path to a UTF-8 text file")
+    p.add_argument("--config", default=None, help="TOML file of settings ([model], [train] tables); flags override it")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue exactly from a checkpoint (a run directory resumes its latest)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default shakespeare-char-cpu")
+    p.add_argument("--data", default=None, help="dataset name or path to a UTF-8 text file (default tinyshakespeare)")
     p.add_argument("--data-dir", default=None, help="where datasets are kept (default $GLASSLM_DATA_DIR or ~/.cache/glasslm)")
-    p.add_argument("--out", default="runs/shakespeare-char", help="checkpoint directory")
-    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--out", default=None, help="run directory: checkpoints, metrics.jsonl (default runs/PRESET)")
+    p.add_argument("--val-fraction", type=float, default=None, help="default 0.1")
     p.add_argument("--sample-tokens", type=int, default=300, help="print a sample of this many tokens at the end")
     add_dataclass_options(p, TrainConfig, "training settings (override the preset's)")
     add_dataclass_options(p, ModelConfig, "model settings (override the preset's)", skip={"vocab_size"})
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("plot", help="PNG of train/val loss against steps and tokens of a run")
+    p.add_argument("run_dir", help="run directory holding metrics.jsonl")
+    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/loss.png)")
+    p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("sample", aliases=["generate"], help="write text from a trained checkpoint")
     p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or Hugging Face model directory")
@@ -282,13 +394,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        code = args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError) as err:
         print(f"glasslm {args.command}: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The training loop: AdamW, warmup + cosine learning rate, clipping, periodic validation, checkpoints.
+"""The training loop: AdamW, warmup + cosine learning rate, clipping, accumulation, mixed precision,
+periodic validation, checkpoints that resume exactly, and data parallelism.
 
 Example (a few steps on a toy corpus):
     >>> import torch
@@ -9,34 +10,61 @@ Example (a few steps on a toy corpus):
     >>> result = train(cfg, TrainConfig(max_steps=3, eval_interval=0, progress=False), tokens)
     >>> len(result.train_losses)
     3
+
+How the data is drawn (this is what makes resuming and data parallelism exact): every optimizer
+step draws one *global* batch of batch_size x grad_accum_steps x world_size windows from a single
+generator seeded by `seed`. Process r takes the r-th contiguous slice and splits it into
+grad_accum_steps micro-batches. So the windows seen at step s depend only on s and the global batch
+size: 2 processes with batch 6 see exactly what 1 process with batch 12 sees, and a resumed run
+(generator state restored from the checkpoint) sees what the uninterrupted run saw.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import random
+import signal
+import sys
+import threading
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Literal
 
+import numpy as np
 import torch
 from jaxtyping import Int
-from torch import Tensor
+from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from .checkpoint import (
+    OPTIMIZER_FILE, OPTIMIZER_JSON, checkpoint_name, load_config, load_optimizer_state, load_weights,
+    optimizer_state_to_files, prune_checkpoints, read_json, read_safetensors, remove_stale_staging,
+    resolve_checkpoint, save_checkpoint, write_pointer,
+)
 from .config import ModelConfig
 from .data import get_batch
+from .distributed import DistributedContext, all_reduce_mean, any_process, barrier, gather_objects
 from .layers import cross_entropy
+from .loggers import METRICS_FILE, JSONLLogger, MetricsLogger
 from .model import TransformerLM
+
+TRAINER_STATE_JSON = "trainer_state.json"
+TRAINER_STATE_TENSORS = "trainer_state.safetensors"
+DType = Literal["float32", "bfloat16", "float16"]
 
 
 @dataclass
 class TrainConfig:
-    """Everything about a run that is not the architecture."""
+    """Everything about a run that is not the architecture. Saved (as JSON) with every checkpoint."""
 
     max_steps: int = 2000
-    batch_size: int = 12
+    batch_size: int = 12  # sequences per micro-batch per process
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 100
@@ -44,39 +72,71 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     weight_decay: float = 0.1
+    decay_embeddings: bool = False  # also decay token/position embeddings (nanoGPT does)
     grad_clip: float = 1.0  # max global L2 norm of the gradient; 0 disables clipping
     eval_interval: int = 250  # 0 evaluates only at the end
-    eval_iters: int = 20
+    eval_iters: int = 20  # validation batches per evaluation (the same batches every time)
+    log_interval: int = 10  # steps between metrics records (JSONL) and progress-bar updates
+    checkpoint_interval: int = 0  # steps between extra checkpoints; 0: only at evaluations and the end
+    keep_last: int = 2  # numbered checkpoints kept (plus the best one); 0 keeps all
     seed: int = 1337
     device: str = "cpu"
-    dtype: str = "float32"  # "bfloat16" runs the forward pass under bf16 autocast
+    dtype: DType = "float32"  # bfloat16/float16: autocast the forward pass; weights stay float32
+    compile: bool = False  # torch.compile the model (measured no faster on CPU; see docs/training.md)
+    threads: int = 0  # CPU intra-op threads; 0 keeps torch's default (one per core)
+    fsdp: bool = False  # shard parameters, gradients and optimizer state (FSDP2) instead of DDP
+    tensorboard: bool = False
+    wandb: bool = False
     progress: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "batch_size", "eval_iters"):
+        for name in ("max_steps", "batch_size", "eval_iters", "grad_accum_steps", "log_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.warmup_steps < 0 or self.eval_interval < 0:
-            raise ValueError("warmup_steps and eval_interval must be >= 0")
+        for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "keep_last", "threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need 0 <= min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields: {sorted(unknown)}")
+        return cls(**data)
 
 
 TRAIN_PRESETS: dict[str, TrainConfig] = {
     # nanoGPT's CPU recipe for tiny Shakespeare, so results compare directly.
     "shakespeare-char-cpu": TrainConfig(),
+    # nanoGPT's config/train_shakespeare_char.py.
     "shakespeare-char": TrainConfig(max_steps=5000, batch_size=64, warmup_steps=100, eval_interval=250,
                                     eval_iters=200),
+    "llama-tiny": TrainConfig(max_steps=5000, batch_size=32, lr=1e-3, min_lr=1e-4, beta2=0.95,
+                              warmup_steps=200, eval_interval=250, eval_iters=50),
+    # nanoGPT's config/train_gpt2.py: ~0.5M tokens per step (12 x 1024 x 40 accumulated).
+    "gpt2-small": TrainConfig(max_steps=600_000, batch_size=12, grad_accum_steps=40, lr=6e-4, min_lr=6e-5,
+                              warmup_steps=2000, beta2=0.95, eval_interval=1000, eval_iters=200,
+                              log_interval=10, dtype="bfloat16"),
 }
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
-    """Linear warmup from 0 to lr over warmup_steps, cosine decay to min_lr by decay_steps, then min_lr."""
+    """Learning rate for 0-based `step`: linear warmup to `lr`, cosine decay to `min_lr`, then flat.
+
+    Warmup is (step + 1) / (warmup_steps + 1) of `lr` (nanoGPT's form): the very first step
+    already learns (a zero learning rate would waste a batch), and the ramp reaches exactly `lr`
+    at step == warmup_steps, where the cosine starts, so the curve is continuous.
+
+    >>> [round(lr_at(s, 1.0, 0.1, warmup_steps=3, decay_steps=7), 3) for s in range(9)]
+    [0.25, 0.5, 0.75, 1.0, 0.868, 0.55, 0.232, 0.1, 0.1]
+    """
     if step < warmup_steps:
         return lr * (step + 1) / (warmup_steps + 1)
     if step >= decay_steps:
@@ -85,43 +145,129 @@ def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: i
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
 
 
-def make_optimizer(model: TransformerLM, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay only on matrices that multiply activations (not norms, biases, embeddings)."""
+def make_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW; weight decay only on matrices that multiply activations (not norms, biases, and not
+    embeddings unless cfg.decay_embeddings).
+
+    The fused kernel updates every parameter in one pass (CPU and CUDA); sharded (DTensor)
+    parameters use the foreach kernel instead, passing `fused=False`.
+    """
     decay, no_decay = [], []
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         is_embedding = name.startswith(("embed.", "pos_embed."))
-        (decay if p.dim() >= 2 and not is_embedding else no_decay).append(p)
+        wants_decay = p.dim() >= 2 and (cfg.decay_embeddings or not is_embedding)
+        (decay if wants_decay else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # The fused kernel updates every parameter in one pass; it exists for CPU and CUDA.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
+    fused = True if fused is None else fused
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None,
+                             foreach=None if fused else True)
 
 
-def autocast_context(cfg: TrainConfig):
-    if cfg.dtype == "bfloat16":
-        return torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16)
-    return nullcontext()
+def autocast_context(cfg: TrainConfig, device: str | None = None):
+    """bf16/fp16 autocast for the forward pass (matmuls in low precision, reductions in fp32)."""
+    if cfg.dtype == "float32":
+        return nullcontext()
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float16
+    return torch.autocast(device_type=torch.device(device or cfg.device).type, dtype=dtype)
+
+
+def rank_slice(batch: Tensor, rank: int, world_size: int) -> Tensor:
+    """Process `rank`'s contiguous share of a global batch (rows)."""
+    return batch.tensor_split(world_size)[rank]
+
+
+def forward_backward(
+    model: nn.Module, x: Int[Tensor, "b t"], y: Int[Tensor, "b t"], accum_steps: int,
+    autocast=nullcontext, scaler: torch.amp.GradScaler | None = None, no_sync: Callable | None = None,
+) -> Tensor:
+    """Accumulate the gradient of the mean loss over all rows of (x, y) in `accum_steps` chunks.
+
+    Each chunk's loss is divided by accum_steps, so the summed gradient equals the gradient of
+    one big batch (chunks must be equal-sized). Returns the (detached) mean loss.
+    `no_sync` (DDP's) skips the gradient all-reduce on every chunk but the last.
+    """
+    total: Tensor | None = None
+    for i, (xc, yc) in enumerate(zip(x.tensor_split(accum_steps), y.tensor_split(accum_steps))):
+        sync = no_sync() if no_sync is not None and i < accum_steps - 1 else nullcontext()
+        with sync:
+            with autocast():
+                loss = cross_entropy(model(xc), yc) / accum_steps
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    assert total is not None
+    return total
 
 
 @torch.no_grad()
-def evaluate(model: TransformerLM, tokens: Tensor, cfg: TrainConfig, generator: torch.Generator) -> float:
-    """Mean loss over eval_iters random batches."""
+def evaluate(
+    model: nn.Module, tokens: Tensor, cfg: TrainConfig, generator: torch.Generator | None = None,
+    ctx: DistributedContext | None = None, device: str | None = None,
+) -> float:
+    """Mean loss over cfg.eval_iters batches of validation windows.
+
+    With no generator the batches come from a fresh generator seeded with seed + 1, i.e. the
+    same windows at every evaluation: the curve then shows the model changing, not the sample.
+    Each process takes its slice of each global batch, so the mean matches a single process.
+    """
+    ctx = ctx or DistributedContext()
+    device = device or cfg.device
+    generator = generator or torch.Generator().manual_seed(cfg.seed + 1)
+    context_length = _config_of(model).context_length
     was_training = model.training
     model.eval()
-    losses = []
+    total = torch.zeros((), device=device)
     for _ in range(cfg.eval_iters):
-        x, y = get_batch(tokens, cfg.batch_size, model.config.context_length, generator, cfg.device)
-        with autocast_context(cfg):
-            losses.append(cross_entropy(model(x), y).item())
+        x, y = get_batch(tokens, cfg.batch_size * ctx.world_size, context_length, generator)
+        x, y = rank_slice(x, ctx.rank, ctx.world_size).to(device), rank_slice(y, ctx.rank, ctx.world_size).to(device)
+        with autocast_context(cfg, device):
+            total += cross_entropy(model(x), y).float()
     model.train(was_training)
-    return sum(losses) / len(losses)
+    return all_reduce_mean(total / cfg.eval_iters, ctx).item()
+
+
+def _config_of(model: nn.Module) -> ModelConfig:
+    while not hasattr(model, "config"):  # unwrap DDP (.module) and torch.compile (._orig_mod)
+        model = getattr(model, "module", None) or model._orig_mod
+    return model.config
 
 
 @dataclass
 class TrainResult:
     model: TransformerLM
-    train_losses: list[float] = field(default_factory=list)
+    train_losses: list[float] = field(default_factory=list)  # one per step run in this call
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
     tokens_per_second: float = 0.0
+    step: int = 0  # optimizer steps done, counting those before a resume
+    best_val_loss: float = math.inf
+    checkpoint: Path | None = None  # the last checkpoint written
+    stopped_by_signal: int | None = None  # SIGINT/SIGTERM number if the run was interrupted
+
+
+class _StopRequest:
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step (to checkpoint first).
+
+    A second SIGINT falls through to Python's KeyboardInterrupt, for when saving hangs.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopRequest":
+        if threading.current_thread() is threading.main_thread():  # signal handlers need the main thread
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
 def train(
@@ -130,52 +276,299 @@ def train(
     train_tokens: Int[Tensor, "n"],
     val_tokens: Int[Tensor, "m"] | None = None,
     on_eval: Callable[[int, float, TransformerLM], None] | None = None,
+    *,
+    run_dir: str | os.PathLike | None = None,
+    resume: str | os.PathLike | None = None,
+    tokenizer: Any | None = None,
+    meta: dict[str, Any] | None = None,
+    dist_ctx: DistributedContext | None = None,
+    loggers: list[MetricsLogger] | None = None,
 ) -> TrainResult:
-    """Train a model (or a fresh one from a config) on a 1-D tensor of token ids."""
+    """Train a model (or a fresh one from a config) on 1-D token ids (anything `get_batch` indexes).
+
+    With `run_dir`, checkpoints (ckpt-NNNNNN/ plus `latest` and `best` pointers) and
+    metrics.jsonl are written there. `resume` (a run or checkpoint directory) continues a run
+    exactly where its checkpoint left off. `dist_ctx` comes from `init_distributed()` under torchrun.
+    """
+    ctx = dist_ctx or DistributedContext(device=cfg.device)
+    device = ctx.device if ctx.enabled else cfg.device
+    device_type = torch.device(device).type
+    if cfg.dtype == "float16" and device_type != "cuda":
+        raise ValueError("dtype float16 (with loss scaling) is for CUDA GPUs; use bfloat16 on CPU")
+
+    if cfg.threads:
+        # On a busy CPU fewer threads than cores can be several times faster (no waiting on
+        # descheduled sibling threads); the count also fixes the order of parallel float reductions.
+        torch.set_num_threads(cfg.threads)
+    # Every process builds identical initial weights from the same seed.
     torch.manual_seed(cfg.seed)
     model = model_config if isinstance(model_config, TransformerLM) else TransformerLM(model_config)
-    model.to(cfg.device).train()
+    model.to(device).train()
     context = model.config.context_length
     for name, tokens in (("training", train_tokens), ("validation", val_tokens)):
         if tokens is not None and len(tokens) <= context:
             raise ValueError(f"{name} data has {len(tokens)} tokens; need more than context_length={context}")
-    optimizer = make_optimizer(model, cfg)
+
+    # Dropout masks differ per process; the batch sampler is shared (see the module docstring).
+    torch.manual_seed(cfg.seed + ctx.rank)
+    random.seed(cfg.seed + ctx.rank)
+    np.random.seed((cfg.seed + ctx.rank) % 2**32)
     batch_rng = torch.Generator().manual_seed(cfg.seed)
-    eval_rng = torch.Generator().manual_seed(cfg.seed + 1)
+    start_step, best_val_loss, elapsed_before = 0, math.inf, 0.0
+    resume_dir = resolve_checkpoint(resume, prefer=("latest",)) if resume is not None else None
+    if resume_dir is not None:
+        saved_config = load_config(resume_dir / "config.json")
+        if saved_config != model.config:
+            raise ValueError(f"{resume_dir} holds a different model config than the one to train")
+        load_weights(model, read_safetensors(resume_dir / "model.safetensors", device), str(resume_dir))
+
+    fsdp = cfg.fsdp and ctx.enabled
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:  # one all-gather per block keeps peak memory at one block's weights
+            fully_shard(block)
+        fully_shard(model)
+        step_model: nn.Module = model
+    elif ctx.enabled:
+        step_model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device_type == "cuda" else None)
+    else:
+        step_model = model
+    if cfg.compile:
+        step_model = torch.compile(step_model)
+    eval_model = step_model if cfg.compile and not ctx.enabled else model  # reuse the compiled graph
+    no_sync = step_model.no_sync if isinstance(step_model, nn.parallel.DistributedDataParallel) else None
+
+    optimizer = make_optimizer(model, cfg, fused=not fsdp)
+    scaler = torch.amp.GradScaler(device_type) if cfg.dtype == "float16" else None
+    if resume_dir is not None:
+        state = read_json(resume_dir / TRAINER_STATE_JSON)
+        tensors = read_safetensors(resume_dir / TRAINER_STATE_TENSORS)
+        _load_optimizer(model, optimizer, resume_dir, fsdp)
+        start_step, best_val_loss, elapsed_before = state["step"], state["best_val_loss"], state["elapsed_s"]
+        if scaler is not None and state.get("grad_scaler"):
+            scaler.load_state_dict(state["grad_scaler"])
+        _restore_rng(state, tensors, batch_rng, ctx)
     decay_steps = cfg.lr_decay_steps or cfg.max_steps
-    result = TrainResult(model)
-    tokens_per_step = cfg.batch_size * context
+    global_batch = cfg.batch_size * cfg.grad_accum_steps * ctx.world_size
+    tokens_per_step = global_batch * context
+    autocast = lambda: autocast_context(cfg, device)  # noqa: E731 (a fresh context per micro-batch)
 
-    bar = tqdm(range(cfg.max_steps), disable=not cfg.progress, dynamic_ncols=True, desc="train", mininterval=0.5)
-    start = time.perf_counter()
-    for step in bar:
-        lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, decay_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = get_batch(train_tokens, cfg.batch_size, context, batch_rng, cfg.device)
-        with autocast_context(cfg):
-            loss = cross_entropy(model(x), y)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    run_path = Path(run_dir) if run_dir is not None else None
+    loggers = list(loggers or [])
+    if run_path is not None and ctx.is_main:
+        run_path.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(run_path)
+        loggers.insert(0, JSONLLogger(run_path / METRICS_FILE, keep_up_to_step=start_step if resume_dir else None))
+    result = TrainResult(model, step=start_step, best_val_loss=best_val_loss)
+    pending_losses: list[Tensor] = []  # per-step losses still on the device (no sync per step)
+    pending_norms: list[Tensor] = []
+    window_losses: list[float] = []  # since the last metrics record
+    last_grad_norm = math.nan
+    last_val_loss: float | None = None
 
-        loss_value = loss.item()
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss became {loss_value} at step {step}; lower the learning rate?")
-        result.train_losses.append(loss_value)
-        elapsed = time.perf_counter() - start
-        result.tokens_per_second = tokens_per_step * (step + 1) / elapsed
-        bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", tok_s=f"{result.tokens_per_second:,.0f}",
-                        refresh=False)  # redrawn at tqdm's own pace, not every step
+    def flush_pending(done: int) -> None:
+        """Bring pending losses to the host (one sync) and stop on a non-finite loss or gradient."""
+        nonlocal last_grad_norm
+        if not pending_losses:
+            return
+        losses = all_reduce_mean(torch.stack(pending_losses), ctx).tolist()
+        norms = torch.stack(pending_norms).tolist()
+        first = done - len(losses) + 1  # steps are counted from 1, as in the metrics log
+        for i, (loss, norm) in enumerate(zip(losses, norms)):
+            # Under fp16 loss scaling an infinite gradient just skips that step, so it is not an error.
+            if not math.isfinite(loss) or (scaler is None and not math.isfinite(norm)):
+                kept = result.checkpoint or "none written"
+                raise FloatingPointError(
+                    f"training stopped at step {first + i}: loss {loss}, gradient norm {norm} is not finite "
+                    f"(lower the learning rate?). Last good checkpoint: {kept}")
+        result.train_losses.extend(losses)
+        window_losses.extend(losses)
+        last_grad_norm = norms[-1]
+        pending_losses.clear()
+        pending_norms.clear()
 
-        last = step == cfg.max_steps - 1
-        if val_tokens is not None and (last or (cfg.eval_interval and (step + 1) % cfg.eval_interval == 0)):
-            val_loss = evaluate(model, val_tokens, cfg, eval_rng)
-            result.val_losses.append((step + 1, val_loss))
-            bar.write(f"step {step + 1}: train loss {loss_value:.4f}, val loss {val_loss:.4f}")
-            if on_eval is not None:
-                on_eval(step + 1, val_loss, model)
-    bar.close()
+    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not (cfg.progress and ctx.is_main),
+               dynamic_ncols=True, desc="train", mininterval=1.0)
+    clock_start = time.perf_counter()
+    window_start, window_train_time = time.perf_counter(), 0.0
+    total_train_time = 0.0
+    try:
+        with _StopRequest() as stop:
+            for step in range(start_step, cfg.max_steps):
+                step_start = time.perf_counter()
+                lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, decay_steps)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                x, y = get_batch(train_tokens, global_batch, context, batch_rng)
+                x = rank_slice(x, ctx.rank, ctx.world_size).to(device, non_blocking=True)
+                y = rank_slice(y, ctx.rank, ctx.world_size).to(device, non_blocking=True)
+                loss = forward_backward(step_model, x, y, cfg.grad_accum_steps, autocast, scaler, no_sync)
+                if scaler is not None:
+                    scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
+                max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+                if scaler is not None:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                pending_losses.append(loss)
+                if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, already reduced over shards
+                    grad_norm = grad_norm.full_tensor()
+                pending_norms.append(grad_norm.detach().float().to(loss.device))
+                done = result.step = step + 1
+                window_train_time += time.perf_counter() - step_start
+                bar.update(1)
+
+                last = done == cfg.max_steps
+                stop_signal = stop.signum if not ctx.enabled else (
+                    stop.signum or signal.SIGTERM if any_process(stop.signum is not None, ctx) else None)
+                is_log = done % cfg.log_interval == 0 or last
+                is_eval = val_tokens is not None and (last or (cfg.eval_interval > 0 and done % cfg.eval_interval == 0))
+                is_checkpoint = run_path is not None and (
+                    is_eval or last or stop_signal is not None
+                    or (cfg.checkpoint_interval > 0 and done % cfg.checkpoint_interval == 0))
+                if not (is_log or is_eval or is_checkpoint):
+                    continue
+                flush_pending(done)
+                record: dict[str, Any] = {}
+                if is_log:
+                    total_train_time += window_train_time
+                    tokens_per_s = tokens_per_step * len(window_losses) / max(window_train_time, 1e-9)
+                    result.tokens_per_second = tokens_per_step * len(result.train_losses) / max(total_train_time, 1e-9)
+                    record = {
+                        "step": done, "tokens": done * tokens_per_step,
+                        "train_loss": sum(window_losses) / len(window_losses), "lr": lr,
+                        "grad_norm": last_grad_norm, "tokens_per_s": tokens_per_s,
+                        "elapsed_s": elapsed_before + time.perf_counter() - clock_start,
+                    }
+                    bar.set_postfix(loss=f"{window_losses[-1]:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}",
+                                    refresh=False)  # redrawn at tqdm's own pace
+                    window_losses.clear()
+                    window_train_time = 0.0
+                improved = False
+                if is_eval:
+                    assert val_tokens is not None
+                    last_val_loss = evaluate(eval_model, val_tokens, cfg, ctx=ctx, device=device)
+                    result.val_losses.append((done, last_val_loss))
+                    improved = last_val_loss < best_val_loss
+                    best_val_loss = min(best_val_loss, last_val_loss)
+                    result.best_val_loss = best_val_loss
+                    record.update(step=done, tokens=done * tokens_per_step, val_loss=last_val_loss,
+                                  val_ppl=math.exp(min(last_val_loss, 50.0)))
+                    if ctx.is_main and cfg.progress:
+                        bar.write(f"step {done}: train loss {result.train_losses[-1]:.4f}, val loss {last_val_loss:.4f}")
+                    if on_eval is not None:
+                        on_eval(done, last_val_loss, model)
+                if record and ctx.is_main:
+                    for logger in loggers:
+                        logger.log(record)
+                if is_checkpoint:
+                    assert run_path is not None
+                    elapsed = elapsed_before + time.perf_counter() - clock_start
+                    result.checkpoint = _save_training_checkpoint(
+                        run_path, done, model, optimizer, scaler, batch_rng, cfg, ctx, tokenizer,
+                        {**(meta or {}), "step": done, "val_loss": last_val_loss},
+                        best_val_loss, elapsed, improved, fsdp)
+                if stop_signal is not None:
+                    result.stopped_by_signal = stop_signal
+                    if ctx.is_main and cfg.progress:
+                        bar.write(f"stopped by signal {signal.Signals(stop_signal).name} after step {done}; "
+                                  f"checkpoint: {result.checkpoint}")
+                    break
+    finally:
+        bar.close()
+        for logger in loggers:
+            logger.close()
     return result
+
+
+def _save_training_checkpoint(
+    run_dir: Path, step: int, model: TransformerLM, optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None, batch_rng: torch.Generator, cfg: TrainConfig, ctx: DistributedContext,
+    tokenizer: Any, meta: dict[str, Any], best_val_loss: float, elapsed: float, is_best: bool, fsdp: bool,
+) -> Path:
+    """Write ckpt-<step>/ with everything needed to continue bit for bit; point `latest` (and maybe
+    `best`) at it; prune old ones. Collective: every process calls it, the main one writes."""
+    model_state, optim_state = _full_state_dicts(model, optimizer, fsdp)
+    torch_rng_states = gather_objects(torch.get_rng_state(), ctx)
+    cuda_rng_states = gather_objects(torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [], ctx)
+    target = run_dir / checkpoint_name(step)
+    if ctx.is_main:
+        tensors: dict[str, Tensor] = {"rng.batch_sampler": batch_rng.get_state()}
+        for rank, state in enumerate(torch_rng_states):
+            tensors[f"rng.torch.rank{rank}"] = state  # type: ignore[assignment]
+        for rank, states in enumerate(cuda_rng_states):
+            for i, state in enumerate(states):  # type: ignore[arg-type]
+                tensors[f"rng.cuda.rank{rank}.device{i}"] = state
+        np_state = np.random.get_state()
+        trainer_state = {
+            "format": 1, "step": step, "best_val_loss": best_val_loss, "elapsed_s": elapsed,
+            "world_size": ctx.world_size, "train_config": cfg.to_dict(),
+            "rng_python": _jsonable(random.getstate()),
+            "rng_numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+            "grad_scaler": scaler.state_dict() if scaler is not None else None,
+        }
+        optim_tensors, optim_scalars = optimizer_state_to_files(optim_state)
+        save_checkpoint(
+            target, model, tokenizer, meta, state_dict=model_state,
+            extra_tensors={OPTIMIZER_FILE: optim_tensors, TRAINER_STATE_TENSORS: tensors},
+            extra_json={OPTIMIZER_JSON: optim_scalars, TRAINER_STATE_JSON: trainer_state},
+        )
+        write_pointer(run_dir, "latest", target.name)
+        if is_best:
+            write_pointer(run_dir, "best", target.name)
+        prune_checkpoints(run_dir, cfg.keep_last)
+    barrier(ctx)
+    return target
+
+
+def _full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool) -> tuple[dict, dict]:
+    if not fsdp:
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+    )
+
+    # Gather the shards into whole tensors on the CPU of every process (small models only need this).
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, fsdp: bool) -> None:
+    state = load_optimizer_state(directory)
+    if not fsdp:
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def _jsonable(obj: Any) -> Any:
+    return [_jsonable(x) for x in obj] if isinstance(obj, (tuple, list)) else obj
+
+
+def _restore_rng(state: dict[str, Any], tensors: dict[str, Tensor], batch_rng: torch.Generator,
+                 ctx: DistributedContext) -> None:
+    """Put every random number generator back where the checkpoint found it."""
+    batch_rng.set_state(tensors["rng.batch_sampler"])
+    if state.get("world_size", 1) != ctx.world_size:
+        warnings.warn(f"checkpoint was written by {state['world_size']} processes, resuming with "
+                      f"{ctx.world_size}: data order is unchanged for the same global batch, dropout masks differ")
+    own = tensors.get(f"rng.torch.rank{ctx.rank}")
+    if own is not None:
+        torch.set_rng_state(own)
+    cuda_states = [tensors[k] for k in sorted(tensors) if k.startswith(f"rng.cuda.rank{ctx.rank}.")]
+    if cuda_states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda_states)
+    version, internal, gauss = state["rng_python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["rng_numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use `glasslm train` (python -m glasslm.cli train)")

@@ -1,0 +1,95 @@
+"""Data-parallel training across processes: what `torchrun` tells us, and the few collectives we use.
+
+`torchrun --nproc_per_node=N -m glasslm.cli train ...` starts N processes with the environment
+variables RANK, WORLD_SIZE and LOCAL_RANK set (plus MASTER_ADDR/MASTER_PORT for the rendezvous).
+`init_distributed` reads them and joins the process group: gloo on CPU, NCCL on CUDA. A plain
+`python -m glasslm.cli train` sees none of them and runs as a world of one.
+
+Example (no torchrun variables set, so a single process):
+    >>> ctx = init_distributed("cpu")
+    >>> (ctx.rank, ctx.world_size, ctx.is_main, ctx.enabled)
+    (0, 1, True, False)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process sits in the job. `enabled` is False for a world of one."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: str = "cpu"
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Only the main process logs, draws progress bars and writes checkpoints."""
+        return self.rank == 0
+
+
+def init_distributed(device: str = "cpu") -> DistributedContext:
+    """Join the process group torchrun set up (if any) and pick this process's device.
+
+    On CUDA each process takes the GPU numbered by its LOCAL_RANK.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return DistributedContext(device=device)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    device_type = torch.device(device).type
+    if device_type == "cuda":
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+    return DistributedContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_mean(tensor: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:
+    """The mean of `tensor` over all processes (the tensor itself in a world of one)."""
+    if not ctx.enabled:
+        return tensor
+    tensor = tensor.clone()
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor / ctx.world_size
+
+
+def any_process(flag: bool, ctx: DistributedContext) -> bool:
+    """True on every process if `flag` is True on any (e.g. one process received SIGTERM)."""
+    if not ctx.enabled:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=ctx.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def gather_objects(obj: object, ctx: DistributedContext) -> list[object]:
+    """`obj` from every process, in rank order (used for per-rank RNG states in checkpoints)."""
+    if not ctx.enabled:
+        return [obj]
+    out: list[object] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier(ctx: DistributedContext) -> None:
+    if ctx.enabled:
+        dist.barrier()

@@ -1,0 +1,219 @@
+"""The training loop: schedule shape, parameter groups, accumulation, evaluation, mixed precision,
+non-finite losses, the metrics log, plotting and config files."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import glasslm.train as train_module
+from glasslm.config import get_preset
+from glasslm.loggers import read_metrics
+from glasslm.model import TransformerLM
+from glasslm.train import TrainConfig, evaluate, forward_backward, lr_at, make_optimizer, train
+
+TINY = dict(vocab_size=16, n_layers=2, d_model=32, n_heads=2, context_length=16)
+
+
+def tokens(n: int = 4000) -> torch.Tensor:
+    return torch.randint(0, 16, (n,), generator=torch.Generator().manual_seed(0))
+
+
+def cfg(**kw) -> TrainConfig:
+    base = dict(max_steps=12, batch_size=4, warmup_steps=2, eval_interval=0, eval_iters=2, log_interval=1,
+                progress=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+# ----- learning-rate schedule -----
+
+@pytest.mark.parametrize("warmup,decay", [(10, 100), (0, 50), (1, 2), (5, 6)])
+def test_lr_schedule_shape(warmup, decay):
+    lr, min_lr = 1e-3, 1e-4
+    values = [lr_at(s, lr, min_lr, warmup, decay) for s in range(decay + 20)]
+    warm = values[: warmup + 1]
+    assert all(0 < a < b for a, b in zip(warm, warm[1:])), "warmup rises strictly from above 0"
+    assert values[0] == pytest.approx(lr / (warmup + 1))
+    assert values[warmup] == pytest.approx(lr), "peak exactly where the cosine starts"
+    cosine = values[warmup:decay + 1]
+    assert all(a >= b for a, b in zip(cosine, cosine[1:])), "cosine phase never rises"
+    assert all(v == min_lr for v in values[decay:]), "min_lr from decay_steps on"
+    assert all(min_lr <= v <= lr for v in values[warmup:])
+
+
+def test_lr_schedule_midpoint_and_known_values():
+    # Halfway through the cosine the rate is halfway between max and min.
+    assert lr_at(60, 1.0, 0.0, warmup_steps=10, decay_steps=110) == pytest.approx(0.5)
+    assert lr_at(0, 1.0, 0.1, 0, 10) == 1.0
+
+
+# ----- optimizer -----
+
+def test_weight_decay_only_on_matrices_unless_embeddings_asked_for():
+    model = TransformerLM(get_preset("shakespeare-char-cpu", **TINY, bias=True))
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = make_optimizer(model, cfg(weight_decay=0.1))
+    decayed = {names[id(p)] for p in opt.param_groups[0]["params"]}
+    plain = {names[id(p)] for p in opt.param_groups[1]["params"]}
+    assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[1]["weight_decay"] == 0.0
+    assert "blocks.0.attn.qkv.weight" in decayed or any("attn" in n for n in decayed)
+    assert not any(n.startswith(("embed.", "pos_embed.")) or "ln" in n or n.endswith("bias") for n in decayed)
+    assert {"embed.weight", "pos_embed.weight"} <= plain
+    assert decayed | plain == set(names.values())
+    opt = make_optimizer(model, cfg(decay_embeddings=True))
+    assert "embed.weight" in {names[id(p)] for p in opt.param_groups[0]["params"]}
+    assert opt.defaults["fused"] is True
+
+
+# ----- gradient accumulation -----
+
+def test_accumulated_gradient_equals_large_batch_gradient():
+    torch.manual_seed(0)
+    # float32: layers.cross_entropy computes in float32 whatever the logits' dtype.
+    model = TransformerLM(get_preset("shakespeare-char-cpu", **TINY))
+    x = torch.randint(0, 16, (8, 16))
+    y = torch.randint(0, 16, (8, 16))
+    big = forward_backward(model, x, y, accum_steps=1)
+    big_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    accumulated = forward_backward(model, x, y, accum_steps=4)
+    assert accumulated.item() == pytest.approx(big.item(), rel=1e-6)
+    for p, g in zip(model.parameters(), big_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+    # Without the 1/accum_steps scaling the gradient would be 4x too large.
+    assert not torch.allclose(next(model.parameters()).grad, 4 * big_grads[0])
+
+
+def test_accumulation_run_matches_big_batch_run():
+    data = tokens()
+    model_cfg = get_preset("shakespeare-char-cpu", **TINY)
+    big = train(model_cfg, cfg(batch_size=8, max_steps=6), data)
+    accumulated = train(model_cfg, cfg(batch_size=2, grad_accum_steps=4, max_steps=6), data)
+    # The same windows each step (one global batch per step), so only float rounding differs.
+    assert accumulated.train_losses == pytest.approx(big.train_losses, rel=1e-5)
+
+
+# ----- evaluation -----
+
+def test_evaluate_uses_the_same_batches_every_time():
+    model = TransformerLM(get_preset("shakespeare-char-cpu", **TINY))
+    data = tokens()
+    first = evaluate(model, data, cfg(eval_iters=3))
+    assert first == evaluate(model, data, cfg(eval_iters=3))
+    assert model.training, "evaluate restores training mode"
+    assert 2.0 < first < 3.5  # about ln(16) for an untrained model
+
+
+def test_metrics_log_and_periodic_evaluation(tmp_path):
+    result = train(get_preset("shakespeare-char-cpu", **TINY), cfg(max_steps=10, eval_interval=5, log_interval=2),
+                   tokens()[:3500], tokens()[3500:], run_dir=tmp_path)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [2, 4, 5, 6, 8, 10]
+    full = records[-1]
+    assert {"step", "tokens", "train_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "val_loss",
+            "val_ppl"} <= set(full)
+    assert full["tokens"] == 10 * 4 * 16
+    assert full["val_ppl"] == pytest.approx(math.exp(full["val_loss"]))
+    assert [s for s, _ in result.val_losses] == [5, 10]
+    assert records[0]["train_loss"] == pytest.approx(sum(result.train_losses[:2]) / 2)
+    assert len(result.train_losses) == 10 and result.step == 10
+
+
+def test_learns_and_grad_clipping_bounds_the_update():
+    # A repeating sequence is learnable in a few dozen steps.
+    data = torch.arange(16).repeat(300)
+    result = train(get_preset("shakespeare-char-cpu", **TINY), cfg(max_steps=60, lr=1e-2, min_lr=1e-3), data)
+    assert result.train_losses[-1] < 0.5 * result.train_losses[0]
+
+
+def test_bfloat16_autocast_trains_with_float32_weights():
+    result = train(get_preset("shakespeare-char-cpu", **TINY), cfg(dtype="bfloat16", max_steps=4), tokens())
+    assert all(p.dtype == torch.float32 for p in result.model.parameters())
+    assert all(math.isfinite(v) for v in result.train_losses)
+
+
+def test_float16_is_refused_on_cpu():
+    with pytest.raises(ValueError, match="CUDA"):
+        train(get_preset("shakespeare-char-cpu", **TINY), cfg(dtype="float16"), tokens())
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+    real = train_module.cross_entropy
+    calls = {"n": 0}
+
+    def poisoned(logits, targets):
+        calls["n"] += 1
+        loss = real(logits, targets)
+        return loss * float("nan") if calls["n"] == 7 else loss  # step 7 (eval_iters is not reached)
+
+    monkeypatch.setattr(train_module, "cross_entropy", poisoned)
+    with pytest.raises(FloatingPointError, match=r"step 7: loss nan.*ckpt-000005"):
+        train(get_preset("shakespeare-char-cpu", **TINY), cfg(checkpoint_interval=5), tokens(), run_dir=tmp_path)
+    assert (tmp_path / "latest").read_text().strip() == "ckpt-000005"
+    assert not (tmp_path / "ckpt-000010").exists()
+
+
+def test_bad_settings_are_refused():
+    for bad in (dict(grad_accum_steps=0), dict(min_lr=1.0, lr=0.1), dict(dtype="int8"), dict(keep_last=-1)):
+        with pytest.raises(ValueError):
+            TrainConfig(**bad)
+
+
+# ----- command line: config file, plot -----
+
+def test_cli_config_file_and_plot(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from glasslm.cli import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be, that is the question\n" * 200)
+    config = tmp_path / "run.toml"
+    config.write_text(f"""
+data = "{corpus}"
+out = "{tmp_path / 'run'}"
+sample_tokens = 0
+[model]
+n_layers = 1
+d_model = 32
+n_heads = 2
+context_length = 16
+[train]
+max_steps = 30
+batch_size = 4
+eval_interval = 5
+eval_iters = 2
+progress = false
+""")
+    assert main(["train", "--config", str(config), "--max-steps", "10"]) == 0  # the flag beats the file
+    run = tmp_path / "run"
+    saved = json.loads((run / "ckpt-000010" / "trainer_state.json").read_text())["train_config"]
+    assert saved["max_steps"] == 10 and saved["batch_size"] == 4
+    assert main(["plot", str(run), "--out", str(tmp_path / "loss.png")]) == 0
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_cli_config_file_errors(tmp_path, capsys):
+    from glasslm.cli import main
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nmax_steps = \n")
+    assert main(["train", "--config", str(bad)]) == 1
+    bad.write_text("epochs = 3\n")
+    assert main(["train", "--config", str(bad)]) == 1
+    assert "unknown keys ['epochs']" in capsys.readouterr().err
+
+
+def test_optional_loggers_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from glasslm.loggers import TensorBoardLogger
+
+    logger = TensorBoardLogger(tmp_path)
+    logger.log({"step": 1, "train_loss": 2.0})
+    logger.close()
+    assert list((tmp_path / "tensorboard").glob("events.*"))
