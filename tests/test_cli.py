@@ -63,5 +63,10 @@ def test_train_tokenizer_then_prepare(tmp_path, shakespeare_text, capsys):
     assert data.tokenizer.vocab_size == 400  # bytes, merges and <|endoftext|> together
     assert data.train.dtype == np.uint16
     assert data.tokenizer.decode(np.concatenate([data.train, data.val]).tolist()) == shakespeare_text[:30000]
+    assert main(["train", "--data", str(tmp_path / "ds"), "--out", str(tmp_path / "run"), "--max-steps", "5",
+                 "--eval-iters", "1", "--n-layers", "1", "--d-model", "32", "--n-heads", "2",
+                 "--progress", "false", "--sample-tokens", "5"]) == 0
+    model, tokenizer, _ = load_checkpoint(tmp_path / "run")
+    assert model.config.vocab_size == tokenizer.vocab_size == 400
     assert main(["prepare", str(text), "--out", str(tmp_path / "char"), "--quiet"]) == 0
     assert load_prepared(tmp_path / "char").tokenizer.vocab_size == len(set(shakespeare_text[:30000]))

@@ -114,10 +114,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from .checkpoint import load_config, read_json, resolve_checkpoint
-    from .data import resolve_text, train_val_split
+    from .data import load_training_data
     from .distributed import init_distributed, shutdown_distributed
     from .generate import generate_tokens
-    from .tokenizers import CharTokenizer, load_tokenizer
+    from .tokenizers import get_tokenizer, load_tokenizer
     from .train import TRAINER_STATE_JSON, train
 
     file = load_config_file(args.config) if args.config else {}
@@ -144,25 +144,28 @@ def cmd_train(args: argparse.Namespace) -> int:
         train_cfg = dataclasses.replace(TRAIN_PRESETS.get(preset, TrainConfig()), **train_overrides)
         out = Path(_pick(args.out, file, "out", f"runs/{preset}"))
 
-    text_path = resolve_text(data_source, _pick(args.data_dir, file, "data_dir", None))
-    text = text_path.read_text(encoding="utf-8")
-    if not text:
-        raise ValueError(f"{text_path} is empty")
-    tokenizer = load_tokenizer(resume_dir) if resume_dir is not None else CharTokenizer.from_text(text)
-    tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
-    train_tokens, val_tokens = train_val_split(tokens, val_fraction)
+    data_dir = _pick(args.data_dir, file, "data_dir", None)
+    if resume_dir is not None:
+        tokenizer = load_tokenizer(resume_dir)
+    else:
+        spec = _pick(args.tokenizer, file, "tokenizer", "char")
+        tokenizer = None if spec == "char" else get_tokenizer(spec, data_dir=data_dir)  # char: built from the text
+    data = load_training_data(data_source, data_dir, val_fraction, tokenizer=tokenizer)
+    tokenizer, train_tokens, val_tokens = data.tokenizer, data.train, data.val
     if resume_dir is None:
         model_cfg = get_preset(preset, **{"vocab_size": tokenizer.vocab_size, **model_overrides})
+    elif tokenizer.vocab_size != model_cfg.vocab_size:
+        raise ValueError(f"{data_source} has a vocabulary of {tokenizer.vocab_size} tokens, but the checkpoint's "
+                         f"model has {model_cfg.vocab_size}")
 
     ctx = init_distributed(train_cfg.device)
     say = print if ctx.is_main else (lambda *a, **k: None)
-    say(f"data: {text_path} ({len(text):,} characters, vocab {tokenizer.vocab_size}, "
-        f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens)")
+    say(f"data: {data.description}")
     say(f"model: {preset} ({_count(model_cfg):,} parameters) -> {out}"
         + (f", {ctx.world_size} processes" if ctx.enabled else "")
         + (f", resuming from {resume_dir}" if resume_dir is not None else ""))
 
-    meta = {"preset": preset, "data": str(text_path), "val_fraction": val_fraction, "train_config": train_cfg.to_dict()}
+    meta = {"preset": preset, "data": data.source, "val_fraction": val_fraction, "train_config": train_cfg.to_dict()}
     loggers = _optional_loggers(train_cfg, out, {"model": model_cfg.to_dict(), "train": train_cfg.to_dict()}) \
         if ctx.is_main else []
     try:
@@ -315,7 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue exactly from a checkpoint (a run directory resumes its latest)")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default shakespeare-char-cpu")
-    p.add_argument("--data", default=None, help="dataset name or path to a UTF-8 text file (default tinyshakespeare)")
+    p.add_argument("--data", default=None,
+                   help="dataset name, UTF-8 text file, or a directory made by `glasslm prepare` (default tinyshakespeare)")
+    p.add_argument("--tokenizer", default=None,
+                   help="for text files: char (default), gpt2, or a saved tokenizer directory")
     p.add_argument("--data-dir", default=None, help="where datasets are kept (default $GLASSLM_DATA_DIR or ~/.cache/glasslm)")
     p.add_argument("--out", default=None, help="run directory: checkpoints, metrics.jsonl (default runs/PRESET)")
     p.add_argument("--val-fraction", type=float, default=None, help="default 0.1")

@@ -305,6 +305,7 @@ class TokenData:
     val: Tensor | np.ndarray
     tokenizer: Any
     description: str
+    source: str  # the prepared directory or the text file, as a path
 
 
 def load_prepared(directory: str | os.PathLike) -> TokenData:
@@ -322,7 +323,7 @@ def load_prepared(directory: str | os.PathLike) -> TokenData:
     train = load_token_file(root / "train.bin", meta["dtype"])
     val = load_token_file(root / "val.bin", meta["dtype"])
     return TokenData(train, val, tokenizer, f"{root} ({len(train):,} train / {len(val):,} val tokens, "
-                                            f"vocab {tokenizer.vocab_size})")
+                                            f"vocab {tokenizer.vocab_size})", str(root))
 
 
 def load_training_data(source: str, directory: str | os.PathLike | None = None, val_fraction: float = 0.1,
@@ -341,4 +342,4 @@ def load_training_data(source: str, directory: str | os.PathLike | None = None, 
     tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
     train, val = train_val_split(tokens, val_fraction)
     return TokenData(train, val, tokenizer, f"{path} ({len(text):,} characters, vocab {tokenizer.vocab_size}, "
-                                            f"{len(train):,} train / {len(val):,} val tokens)")
+                                            f"{len(train):,} train / {len(val):,} val tokens)", str(path))

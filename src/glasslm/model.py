@@ -128,6 +128,8 @@ class TransformerLM(nn.Module):
             raise ValueError(f"tokens must be integer ids (torch.long), got {tokens.dtype}")
         if tokens.shape[1] == 0:
             raise ValueError("tokens must contain at least one position")
+        if torch.compiler.is_compiling():
+            return  # reading values back from the tensor would break the compiled graph
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= self.config.vocab_size:
             bad = lo if lo < 0 else hi
