@@ -8,7 +8,7 @@ import pytest
 
 import glasslm
 
-MODULES = sorted(m.name for m in pkgutil.iter_modules(glasslm.__path__, "glasslm."))
+MODULES = sorted(m.name for m in pkgutil.iter_modules(glasslm.__path__, "glasslm.") if m.name != "glasslm.__main__")
 
 
 @pytest.mark.parametrize("name", MODULES)

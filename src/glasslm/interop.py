@@ -552,21 +552,17 @@ def is_hf_directory(directory: str | os.PathLike) -> bool:
 def load_model(
     path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> tuple[TransformerLM, Any | None]:
-    """(model in eval mode, tokenizer or None) from a glasslm checkpoint or an HF model directory.
+    """(model in eval mode, tokenizer or None) from a glasslm checkpoint, run directory or HF model directory.
 
     Either way the weights are memory-mapped and assigned into a meta-device model, so loading a
     large model needs about one copy of its weights in memory.
     """
-    from .checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_config
+    from .checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_config, resolve_checkpoint
     from .tokenizers import load_tokenizer
 
-    directory = Path(path)
-    if not directory.exists():
-        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
-    if not directory.is_dir():
-        raise FileNotFoundError(f"{directory} is not a directory (expected a glasslm checkpoint or HF model directory)")
-    if is_hf_directory(directory):
-        return import_hf(directory, device, dtype), hf_tokenizer(directory)
+    if is_hf_directory(path):
+        return import_hf(path, device, dtype), hf_tokenizer(path)
+    directory = resolve_checkpoint(path)  # a run directory means its best (else latest) checkpoint
     config = load_config(directory / CONFIG_FILE)
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
