@@ -111,8 +111,6 @@ def _pick(cli_value: Any, file: dict[str, Any], key: str, default: Any) -> Any:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import torch
-
     from .checkpoint import load_config, read_json, resolve_checkpoint
     from .data import load_training_data
     from .distributed import init_distributed, shutdown_distributed

@@ -34,8 +34,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .config import ModelConfig
+from .checkpoint import model_from_state_dict
 from .model import TransformerLM
-from .positions import RotaryPositions, SinusoidalPositions
 
 Family = Literal["gpt2", "llama"]
 
@@ -364,59 +364,6 @@ def _llama_plan(config: ModelConfig, hf_names: set[str]) -> tuple[Plan, set[str]
 
 # --- building models without a second copy of the weights ---------------------------------------
 
-def empty_model(config: ModelConfig) -> TransformerLM:
-    """A TransformerLM on the `meta` device: every shape, no storage, no time spent initialising."""
-    with torch.device("meta"):
-        return TransformerLM(config)
-
-
-def materialize_buffers(model: TransformerLM, device: torch.device | str) -> None:
-    """Compute the non-persistent buffers (not in checkpoints) on `device` after a meta build.
-
-    Rotary cos/sin and the sinusoidal table are functions of the config alone, so they are
-    rebuilt rather than loaded. A shared rotary module (one per model) is rebuilt once.
-    """
-    c = model.config
-    for module in model.modules():
-        if isinstance(module, RotaryPositions):
-            with torch.device(device):
-                fresh = RotaryPositions(c.context_length, c.d_head, c.rope_theta)
-            module.cos, module.sin = fresh.cos, fresh.sin
-        elif isinstance(module, SinusoidalPositions):
-            with torch.device(device):
-                module.table = SinusoidalPositions(c.context_length, c.d_model).table
-    leftover = [name for name, b in model.named_buffers() if b.is_meta]
-    if leftover:
-        raise RuntimeError(f"buffers still on the meta device after loading: {leftover}")
-
-
-def model_from_state_dict(
-    config: ModelConfig, tensors: dict[str, Callable[[], Tensor]] | dict[str, Tensor],
-    device: torch.device | str = "cpu", dtype: torch.dtype | None = None, source: str = "weights",
-) -> TransformerLM:
-    """Build a model by assigning tensors (or zero-argument functions making them) into a meta model.
-
-    Names every missing or unexpected tensor, and every shape mismatch with both shapes.
-    """
-    model = empty_model(config)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{source} does not match the model: missing tensors {missing}, unexpected tensors {unexpected}")
-    loaded: dict[str, Tensor] = {}
-    for name, make in tensors.items():
-        tensor = make() if callable(make) else make
-        if tensor.shape != expected[name].shape:
-            raise ValueError(
-                f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(expected[name].shape)}"
-            )
-        loaded[name] = tensor.to(device=device, dtype=dtype or tensor.dtype)
-    model.load_state_dict(loaded, assign=True)
-    materialize_buffers(model, device)
-    return model.eval()
-
-
 # --- import / export ------------------------------------------------------------------------------
 
 def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
@@ -557,20 +504,9 @@ def load_model(
     Either way the weights are memory-mapped and assigned into a meta-device model, so loading a
     large model needs about one copy of its weights in memory.
     """
-    from .checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_config, resolve_checkpoint
-    from .tokenizers import load_tokenizer
+    from .checkpoint import load_checkpoint
 
     if is_hf_directory(path):
         return import_hf(path, device, dtype), hf_tokenizer(path)
-    directory = resolve_checkpoint(path)  # a run directory means its best (else latest) checkpoint
-    config = load_config(directory / CONFIG_FILE)
-    weights = directory / WEIGHTS_FILE
-    if not weights.is_file():
-        raise FileNotFoundError(f"{weights} is missing: not a glasslm checkpoint?")
-    source = TensorSource.from_safetensors([weights], str(weights))
-    model = model_from_state_dict(config, {n: (lambda n=n: source.get(n)) for n in source.names()},
-                                  device, dtype, str(weights))
-    tokenizer = None
-    if any((directory / name).exists() for name in ("tokenizer.json", "glasslm_tokenizer.json")):
-        tokenizer = load_tokenizer(directory)
-    return model, tokenizer
+    model, tokenizer, _ = load_checkpoint(path, device)  # a run directory means its best (else latest)
+    return (model if dtype is None else model.to(dtype)), tokenizer
