@@ -167,6 +167,33 @@ def cmd_sample(args: argparse.Namespace) -> None:
         respond(line.rstrip("\n"), echo=False)
 
 
+def cmd_eval(args: argparse.Namespace) -> None:
+    import time
+
+    import torch
+
+    from .checkpoint import load_checkpoint
+    from .data import resolve_text
+    from .evaluate import evaluate_text
+
+    model, tokenizer, _ = load_checkpoint(args.checkpoint, device=args.device)
+    if tokenizer is None:
+        raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
+    model = model.to(getattr(torch, args.dtype))
+    text_path = resolve_text(args.data, args.data_dir)
+    text = text_path.read_text(encoding="utf-8")
+    if args.max_chars:
+        text = text[:args.max_chars]
+    start = time.perf_counter()
+    result = evaluate_text(model, tokenizer, text, stride=args.stride, batch_size=args.batch_size)
+    seconds = time.perf_counter() - start
+    stride = args.stride or model.config.context_length
+    print(f"data: {text_path} ({result['tokens']:,} tokens scored, {result['bytes']:,} bytes; "
+          f"context {model.config.context_length}, stride {stride})")
+    print(f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.3f}  "
+          f"bits/byte {result['bits_per_byte']:.4f}  ({seconds:.1f} s)")
+
+
 def cmd_info(args: argparse.Namespace) -> None:
     from .model import TransformerLM
 
@@ -218,6 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' dtype for decoding")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a checkpoint on a text")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--data", required=True, help="dataset name or path to a UTF-8 text file")
+    p.add_argument("--data-dir", default=None, help="where datasets are kept (default $GLASSLM_DATA_DIR or ~/.cache/glasslm)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="tokens between window starts (default: the context length, i.e. chunks)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-chars", type=int, default=None, help="score only the first N characters")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("info", help="parameter counts of a preset")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
