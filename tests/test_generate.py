@@ -312,6 +312,18 @@ def test_config_rejects_nonsense():
             GenerationConfig(**bad)
 
 
+def test_bf16_weights_generate_close_to_float32():
+    model = tiny_model("llama")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    config = GenerationConfig(max_new_tokens=3, temperature=0.0)
+    full = [s.logits for s in decode_steps(model, prompts, config)]
+    half = [s.logits for s in decode_steps(model.to(torch.bfloat16), prompts, config)]
+    assert half[0].dtype == torch.float32  # logits come back as float32 for sampling
+    scale = full[0].abs().max()
+    # bf16 keeps 8 significant bits: relative error ~1e-2 per op, a few per layer.
+    assert (half[0] - full[0]).abs().max() < 0.05 * scale
+
+
 def test_optimize_for_decoding_changes_layout_not_results():
     model = tiny_model("gpt2")
     before = list(generate_tokens(model, [1, 2, 3], 10, temperature=0.0))

@@ -176,7 +176,12 @@ class _Window:
     def __init__(self, model: TransformerLM, batch: int, max_length: int, pad_token: int):
         self.model, self.pad_token = model, pad_token
         self.device = model.embed.weight.device
-        self.cache = model.new_kv_cache(batch, max_length)
+        # On CPU, keep keys and values in float32 even for bf16 weights: CPUs without bf16 matrix
+        # units run bf16 attention several times slower than float32 (the weights stay bf16).
+        weight = model.embed.weight
+        low_precision = weight.dtype in (torch.bfloat16, torch.float16)
+        cache_dtype = torch.float32 if weight.device.type == "cpu" and low_precision else None
+        self.cache = model.new_kv_cache(batch, max_length, dtype=cache_dtype)
         self.key_is_real: Bool[Tensor, "batch max_length"] | None = None  # None: no padding anywhere
         self.next_position: Int[Tensor, "batch"] = torch.zeros(batch, dtype=torch.long, device=self.device)
 
