@@ -208,8 +208,10 @@ class _Window:
         positions = (slots[:, :longest] - n_pad).clamp_min(0)  # (batch, longest)
         causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
         mask = causal & self.key_is_real[:, None, :longest]  # (batch, query, key)
-        # A pad query would see no key at all, and a softmax over nothing is NaN, which would
-        # leak into real rows through NaN keys and values (0 * NaN = NaN). Let pads see themselves.
+        # A pad query would see no key at all. glasslm's softmax and PyTorch 2.13's CPU kernels
+        # return zeros for such a row, but some kernels (other versions, other devices) return NaN,
+        # which would leak into real rows through NaN keys and values (0 * NaN = NaN). Letting
+        # pads see themselves makes every row well defined on any kernel; real rows are unaffected.
         mask |= torch.eye(longest, dtype=torch.bool, device=self.device)
         logits = self.model(tokens, positions, self.cache, mask, last_logits_only=True)
         return logits[:, -1].float()
