@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator, Sequence
@@ -169,6 +170,17 @@ class Step:
     logprobs: Float[Tensor, "batch"] | None  # log p(token) under those raw logits, if asked for
 
 
+@contextlib.contextmanager
+def onednn_disabled(disable: bool = True) -> Iterator[None]:
+    """Within this block PyTorch's CPU matmuls skip oneDNN (mkldnn) and use ATen's own kernels."""
+    previous = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = previous and not disable
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = previous
+
+
 class _Window:
     """The KV cache plus what batched decoding needs around it: left padding, per-row positions,
     and which cache slots hold real tokens (rather than padding) for the attention mask."""
@@ -182,6 +194,9 @@ class _Window:
         low_precision = weight.dtype in (torch.bfloat16, torch.float16)
         cache_dtype = torch.float32 if weight.device.type == "cpu" and low_precision else None
         self.cache = model.new_kv_cache(batch, max_length, dtype=cache_dtype)
+        # One-row bf16 decode steps are vector x matrix products, which PyTorch's own kernel runs
+        # about twice as fast as oneDNN's on CPU (measured; oneDNN wins for prefill and batches).
+        self.use_native_gemv = weight.device.type == "cpu" and low_precision and batch == 1
         self.key_is_real: Bool[Tensor, "batch max_length"] | None = None  # None: no padding anywhere
         self.next_position: Int[Tensor, "batch"] = torch.zeros(batch, dtype=torch.long, device=self.device)
 
@@ -224,7 +239,8 @@ class _Window:
             positions = self.next_position[:, None]  # (batch, 1)
             mask = self.key_is_real[:, None, :end]  # (batch, 1, end): real keys, including this one
         # One query may see every cached key, so without padding no mask is needed at all.
-        logits = self.model(tokens[:, None], positions, self.cache, mask)[:, -1].float()
+        with onednn_disabled(self.use_native_gemv):
+            logits = self.model(tokens[:, None], positions, self.cache, mask)[:, -1].float()
         self.next_position += 1  # only now: `positions` above is a view of this tensor
         return logits
 
