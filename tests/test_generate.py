@@ -226,6 +226,11 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass():
     assert kept(filter_logits(logits, top_p=0.6)) == [1, 3]
     assert kept(filter_logits(logits, top_p=0.7)) == [1, 3]
     assert kept(filter_logits(logits, top_p=0.8)) == [0, 1, 2, 3]  # needs one 0.125: its tie comes too
+    # Just either side of a boundary (0.75 reached by two tokens): tight to 1e-3.
+    assert kept(filter_logits(logits, top_p=0.749)) == [1, 3]
+    assert kept(filter_logits(logits, top_p=0.751)) == [0, 1, 2, 3]
+    assert kept(filter_logits(logits, top_p=0.499)) == [1]
+    assert kept(filter_logits(logits, top_p=0.501)) == [1, 3]
     assert kept(filter_logits(logits, top_p=1.0)) == [0, 1, 2, 3]
     assert kept(filter_logits(logits, top_p=1e-9)) == [1]  # the top token always stays
     # Tokens already excluded stay excluded, even at top_p = 1.
@@ -241,6 +246,8 @@ def test_min_p_keeps_tokens_near_the_top_probability():
     assert kept(filter_logits(logits, min_p=0.3)) == [1, 3]
     assert kept(filter_logits(logits, min_p=0.2)) == [0, 1, 2, 3]  # exactly 0.25 * 0.5 = 0.125 stays
     assert kept(filter_logits(logits, min_p=0.0)) == [0, 1, 2, 3]
+    assert kept(filter_logits(logits, min_p=0.249)) == [0, 1, 2, 3]
+    assert kept(filter_logits(logits, min_p=0.251)) == [1, 3]
 
 
 def filtered_distribution_by_hand(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
