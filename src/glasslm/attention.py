@@ -141,6 +141,9 @@ class CausalSelfAttention(nn.Module):
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)  # (batch, kv_heads, cached + seq, d_head)
+            # A cache kept in a wider dtype than the activations (float32 for bf16 weights on CPU,
+            # where bf16 attention kernels are slow) sets the dtype attention is computed in.
+            q = q.to(k.dtype)
 
         mask = None
         if attn_mask is not None:
@@ -167,5 +170,5 @@ class CausalSelfAttention(nn.Module):
             z = scaled_dot_product_attention(
                 q, k, v, mask, p, self.training, self.hook_attn_scores, self.hook_pattern
             )
-        z = self.hook_z(z.transpose(1, 2))  # (batch, seq, heads, d_head)
+        z = self.hook_z(z.transpose(1, 2).to(x.dtype))  # (batch, seq, heads, d_head)
         return self.out(z.reshape(batch, seq, self.n_heads * self.d_head))

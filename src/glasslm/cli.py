@@ -5,7 +5,8 @@
     glasslm train --resume runs/shakespeare --max-steps 4000
     torchrun --nproc_per_node=2 -m glasslm.cli train --batch-size 6 --out runs/ddp
     glasslm plot runs/shakespeare
-    glasslm sample --checkpoint runs/shakespeare --prompt "ROMEO:" --max-new-tokens 300
+    glasslm generate --checkpoint runs/shakespeare --prompt "ROMEO:" --max-new-tokens 300
+    glasslm eval --checkpoint runs/shakespeare --data tinyshakespeare
     glasslm info --preset gpt2-small --context-length 1024
     glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2
     glasslm convert --to-hf --checkpoint runs/gpt2 --out exported/gpt2
@@ -216,24 +217,91 @@ def _count(cfg: ModelConfig) -> int:
     return TransformerLM(cfg).num_parameters()
 
 
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt_file:
+        return Path(args.prompt_file).read_text(encoding="utf-8")
+    if args.prompt == "-":
+        return sys.stdin.read()
+    return args.prompt
+
+
 def cmd_sample(args: argparse.Namespace) -> None:
-    from .generate import generate_tokens
+    import time
+
+    import torch
+
+    from .generate import GenerationConfig, TextStreamer, generate_tokens, optimize_for_decoding
     from .interop import load_model
 
     # A glasslm checkpoint or a Hugging Face GPT-2/Llama directory.
     model, tokenizer = load_model(args.checkpoint, device=args.device)
     if tokenizer is None:
         raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
-    model.eval()
-    prompt = tokenizer.encode(args.prompt) if args.prompt else tokenizer.encode("\n")
-    if not prompt:
-        raise ValueError("the prompt encodes to no tokens")
-    sys.stdout.write(args.prompt)
-    for token in generate_tokens(model, prompt, args.max_new_tokens, args.temperature, args.top_k,
-                                 args.top_p, args.seed):
-        sys.stdout.write(tokenizer.decode([token]))
+    model = model.to(getattr(torch, args.dtype)).eval()
+    optimize_for_decoding(model)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k if args.top_k and args.top_k > 0 else None, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, stop_tokens=args.stop_token or (),
+        stop_strings=args.stop or (),
+    )
+
+    def respond(prompt: str, echo: bool) -> None:
+        # An empty prompt starts from a newline, the most neutral context a text model knows.
+        prompt_ids = tokenizer.encode(prompt or "\n")
+        if not prompt_ids:
+            raise ValueError("the prompt encodes to no tokens")
+        if echo:
+            sys.stdout.write(prompt)
+        streamer = TextStreamer(tokenizer, config.stop_strings)
+        start = time.perf_counter()
+        n_tokens = 0
+        for token in generate_tokens(model, prompt_ids, config=config):
+            n_tokens += 1
+            sys.stdout.write(streamer.push(token))
+            sys.stdout.flush()
+            if streamer.stopped:
+                break
+        sys.stdout.write(streamer.finish() + "\n")
         sys.stdout.flush()
-    sys.stdout.write("\n")
+        seconds = time.perf_counter() - start
+        print(f"[{n_tokens} tokens in {seconds:.2f} s: {n_tokens / max(seconds, 1e-9):.1f} tokens/s, "
+              f"prompt {len(prompt_ids)} tokens]", file=sys.stderr)
+
+    if not args.interactive:
+        respond(_read_prompt(args), echo=True)
+        return
+    # Interactive: the model stays loaded; every line read from stdin is a new prompt, until EOF.
+    print("glasslm interactive: one prompt per line, end with Ctrl-D", file=sys.stderr)
+    for line in sys.stdin:
+        respond(line.rstrip("\n"), echo=False)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    import time
+
+    import torch
+
+    from .data import resolve_text
+    from .evaluate import evaluate_text
+    from .interop import load_model
+
+    model, tokenizer = load_model(args.checkpoint, device=args.device)  # glasslm or HF directory
+    if tokenizer is None:
+        raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
+    model = model.to(getattr(torch, args.dtype))
+    text_path = resolve_text(args.data, args.data_dir)
+    text = text_path.read_text(encoding="utf-8")
+    if args.max_chars:
+        text = text[:args.max_chars]
+    start = time.perf_counter()
+    result = evaluate_text(model, tokenizer, text, stride=args.stride, batch_size=args.batch_size)
+    seconds = time.perf_counter() - start
+    stride = args.stride or model.config.context_length
+    print(f"data: {text_path} ({result['tokens']:,} tokens scored, {result['bytes']:,} bytes; "
+          f"context {model.config.context_length}, stride {stride})")
+    print(f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.3f}  "
+          f"bits/byte {result['bits_per_byte']:.4f}  ({seconds:.1f} s)")
 
 
 def cmd_info(args: argparse.Namespace) -> None:
@@ -333,16 +401,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/loss.png)")
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("sample", aliases=["generate"], help="write text from a trained checkpoint")
-    p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or Hugging Face model directory")
-    p.add_argument("--prompt", default="")
+    p = sub.add_parser("sample", aliases=["generate"], help="write text from a trained checkpoint (streamed)")
+    p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or run directory, or Hugging Face model directory")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--prompt", default="", help="the prompt text; '-' reads it from stdin")
+    source.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file")
+    source.add_argument("--interactive", action="store_true",
+                        help="keep the model loaded and answer each line of stdin until EOF")
     p.add_argument("--max-new-tokens", type=int, default=500)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    p.add_argument("--top-k", type=int, default=200, help="0 turns top-k off")
     p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop before this text (repeatable)")
+    p.add_argument("--stop-token", action="append", type=int, default=None, metavar="ID",
+                   help="stop at this token id (repeatable)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' dtype for decoding")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a checkpoint on a text")
+    p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or run directory, or Hugging Face model directory")
+    p.add_argument("--data", required=True, help="dataset name or path to a UTF-8 text file")
+    p.add_argument("--data-dir", default=None, help="where datasets are kept (default $GLASSLM_DATA_DIR or ~/.cache/glasslm)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="tokens between window starts (default: the context length, i.e. chunks)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-chars", type=int, default=None, help="score only the first N characters")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("info", help="parameters and FLOPs per token of a preset, by component")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))

@@ -1,4 +1,13 @@
-"""Autoregressive sampling with a KV cache: prefill the prompt once, then one token per step.
+"""Text generation: a KV cache, sampling controls, batches of ragged prompts, streaming text.
+
+The loop is the textbook one. Prefill: run the whole prompt through the model once, filling the
+key/value cache. Decode: feed only the newest token, attending to the cached keys and values, pick
+the next token from the last logits, repeat. Each step costs one pass over the weights, whatever
+the position.
+
+Every way of picking a token is a small function on a (batch, vocab) logits tensor, applied in
+this order (as Hugging Face does): repetition penalty, temperature, top-k, top-p, min-p, then
+argmax (temperature 0) or a draw from the softmax.
 
 Example:
     >>> import torch
@@ -8,79 +17,500 @@ Example:
     >>> out = list(generate_tokens(model, [1, 2, 3], max_new_tokens=4, temperature=0.0))
     >>> len(out)
     4
+    >>> [g.finish_reason for g in generate(model, [[1, 2, 3], [4]], GenerationConfig(max_new_tokens=2))]
+    ['length', 'length']
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from .layers import Linear
 from .model import TransformerLM
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass
+class GenerationConfig:
+    """How to pick tokens and when to stop. The defaults sample from the model's own distribution.
+
+    temperature 0 means greedy (argmax); top_k, top_p and min_p are then ignored.
+    Stop tokens are not part of the output; stop strings cut the text just before them.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int | None = None  # keep the k most likely tokens (and any tied with the k-th)
+    top_p: float | None = None  # keep the smallest most-likely set with mass >= top_p
+    min_p: float | None = None  # keep tokens with probability >= min_p * the top probability
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output
+    seed: int | None = None  # makes sampling reproducible
+    stop_tokens: Sequence[int] = ()
+    stop_strings: Sequence[str] = ()
+    logprobs: bool = False  # also return log p(token) under the model's unmodified distribution
+    window_keep: int | None = None  # tokens kept when the context slides; default context_length // 2
+    pad_token: int = 0  # fills the left of shorter prompts; masked out, so any valid id works
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0 or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(s == "" for s in self.stop_strings):
+            raise ValueError("stop strings must not be empty")
+        self.stop_tokens = tuple(int(t) for t in self.stop_tokens)
+        self.stop_strings = tuple(self.stop_strings)
+
+    def replace(self, **changes: Any) -> "GenerationConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def make_config(config: GenerationConfig | None = None, **controls: Any) -> GenerationConfig:
+    """`config` (or the defaults) with keyword overrides, e.g. make_config(temperature=0)."""
+    config = config or GenerationConfig()
+    return config.replace(**controls) if controls else config
+
+
+# --- choosing a token ----------------------------------------------------------------------------
+
+def apply_repetition_penalty(
+    logits: Float[Tensor, "batch vocab"], seen: Bool[Tensor, "batch vocab"], penalty: float
+) -> Float[Tensor, "batch vocab"]:
+    """Make already-seen tokens less likely (CTRL, Keskar et al. 2019, as Hugging Face applies it):
+    a positive logit is divided by the penalty, a negative one multiplied, so both move down.
+
+    >>> apply_repetition_penalty(torch.tensor([[2.0, -2.0, 1.0]]), torch.tensor([[True, True, False]]), 2.0)
+    tensor([[ 1., -4.,  1.]])
+    """
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
 
 
 def filter_logits(
-    logits: Float[Tensor, "batch vocab"], top_k: int | None = None, top_p: float | None = None
+    logits: Float[Tensor, "batch vocab"], top_k: int | None = None, top_p: float | None = None,
+    min_p: float | None = None,
 ) -> Float[Tensor, "batch vocab"]:
-    """Set to -inf every logit outside the top k, and outside the smallest set with mass >= top_p."""
-    if top_k is not None and 0 < top_k < logits.shape[-1]:
+    """Set to -inf every logit outside the top-k, top-p and min-p sets, applied in that order,
+    each to the (renormalized) distribution the previous one left.
+
+    Ties are kept together: a token as likely as the last one kept is kept too, so the result never
+    depends on how a sort happened to order equal values.
+
+    >>> filter_logits(torch.tensor([[3.0, 2.0, 2.0, 1.0]]), top_k=2)
+    tensor([[3., 2., 2., -inf]])
+    """
+    if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (batch, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and 0.0 < top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep a token if the mass strictly before it is below top_p (so the top token always stays).
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop_sorted = mass_before >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        probs = torch.softmax(logits.float(), dim=-1)
+        sorted_probs = probs.sort(dim=-1, descending=True).values
+        # The smallest prefix with mass >= top_p ends at the first token whose cumulative mass
+        # reaches top_p; every token at least as likely as that one stays.
+        cumulative = sorted_probs.cumsum(dim=-1)
+        last_kept = (cumulative < top_p).sum(dim=-1, keepdim=True).clamp_max(logits.shape[-1] - 1)
+        threshold = sorted_probs.gather(-1, last_kept)  # (batch, 1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if min_p is not None and min_p > 0.0:
+        probs = torch.softmax(logits.float(), dim=-1)
+        threshold = min_p * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 
 def sample_next(
     logits: Float[Tensor, "batch vocab"], temperature: float = 1.0, top_k: int | None = None,
-    top_p: float | None = None, generator: torch.Generator | None = None,
-) -> Tensor:
-    """Pick one token id per row: argmax when temperature == 0, else sample the filtered softmax."""
+    top_p: float | None = None, generator: torch.Generator | None = None, min_p: float | None = None,
+) -> Int[Tensor, "batch"]:
+    """Pick one token id per row: argmax when temperature == 0, else sample the filtered softmax.
+
+    >>> sample_next(torch.tensor([[0.0, 5.0, 1.0]]), temperature=0.0)
+    tensor([1])
+    """
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = filter_logits(logits.float() / temperature, top_k, top_p)
+    logits = filter_logits(logits.float() / temperature, top_k, top_p, min_p)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-@torch.no_grad()
-def generate_tokens(
-    model: TransformerLM, prompt: Sequence[int], max_new_tokens: int, temperature: float = 1.0,
-    top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-    stop_tokens: Sequence[int] = (),
-) -> Iterator[int]:
-    """Yield new token ids one at a time (for streaming).
+# --- the decoding loop ---------------------------------------------------------------------------
 
-    When the sequence outgrows the context, the window slides: the cache is refilled with the last
-    context_length - 1 tokens and generation continues from there.
+@dataclass
+class Step:
+    """One decoding step for every row of the batch."""
+
+    tokens: Int[Tensor, "batch"]  # the token picked for each row
+    logits: Float[Tensor, "batch vocab"]  # the model's raw (float32) logits it was picked from
+    logprobs: Float[Tensor, "batch"] | None  # log p(token) under those raw logits, if asked for
+
+
+@contextlib.contextmanager
+def onednn_disabled(disable: bool = True) -> Iterator[None]:
+    """Within this block PyTorch's CPU matmuls skip oneDNN (mkldnn) and use ATen's own kernels."""
+    previous = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = previous and not disable
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = previous
+
+
+class _Window:
+    """The KV cache plus what batched decoding needs around it: left padding, per-row positions,
+    and which cache slots hold real tokens (rather than padding) for the attention mask."""
+
+    def __init__(self, model: TransformerLM, batch: int, max_length: int, pad_token: int):
+        self.model, self.pad_token = model, pad_token
+        self.device = model.embed.weight.device
+        # On CPU, keep keys and values in float32 even for bf16 weights: CPUs without bf16 matrix
+        # units run bf16 attention several times slower than float32 (the weights stay bf16).
+        weight = model.embed.weight
+        low_precision = weight.dtype in (torch.bfloat16, torch.float16)
+        cache_dtype = torch.float32 if weight.device.type == "cpu" and low_precision else None
+        self.cache = model.new_kv_cache(batch, max_length, dtype=cache_dtype)
+        # One-row bf16 decode steps are vector x matrix products, which PyTorch's own kernel runs
+        # about twice as fast as oneDNN's on CPU (measured; oneDNN wins for prefill and batches).
+        self.use_native_gemv = weight.device.type == "cpu" and low_precision and batch == 1
+        self.key_is_real: Bool[Tensor, "batch max_length"] | None = None  # None: no padding anywhere
+        self.next_position: Int[Tensor, "batch"] = torch.zeros(batch, dtype=torch.long, device=self.device)
+
+    @property
+    def full(self) -> bool:
+        return self.cache.length >= self.cache.max_length
+
+    def prefill(self, rows: Sequence[Sequence[int]]) -> Float[Tensor, "batch vocab"]:
+        """Empty the cache and run the rows (left-padded to one length) through the model."""
+        lengths = [len(r) for r in rows]
+        longest = max(lengths)
+        tokens = torch.tensor([[self.pad_token] * (longest - n) + list(r) for r, n in zip(rows, lengths)],
+                              dtype=torch.long, device=self.device)
+        self.next_position = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        self.cache.reset()
+        if min(lengths) == longest:  # no padding: the model's own causal path is exact and fastest
+            self.key_is_real = None
+            logits = self.model(tokens, kv_cache=self.cache, last_logits_only=True)
+            return logits[:, -1].float()
+        n_pad = torch.tensor([longest - n for n in lengths], device=self.device)[:, None]  # (batch, 1)
+        slots = torch.arange(self.cache.max_length, device=self.device)[None, :]  # (1, max_length)
+        self.key_is_real = slots >= n_pad  # pads sit left; later slots are real once written
+        # A real token at slot s of a row with p pads is that row's token number s - p.
+        positions = (slots[:, :longest] - n_pad).clamp_min(0)  # (batch, longest)
+        causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
+        mask = causal & self.key_is_real[:, None, :longest]  # (batch, query, key)
+        # A pad query would see no key at all. glasslm's softmax and PyTorch 2.13's CPU kernels
+        # return zeros for such a row, but some kernels (other versions, other devices) return NaN,
+        # which would leak into real rows through NaN keys and values (0 * NaN = NaN). Letting
+        # pads see themselves makes every row well defined on any kernel; real rows are unaffected.
+        mask |= torch.eye(longest, dtype=torch.bool, device=self.device)
+        logits = self.model(tokens, positions, self.cache, mask, last_logits_only=True)
+        return logits[:, -1].float()
+
+    def decode(self, tokens: Int[Tensor, "batch"]) -> Float[Tensor, "batch vocab"]:
+        """Feed one new token per row; its keys and values land in the next cache slot."""
+        positions = mask = None
+        if self.key_is_real is not None:
+            end = self.cache.length + 1
+            positions = self.next_position[:, None]  # (batch, 1)
+            mask = self.key_is_real[:, None, :end]  # (batch, 1, end): real keys, including this one
+        # One query may see every cached key, so without padding no mask is needed at all.
+        with onednn_disabled(self.use_native_gemv):
+            logits = self.model(tokens[:, None], positions, self.cache, mask)[:, -1].float()
+        self.next_position += 1  # only now: `positions` above is a view of this tensor
+        return logits
+
+
+def decode_steps(
+    model: TransformerLM, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None,
+) -> Iterator[Step]:
+    """The raw loop: yield one `Step` per new token for every row, config.max_new_tokens times.
+
+    Rows never stop here (callers decide when a row is done and ignore its later tokens). Prompts
+    of different lengths are left-padded; each row gets positions 0..n-1 and a mask hiding the
+    padding, so it decodes as it would alone. When a row reaches the context length its window
+    slides: the cache is refilled with its last `window_keep` tokens (default context_length // 2),
+    so the cost of re-running them is paid once every context_length - window_keep tokens.
     """
-    if len(prompt) == 0:
-        raise ValueError("the prompt must contain at least one token")
-    device = model.embed.weight.device
+    config = config or GenerationConfig()
+    if len(prompts) == 0:
+        raise ValueError("no prompts given")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must contain at least one token")
     context = model.config.context_length
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-    tokens = list(prompt)[-context:]
-    cache = model.new_kv_cache(batch=1)
-    logits = model(torch.tensor([tokens], device=device), kv_cache=cache)[:, -1]
-    for _ in range(max_new_tokens):
-        next_id = int(sample_next(logits, temperature, top_k, top_p, generator))
-        yield next_id
-        if next_id in stop_tokens:
+    keep = config.window_keep or max(1, context // 2)
+    if not 1 <= keep < context:
+        raise ValueError(f"window_keep must be in [1, context_length={context}), got {keep}")
+    device = model.embed.weight.device
+    vocab = model.config.vocab_size
+    batch = len(prompts)
+    rows = [list(map(int, p)) for p in prompts]
+    for row in rows:
+        if min(row) < 0 or max(row) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    generator = torch.Generator(device=device).manual_seed(config.seed) if config.seed is not None else None
+    seen = None
+    if config.repetition_penalty != 1.0:
+        seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+        for i, row in enumerate(rows):
+            seen[i, row] = True
+
+    # The cache needs room for the longest prompt plus the new tokens, but never beyond the context.
+    longest = max(len(r) for r in rows)
+    window = _Window(model, batch, min(context, longest + config.max_new_tokens), config.pad_token)
+    with torch.inference_mode():
+        in_cache = [r[-context:] for r in rows]  # each row's tokens the cache holds (its window)
+        logits = window.prefill(in_cache)
+        for step in range(config.max_new_tokens):
+            scores = logits if seen is None else apply_repetition_penalty(logits, seen, config.repetition_penalty)
+            tokens = sample_next(scores, config.temperature, config.top_k, config.top_p, generator, config.min_p)
+            logprobs = None
+            if config.logprobs:
+                logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+            yield Step(tokens, logits, logprobs)
+            if step == config.max_new_tokens - 1:
+                break  # the next token's logits would never be used
+            for row, held, token in zip(rows, in_cache, tokens.tolist()):
+                row.append(token)
+                held.append(token)
+            if seen is not None:
+                seen[torch.arange(batch, device=device), tokens] = True
+            if window.full:
+                # A row whose own window reached the context slides to its last `keep` tokens; the
+                # others are re-run unchanged, dropping their padding. So each row slides exactly
+                # when it would alone, and batched rows match unbatched ones beyond the context too.
+                in_cache = [row[-keep:] if len(held) > context else held for row, held in zip(rows, in_cache)]
+                logits = window.prefill(in_cache)
+            else:
+                logits = window.decode(tokens)
+
+
+# --- stopping and text ---------------------------------------------------------------------------
+
+@dataclass
+class Generation:
+    """What one prompt produced. `text` is set when a tokenizer was given."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    text: str | None = None
+    finish_reason: str = "length"  # "length", "stop_token" or "stop_string"
+
+
+def find_stop(text: str, stop_strings: Sequence[str]) -> int:
+    """Index where the earliest stop string starts in `text`, or -1."""
+    hits = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def generate(
+    model: TransformerLM, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None,
+    tokenizer: Tokenizer | None = None, **controls: Any,
+) -> list[Generation]:
+    """Generate for a batch of token prompts (of any lengths); each row stops on its own.
+
+    Stop strings need `tokenizer` (they are checked on the decoded text). Each row's result is the
+    same as generating it alone (greedy tokens identical, logits equal to float tolerance).
+    """
+    config = make_config(config, **controls)
+    if config.stop_strings and tokenizer is None:
+        raise ValueError("stop strings are matched on text, so they need a tokenizer")
+    results = [Generation(logprobs=[] if config.logprobs else None) for _ in prompts]
+    done = [False] * len(prompts)
+    stop_tokens = set(config.stop_tokens)
+    if config.max_new_tokens > 0:
+        for step in decode_steps(model, prompts, config):
+            step_logprobs = step.logprobs.tolist() if step.logprobs is not None else None
+            for i, token in enumerate(step.tokens.tolist()):
+                if done[i]:
+                    continue
+                if token in stop_tokens:
+                    done[i], results[i].finish_reason = True, "stop_token"
+                    continue
+                results[i].tokens.append(token)
+                if step_logprobs is not None:
+                    results[i].logprobs.append(step_logprobs[i])
+                if config.stop_strings and find_stop(tokenizer.decode(results[i].tokens), config.stop_strings) >= 0:
+                    done[i], results[i].finish_reason = True, "stop_string"
+            if all(done):
+                break
+    if tokenizer is not None:
+        for result in results:
+            text = tokenizer.decode(result.tokens)
+            cut = find_stop(text, config.stop_strings)
+            result.text = text if cut < 0 else text[:cut]
+    return results
+
+
+def generate_tokens(
+    model: TransformerLM, prompt: Sequence[int], max_new_tokens: int | None = None,
+    temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+    seed: int | None = None, stop_tokens: Sequence[int] = (), config: GenerationConfig | None = None,
+    **controls: Any,
+) -> Iterator[int]:
+    """Yield new token ids one at a time as they are produced (for streaming); stops before a stop token.
+
+    Keyword controls override `config`; see `GenerationConfig` for all of them.
+    """
+    given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    controls.update({k: v for k, v in given.items() if v is not None})
+    if stop_tokens:
+        controls["stop_tokens"] = stop_tokens
+    config = make_config(config, **controls)
+    stops = set(config.stop_tokens)
+    if config.max_new_tokens == 0:
+        return
+    for step in decode_steps(model, [prompt], config):
+        token = int(step.tokens[0])
+        if token in stops:
             return
-        tokens.append(next_id)
-        if cache.length >= context:  # window full: keep the most recent context - 1 tokens
-            tokens = tokens[-(context - 1):]
-            cache.reset()
-            logits = model(torch.tensor([tokens], device=device), kv_cache=cache)[:, -1]
-        else:
-            logits = model(torch.tensor([[next_id]], device=device), kv_cache=cache)[:, -1]
+        yield token
+
+
+class TextStreamer:
+    """Turns token ids, pushed one at a time, into text pieces that are safe to print now.
+
+    A byte-level BPE token can be part of a UTF-8 character, and the tail of the text may be the
+    start of a stop string, so each push decodes everything so far and returns only the new,
+    settled part (see `settled_length`). Once a stop string appears, `stopped` is set and the text
+    ends exactly before it.
+
+    >>> from glasslm.tokenizers import CharTokenizer
+    >>> tok = CharTokenizer.from_text("abc.")
+    >>> streamer = TextStreamer(tok, stop_strings=["c."])
+    >>> [streamer.push(t) for t in tok.encode("abcab")]  # "c" waits: it might start "c."
+    ['a', 'b', '', 'ca', 'b']
+    >>> streamer = TextStreamer(tok, stop_strings=["c."])
+    >>> [streamer.push(t) for t in tok.encode("abc.a")], streamer.text, streamer.stopped
+    (['a', 'b', '', '', ''], 'ab', True)
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = ()):
+        self.tokenizer, self.stop_strings = tokenizer, tuple(stop_strings)
+        self.tokens: list[int] = []
+        self.text = ""  # everything decoded so far
+        self.shown = 0  # how many characters of it were returned
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        if self.stopped:
+            return ""
+        self.tokens.append(token)
+        self.text = self.tokenizer.decode(self.tokens)
+        cut = find_stop(self.text, self.stop_strings)
+        if cut >= 0:
+            self.stopped = True
+            self.text = self.text[:cut]
+            return self._take(cut)
+        return self._take(settled_length(self.text, self.stop_strings))
+
+    def finish(self) -> str:
+        """Whatever is still held back, once no more tokens will come."""
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        piece = self.text[self.shown:end] if end > self.shown else ""
+        self.shown = max(self.shown, end)
+        return piece
+
+
+def stream_text(
+    model: TransformerLM, tokenizer: Tokenizer, prompt: str | Sequence[int],
+    config: GenerationConfig | None = None, **controls: Any,
+) -> Iterator[str]:
+    """Yield the generated text in pieces as tokens arrive, ending exactly before any stop string."""
+    config = make_config(config, **controls)
+    prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    streamer = TextStreamer(tokenizer, config.stop_strings)
+    for token in generate_tokens(model, prompt_ids, config=config):
+        piece = streamer.push(token)
+        if piece:
+            yield piece
+        if streamer.stopped:
+            return
+    piece = streamer.finish()
+    if piece:
+        yield piece
+
+
+def settled_length(text: str, stop_strings: Sequence[str] = ()) -> int:
+    """Length of the prefix of `text` that later tokens can no longer change or cut.
+
+    >>> settled_length("abc\ufffd"), settled_length("hello wo", ["world"])
+    (3, 6)
+    """
+    end = len(text)
+    while end > 0 and text[end - 1] == REPLACEMENT_CHAR:
+        end -= 1  # maybe the first bytes of a character whose remaining bytes are still to come
+    settled = end
+    for stop in stop_strings:
+        # If the text ends with the start of a stop string, that start may yet become the stop.
+        for n in range(min(len(stop) - 1, end), 0, -1):
+            if text[:end].endswith(stop[:n]):
+                settled = min(settled, end - n)
+                break
+    return settled
+
+
+def generate_text(
+    model: TransformerLM, tokenizer: Tokenizer, prompt: str, config: GenerationConfig | None = None,
+    **controls: Any,
+) -> str:
+    """The generated continuation of `prompt` as one string (without the prompt).
+
+    >>> from glasslm.config import get_preset
+    >>> from glasslm.tokenizers import CharTokenizer
+    >>> tok = CharTokenizer.from_text("abc")
+    >>> model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=3, n_layers=1)).eval()
+    >>> len(generate_text(model, tok, "ab", max_new_tokens=5, seed=0))
+    5
+    """
+    return "".join(stream_text(model, tokenizer, prompt, config, **controls))
+
+
+# --- speed ---------------------------------------------------------------------------------------
+
+def optimize_for_decoding(model: TransformerLM) -> TransformerLM:
+    """Re-lay float32 matrices on CPU column-major ((d_in, d_out) in memory) for one-token steps.
+
+    Values, shapes and the parameters' identity are unchanged; only strides change, so training,
+    saving and loading work as before. Why: decoding one token multiplies a vector by every weight
+    matrix, which is bound by how fast memory streams the weights. For float32, MKL's
+    vector-matrix kernel streams an (in, out) layout about twice as fast as the (out, in) one on the
+    CPUs measured (see docs/generation.md). bfloat16 kernels prefer the usual layout: left alone.
+    """
+    for module in model.modules():
+        weights = []
+        if isinstance(module, Linear):
+            weights.append(module.weight)
+        if module is model.embed and model.unembed is None:
+            weights.append(module.weight)  # the tied unembedding: the largest matrix of all
+        for weight in weights:
+            if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.is_contiguous():
+                weight.data = weight.data.T.contiguous().T
+    return model

@@ -87,12 +87,15 @@ class TransformerLM(nn.Module):
         positions: Int[Tensor, "seq"] | Int[Tensor, "batch seq"] | None = None,
         kv_cache: KVCache | None = None,
         attn_mask: Bool[Tensor, "batch seq k_seq"] | None = None,
+        last_logits_only: bool = False,
     ) -> Float[Tensor, "batch seq vocab"]:
         """Logits for the next token at every position.
 
         With a `kv_cache`, `tokens` continue the cached sequence: positions default to the slots
         after the cached ones, and the cache cursor advances by seq. `attn_mask` (True = may attend)
         replaces the causal mask, e.g. to hide left padding in batched generation.
+        `last_logits_only` returns logits for the last position only (batch, 1, vocab): generation
+        needs nothing else, and it skips a (seq x vocab) unembedding matmul when prefilling a prompt.
         """
         c = self.config
         self.check_tokens(tokens)
@@ -115,6 +118,8 @@ class TransformerLM(nn.Module):
             x = block(x, positions, kv_cache, layer, attn_mask)
         if kv_cache is not None:
             kv_cache.advance(seq)
+        if last_logits_only:
+            x = x[:, -1:]
         if self.ln_final is not None:
             x = self.ln_final(x)
         weight = self.embed.weight if self.unembed is None else self.unembed.weight

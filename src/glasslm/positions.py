@@ -68,9 +68,11 @@ class RotaryPositions(nn.Module):
         self.register_buffer("sin", torch.sin(angles).float(), persistent=False)
 
     def forward(
-        self, x: Float[Tensor, "batch heads seq d_head"], positions: Int[Tensor, "seq"]
+        self, x: Float[Tensor, "batch heads seq d_head"], positions: Int[Tensor, "seq"] | Int[Tensor, "batch seq"]
     ) -> Float[Tensor, "batch heads seq d_head"]:
-        cos, sin = self.cos[positions], self.sin[positions]  # (seq, d_head/2)
+        cos, sin = self.cos[positions], self.sin[positions]  # (seq, d_head/2) or (batch, seq, d_head/2)
+        if positions.dim() == 2:  # per-row positions (left-padded batches): broadcast over heads
+            cos, sin = cos[:, None], sin[:, None]
         pairs = upcast(x).unflatten(-1, (-1, 2))  # (batch, heads, seq, d_head/2, 2)
         first, second = pairs[..., 0], pairs[..., 1]
         # 2-D rotation of each (first, second) pair by its angle.

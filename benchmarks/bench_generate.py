@@ -1,0 +1,175 @@
+"""Generation speed: glasslm against Hugging Face transformers on identical GPT-2-small weights.
+
+Both models run in this one process, timed in turns (interleaved), so machine noise hits both
+alike; tables show medians over repeats and glasslm / HF ratios.
+
+    python benchmarks/bench_generate.py            # full: 256 new tokens, 5 repeats
+    python benchmarks/bench_generate.py --quick    # a short version (~1 minute)
+
+The weights are random (GPT-2's init, fixed seed): speed does not depend on their values, and
+nothing has to be downloaded. Before timing, the script checks the two models agree: logits
+within 1e-4 and identical greedy tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from glasslm.config import get_preset
+from glasslm.generate import GenerationConfig, generate, generate_tokens, onednn_disabled, optimize_for_decoding
+from glasslm.model import TransformerLM
+
+
+def hf_gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config()).eval()
+
+
+def glasslm_from_hf(hf) -> TransformerLM:
+    """Copy HF GPT-2 weights into glasslm's gpt2-small (private to this benchmark; interop lives elsewhere).
+
+    GPT-2's Conv1D stores weights (d_in, d_out); glasslm's Linear stores (d_out, d_in) like torch.
+    """
+    model = TransformerLM(get_preset("gpt2-small")).eval()
+    theirs = hf.state_dict()
+    pairs = {"embed.weight": "transformer.wte.weight", "pos_embed.weight": "transformer.wpe.weight",
+             "ln_final.weight": "transformer.ln_f.weight", "ln_final.bias": "transformer.ln_f.bias"}
+    for i in range(model.config.n_layers):
+        ours, hf_name = f"blocks.{i}.", f"transformer.h.{i}."
+        for a, b in (("ln1", "ln_1"), ("ln2", "ln_2"), ("attn.qkv", "attn.c_attn"), ("attn.out", "attn.c_proj"),
+                     ("mlp.up", "mlp.c_fc"), ("mlp.down", "mlp.c_proj")):
+            pairs[ours + a + ".weight"] = hf_name + b + ".weight"
+            pairs[ours + a + ".bias"] = hf_name + b + ".bias"
+    state = {}
+    for ours, hf_name in pairs.items():
+        tensor = theirs[hf_name]
+        is_conv1d = hf_name.endswith("weight") and any(k in hf_name for k in ("c_attn", "c_proj", "c_fc"))
+        state[ours] = tensor.T.contiguous() if is_conv1d else tensor
+    missing = set(model.state_dict()) - set(state)
+    assert not missing, missing
+    model.load_state_dict(state)
+    return model
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = parser.parse_args()
+    n_new = args.new_tokens or (64 if args.quick else 256)
+    repeats = args.repeats or (3 if args.quick else 5)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print("command:", " ".join([sys.executable, *sys.argv]))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {n_new} new tokens, "
+          f"median of {repeats} repeats\n")
+
+    hf = hf_gpt2()
+    ours = glasslm_from_hf(hf)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 50257, (1, 16), generator=generator)
+    prompt8 = torch.randint(0, 50257, (8, 16), generator=generator)
+
+    with torch.inference_mode():
+        diff = (hf(prompt).logits - ours(prompt)).abs().max().item()
+    assert diff < 1e-4, f"logits differ by {diff}"
+    optimize_for_decoding(ours)  # a layout change only: checked again below through greedy tokens
+    ours_bf16 = glasslm_from_hf(hf).to(torch.bfloat16)
+    greedy = GenerationConfig(max_new_tokens=n_new, temperature=0.0)
+
+    def run_hf(tokens):
+        with torch.inference_mode():
+            return hf.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=n_new,
+                               min_new_tokens=n_new, do_sample=False, pad_token_id=0)[:, tokens.shape[1]:]
+
+    def run_ours(model, tokens):
+        if len(tokens) == 1:
+            return [list(generate_tokens(model, tokens[0].tolist(), config=greedy))]
+        return [g.tokens for g in generate(model, tokens.tolist(), greedy)]
+
+    hf_tokens = run_hf(prompt)[0].tolist()
+    assert run_ours(ours, prompt)[0] == hf_tokens, "greedy tokens differ from transformers'"
+    bf16_tokens = run_ours(ours_bf16, prompt)[0]
+    agree = next((i for i, (a, b) in enumerate(zip(bf16_tokens, hf_tokens)) if a != b), n_new)
+    print(f"check: max |logit diff| {diff:.2e}; greedy tokens identical for {n_new} tokens (fp32); "
+          f"bf16 agrees for the first {agree}\n")
+
+    cases = {
+        ("transformers fp32", 1): lambda: run_hf(prompt),
+        ("glasslm fp32", 1): lambda: run_ours(ours, prompt),
+        ("glasslm bf16", 1): lambda: run_ours(ours_bf16, prompt),
+        ("transformers fp32", 8): lambda: run_hf(prompt8),
+        ("glasslm fp32", 8): lambda: run_ours(ours, prompt8),
+        ("glasslm bf16", 8): lambda: run_ours(ours_bf16, prompt8),
+    }
+    times: dict = {case: [] for case in cases}
+    for _ in range(repeats):  # interleaved: each repeat runs every case once
+        for case, fn in cases.items():
+            times[case].append(timed(fn))
+    print(f"| {'generation (16-token prompt, greedy)':<38} | batch | tokens/s | vs transformers |")
+    print(f"|{'-' * 40}|-------|----------|-----------------|")
+    for (name, batch), ts in times.items():
+        rate = batch * n_new / statistics.median(ts)
+        base = batch * n_new / statistics.median(times[("transformers fp32", batch)])
+        print(f"| {name:<38} | {batch:>5} | {rate:>8.1f} | {rate / base:>14.2f}x |")
+
+    # Prefill of a long prompt and per-token decode time at several positions, with and without cache.
+    long_prompt = torch.randint(0, 50257, (1, 1024), generator=generator)
+    prefill = {"transformers fp32": [], "glasslm fp32": [], "glasslm bf16": []}
+    with torch.inference_mode():
+        for _ in range(max(1, repeats - 1)):
+            prefill["transformers fp32"].append(timed(lambda: hf(long_prompt, use_cache=True)))
+            for name, model in (("glasslm fp32", ours), ("glasslm bf16", ours_bf16)):
+                cache = model.new_kv_cache(1)
+                prefill[name].append(timed(lambda: model(long_prompt, kv_cache=cache, last_logits_only=True)))
+    print(f"\n| prefill, 1,024-token prompt | seconds | tokens/s |\n|---|---|---|")
+    for name, ts in prefill.items():
+        print(f"| {name} | {statistics.median(ts):.3f} | {1024 / statistics.median(ts):.0f} |")
+
+    positions = (16, 256, 512, 1000) if not args.quick else (16, 512, 1000)
+    print("\n| position | fp32 cached ms/token | bf16 cached ms/token | fp32 no cache ms/token | transformers cached |")
+    print("|---|---|---|---|---|")
+    steps = 5
+    with torch.inference_mode():
+        for position in positions:
+            row = []
+            for model, native_gemv in ((ours, False), (ours_bf16, True)):
+                # As generation does it: a float32 cache, and ATen's gemv for one-row bf16 steps.
+                cache = model.new_kv_cache(1, dtype=torch.float32)
+                model(long_prompt[:, :position], kv_cache=cache, last_logits_only=True)
+                step_times = []
+                for i in range(steps):
+                    token = long_prompt[:, position + i:position + i + 1]
+                    with onednn_disabled(native_gemv):
+                        step_times.append(timed(lambda: model(token, kv_cache=cache)))
+                row.append(statistics.median(step_times) * 1e3)
+            # No cache: every step recomputes the whole prefix (what decoding without a KV cache costs).
+            no_cache = [timed(lambda: ours(long_prompt[:, :position + 1], last_logits_only=True))
+                        for _ in range(1 if args.quick else 2)]
+            row.append(min(no_cache) * 1e3)
+            out = hf(long_prompt[:, :position], use_cache=True)
+            hf_steps = []
+            for i in range(steps):
+                token = long_prompt[:, position + i:position + i + 1]
+                hf_steps.append(timed(lambda: hf(token, past_key_values=out.past_key_values, use_cache=True)))
+            row.append(statistics.median(hf_steps) * 1e3)
+            print(f"| {position} | " + " | ".join(f"{x:.1f}" for x in row) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Evaluation: perplexity of a uniform model is the vocabulary size, sliding windows score every
+token once with the context they promise, and a short text is one forward pass."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from glasslm.checkpoint import save_checkpoint
+from glasslm.cli import main
+from glasslm.config import get_preset
+from glasslm.evaluate import evaluate_text, evaluate_tokens, sliding_windows
+from glasslm.model import TransformerLM
+from glasslm.tokenizers import CharTokenizer
+
+TEXT = "to be, or not to be, that is the question: whether 'tis nobler in the mind to suffer\n" * 3
+
+
+def tiny(vocab: int, context: int = 16, family: str = "gpt2-small", seed: int = 0) -> TransformerLM:
+    cfg = get_preset(family, vocab_size=vocab, n_layers=2, d_model=32, n_heads=2, context_length=context)
+    torch.manual_seed(seed)
+    model = TransformerLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(5.0)  # peaked predictions, so wrong context changes the loss visibly
+    return model
+
+
+def test_uniform_model_has_perplexity_equal_to_the_vocabulary_size():
+    tok = CharTokenizer.from_text(TEXT)
+    model = tiny(tok.vocab_size)
+    with torch.no_grad():
+        model.ln_final.weight.zero_()
+        model.ln_final.bias.zero_()  # final hidden state 0, so every logit is 0
+    result = evaluate_text(model, tok, TEXT, stride=5)
+    assert result["perplexity"] == pytest.approx(tok.vocab_size, rel=1e-5)
+    assert result["tokens"] == len(TEXT) - 1 and result["bytes"] == len(TEXT) - 1
+    assert result["bits_per_byte"] == pytest.approx(math.log2(tok.vocab_size), rel=1e-5)
+
+
+def test_short_text_is_a_single_forward_pass():
+    tok = CharTokenizer.from_text(TEXT)
+    model = tiny(tok.vocab_size, context=64)
+    ids = torch.tensor(tok.encode(TEXT[:50]))
+    with torch.no_grad():
+        expected = F.cross_entropy(model(ids[None, :-1])[0], ids[1:]).item()
+    for stride in (None, 7, 64):
+        assert evaluate_tokens(model, ids, stride=stride)["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_stride_equal_to_context_is_chunked_loss(batch_size):
+    tok = CharTokenizer.from_text(TEXT)
+    context = 16
+    model = tiny(tok.vocab_size, context=context, family="llama-tiny")
+    ids = torch.tensor(tok.encode(TEXT))
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, context):  # chunk k: inputs ids[start:start+16] -> next tokens
+            inputs = ids[start:start + context + 1][:-1]
+            targets = ids[start + 1:start + context + 1]
+            nll += F.cross_entropy(model(inputs[None])[0], targets, reduction="sum").item()
+            count += len(targets)
+    result = evaluate_tokens(model, ids, stride=context, batch_size=batch_size)
+    assert result["tokens"] == count == len(ids) - 1
+    assert result["loss"] == pytest.approx(nll / count, rel=1e-5)
+
+
+def test_smaller_stride_gives_every_target_more_context():
+    tok = CharTokenizer.from_text(TEXT)
+    context, stride = 16, 4
+    model = tiny(tok.vocab_size, context=context)
+    ids = torch.tensor(tok.encode(TEXT))
+    # By hand: target t is predicted from the window that first covers it, as the sliding rule says.
+    nll = 0.0
+    with torch.no_grad():
+        for t in range(1, len(ids)):
+            start = 0 if t <= context else ((t - context - 1) // stride + 1) * stride
+            logits = model(ids[start:t][None])[0, -1]
+            assert t - start >= min(t, context - stride + 1)  # the context a stride promises
+            nll += F.cross_entropy(logits[None], ids[t:t + 1], reduction="sum").item()
+    result = evaluate_tokens(model, ids, stride=stride, batch_size=4)
+    assert result["loss"] == pytest.approx(nll / (len(ids) - 1), rel=1e-5)
+    chunked = evaluate_tokens(model, ids, stride=context)["loss"]
+    assert result["loss"] != pytest.approx(chunked, rel=1e-3)  # the stride really changed the context
+
+
+def test_windows_score_each_target_once():
+    for n in (2, 3, 17, 18, 100):
+        for context, stride in ((16, 16), (16, 1), (16, 5), (4, 3)):
+            scored = []
+            for start, end, first in sliding_windows(n, context, stride):
+                assert end - start <= context
+                scored += range(first, end + 1)
+            assert scored == list(range(1, n))
+    with pytest.raises(ValueError):
+        sliding_windows(10, 4, 5)
+
+
+def test_cli_eval_prints_loss_perplexity_and_bits_per_byte(tmp_path, capsys):
+    tok = CharTokenizer.from_text(TEXT)
+    model = tiny(tok.vocab_size, context=32)
+    path = save_checkpoint(tmp_path / "ckpt", model, tok)
+    (tmp_path / "text.txt").write_text(TEXT)
+    assert main(["eval", "--checkpoint", str(path), "--data", str(tmp_path / "text.txt"), "--stride", "8"]) == 0
+    out = capsys.readouterr().out
+    expected = evaluate_text(model, tok, TEXT, stride=8)
+    assert f"loss {expected['loss']:.4f}" in out
+    assert f"perplexity {expected['perplexity']:.3f}" in out
+    assert f"bits/byte {expected['bits_per_byte']:.4f}" in out
