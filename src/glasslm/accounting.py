@@ -28,11 +28,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-import torch
 
+from .checkpoint import empty_model
 from .config import ModelConfig
 from .layers import Linear
-from .model import TransformerLM
 
 ATTENTION_MIXING = "attention q·kᵀ and pattern·v"
 
@@ -44,11 +43,6 @@ class ComponentCost:
     name: str
     parameters: int
     forward_flops_per_token: int
-
-
-def _meta_model(config: ModelConfig) -> TransformerLM:
-    with torch.device("meta"):  # shapes only: even a 70B config costs no memory
-        return TransformerLM(config)
 
 
 def _component(module_name: str) -> str:
@@ -65,7 +59,7 @@ def cost_table(config: ModelConfig, context_length: int | None = None) -> list[C
     attention matmuls over the sequence.
     """
     context = context_length or config.context_length
-    model = _meta_model(config)
+    model = empty_model(config)  # meta device: shapes only, even a 70B config costs no memory
     params = model.num_parameters(by_component=True)
     flops: Counter[str] = Counter()
     for name, module in model.named_modules():
@@ -90,7 +84,7 @@ def cost_table(config: ModelConfig, context_length: int | None = None) -> list[C
 
 def parameter_count(config: ModelConfig) -> int:
     """Total parameters (a tied unembedding counted once)."""
-    return _meta_model(config).num_parameters()
+    return empty_model(config).num_parameters()
 
 
 def forward_flops_per_token(config: ModelConfig, context_length: int | None = None) -> int:

@@ -113,6 +113,7 @@ def _pick(cli_value: Any, file: dict[str, Any], key: str, default: Any) -> Any:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .checkpoint import load_config, read_json, resolve_checkpoint
+    from .accounting import parameter_count
     from .data import load_training_data
     from .distributed import init_distributed, shutdown_distributed
     from .generate import generate_tokens
@@ -160,7 +161,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     ctx = init_distributed(train_cfg.device)
     say = print if ctx.is_main else (lambda *a, **k: None)
     say(f"data: {data.description}")
-    say(f"model: {preset} ({_count(model_cfg):,} parameters) -> {out}"
+    say(f"model: {preset} ({parameter_count(model_cfg):,} parameters) -> {out}"
         + (f", {ctx.world_size} processes" if ctx.enabled else "")
         + (f", resuming from {resume_dir}" if resume_dir is not None else ""))
 
@@ -209,12 +210,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
     path = plot_run(args.run_dir, args.out)
     print(f"wrote {path}")
     return 0
-
-
-def _count(cfg: ModelConfig) -> int:
-    from .model import TransformerLM
-
-    return TransformerLM(cfg).num_parameters()
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
