@@ -278,10 +278,7 @@ def remove_stale_staging(run_dir: str | os.PathLike) -> None:
 def load_config(path: Path) -> ModelConfig:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: not a glasslm checkpoint?")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err})") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a glasslm model config")
     try:

@@ -34,7 +34,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .config import ModelConfig
-from .checkpoint import model_from_state_dict
+from .checkpoint import model_from_state_dict, read_json
 from .model import TransformerLM
 
 Family = Literal["gpt2", "llama"]
@@ -370,10 +370,7 @@ def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
     path = Path(directory) / HF_CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: not a Hugging Face model directory?")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err})") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a model config")
     return data
