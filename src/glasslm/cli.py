@@ -25,8 +25,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from .config import PRESETS, ModelConfig, get_preset
-from .train import TRAIN_PRESETS, TrainConfig
+from .config import PRESETS, ModelConfig, get_preset, get_recipe
+from .train import TrainConfig
 
 
 def _field_type(cls: type, f: dataclasses.Field) -> type:
@@ -99,7 +99,7 @@ def load_config_file(path: str) -> dict[str, Any]:
             raise ValueError(f"{file} is not valid TOML: {err}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{file} must hold a table of settings")
-    allowed = {"preset", "data", "data_dir", "out", "val_fraction", "sample_tokens", "model", "train"}
+    allowed = {"preset", "recipe", "data", "data_dir", "out", "val_fraction", "sample_tokens", "model", "train"}
     unknown = set(data) - allowed
     if unknown:
         raise ValueError(f"{file}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -141,7 +141,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         preset = _pick(args.preset, file, "preset", "shakespeare-char-cpu")
         data_source = _pick(args.data, file, "data", "tinyshakespeare")
         val_fraction = _pick(args.val_fraction, file, "val_fraction", 0.1)
-        train_cfg = dataclasses.replace(TRAIN_PRESETS.get(preset, TrainConfig()), **train_overrides)
+        # A preset without a recipe is refused unless --recipe names one (never silent defaults).
+        train_cfg = get_recipe(_pick(args.recipe, file, "recipe", preset), **train_overrides)
         out = Path(_pick(args.out, file, "out", f"runs/{preset}"))
 
     data_dir = _pick(args.data_dir, file, "data_dir", None)
@@ -379,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue exactly from a checkpoint (a run directory resumes its latest)")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default shakespeare-char-cpu")
+    p.add_argument("--recipe", default=None,
+                   help="training recipe: a preset's name or 'default' (TrainConfig's defaults); default: the preset's own")
     p.add_argument("--data", default=None,
                    help="dataset name, UTF-8 text file, or a directory made by `glasslm prepare` (default tinyshakespeare)")
     p.add_argument("--tokenizer", default=None,

@@ -112,19 +112,7 @@ class TrainConfig:
         return cls(**data)
 
 
-TRAIN_PRESETS: dict[str, TrainConfig] = {
-    # nanoGPT's CPU recipe for tiny Shakespeare, so results compare directly.
-    "shakespeare-char-cpu": TrainConfig(),
-    # nanoGPT's config/train_shakespeare_char.py.
-    "shakespeare-char": TrainConfig(max_steps=5000, batch_size=64, warmup_steps=100, eval_interval=250,
-                                    eval_iters=200),
-    "llama-tiny": TrainConfig(max_steps=5000, batch_size=32, lr=1e-3, min_lr=1e-4, beta2=0.95,
-                              warmup_steps=200, eval_interval=250, eval_iters=50),
-    # nanoGPT's config/train_gpt2.py: ~0.5M tokens per step (12 x 1024 x 40 accumulated).
-    "gpt2-small": TrainConfig(max_steps=600_000, batch_size=12, grad_accum_steps=40, lr=6e-4, min_lr=6e-5,
-                              warmup_steps=2000, beta2=0.95, eval_interval=1000, eval_iters=200,
-                              log_interval=10, dtype="bfloat16"),
-}
+# Each preset's training recipe lives beside its model in config.PRESETS (see config.get_recipe).
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
