@@ -45,7 +45,7 @@ def test_presets_have_the_documented_shapes():
 def test_unknown_preset_and_fields():
     with pytest.raises(ValueError, match="unknown preset"):
         get_preset("gpt5")
-    with pytest.raises(ValueError, match="unknown ModelConfig fields"):
+    with pytest.raises(ValueError, match="unknown setting .n_layer.; did you mean .n_layers."):
         get_preset("gpt2-small", n_layer=3)
 
 

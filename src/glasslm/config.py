@@ -18,11 +18,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
+
+from .schema import checked, did_you_mean
 
 if TYPE_CHECKING:
     from .train import TrainConfig
@@ -50,28 +50,28 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 class ModelConfig:
     """Architecture of a decoder-only transformer. Validated on construction."""
 
-    vocab_size: int = 50257
-    context_length: int = 1024
-    d_model: int = 768
-    n_layers: int = 12
-    n_heads: int = 12
-    n_kv_heads: int | None = None  # None means n_heads (plain multi-head attention)
-    d_mlp: int | None = None  # None means 4 * d_model
-    positional: Positional = "learned"
-    rope_theta: float = 10000.0
-    norm: Norm = "layernorm"
-    norm_eps: float = 1e-5
-    activation: Activation = "gelu_tanh"
-    mlp: MLPKind = "mlp"
-    norm_placement: NormPlacement = "pre"
-    final_norm: bool = True
-    bias: bool = True
-    tie_embeddings: bool = True
+    vocab_size: int = 50257  # token ids run from 0 to vocab_size - 1
+    context_length: int = 1024  # the most positions the model attends over
+    d_model: int = 768  # width of the residual stream
+    n_layers: int = 12  # transformer blocks
+    n_heads: int = 12  # attention heads per block (query heads, with grouped-query attention)
+    n_kv_heads: int | None = None  # key/value heads; fewer than n_heads is grouped-query attention; None: n_heads
+    d_mlp: int | None = None  # hidden width of the MLP; None: 4 * d_model
+    positional: Positional = "learned"  # how positions enter: added learned/sinusoidal vectors, or rotary (RoPE)
+    rope_theta: float = 10000.0  # RoPE base: larger rotates slower, for longer contexts
+    norm: Norm = "layernorm"  # normalisation layer
+    norm_eps: float = 1e-5  # added to the variance inside the norm
+    activation: Activation = "gelu_tanh"  # MLP nonlinearity (gelu_tanh: GPT-2's approximation)
+    mlp: MLPKind = "mlp"  # plain two-layer MLP, or gated SwiGLU (Llama)
+    norm_placement: NormPlacement = "pre"  # norm before each sublayer (GPT-2, Llama) or after the residual (Vaswani)
+    final_norm: bool = True  # a norm before the unembedding
+    bias: bool = True  # biases in the linear layers and norms
+    tie_embeddings: bool = True  # the unembedding reuses the token embedding matrix
     scale_embeddings: bool = False  # multiply token embeddings by sqrt(d_model) (Vaswani)
     dropout: float = 0.0  # on embeddings, attention probabilities and residual outputs
-    init: Init = "gpt2"
-    init_std: float = 0.02
-    impl: AttentionImpl = "fast"
+    init: Init = "gpt2"  # weight initialisation scheme
+    init_std: float = 0.02  # standard deviation of the normal initialisations
+    impl: AttentionImpl = "fast"  # fast: PyTorch's fused kernels; readable: every step in plain tensor ops
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -110,9 +110,7 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """A copy with some fields changed (validated again)."""
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+        checked(ModelConfig, changes, "ModelConfig")
         # Fields left at their derived default follow the field they derive from.
         if "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
             changes["n_kv_heads"] = None
@@ -124,12 +122,9 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
-        return cls(**data)
+    def from_dict(cls, data: dict[str, Any], where: str = "ModelConfig") -> "ModelConfig":
+        """From `to_dict`'s output (or JSON/TOML), type-checked; `where` names the source in errors."""
+        return cls(**checked(cls, data, where))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -160,11 +155,9 @@ class Preset:
     """A named model and, where one has been tried, how to train it."""
 
     model: ModelConfig
-    recipe: dict[str, Any] | None
-    """The TrainConfig fields that differ from TrainConfig's defaults; None: no training recipe (the
-    preset is for loading pretrained weights, or its schedule is not one TrainConfig can express)."""
-    about: str = ""
-    """Where the numbers come from."""
+    recipe: dict[str, Any] | None  # the TrainConfig fields that differ from TrainConfig's defaults;
+                                   # None: no recipe (pretrained weights, or a schedule TrainConfig lacks)
+    about: str = ""  # where the numbers come from
 
 
 # One registry: every preset name maps to its architecture and its training recipe.
@@ -259,9 +252,3 @@ def get_recipe(name: str, **overrides: Any) -> "TrainConfig":
 
 def presets_with_recipes() -> list[str]:
     return sorted(name for name, preset in PRESETS.items() if preset.recipe is not None)
-
-
-def did_you_mean(name: str, choices: Iterable[str]) -> str:
-    """'; did you mean 'x'?' for the closest of `choices` to a mistyped `name`, else ''."""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
