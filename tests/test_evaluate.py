@@ -106,7 +106,8 @@ def test_cli_eval_prints_loss_perplexity_and_bits_per_byte(tmp_path, capsys):
     model = tiny(tok.vocab_size, context=32)
     path = save_checkpoint(tmp_path / "ckpt", model, tok)
     (tmp_path / "text.txt").write_text(TEXT)
-    assert main(["eval", "--checkpoint", str(path), "--data", str(tmp_path / "text.txt"), "--stride", "8"]) == 0
+    assert main(["eval", "--checkpoint", str(path), "--data", str(tmp_path / "text.txt"), "--stride", "8",
+                 "--split", "all"]) == 0
     out = capsys.readouterr().out
     expected = evaluate_text(model, tok, TEXT, stride=8)
     assert f"loss {expected['loss']:.4f}" in out

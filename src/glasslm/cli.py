@@ -39,6 +39,16 @@ def _field_type(cls: type, f: dataclasses.Field) -> type:
     return hint
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _parse_bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -214,6 +224,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt_file:
+        if Path(args.prompt_file).is_dir():
+            raise ValueError(f"--prompt-file {args.prompt_file} is a directory, not a text file")
         return Path(args.prompt_file).read_text(encoding="utf-8")
     if args.prompt == "-":
         return sys.stdin.read()
@@ -267,36 +279,88 @@ def cmd_sample(args: argparse.Namespace) -> None:
         respond(_read_prompt(args), echo=True)
         return
     # Interactive: the model stays loaded; every line read from stdin is a new prompt, until EOF.
-    print("glasslm interactive: one prompt per line, end with Ctrl-D", file=sys.stderr)
-    for line in sys.stdin:
-        respond(line.rstrip("\n"), echo=False)
+    # Ctrl-C stops the answer being written (back to the prompt); at the prompt it ends the session.
+    tty = sys.stdin.isatty()
+    print("glasslm interactive: one prompt per line; Ctrl-C stops an answer; Ctrl-D (or Ctrl-C here) quits",
+          file=sys.stderr)
+    while True:
+        try:
+            if tty:
+                sys.stderr.write("> ")
+                sys.stderr.flush()
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            line = ""
+        if not line:  # EOF or Ctrl-C at the prompt: a clean exit
+            if tty:
+                sys.stderr.write("\n")
+            return
+        try:
+            respond(line.rstrip("\n"), echo=False)
+        except Terminated:
+            raise
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            print("[stopped]", file=sys.stderr)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
     import time
 
+    import numpy as np
     import torch
 
-    from .data import resolve_text
+    from .data import is_prepared, load_prepared, read_split, resolve_text
     from .evaluate import evaluate_text
     from .interop import load_model
 
     model, tokenizer = load_model(args.checkpoint, device=args.device)  # glasslm or HF directory
-    if tokenizer is None:
-        raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
     model = model.to(getattr(torch, args.dtype))
-    text_path = resolve_text(args.data, args.data_dir)
-    text = text_path.read_text(encoding="utf-8")
-    if args.max_chars:
-        text = text[:args.max_chars]
+    # The split rule is training's: prepared datasets hold it in their files, text files are cut
+    # by data.split_offset (validation from the first line start at or after 90% of the bytes).
+    if is_prepared(args.data):
+        data = load_prepared(args.data)
+        ids = {"train": data.train, "val": data.val}.get(args.split)
+        ids = np.concatenate([data.train, data.val]) if ids is None else ids
+        if args.max_tokens:
+            ids = ids[:args.max_tokens + 1]
+        ids = np.asarray(ids, dtype=np.int64)
+        _check_same_tokenizer(tokenizer, data.tokenizer, ids, model.config.vocab_size, args)
+        tokenizer, text, source = data.tokenizer, None, f"{args.data} [{args.split}]"
+    else:
+        if tokenizer is None:
+            raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
+        text_path = resolve_text(args.data, args.data_dir)
+        text = read_split(text_path, args.split, args.val_fraction)
+        if args.max_chars:
+            text = text[:args.max_chars]
+        if len(text) < 2:
+            raise ValueError(f"the {args.split} split of {text_path} holds {len(text)} characters: nothing to score "
+                             "(validation starts at the first line start in the last --val-fraction of the bytes)")
+        ids, source = None, f"{text_path} [{args.split}]"
     start = time.perf_counter()
-    result = evaluate_text(model, tokenizer, text, stride=args.stride, batch_size=args.batch_size)
+    result = evaluate_text(model, tokenizer, text, stride=args.stride, batch_size=args.batch_size,
+                           max_tokens=args.max_tokens, progress=not args.quiet, ids=ids)
     seconds = time.perf_counter() - start
     stride = args.stride or model.config.context_length
-    print(f"data: {text_path} ({result['tokens']:,} tokens scored, {result['bytes']:,} bytes; "
+    print(f"data: {source} ({result['tokens']:,} tokens scored, {result['bytes']:,} bytes; "
           f"context {model.config.context_length}, stride {stride})")
     print(f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.3f}  "
           f"bits/byte {result['bits_per_byte']:.4f}  ({seconds:.1f} s)")
+
+
+def _check_same_tokenizer(model_tokenizer: Any, data_tokenizer: Any, ids: Any, vocab_size: int,
+                          args: argparse.Namespace) -> None:
+    """A prepared dataset's token ids mean something only to the tokenizer that made them."""
+    if data_tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"{args.data} has a vocabulary of {data_tokenizer.vocab_size} tokens, more than the "
+                         f"model's {vocab_size}: it was prepared with another tokenizer")
+    sample = [int(i) for i in ids[:2000]]
+    if model_tokenizer is not None and (model_tokenizer.vocab_size != data_tokenizer.vocab_size
+                                        or model_tokenizer.decode(sample) != data_tokenizer.decode(sample)):
+        raise ValueError(f"{args.data} was prepared with a different tokenizer than {args.checkpoint}'s; "
+                         "prepare it with --tokenizer pointing at the checkpoint")
 
 
 def cmd_info(args: argparse.Namespace) -> None:
@@ -419,12 +483,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a checkpoint on a text")
     p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or run directory, or Hugging Face model directory")
-    p.add_argument("--data", required=True, help="dataset name or path to a UTF-8 text file")
+    p.add_argument("--data", required=True,
+                   help="dataset name, path to a UTF-8 text file, or a directory made by `glasslm prepare`")
     p.add_argument("--data-dir", default=None, help="where datasets are kept (default $GLASSLM_DATA_DIR or ~/.cache/glasslm)")
-    p.add_argument("--stride", type=int, default=None,
+    p.add_argument("--split", default="val", choices=["val", "train", "all"],
+                   help="which part to score, split as in training (default val: the text training did not see)")
+    p.add_argument("--val-fraction", type=float, default=0.1,
+                   help="text files: validation starts at the first line start at or after 1 - this of the bytes")
+    p.add_argument("--stride", type=_positive_int, default=None,
                    help="tokens between window starts (default: the context length, i.e. chunks)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-chars", type=int, default=None, help="score only the first N characters")
+    p.add_argument("--batch-size", type=_positive_int, default=8)
+    p.add_argument("--max-tokens", type=_positive_int, default=None, help="score at most N tokens (from the split's start)")
+    p.add_argument("--max-chars", type=_positive_int, default=None, help="score only the first N characters")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_eval)
@@ -480,15 +551,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that commands clean up what they were writing."""
+
+    signum = 15
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _describe(err: BaseException) -> str:
+    """One line for the user: OS errors as "what: path", everything else as its message."""
+    if isinstance(err, OSError) and err.strerror:
+        where = f": {err.filename}" if err.filename else ""
+        return f"{err.strerror}{where}"
+    return " ".join(str(err).split("\n"))
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Every user-facing error goes through here once: a single line
+    `glasslm COMMAND: error: ...` on stderr and exit status 1, never a traceback."""
+    import signal
+    import threading
+
     args = build_parser().parse_args(argv)
+    if args.command != "train" and threading.current_thread() is threading.main_thread():
+        # train saves a checkpoint on SIGTERM itself; other commands unwind like Ctrl-C, removing
+        # half-written output (prepare's .tmp files) on the way out.
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         code = args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError) as err:
-        print(f"glasslm {args.command}: error: {err}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError, OSError) as err:
+        print(f"glasslm {args.command}: error: {_describe(err)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as err:
+        print(f"glasslm {args.command}: interrupted", file=sys.stderr)
+        return 128 + getattr(err, "signum", 2)
     return code or 0
 
 
