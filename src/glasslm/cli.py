@@ -139,6 +139,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         # raise max_steps to train longer), not the model.
         saved_meta = read_json(resume_dir / "meta.json")
         saved_state = read_json(resume_dir / TRAINER_STATE_JSON)
+        missing = [k for k in ("step", "best_val_loss", "elapsed_s", "train_config")
+                   if not isinstance(saved_state, dict) or k not in saved_state]
+        if missing:
+            raise ValueError(f"{resume_dir / TRAINER_STATE_JSON} lacks {', '.join(missing)}: not a complete "
+                             "training checkpoint, so it cannot be resumed")
         if model_overrides:
             raise ValueError(f"--resume continues the checkpoint's model; drop {sorted(model_overrides)}")
         preset = saved_meta.get("preset", "checkpoint")
@@ -375,9 +380,11 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> None:
     from .checkpoint import save_checkpoint
+    from .data import check_output_dir
     from .interop import export_hf, import_hf, hf_tokenizer, load_model
 
     if args.from_hf:
+        check_output_dir(args.out, args.overwrite, inputs=[args.from_hf], what="checkpoint")
         model = import_hf(args.from_hf, context_length=args.context_length)
         tokenizer = hf_tokenizer(args.from_hf)
         if tokenizer is not None and not hasattr(tokenizer, "save"):
@@ -389,6 +396,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
     else:
         if not args.checkpoint:
             raise ValueError("--to-hf needs --checkpoint")
+        check_output_dir(args.out, args.overwrite, inputs=[args.checkpoint], what="export")
         model, tokenizer = load_model(args.checkpoint)
         export_hf(model, args.out, tokenizer)
         print(f"{args.checkpoint} -> {args.out} (Hugging Face format)")
@@ -409,10 +417,11 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 def cmd_train_tokenizer(args: argparse.Namespace) -> None:
     import time
 
-    from .data import resolve_text
+    from .data import check_output_dir, resolve_text
     from .tokenizers import train_tokenizer
 
     paths = [resolve_text(source, args.data_dir) for source in args.inputs]
+    check_output_dir(args.out, args.overwrite, inputs=paths, what="tokenizer")
     start = time.perf_counter()
     tokenizer = train_tokenizer(paths, args.vocab_size, args.special_tokens, args.out, args.workers)
     print(f"trained a {tokenizer.vocab_size:,}-token byte-level BPE in {time.perf_counter() - start:.2f} s "
@@ -420,17 +429,27 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from .data import char_vocabulary, prepare, resolve_text
+    from .data import char_vocabulary, check_output_dir, prepare, resolve_text
     from .tokenizers import CharTokenizer, get_tokenizer
 
     paths = [resolve_text(source, args.data_dir) for source in args.inputs]
+    check_output_dir(args.out, args.overwrite, inputs=paths, what="dataset")  # before the slow part
     if args.tokenizer == "char":
         tokenizer = CharTokenizer(char_vocabulary(paths))
     else:
         tokenizer = get_tokenizer(args.tokenizer, data_dir=args.data_dir)
-    meta = prepare(paths, tokenizer, args.out, args.val_fraction, progress=not args.quiet)
+    meta = prepare(paths, tokenizer, args.out, args.val_fraction, progress=not args.quiet, overwrite=args.overwrite)
     print(f"{args.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
           f"({meta['dtype']}, vocab {meta['vocab_size']:,})")
+
+
+def cmd_fetch(args: argparse.Namespace) -> None:
+    from .data import DATA_DIR_RULE, DATASETS, data_dir, fetch_dataset
+
+    print(f"data directory: {data_dir(args.data_dir)} ({DATA_DIR_RULE})")
+    for name in args.names or list(DATASETS):
+        path = fetch_dataset(name, args.data_dir, source_dir=args.source)
+        print(f"{name}: {path} (sha256 verified)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -512,8 +531,9 @@ def build_parser() -> argparse.ArgumentParser:
     direction.add_argument("--to-hf", action="store_true", help="export --checkpoint as an HF directory")
     p.add_argument("--checkpoint", help="glasslm checkpoint to export (with --to-hf)")
     p.add_argument("--out", required=True, help="where to write the converted model")
-    p.add_argument("--context-length", type=int, default=None,
+    p.add_argument("--context-length", type=_positive_int, default=None,
                    help="Llama only: context length to use instead of max_position_embeddings")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (else refused)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", help="draw attention patterns or the logit lens (needs matplotlib)")
@@ -532,12 +552,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train-tokenizer", help="train a byte-level BPE vocabulary on text files")
     p.add_argument("inputs", nargs="+", help="UTF-8 text files or dataset names")
-    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--vocab-size", type=_positive_int, required=True)
     p.add_argument("--special-tokens", nargs="*", default=["<|endoftext|>"])
     p.add_argument("--out", required=True, help="directory for vocab.json + merges.txt")
     p.add_argument("--workers", type=int, default=None, help="pre-tokenizing processes (default: all cores)")
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out (else refused)")
     p.set_defaults(func=cmd_train_tokenizer)
+
+    p = sub.add_parser("fetch", help="put known datasets into the data directory (download, or copy with --from)")
+    p.add_argument("names", nargs="*", help="dataset names (default: all known)")
+    p.add_argument("--from", dest="source", default=None, metavar="DIR",
+                   help="copy from this local folder instead of downloading (sha256 still checked)")
+    p.add_argument("--data-dir", default=None, help="where datasets are kept (default $GLASSLM_DATA_DIR or ~/.cache/glasslm)")
+    p.set_defaults(func=cmd_fetch)
 
     p = sub.add_parser("prepare", help="tokenize text files into train.bin / val.bin for training")
     p.add_argument("inputs", nargs="+", help="UTF-8 text files or dataset names")
@@ -546,6 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="the last fraction of each file (from a line start) becomes validation data")
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--overwrite", action="store_true", help="delete what --out holds first (else a non-empty --out is refused)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_prepare)
     return parser
