@@ -2,8 +2,8 @@
 on stderr (never a traceback), a nonzero exit status, and no existing file changed.
 
 Most cases call `glasslm.cli.main` in this process (a torch import per case would cost ~2 s); an
-uncaught exception there fails the test just as a traceback would. One case per family that needs
-a real process (signals, a malicious pickle, the installed entry point) runs `python -m glasslm.cli`.
+uncaught exception there fails the test just as a traceback would. The signal cases need a real
+process and run `python -m glasslm.cli`.
 Families: CLI arguments, data/prepare, checkpoints, generation, Hugging Face conversion,
 overwriting, signals during prepare, a full disk during prepare.
 """
@@ -145,8 +145,8 @@ CASES = [
                                             "--context-length", "0"], r"--context-length.*at least 1"),
     Case("cli-eval-max-tokens-0", lambda w: ["eval", "--checkpoint", str(w / "run"), "--data", str(w / "text.txt"),
                                              "--max-tokens", "0"], r"--max-tokens.*at least 1"),
-    Case("cli-vocab-size-0", lambda w: ["train-tokenizer", str(w / "text.txt"), "--vocab-size", "0",
-                                        "--out", str(w / "t2")], r"--vocab-size.*at least 1"),
+    Case("cli-eval-batch-size-0", lambda w: ["eval", "--checkpoint", str(w / "run"), "--data", str(w / "text.txt"),
+                                             "--batch-size", "0"], r"--batch-size.*at least 1"),
     # data and prepare
     Case("prepare-out-is-a-file", lambda w: ["prepare", str(w / "text.txt"), "--out", str(_a_file(w)), "--quiet"],
          r"is an existing file"),
@@ -306,27 +306,25 @@ def test_sigkill_during_prepare_reads_as_incomplete(work, capsys):
     assert (out / "meta.json").is_file() and not list(out.glob(".*"))
 
 
-# --- real processes: the entry point and a malicious pickle -----------------------------------------
+# --- a malicious pickle ---------------------------------------------------------------------------
 
-def test_malicious_pickle_is_refused_and_never_run(work, tmp_path):
+def test_malicious_pickle_is_refused_and_never_run(work, tmp_path, capsys):
     """An HF pytorch_model.bin whose unpickling would create a file: refused, the file never made."""
     import torch
+    from safetensors.torch import load_file
 
     marker = tmp_path / "PWNED"
 
     class Payload:
-        def __reduce__(self):  # unpickling calls open(marker, "w")
+        def __reduce__(self):  # unpickling would call open(marker, "w")
             return (open, (str(marker), "w"))
-
-    from safetensors.torch import load_file
 
     weights = work / "hf" / "model.safetensors"
     tensors = load_file(weights)
     weights.unlink()
     torch.save({**tensors, "evil": Payload()}, work / "hf" / "pytorch_model.bin")  # pickling never calls it
     before = snapshot(work)
-    proc = _cli("convert", "--from-hf", str(work / "hf"), "--out", str(work / "new"))
-    _, err = proc.communicate(timeout=120)
-    assert_one_line_error(proc.returncode, err, r"refusing to load pickled code.*\bopen\b")
+    code, err = run_main(["convert", "--from-hf", str(work / "hf"), "--out", str(work / "new")], capsys)
+    assert_one_line_error(code, err, r"refusing to load pickled code.*\bopen\b")
     assert not marker.exists()
     assert snapshot(work) == before
