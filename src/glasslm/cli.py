@@ -9,9 +9,9 @@
     glasslm eval --checkpoint runs/shakespeare --data tinyshakespeare
     glasslm info --preset gpt2-small --context-length 1024
     glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2
-    glasslm convert --to-hf --checkpoint runs/gpt2 --out exported/gpt2
-    glasslm inspect attention --checkpoint runs/shakespeare --prompt "ROMEO:" --layer 0 --head 1 --out attn.png
-    glasslm inspect logit-lens --checkpoint runs/shakespeare --prompt "ROMEO:" --out lens.png
+    glasslm convert --to-hf --checkpoint runs/gpt2 --out runs/exported-gpt2
+    glasslm inspect attention --checkpoint runs/shakespeare --prompt "ROMEO:" --layer 0 --head 1 --out runs/attn.png
+    glasslm inspect logit-lens --checkpoint runs/shakespeare --prompt "ROMEO:" --out runs/lens.png
 """
 
 from __future__ import annotations
@@ -536,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (else refused)")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("inspect", help="draw attention patterns or the logit lens (needs matplotlib)")
+    p = sub.add_parser("inspect", help="draw attention patterns or the logit lens (PNG)")
     what = p.add_subparsers(dest="what", required=True)
     for name, help_text in (("attention", "one head's attention pattern, tokens on both axes"),
                             ("logit-lens", "top next token read from every layer, as a grid")):
