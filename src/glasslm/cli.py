@@ -188,7 +188,7 @@ def _optional_loggers(cfg: TrainConfig, run_dir: Path, config: dict[str, Any]) -
             try:
                 loggers.append(make())
             except ImportError:
-                raise ValueError(f"--{package} needs the {package} package: pip install 'glasslm[{package}]'") from None
+                raise ValueError(f"--{package} needs the {package} package: pip install {package}") from None
     return loggers
 
 
