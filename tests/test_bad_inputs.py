@@ -168,6 +168,13 @@ CASES = [
     Case("interrupted-prepare-reads-as-such", lambda w: ["eval", "--checkpoint", str(w / "run"),
                                                          "--data", str(_interrupted_prepare(w))],
          r"incomplete preparation.*rerun prepare with --overwrite"),
+    Case("train-out-is-a-file", lambda w: ["train", "--data", str(w / "text.txt"), "--out", str(_a_file(w)),
+                                           "--max-steps", "1", *TINY], r"(File exists|is an existing file|not a directory)"),
+    Case("train-out-under-a-file", lambda w: ["train", "--data", str(w / "text.txt"), "--out", str(_a_file(w) / "x"),
+                                              "--max-steps", "1", *TINY], r"[Nn]ot a directory"),
+    Case("train-out-unwritable", lambda w: ["train", "--data", str(w / "text.txt"),
+                                            "--out", str(unwritable_dir(w) / "x"), "--max-steps", "1", *TINY],
+         r"(Permission denied|Operation not permitted|Read-only)"),
     # checkpoints
     Case("char-tokenizer-without-chars", lambda w: ["generate", "--checkpoint", str(_char_tokenizer_without_chars(w)),
                                                     "--prompt", "R", "--max-new-tokens", "2"], r"needs \"chars\""),
