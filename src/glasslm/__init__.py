@@ -16,11 +16,14 @@ from importlib import metadata as _metadata
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import PRESETS, ModelConfig, Preset, get_preset, get_recipe
-from .generate import GenerationConfig, generate, generate_text, generate_tokens, stream_text
+from .generate import GenerationConfig, generate_text, generate_tokens, stream_text
 from .interop import export_hf, import_hf, load_model
 from .model import TransformerLM
 from .tokenizers import get_tokenizer, load_tokenizer
-from .train import TrainConfig, TrainResult, train
+# `glasslm.train` and `glasslm.generate` stay the modules (re-binding them to functions here would hide
+# the modules from `import glasslm.train as m`); the training entry point is exported as `train_model`.
+from .train import TrainConfig, TrainResult
+from .train import train as train_model
 
 try:
     __version__ = _metadata.version("glasslm")
@@ -29,7 +32,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree that was ne
 
 __all__ = [
     "GenerationConfig", "ModelConfig", "PRESETS", "Preset", "TrainConfig", "TrainResult", "TransformerLM",
-    "__version__", "export_hf", "generate", "generate_text", "generate_tokens", "get_preset", "get_recipe",
+    "__version__", "export_hf", "generate_text", "generate_tokens", "get_preset", "get_recipe",
     "get_tokenizer", "import_hf", "load_checkpoint", "load_model", "load_tokenizer", "save_checkpoint",
-    "stream_text", "train",
+    "stream_text", "train_model",
 ]
