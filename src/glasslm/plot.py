@@ -1,6 +1,6 @@
 """Loss curves of a run as a PNG: train and validation loss against steps and against tokens seen.
 
-Needs matplotlib (the `plot` extra); it draws off-screen (Agg), so it works without a display.
+Uses matplotlib (a core dependency); it draws off-screen (Agg), so it works without a display.
 
 Example:
     >>> import json, tempfile
@@ -28,7 +28,7 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("plotting needs matplotlib: pip install 'glasslm[plot]'") from None
+        raise ValueError("plotting needs matplotlib: pip install matplotlib") from None
     run = Path(run_dir)
     metrics_path = run / METRICS_FILE if run.is_dir() else run
     if not metrics_path.is_file():
