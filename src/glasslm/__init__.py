@@ -1,6 +1,7 @@
 """glasslm: a decoder-only transformer language model you can read line by line.
 
 The main names are here; each lives in its own module (see the README's "Where things are").
+`glasslm.train` is the training module, and calling it runs `glasslm.train.train`.
 
 Example:
     >>> import glasslm
@@ -16,11 +17,12 @@ from importlib import metadata as _metadata
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import PRESETS, ModelConfig, Preset, get_preset, get_recipe
-from .generate import GenerationConfig, generate, generate_text, generate_tokens, stream_text
+from .generate import GenerationConfig, generate_text, generate_tokens, stream_text
 from .interop import export_hf, import_hf, load_model
 from .model import TransformerLM
 from .tokenizers import get_tokenizer, load_tokenizer
-from .train import TrainConfig, TrainResult, train
+from . import train  # the module, callable: glasslm.train(...) is train.train(...)
+from .train import TrainConfig, TrainResult
 
 try:
     __version__ = _metadata.version("glasslm")
@@ -29,7 +31,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree that was ne
 
 __all__ = [
     "GenerationConfig", "ModelConfig", "PRESETS", "Preset", "TrainConfig", "TrainResult", "TransformerLM",
-    "__version__", "export_hf", "generate", "generate_text", "generate_tokens", "get_preset", "get_recipe",
+    "__version__", "export_hf", "generate_text", "generate_tokens", "get_preset", "get_recipe",
     "get_tokenizer", "import_hf", "load_checkpoint", "load_model", "load_tokenizer", "save_checkpoint",
     "stream_text", "train",
 ]
