@@ -326,7 +326,7 @@ def materialize_buffers(model: TransformerLM, device: torch.device | str) -> Non
     for module in model.modules():
         if isinstance(module, RotaryPositions):
             with torch.device(device):
-                fresh = RotaryPositions(c.context_length, c.d_head, c.rope_theta)
+                fresh = RotaryPositions.from_config(c)
             module.cos, module.sin = fresh.cos, fresh.sin
         elif isinstance(module, SinusoidalPositions):
             with torch.device(device):
