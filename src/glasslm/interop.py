@@ -769,3 +769,42 @@ def checkpoint_summary(path: str | os.PathLike) -> dict[str, Any]:
     best = summary.get("best_val_loss")
     out["val_loss"] = best if isinstance(best, (int, float)) and best != float("inf") else None
     return out
+
+
+def init_weights_from(model: TransformerLM, path: str | os.PathLike) -> None:
+    """Copy the weights of a checkpoint / HF directory / cached hub name into `model` (fine-tuning).
+
+    The architectures must match except for training-only settings (dropout, attention impl)
+    and, for rotary models, the context length.
+    """
+    from .checkpoint import load_weights
+
+    source, _ = load_model(path)
+    if _comparable(source.config) != _comparable(model.config):
+        raise ValueError(f"{path} holds a different architecture than the model to train: {source.config} vs {model.config}")
+    load_weights(model, source.state_dict(), str(path))
+
+
+def _comparable(config: ModelConfig) -> dict[str, Any]:
+    """The fields that must agree between pretrained weights and the model to fine-tune."""
+    out = config.to_dict()
+    for name in ("dropout", "impl", "init", "init_std"):
+        out.pop(name)
+    if config.positional != "learned":
+        out.pop("context_length")  # rotary / sinusoidal tables are recomputed for any length
+    return out
+
+
+def checkpoint_config(path: str | os.PathLike) -> tuple[ModelConfig, Any | None, dict[str, Any]]:
+    """(config, tokenizer or None, summary) of any checkpoint without reading its weights."""
+    from .checkpoint import load_config, resolve_checkpoint
+    from .tokenizers import load_tokenizer
+
+    path = resolve_model_path(path)
+    if is_hf_directory(path):
+        return config_from_hf(read_hf_config(path))[0], hf_tokenizer(path), checkpoint_summary(path)
+    directory = resolve_checkpoint(path)
+    tokenizer = None
+    if any((directory / name).exists() for name in ("tokenizer.json", "glasslm_tokenizer.json", "tokenizer.model")):
+        tokenizer = load_tokenizer(directory)
+    return load_config(directory / "config.json"), tokenizer, checkpoint_summary(directory)

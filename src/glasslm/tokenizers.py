@@ -790,6 +790,21 @@ def special_token_ids(tokenizer) -> dict[str, int | None]:
     return {"bos": bos, "eos": eos, "pad": None, "unk": None}
 
 
+def same_vocabulary(a, b) -> bool:
+    """True if two tokenizers give every text the same ids (compared through their tokenizer.json
+    models and special tokens; kinds that cannot be written as one, by kind, size and specials)."""
+    if a is b:
+        return True
+    try:
+        ja, jb = to_hf_json(a), to_hf_json(b)
+    except ValueError:
+        return (type(a) is type(b) and a.vocab_size == b.vocab_size and a.special_tokens == b.special_tokens
+                and getattr(a, "model_bytes", None) == getattr(b, "model_bytes", None))
+    specials = lambda j: sorted((t["id"], t["content"]) for t in j.get("added_tokens") or [])  # noqa: E731
+    keys = ("model", "normalizer", "pre_tokenizer")
+    return all(ja.get(k) == jb.get(k) for k in keys) and specials(ja) == specials(jb)
+
+
 def _added_token(content: str, i: int) -> dict:
     return {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
             "normalized": False, "special": True}

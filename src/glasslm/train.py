@@ -88,6 +88,9 @@ class TrainConfig:
     tensorboard: bool = False
     wandb: bool = False
     progress: bool = True
+    # Fine-tuning: start from these weights (a glasslm checkpoint or run directory, a Hugging Face
+    # model directory, or a hub name in the local HF cache) with a fresh optimizer, in a new run.
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "eval_iters", "grad_accum_steps", "log_interval"):
@@ -303,6 +306,10 @@ def train(
     # Every process builds identical initial weights from the same seed.
     torch.manual_seed(cfg.seed)
     model = model_config if isinstance(model_config, TransformerLM) else TransformerLM(model_config)
+    if cfg.init_from and resume is None and not isinstance(model_config, TransformerLM):
+        from .interop import init_weights_from
+
+        init_weights_from(model, cfg.init_from)
     model.to(device).train()
     context = model.config.context_length
     for name, tokens in (("training", train_tokens), ("validation", val_tokens)):
