@@ -666,7 +666,7 @@ class HFTokenizer:
         try:
             backend = _tokenizers_lib().Tokenizer.from_str(text)
         except Exception as err:  # the Rust side raises plain Exceptions
-            raise ValueError(f"not a tokenizer.json the tokenizers library can read: {err}") from None
+            raise ValueError(f"not a Hugging Face tokenizer.json the tokenizers library can read: {err}") from None
         return cls(backend, config)
 
     @classmethod
