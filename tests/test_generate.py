@@ -314,10 +314,11 @@ def test_repetition_penalty_changes_greedy_output():
 
 
 def test_config_rejects_nonsense():
-    for bad in (dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0), dict(min_p=2.0),
+    for bad in (dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(min_p=2.0),
                 dict(repetition_penalty=0.0), dict(max_new_tokens=-1), dict(stop_strings=[""])):
         with pytest.raises(ValueError):
             GenerationConfig(**bad)
+    assert GenerationConfig(top_k=0).top_k is None  # 0 means off, as it always has on the command line
 
 
 def test_bf16_weights_generate_close_to_float32():

@@ -206,7 +206,7 @@ def test_cli_config_file_errors(tmp_path, capsys):
     assert main(["train", "--config", str(bad)]) == 1
     bad.write_text("epochs = 3\n")
     assert main(["train", "--config", str(bad)]) == 1
-    assert "unknown keys ['epochs']" in capsys.readouterr().err
+    assert "unknown setting 'epochs'" in capsys.readouterr().err
 
 
 def test_optional_loggers_tensorboard(tmp_path):

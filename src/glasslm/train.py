@@ -52,6 +52,7 @@ from .distributed import DistributedContext, all_reduce_mean, any_process, barri
 from .layers import cross_entropy
 from .loggers import METRICS_FILE, JSONLLogger, MetricsLogger
 from .model import TransformerLM
+from .schema import checked
 
 TRAINER_STATE_JSON = "trainer_state.json"
 TRAINER_STATE_TENSORS = "trainer_state.safetensors"
@@ -62,35 +63,34 @@ DType = Literal["float32", "bfloat16", "float16"]
 class TrainConfig:
     """Everything about a run that is not the architecture. Saved (as JSON) with every checkpoint."""
 
-    max_steps: int = 2000
+    max_steps: int = 2000  # optimizer steps in the whole run (a resumed run continues up to it)
     batch_size: int = 12  # sequences per micro-batch per process
     grad_accum_steps: int = 1  # micro-batches per optimizer step
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 100
-    lr_decay_steps: int | None = None  # end of the cosine phase; None means max_steps
-    beta1: float = 0.9
-    beta2: float = 0.99
-    weight_decay: float = 0.1
+    lr: float = 1e-3  # peak learning rate, reached at the end of warmup
+    min_lr: float = 1e-4  # learning rate at the end of the cosine decay, and after it
+    warmup_steps: int = 100  # steps of linear warmup to lr
+    lr_decay_steps: int | None = None  # step where the cosine decay ends; None (or 0): max_steps
+    beta1: float = 0.9  # AdamW's decay rate of the gradient's running mean
+    beta2: float = 0.99  # AdamW's decay rate of the squared gradient's running mean
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay, on matrices only
     decay_embeddings: bool = False  # also decay token/position embeddings (nanoGPT does)
     grad_clip: float = 1.0  # max global L2 norm of the gradient; 0 disables clipping
-    eval_interval: int = 250  # 0 evaluates only at the end
+    eval_interval: int = 250  # steps between validation runs; 0: only at the end
     eval_iters: int = 20  # validation batches per evaluation (the same batches every time)
     log_interval: int = 10  # steps between metrics records (JSONL) and progress-bar updates
     checkpoint_interval: int = 0  # steps between extra checkpoints; 0: only at evaluations and the end
     keep_last: int = 2  # numbered checkpoints kept (plus the best one); 0 keeps all
-    seed: int = 1337
-    device: str = "cpu"
+    seed: int = 1337  # seeds the initial weights, the batch order and dropout
+    device: str = "cpu"  # torch device to train on: cpu, cuda, cuda:1, mps, ...
     dtype: DType = "float32"  # bfloat16/float16: autocast the forward pass; weights stay float32
     compile: bool = False  # torch.compile the model (measured no faster on CPU; see docs/training.md)
     threads: int = 0  # CPU intra-op threads; 0 keeps torch's default (one per core)
     fsdp: bool = False  # shard parameters, gradients and optimizer state (FSDP2) instead of DDP
-    tensorboard: bool = False
-    wandb: bool = False
-    progress: bool = True
-    # Fine-tuning: start from these weights (a glasslm checkpoint or run directory, a Hugging Face
-    # model directory, or a hub name in the local HF cache) with a fresh optimizer, in a new run.
-    init_from: str | None = None
+    tensorboard: bool = False  # also log metrics to TensorBoard (RUN_DIR/tensorboard; needs tensorboard)
+    wandb: bool = False  # also log metrics to Weights & Biases, offline unless WANDB_MODE says otherwise
+    progress: bool = True  # draw a progress bar with loss, lr and tokens/s
+    init_from: str | None = None  # fine-tune: start from these weights (a glasslm checkpoint, an HF
+                                  # directory or a cached hub name) with a fresh optimizer, in a new run
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "eval_iters", "grad_accum_steps", "log_interval"):
@@ -108,26 +108,12 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown TrainConfig fields: {sorted(unknown)}")
-        return cls(**data)
+    def from_dict(cls, data: dict[str, Any], where: str = "TrainConfig") -> "TrainConfig":
+        """From `to_dict`'s output (or JSON/TOML), type-checked; `where` names the source in errors."""
+        return cls(**checked(cls, data, where))
 
 
-TRAIN_PRESETS: dict[str, TrainConfig] = {
-    # nanoGPT's CPU recipe for tiny Shakespeare, so results compare directly.
-    "shakespeare-char-cpu": TrainConfig(),
-    # nanoGPT's config/train_shakespeare_char.py.
-    "shakespeare-char": TrainConfig(max_steps=5000, batch_size=64, warmup_steps=100, eval_interval=250,
-                                    eval_iters=200),
-    "llama-tiny": TrainConfig(max_steps=5000, batch_size=32, lr=1e-3, min_lr=1e-4, beta2=0.95,
-                              warmup_steps=200, eval_interval=250, eval_iters=50),
-    # nanoGPT's config/train_gpt2.py: ~0.5M tokens per step (12 x 1024 x 40 accumulated).
-    "gpt2-small": TrainConfig(max_steps=600_000, batch_size=12, grad_accum_steps=40, lr=6e-4, min_lr=6e-5,
-                              warmup_steps=2000, beta2=0.95, eval_interval=1000, eval_iters=200,
-                              log_interval=10, dtype="bfloat16"),
-}
+# Each preset's training recipe lives beside its model in config.PRESETS (see config.get_recipe).
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
@@ -146,6 +132,15 @@ def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: i
         return min_lr
     progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def scheduled_lr(cfg: TrainConfig, step: int) -> float:
+    """`cfg`'s learning rate at 0-based `step`; the one place lr_decay_steps None (or 0) means max_steps.
+
+    >>> round(scheduled_lr(TrainConfig(max_steps=100, lr=1.0, min_lr=0.1, warmup_steps=0, lr_decay_steps=0), 50), 3)
+    0.55
+    """
+    return lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.lr_decay_steps or cfg.max_steps)
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool | None = None) -> torch.optim.AdamW:
@@ -356,7 +351,6 @@ def train(
         if scaler is not None and state.get("grad_scaler"):
             scaler.load_state_dict(state["grad_scaler"])
         _restore_rng(state, tensors, batch_rng, ctx)
-    decay_steps = cfg.lr_decay_steps or cfg.max_steps
     global_batch = cfg.batch_size * cfg.grad_accum_steps * ctx.world_size
     tokens_per_step = global_batch * context
     autocast = lambda: autocast_context(cfg, device)  # noqa: E731 (a fresh context per micro-batch)
@@ -404,7 +398,7 @@ def train(
         with _StopRequest() as stop:
             for step in range(start_step, cfg.max_steps):
                 step_start = time.perf_counter()
-                lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, decay_steps)
+                lr = scheduled_lr(cfg, step)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 x, y = get_batch(train_tokens, global_batch, context, batch_rng)
