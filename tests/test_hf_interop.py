@@ -147,9 +147,10 @@ def test_sentencepiece_tokenizer_model(tmp_path, shakespeare_text, monkeypatch):
     (tmp_path / "tokenizer.model").write_bytes(buffer.getvalue())
     tokenizer = read_hf_tokenizer(tmp_path)
     assert tokenizer.kind == "sentencepiece" and tokenizer.vocab_size == 400
-    for sample in TORTURE[:3]:
-        ids = tokenizer.encode(sample)
-        assert max(ids) < 400 and tokenizer.decode(ids) == sample.replace("\r", "").strip(" ") or ids
+    for sample in ["ROMEO: O, she doth teach the torches to burn bright!", "caf\u00e9 \u65e5\u672c\u8a9e \U0001F600"]:
+        ids = tokenizer.encode(sample)  # characters outside the 400 pieces fall back to bytes
+        assert ids == spm.SentencePieceProcessor(model_proto=buffer.getvalue()).encode(sample)
+        assert max(ids) < 400 and tokenizer.decode(ids) == sample
     assert special_token_ids(tokenizer)["bos"] == 1 and special_token_ids(tokenizer)["eos"] == 2
     monkeypatch.setitem(sys.modules, "sentencepiece", None)  # as if it were not installed
     with pytest.raises(ImportError, match="pip install sentencepiece"):

@@ -114,7 +114,7 @@ def load_checkpoint(
     # Built on the meta device and assigned the loaded tensors: no random init, no second copy.
     model = model_from_state_dict(config, read_safetensors(weights_path, device), device, source=str(weights_path))
     tokenizer = None
-    if any((path / name).exists() for name in ("tokenizer.json", "glasslm_tokenizer.json")):
+    if any((path / name).exists() for name in ("tokenizer.json", "glasslm_tokenizer.json", "tokenizer.model")):
         tokenizer = load_tokenizer(path)
     meta_path = path / META_FILE
     meta = read_json(meta_path) if meta_path.is_file() else {}
