@@ -195,7 +195,7 @@ ROUND_TRIP = {
     "char-bias-free": dict(preset="shakespeare-char-cpu", n_layers=1),
     "llama": dict(preset="llama-tiny", n_layers=1),
     "llama-biases": dict(preset="llama-tiny", n_layers=1, bias=True),
-    "qwen2-like": dict(preset="llama-tiny", n_layers=1, qkv_bias=True, d_head=24, tie_embeddings=True),
+    "qwen2-like": dict(preset="llama-tiny", n_layers=1, attn_qkv_bias=True, d_head=24, tie_embeddings=True),
     "mistral-like": dict(preset="llama-tiny", n_layers=1, sliding_window=16),
     "llama3-scaled": dict(preset="llama-tiny", n_layers=1, rope_scaling="llama3", rope_original_context=64),
 }

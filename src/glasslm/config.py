@@ -75,7 +75,7 @@ class ModelConfig:
     init_std: float = 0.02  # standard deviation of the normal initialisations
     impl: AttentionImpl = "fast"  # fast: PyTorch's fused kernels; readable: every step in plain tensor ops
     d_head: int | None = None  # per-head size; None means d_model // n_heads (Qwen2/Gemma may differ)
-    qkv_bias: bool | None = None  # biases on the q/k/v projections only; None follows `bias` (Qwen2: true)
+    attn_qkv_bias: bool | None = None  # biases on the q, k, v projections; None: follow bias (Qwen2: true)
     sliding_window: int | None = None  # each query sees at most this many keys, itself included (Mistral)
     rope_scaling: RopeScaling = "none"  # "llama3": Llama 3.1's frequency-dependent stretch of RoPE
     rope_factor: float = 8.0  # llama3 scaling: how much the low frequencies are slowed down

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -95,17 +96,34 @@ _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistr
 GLASSLM_KEY = "glasslm"  # config.json entry recording what HF's format cannot (a bias-free GPT-2)
 
 
-def _bias_flags(config: ModelConfig) -> dict[str, bool]:
-    """Which parts of each block carry biases: q/k/v projections, attention output, MLP, norms.
+# ModelConfig's per-site bias switches (None: follow `bias`). Sites whose field ModelConfig does not
+# have (yet) always follow `bias`; `_bias_flags` and `_bias_fields` are the only readers and writers.
+_BIAS_FIELDS = {"qkv": "attn_qkv_bias", "out": "attn_out_bias", "mlp": "mlp_bias", "norm": "norm_bias"}
 
-    The one place that reads a config's bias switches for conversion (adapt it when ModelConfig
-    grows more per-site switches).
-    """
+
+def _bias_flags(config: ModelConfig) -> dict[str, bool]:
+    """Which parts of each block carry biases: q/k/v projections, attention output, MLP, norms."""
     c = config
-    return {
-        "qkv": c.bias if c.qkv_bias is None else c.qkv_bias,
-        "out": c.bias, "mlp": c.bias, "norm": c.bias and c.norm == "layernorm",
-    }
+    flags = {site: getattr(c, field, None) for site, field in _BIAS_FIELDS.items()}
+    flags = {site: c.bias if on is None else bool(on) for site, on in flags.items()}
+    if c.norm != "layernorm":
+        flags["norm"] = False  # RMSNorm has no shift
+    return flags
+
+
+def _bias_fields(flags: dict[str, bool]) -> dict[str, bool]:
+    """The ModelConfig fields that give these per-site biases (the inverse of `_bias_flags`)."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    base = flags["out"]
+    fields = {"bias": base}
+    for site, on in flags.items():
+        if on != base:
+            if _BIAS_FIELDS[site] not in known:
+                raise UnsupportedModelError(
+                    f"biases on the {site} site differ from the attention output's, and this ModelConfig "
+                    f"has no {_BIAS_FIELDS[site]} field to say so")
+            fields[_BIAS_FIELDS[site]] = on
+    return fields
 
 
 def family_of(config: ModelConfig) -> Family:
@@ -146,10 +164,10 @@ def family_of(config: ModelConfig) -> Family:
         if c.mlp != "swiglu" or c.activation != "silu":
             problems.append(f"mlp={c.mlp} with activation={c.activation} (Llama needs swiglu with silu)")
         flags = _bias_flags(c)
-        family: Family = "llama"
+        family: Family = "llama"  # attention_bias (q, k, v and o alike) and mlp_bias
         if flags["qkv"] and not flags["out"] and not flags["mlp"]:
             family = "qwen2"
-        elif len({flags["qkv"], flags["out"], flags["mlp"]}) > 1:
+        elif flags["qkv"] != flags["out"]:
             problems.append(f"biases on {[k for k, v in flags.items() if v]} only")
         if c.sliding_window is not None:
             if family == "qwen2" or flags["qkv"]:
@@ -195,14 +213,14 @@ def _gpt2_config_from_hf(hf: dict[str, Any], context_length: int | None) -> Mode
     if context_length is not None and context_length != n_positions:
         raise UnsupportedModelError("GPT-2's learned position table fixes the context length to n_positions")
     d_model = hf.get("n_embd", 768)
-    # A glasslm export of a bias-free model records that its (zero) biases are not part of the model.
-    marker = hf.get(GLASSLM_KEY) or {}
+    # A glasslm export of a bias-free model records which (zero) biases are not part of the model.
+    sites = (hf.get(GLASSLM_KEY) or {}).get("bias_sites") or {}
+    biases = _bias_fields({site: bool(sites.get(site, True)) for site in _BIAS_FIELDS})
     return ModelConfig(
         vocab_size=hf.get("vocab_size", 50257), context_length=n_positions, d_model=d_model,
         n_layers=hf.get("n_layer", 12), n_heads=hf.get("n_head", 12), d_mlp=hf.get("n_inner") or 4 * d_model,
         positional="learned", norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-        activation=_HF_ACTIVATIONS[act], mlp="mlp", bias=bool(marker.get("bias", True)),
-        qkv_bias=marker.get("qkv_bias"), tie_embeddings=hf.get("tie_word_embeddings", True),
+        activation=_HF_ACTIVATIONS[act], mlp="mlp", **biases, tie_embeddings=hf.get("tie_word_embeddings", True),
         dropout=0.0,  # HF's dropout rates only matter for training; we import for inference
     )
 
@@ -259,16 +277,17 @@ def _llama_config_from_hf(hf: dict[str, Any], context_length: int | None, model_
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"{model_type} hidden_act {act!r} is not supported (only silu)")
-    bias, qkv_bias = False, None
+    flags = {"qkv": False, "out": False, "mlp": False}  # Mistral: none
     if model_type == "llama":
         attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
-        if attention_bias != mlp_bias:
-            raise UnsupportedModelError(
-                f"Llama option attention_bias={attention_bias} with mlp_bias={mlp_bias} is not supported "
-                "(biases everywhere or nowhere)")
-        bias = attention_bias
+        flags = {"qkv": attention_bias, "out": attention_bias, "mlp": mlp_bias}
     elif model_type == "qwen2":
-        qkv_bias = True  # Qwen2 always has q/k/v biases and none on o_proj or the MLP
+        flags = {"qkv": True, "out": False, "mlp": False}  # always: q/k/v biases, none on o_proj or the MLP
+    try:
+        biases = _bias_fields({**flags, "norm": flags["out"]})  # (RMSNorm: the norm site has no bias)
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(f"{model_type} with attention_bias={flags['out']} and "
+                                    f"mlp_bias={flags['mlp']} is not supported: {err}") from None
     d_model, n_heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
     n_layers = hf.get("num_hidden_layers", 32)
     return ModelConfig(
@@ -277,7 +296,7 @@ def _llama_config_from_hf(hf: dict[str, Any], context_length: int | None, model_
         d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_head=hf.get("head_dim") or d_model // n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads, d_mlp=hf.get("intermediate_size", 11008),
         positional="rope", norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
-        activation="silu", mlp="swiglu", bias=bias, qkv_bias=qkv_bias,
+        activation="silu", mlp="swiglu", **biases,
         tie_embeddings=hf.get("tie_word_embeddings", False), dropout=0.0,
         sliding_window=_sliding_window(hf, model_type, n_layers), **_rope_fields(hf),
     )
@@ -308,7 +327,7 @@ def config_to_hf(
                 f"a GPT-2-shaped model without biases ({', '.join(missing)}) has no exact Hugging Face form: "
                 "GPT-2 always has biases. Export with zero biases (`--zero-biases`, export_hf(zero_biases=True)): "
                 "transformers then computes the same logits, and glasslm re-imports it bias-free")
-        marker = {GLASSLM_KEY: {"bias": c.bias, "qkv_bias": c.qkv_bias}} if missing else {}
+        marker = {GLASSLM_KEY: {"bias_sites": flags}} if missing else {}
         return {
             **head, "vocab_size": c.vocab_size, "n_positions": c.context_length, "n_embd": c.d_model,
             "n_layer": c.n_layers, "n_head": c.n_heads, "n_inner": c.d_mlp,
@@ -333,7 +352,8 @@ def config_to_hf(
     if c.rope_scaling != "none":
         out["rope_scaling"] = rope
     if family == "llama":
-        out.update(attention_bias=c.bias, mlp_bias=c.bias)
+        flags = _bias_flags(c)
+        out.update(attention_bias=flags["qkv"], mlp_bias=flags["mlp"])
     elif family == "mistral":
         out["sliding_window"] = c.sliding_window
     elif family == "qwen2":

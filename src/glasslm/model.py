@@ -34,7 +34,7 @@ class Block(nn.Module):
         self.dropout_p, self.impl = c.dropout, impl
         self.ln1 = make_norm(c.norm, c.d_model, c.norm_eps, c.bias, impl)
         self.attn = CausalSelfAttention(c.d_model, c.n_heads, c.n_kv_heads, c.bias, c.dropout, impl, rotary,
-                                        d_head=c.d_head, qkv_bias=c.qkv_bias, sliding_window=c.sliding_window)
+                                        d_head=c.d_head, qkv_bias=c.attn_qkv_bias, sliding_window=c.sliding_window)
         self.ln2 = make_norm(c.norm, c.d_model, c.norm_eps, c.bias, impl)
         mlp_class = SwiGLU if c.mlp == "swiglu" else MLP
         self.mlp = mlp_class(c.d_model, c.d_mlp, c.activation, c.bias, impl)
