@@ -146,12 +146,23 @@ def test_sharded_safetensors_and_pytorch_bin(tmp_path):
 
 
 @torch.no_grad()
-def test_bias_free_gpt2_shaped_model_exports_with_zero_biases(tmp_path):
+def test_bias_free_gpt2_shaped_model_exports_only_with_explicit_zero_biases(tmp_path):
     model = TransformerLM(get_preset("shakespeare-char-cpu", n_layers=2)).eval()
-    exported = export_hf(model, tmp_path / "hf")
+    with pytest.raises(UnsupportedModelError, match="GPT-2 always has biases.*zero-biases"):
+        export_hf(model, tmp_path / "refused")
+    exported = export_hf(model, tmp_path / "hf", zero_biases=True)
     hf_model = GPT2LMHeadModel.from_pretrained(exported).eval()
     tokens = torch.randint(0, 65, (2, 20))
     torch.testing.assert_close(hf_model(tokens).logits, model(tokens), atol=1e-5, rtol=0)
+    # Re-imported, it is bias-free again: same parameters (804,096 -> 809,856 before the fix).
+    back = import_hf(exported)
+    assert back.config.bias is False and back.num_parameters() == model.num_parameters()
+    assert back.state_dict().keys() == model.state_dict().keys()
+    # Biases changed in transformers (no longer zero) are not silently dropped.
+    hf_model.transformer.h[0].attn.c_attn.bias.fill_(0.5)
+    hf_model.save_pretrained(tmp_path / "tuned")
+    with pytest.raises(ValueError, match="c_attn.bias is not zero"):
+        import_hf(tmp_path / "tuned")
 
 
 def test_gpt2_small_preset_has_exactly_hf_gpt2_shapes_and_parameters():
@@ -288,7 +299,7 @@ def test_gpt2_checkpoint_without_prefix_and_with_old_mask_buffers(tmp_path):
 
 
 def test_hf_tokenizer_files_are_picked_up_and_exported(tmp_path, data_dir):
-    from tokenizers import ByteLevelBPETokenizer
+    from tokenizers import Tokenizer
 
     from glasslm.interop import hf_tokenizer, load_model
     from glasslm.tokenizers import gpt2_tokenizer
@@ -301,5 +312,7 @@ def test_hf_tokenizer_files_are_picked_up_and_exported(tmp_path, data_dir):
     loaded_model, loaded_tokenizer = load_model(tmp_path / "hf")
     assert loaded_tokenizer.encode(text) == tokenizer.encode(text)
     assert loaded_tokenizer.decode(loaded_tokenizer.encode(text)) == text
-    hf = ByteLevelBPETokenizer(str(tmp_path / "hf" / "vocab.json"), str(tmp_path / "hf" / "merges.txt"))
-    assert hf.encode(text).ids == tokenizer.encode(text)
+    hf = Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+    assert hf.encode(text, add_special_tokens=False).ids == tokenizer.encode(text)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["bos_token_id"] == config["eos_token_id"] == 50256 and config["pad_token_id"] is None

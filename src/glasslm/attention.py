@@ -38,6 +38,19 @@ def causal_mask(n_queries: int, n_keys: int, device: torch.device | None = None)
     return k <= q + offset
 
 
+def sliding_window_mask(n_queries: int, n_keys: int, window: int, device: torch.device | None = None) -> Bool[Tensor, "q k"]:
+    """Causal, and each query sees only its last `window` keys (itself included), as in Mistral.
+
+    Example:
+        >>> sliding_window_mask(3, 3, 2).int().tolist()
+        [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    """
+    offset = n_keys - n_queries
+    q = torch.arange(n_queries, device=device)[:, None] + offset  # each query's position among the keys
+    k = torch.arange(n_keys, device=device)[None, :]
+    return (k <= q) & (k > q - window)
+
+
 def scaled_dot_product_attention(
     q: Float[Tensor, "batch heads q_seq d_head"],
     k: Float[Tensor, "batch heads k_seq d_head"],
@@ -104,15 +117,19 @@ class CausalSelfAttention(nn.Module):
 
     Queries have n_heads heads; keys and values have n_kv_heads, each shared by
     n_heads / n_kv_heads query heads (n_kv_heads == n_heads is ordinary multi-head attention).
+    `d_head` defaults to d_model / n_heads; `qkv_bias` (default: `bias`) switches the q/k/v
+    biases apart from the output's (Qwen2 has the first, not the second); `sliding_window` limits
+    each query to its last that-many keys (Mistral).
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout_p: float,
-                 impl: str, rotary: RotaryPositions | None = None):
+                 impl: str, rotary: RotaryPositions | None = None, *, d_head: int | None = None,
+                 qkv_bias: bool | None = None, sliding_window: int | None = None):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_model // n_heads
-        self.dropout_p, self.impl = dropout_p, impl
+        self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_head or d_model // n_heads
+        self.dropout_p, self.impl, self.sliding_window = dropout_p, impl, sliding_window
         # One projection makes q, k and v together: one matmul instead of three.
-        self.qkv = Linear(d_model, (n_heads + 2 * n_kv_heads) * self.d_head, bias=bias)
+        self.qkv = Linear(d_model, (n_heads + 2 * n_kv_heads) * self.d_head, bias=bias if qkv_bias is None else qkv_bias)
         self.out = Linear(n_heads * self.d_head, d_model, bias=bias)
         self.rotary = rotary
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
@@ -152,6 +169,9 @@ class CausalSelfAttention(nn.Module):
             mask = causal_mask(seq, k.shape[2], device=x.device)
         # Otherwise the mask is plain causal (no cache, or prefill into an empty cache), or not
         # needed at all (one new query may see every cached key).
+        if self.sliding_window is not None and k.shape[2] > self.sliding_window:
+            window = sliding_window_mask(seq, k.shape[2], self.sliding_window, device=x.device)
+            mask = window if mask is None else mask & window
         plain_causal = mask is None and k.shape[2] == seq and seq > 1
         p = self.dropout_p if self.training else 0.0
 

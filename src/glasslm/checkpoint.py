@@ -138,7 +138,7 @@ def load_checkpoint(
     # Built on the meta device and assigned the loaded tensors: no random init, no second copy.
     model = model_from_state_dict(config, read_safetensors(weights_path, device), device, source=str(weights_path))
     tokenizer = None
-    if any((path / name).exists() for name in ("tokenizer.json", "glasslm_tokenizer.json")):
+    if any((path / name).exists() for name in ("tokenizer.json", "glasslm_tokenizer.json", "tokenizer.model")):
         tokenizer = load_tokenizer(path)
     meta_path = path / META_FILE
     meta = read_json(meta_path) if meta_path.is_file() else {}
@@ -354,7 +354,7 @@ def materialize_buffers(model: TransformerLM, device: torch.device | str) -> Non
     for module in model.modules():
         if isinstance(module, RotaryPositions):
             with torch.device(device):
-                fresh = RotaryPositions(c.context_length, c.d_head, c.rope_theta)
+                fresh = RotaryPositions.from_config(c)
             module.cos, module.sin = fresh.cos, fresh.sin
         elif isinstance(module, SinusoidalPositions):
             with torch.device(device):

@@ -134,7 +134,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.extend_schedule:
             raise ValueError("--extend-schedule only applies with --resume")
     preset, data_source, val_fraction = run.preset, run.data, run.val_fraction
-    out = Path(run.out or f"runs/{preset}")
+    init_from = train_cfg.init_from if resume_dir is None else None  # fine-tuning: a new run from weights
+    out = Path(run.out or (f"runs/finetune-{Path(init_from).name}" if init_from else f"runs/{preset}"))
     # Refused before any data is read: an unavailable device, an --out holding another run.
     resolve_device(train_cfg.device)
     if os.environ.get("RANK", "0") == "0":  # other torchrun processes may already see rank 0's files
@@ -147,11 +148,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     data_dir = run.data_dir
     if resume_dir is not None:
         tokenizer = load_tokenizer(resume_dir)
+    elif init_from:  # the data is encoded with the pretrained model's own tokenizer
+        init_cfg, init_tokenizer = _init_from_checkpoint(init_from, given.get("tokenizer"), data_dir)
+        tokenizer = init_tokenizer
     else:  # char: built from the text
         tokenizer = None if run.tokenizer == "char" else get_tokenizer(run.tokenizer, data_dir=data_dir)
     data = load_training_data(data_source, data_dir, val_fraction, tokenizer=tokenizer)
     tokenizer, train_tokens, val_tokens = data.tokenizer, data.train, data.val
-    if resume_dir is None:
+    if init_from:
+        preset = f"init-from {init_from}"
+        model_cfg = _fine_tune_config(init_cfg, model_overrides, tokenizer, init_tokenizer, data_source, init_from)
+    elif resume_dir is None:
         model_cfg = get_preset(preset, **{"vocab_size": tokenizer.vocab_size, **model_overrides})
     elif tokenizer.vocab_size != model_cfg.vocab_size:
         raise ValueError(f"{data_source} has a vocabulary of {tokenizer.vocab_size} tokens, but the checkpoint's "
@@ -202,6 +209,41 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("--- sample ---")
         print(tokenizer.decode(list(ids)))
     return 0
+
+
+def _init_from_checkpoint(path: str, tokenizer_spec: str | None, data_dir: str | None) -> tuple[ModelConfig, Any]:
+    """The config and tokenizer of the weights to fine-tune (`--init-from`); the data is encoded
+    with that tokenizer, and a --tokenizer given as well must be the same vocabulary."""
+    from .interop import checkpoint_config
+    from .tokenizers import get_tokenizer, same_vocabulary
+
+    config, tokenizer, _ = checkpoint_config(path)
+    if tokenizer is None:
+        raise ValueError(f"--init-from {path} holds no tokenizer, so the data cannot be encoded in its vocabulary")
+    if tokenizer_spec and tokenizer_spec != "char":
+        other = get_tokenizer(tokenizer_spec, data_dir=data_dir)
+        if not same_vocabulary(tokenizer, other):
+            raise ValueError(f"--tokenizer {tokenizer_spec} is not the vocabulary of --init-from {path}; "
+                             "drop --tokenizer to encode the data with the checkpoint's")
+    return config, tokenizer
+
+
+def _fine_tune_config(config: ModelConfig, overrides: dict[str, Any], tokenizer: Any, own: Any,
+                      data_source: str, path: str) -> ModelConfig:
+    """The pretrained model's config with the few changes fine-tuning may make (dropout, attention
+    impl, and the context length of a rotary model), after checking the data's vocabulary fits."""
+    from .tokenizers import same_vocabulary
+
+    if not same_vocabulary(tokenizer, own):
+        raise ValueError(f"{data_source} was tokenized with a different vocabulary ({tokenizer.vocab_size:,} tokens) "
+                         f"than --init-from {path} ({own.vocab_size:,} tokens); prepare it with that checkpoint's tokenizer")
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size:,} tokens but the model of {path} only {config.vocab_size:,}")
+    allowed = {"dropout", "impl"} | ({"context_length"} if config.positional != "learned" else set())
+    refused = sorted(set(overrides) - allowed)
+    if refused:
+        raise ValueError(f"--init-from keeps the pretrained architecture; only {sorted(allowed)} may change, not {refused}")
+    return config.replace(**overrides)
 
 
 def _optional_loggers(cfg: TrainConfig, run_dir: Path, config: dict[str, Any]) -> list:
@@ -376,16 +418,45 @@ def cmd_info(args: argparse.Namespace) -> None:
     from .accounting import format_cost_table
 
     # --context-length (a ModelConfig option) sets the model's context and the FLOPs' context alike.
-    cfg = get_preset(args.preset, **given_options(args, ModelConfig))
-    print(format_cost_table(cfg, title=args.preset))
+    if args.checkpoint:
+        cfg = _print_checkpoint_info(args.checkpoint).replace(**given_options(args, ModelConfig))
+    elif args.preset:
+        cfg = get_preset(args.preset, **given_options(args, ModelConfig))
+    else:
+        raise ValueError("info needs --preset NAME or --checkpoint PATH")
+    print(format_cost_table(cfg, title=args.preset or args.checkpoint))
     if args.json:
         print(json.dumps(cfg.to_dict(), indent=2))
+
+
+def _print_checkpoint_info(path: str) -> ModelConfig:
+    """What `glasslm info --checkpoint` says before the cost table (kind, tokenizer, provenance);
+    returns the checkpoint's config."""
+    from .interop import checkpoint_config, family_of, is_hf_directory, resolve_model_path
+    from .tokenizers import special_token_ids
+
+    config, tokenizer, summary = checkpoint_config(path)
+    kind = "Hugging Face directory" if is_hf_directory(resolve_model_path(path)) else "glasslm checkpoint"
+    try:
+        family = family_of(config)
+    except ValueError:
+        family = "none (glasslm only)"
+    print(f"{path}: {kind} at {resolve_model_path(path)}; Hugging Face family: {family}")
+    if tokenizer is None:
+        print("tokenizer: none")
+    else:
+        ids = {k: v for k, v in special_token_ids(tokenizer).items() if v is not None}
+        print(f"tokenizer: {tokenizer.kind}, {tokenizer.vocab_size:,} tokens, special ids {ids or 'none'}")
+    known = {k: v for k, v in summary.items() if v is not None}
+    if known:
+        print("history: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in known.items()))
+    return config
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
     from .checkpoint import save_checkpoint
     from .data import check_output_dir
-    from .interop import export_hf, import_hf, hf_tokenizer, load_model
+    from .interop import checkpoint_summary, export_hf, import_hf, hf_tokenizer, load_model
 
     if args.from_hf:
         check_output_dir(args.out, args.overwrite, inputs=[args.from_hf], what="checkpoint")
@@ -402,7 +473,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
             raise ValueError("--to-hf needs --checkpoint")
         check_output_dir(args.out, args.overwrite, inputs=[args.checkpoint], what="export")
         model, tokenizer = load_model(args.checkpoint)
-        export_hf(model, args.out, tokenizer)
+        export_hf(model, args.out, tokenizer, checkpoint_summary(args.checkpoint), zero_biases=args.zero_biases)
         print(f"{args.checkpoint} -> {args.out} (Hugging Face format)")
 
 
@@ -518,21 +589,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("info", help="parameters and FLOPs per token of a preset, by component")
-    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p = sub.add_parser("info", help="parameters and FLOPs per token of a preset or checkpoint, by component")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="the preset to describe (default: none; give --preset or --checkpoint)")
+    p.add_argument("--checkpoint", default=None,
+                   help="instead of --preset: a glasslm checkpoint or run directory, HF directory or cached hub "
+                        "name (default: none)")
     p.add_argument("--json", action="store_true", help="also print the full config (default: off)")
     add_options(p, ModelConfig, "model settings (override the preset's)")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("convert", help="convert between glasslm checkpoints and Hugging Face directories")
     direction = p.add_mutually_exclusive_group(required=True)
-    direction.add_argument("--from-hf", metavar="DIR", help="an HF GPT-2 or Llama directory to import")
+    direction.add_argument("--from-hf", metavar="DIR",
+                           help="an HF GPT-2 / Llama / Mistral / Qwen2 directory, or a hub name in the local HF cache")
     direction.add_argument("--to-hf", action="store_true", help="export --checkpoint as an HF directory")
     p.add_argument("--checkpoint", help="glasslm checkpoint to export (with --to-hf)")
     p.add_argument("--out", required=True, help="where to write the converted model")
     p.add_argument("--context-length", type=_positive_int, default=None,
                    help="Llama only: context length to use instead of max_position_embeddings")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (else refused)")
+    p.add_argument("--zero-biases", action="store_true",
+                   help="--to-hf of a bias-free GPT-2-shaped model: write exact zero biases (HF GPT-2 always has "
+                        "biases); glasslm re-imports it bias-free")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", help="draw attention patterns or the logit lens (PNG)")

@@ -34,6 +34,7 @@ MLPKind = Literal["mlp", "swiglu"]
 NormPlacement = Literal["pre", "post"]
 Init = Literal["gpt2", "truncated_normal", "xavier"]
 AttentionImpl = Literal["fast", "readable"]
+RopeScaling = Literal["none", "llama3"]
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "positional": ("learned", "sinusoidal", "rope", "none"),
@@ -43,6 +44,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "norm_placement": ("pre", "post"),
     "init": ("gpt2", "truncated_normal", "xavier"),
     "impl": ("fast", "readable"),
+    "rope_scaling": ("none", "llama3"),
 }
 
 
@@ -72,8 +74,20 @@ class ModelConfig:
     init: Init = "gpt2"  # weight initialisation scheme
     init_std: float = 0.02  # standard deviation of the normal initialisations
     impl: AttentionImpl = "fast"  # fast: PyTorch's fused kernels; readable: every step in plain tensor ops
+    d_head: int | None = None  # per-head size; None means d_model // n_heads (Qwen2/Gemma may differ)
+    attn_qkv_bias: bool | None = None  # biases on the q, k, v projections; None: follow bias (Qwen2: true)
+    sliding_window: int | None = None  # each query sees at most this many keys, itself included (Mistral)
+    rope_scaling: RopeScaling = "none"  # "llama3": Llama 3.1's frequency-dependent stretch of RoPE
+    rope_factor: float = 8.0  # llama3 scaling: how much the low frequencies are slowed down
+    rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original/low are scaled fully
+    rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original/high are kept
+    rope_original_context: int = 8192  # llama3 scaling: the context the model was pre-trained at
 
     def __post_init__(self) -> None:
+        if self.d_head is None:
+            if self.d_model % self.n_heads != 0:
+                raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+            self.d_head = self.d_model // self.n_heads
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.d_mlp is None:
@@ -81,15 +95,13 @@ class ModelConfig:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_mlp"):
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_mlp", "d_head"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.d_model % self.n_heads != 0:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         assert self.n_kv_heads is not None
         if self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
@@ -103,10 +115,14 @@ class ModelConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
             raise ValueError("norm_eps, rope_theta and init_std must be positive")
-
-    @property
-    def d_head(self) -> int:
-        return self.d_model // self.n_heads
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window <= 0):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+        if self.rope_scaling == "llama3" and not (
+            self.rope_factor >= 1 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+            and self.rope_original_context > 0
+        ):
+            raise ValueError("llama3 rope scaling needs rope_factor >= 1, 0 < rope_low_freq_factor < "
+                             "rope_high_freq_factor and a positive rope_original_context")
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """A copy with some fields changed (validated again)."""
@@ -116,6 +132,8 @@ class ModelConfig:
             changes["n_kv_heads"] = None
         if "d_mlp" not in changes and self.d_mlp == 4 * self.d_model:
             changes["d_mlp"] = None
+        if "d_head" not in changes and self.d_head * self.n_heads == self.d_model:
+            changes["d_head"] = None
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:

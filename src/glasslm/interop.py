@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -37,13 +38,14 @@ from .config import ModelConfig
 from .checkpoint import model_from_state_dict, read_json
 from .model import TransformerLM
 
-Family = Literal["gpt2", "llama"]
+Family = Literal["gpt2", "llama", "mistral", "qwen2"]
 
 HF_CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_BIN_FILE = "pytorch_model.bin"
 TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 # HF activation names -> ours. "gelu_new", "gelu_fast" and "gelu_pytorch_tanh" are all the tanh
 # approximation 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))) written differently.
@@ -88,8 +90,48 @@ def adjacent_pairs_to_hf_rows(
 
 # --- configs -------------------------------------------------------------------------------------
 
+LLAMA_LIKE: tuple[str, ...] = ("llama", "mistral", "qwen2")
+_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM"}
+GLASSLM_KEY = "glasslm"  # config.json entry recording what HF's format cannot (a bias-free GPT-2)
+
+
+# ModelConfig's per-site bias switches (None: follow `bias`). Sites whose field ModelConfig does not
+# have (yet) always follow `bias`; `_bias_flags` and `_bias_fields` are the only readers and writers.
+_BIAS_FIELDS = {"qkv": "attn_qkv_bias", "out": "attn_out_bias", "mlp": "mlp_bias", "norm": "norm_bias"}
+
+
+def _bias_flags(config: ModelConfig) -> dict[str, bool]:
+    """Which parts of each block carry biases: q/k/v projections, attention output, MLP, norms."""
+    c = config
+    flags = {site: getattr(c, field, None) for site, field in _BIAS_FIELDS.items()}
+    flags = {site: c.bias if on is None else bool(on) for site, on in flags.items()}
+    if c.norm != "layernorm":
+        flags["norm"] = False  # RMSNorm has no shift
+    return flags
+
+
+def _bias_fields(flags: dict[str, bool]) -> dict[str, bool]:
+    """The ModelConfig fields that give these per-site biases (the inverse of `_bias_flags`)."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    base = flags["out"]
+    fields = {"bias": base}
+    for site, on in flags.items():
+        if on != base:
+            if _BIAS_FIELDS[site] not in known:
+                raise UnsupportedModelError(
+                    f"biases on the {site} site differ from the attention output's, and this ModelConfig "
+                    f"has no {_BIAS_FIELDS[site]} field to say so")
+            fields[_BIAS_FIELDS[site]] = on
+    return fields
+
+
 def family_of(config: ModelConfig) -> Family:
-    """Which HF architecture a glasslm config matches, or UnsupportedModelError saying why not."""
+    """Which HF architecture a glasslm config matches, or UnsupportedModelError saying why not.
+
+    Rotary models map to Llama (no biases, or biases everywhere: attention_bias = mlp_bias),
+    Qwen2 (biases on q/k/v only) or Mistral (a sliding window, no biases).
+    """
     c = config
     common = []
     if c.norm_placement != "pre":
@@ -106,6 +148,12 @@ def family_of(config: ModelConfig) -> Family:
             problems.append(f"mlp={c.mlp}")
         if c.n_kv_heads != c.n_heads:
             problems.append("grouped-query attention")
+        if c.d_head * c.n_heads != c.d_model:
+            problems.append(f"d_head={c.d_head} with d_model/n_heads={c.d_model // c.n_heads}")
+        if c.sliding_window is not None:
+            problems.append("sliding-window attention")
+        if c.rope_scaling != "none":
+            problems.append("rope scaling without rotary positions")
         if not problems:
             return "gpt2"
         raise UnsupportedModelError(f"learned positions but not GPT-2 shaped: {', '.join(problems)}")
@@ -115,11 +163,21 @@ def family_of(config: ModelConfig) -> Family:
             problems.append(f"norm={c.norm}")
         if c.mlp != "swiglu" or c.activation != "silu":
             problems.append(f"mlp={c.mlp} with activation={c.activation} (Llama needs swiglu with silu)")
-        if c.bias:
-            problems.append("biases")
+        flags = _bias_flags(c)
+        family: Family = "llama"  # attention_bias (q, k, v and o alike) and mlp_bias
+        if flags["qkv"] and not flags["out"] and not flags["mlp"]:
+            family = "qwen2"
+        elif flags["qkv"] != flags["out"]:
+            problems.append(f"biases on {[k for k, v in flags.items() if v]} only")
+        if c.sliding_window is not None:
+            if family == "qwen2" or flags["qkv"]:
+                problems.append("a sliding window together with biases")
+            family = "mistral"
+            if c.rope_scaling != "none":
+                problems.append("a sliding window together with rope scaling")
         if not problems:
-            return "llama"
-        raise UnsupportedModelError(f"rotary positions but not Llama shaped: {', '.join(problems)}")
+            return family
+        raise UnsupportedModelError(f"rotary positions but not Llama/Qwen2/Mistral shaped: {', '.join(problems)}")
     raise UnsupportedModelError(
         f"positional={c.positional!r} has no Hugging Face counterpart here (only GPT-2: learned, Llama: rope)"
     )
@@ -128,18 +186,18 @@ def family_of(config: ModelConfig) -> Family:
 def config_from_hf(hf: dict[str, Any], context_length: int | None = None) -> tuple[ModelConfig, Family]:
     """The ModelConfig equal to an HF `config.json` (as a dict), and which family it is.
 
-    `context_length` overrides max_position_embeddings for Llama models (rotary tables are
+    `context_length` overrides max_position_embeddings for rotary models (rotary tables are
     computed for that many positions; some configs advertise far more than you will use).
     """
     model_type = hf.get("model_type")
     architectures = hf.get("architectures") or []
     if model_type == "gpt2":
         return _gpt2_config_from_hf(hf, context_length), "gpt2"
-    if model_type == "llama":
-        return _llama_config_from_hf(hf, context_length), "llama"
+    if model_type in LLAMA_LIKE:
+        return _llama_config_from_hf(hf, context_length, model_type), model_type
     raise UnsupportedModelError(
-        f"unsupported architecture model_type={model_type!r} {architectures}: "
-        "glasslm converts GPT2LMHeadModel and LlamaForCausalLM"
+        f"unsupported architecture model_type={model_type!r} {architectures}: glasslm converts "
+        "GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM"
     )
 
 
@@ -148,86 +206,159 @@ def _gpt2_config_from_hf(hf: dict[str, Any], context_length: int | None) -> Mode
     if act not in _HF_ACTIVATIONS:
         raise UnsupportedModelError(f"GPT-2 activation_function {act!r} is not supported")
     for flag, wanted in (("scale_attn_by_inverse_layer_idx", False), ("scale_attn_weights", True),
-                         ("add_cross_attention", False)):
+                         ("add_cross_attention", False), ("reorder_and_upcast_attn", False)):
         if hf.get(flag, wanted) != wanted:
             raise UnsupportedModelError(f"GPT-2 option {flag}={hf[flag]!r} is not supported")
     n_positions = hf.get("n_positions", 1024)
     if context_length is not None and context_length != n_positions:
         raise UnsupportedModelError("GPT-2's learned position table fixes the context length to n_positions")
     d_model = hf.get("n_embd", 768)
+    # A glasslm export of a bias-free model records which (zero) biases are not part of the model.
+    sites = (hf.get(GLASSLM_KEY) or {}).get("bias_sites") or {}
+    biases = _bias_fields({site: bool(sites.get(site, True)) for site in _BIAS_FIELDS})
     return ModelConfig(
         vocab_size=hf.get("vocab_size", 50257), context_length=n_positions, d_model=d_model,
         n_layers=hf.get("n_layer", 12), n_heads=hf.get("n_head", 12), d_mlp=hf.get("n_inner") or 4 * d_model,
         positional="learned", norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-        activation=_HF_ACTIVATIONS[act], mlp="mlp", bias=True,
-        tie_embeddings=hf.get("tie_word_embeddings", True),
+        activation=_HF_ACTIVATIONS[act], mlp="mlp", **biases, tie_embeddings=hf.get("tie_word_embeddings", True),
         dropout=0.0,  # HF's dropout rates only matter for training; we import for inference
     )
 
 
-def _rope_theta(hf: dict[str, Any]) -> float:
-    """rope_theta from either the transformers-5 `rope_parameters` or the older top-level keys."""
+def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta and scaling from either the transformers-5 `rope_parameters` or the older keys."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise UnsupportedModelError(f"cannot read rope parameters {params!r}")
+    if "full_attention" in params and isinstance(params["full_attention"], dict):
+        params = params["full_attention"]  # per-layer-type parameters (all layers are full attention)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise UnsupportedModelError(
-            f"rope scaling {rope_type!r} is not supported (only plain rotary positions, rope_scaling=None)"
-        )
-    if set(params) - {"rope_type", "type", "rope_theta"}:
-        raise UnsupportedModelError(f"unsupported rope parameters {params}")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
-def _llama_config_from_hf(hf: dict[str, Any], context_length: int | None) -> ModelConfig:
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise UnsupportedModelError(f"Llama hidden_act {act!r} is not supported (only silu)")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag, False):
-            raise UnsupportedModelError(f"Llama option {flag}=True is not supported")
-    d_model, n_heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
-    head_dim = hf.get("head_dim") or d_model // n_heads
-    if head_dim * n_heads != d_model:
-        raise UnsupportedModelError(f"head_dim {head_dim} x {n_heads} heads != hidden_size {d_model}")
-    return ModelConfig(
-        vocab_size=hf.get("vocab_size", 32000),
-        context_length=context_length or hf.get("max_position_embeddings", 2048),
-        d_model=d_model, n_layers=hf.get("num_hidden_layers", 32), n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads, d_mlp=hf.get("intermediate_size", 11008),
-        positional="rope", rope_theta=_rope_theta(hf), norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
-        activation="silu", mlp="swiglu", bias=False, tie_embeddings=hf.get("tie_word_embeddings", False),
-        dropout=0.0,
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        extra = set(params) - {"rope_type", "type", "rope_theta"}
+        if extra:
+            raise UnsupportedModelError(f"unsupported rope parameters {sorted(extra)} in {params}")
+        return {"rope_theta": theta}
+    if rope_type == "llama3":
+        extra = set(params) - {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                               "original_max_position_embeddings"}
+        if extra:
+            raise UnsupportedModelError(f"unsupported llama3 rope parameters {sorted(extra)}")
+        return {"rope_theta": theta, "rope_scaling": "llama3", "rope_factor": float(params["factor"]),
+                "rope_low_freq_factor": float(params["low_freq_factor"]),
+                "rope_high_freq_factor": float(params["high_freq_factor"]),
+                "rope_original_context": int(params["original_max_position_embeddings"])}
+    raise UnsupportedModelError(
+        f"rope scaling {rope_type!r} is not supported (plain rotary positions and Llama 3's 'llama3' are)"
     )
 
 
-def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """An HF `config.json` (as a dict) for a glasslm config of the GPT-2 or Llama family."""
+def _sliding_window(hf: dict[str, Any], model_type: str, n_layers: int) -> int | None:
+    """The window every layer uses, None for full attention; mixed layers are refused."""
+    window = hf.get("sliding_window")
+    if model_type == "llama":
+        return None
+    if model_type == "qwen2":
+        types = hf.get("layer_types") or [
+            "sliding_attention" if hf.get("use_sliding_window") and i >= hf.get("max_window_layers", n_layers)
+            else "full_attention" for i in range(n_layers)]
+        if all(t == "full_attention" for t in types):
+            return None
+        if not all(t == "sliding_attention" for t in types):
+            raise UnsupportedModelError("Qwen2 with sliding-window attention on some layers only is not supported")
+        return window
+    types = hf.get("layer_types")
+    if types and len(set(types)) > 1:
+        raise UnsupportedModelError(f"mixed attention layer types {sorted(set(types))} are not supported")
+    return window
+
+
+def _llama_config_from_hf(hf: dict[str, Any], context_length: int | None, model_type: str) -> ModelConfig:
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedModelError(f"{model_type} hidden_act {act!r} is not supported (only silu)")
+    flags = {"qkv": False, "out": False, "mlp": False}  # Mistral: none
+    if model_type == "llama":
+        attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+        flags = {"qkv": attention_bias, "out": attention_bias, "mlp": mlp_bias}
+    elif model_type == "qwen2":
+        flags = {"qkv": True, "out": False, "mlp": False}  # always: q/k/v biases, none on o_proj or the MLP
+    try:
+        biases = _bias_fields({**flags, "norm": flags["out"]})  # (RMSNorm: the norm site has no bias)
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(f"{model_type} with attention_bias={flags['out']} and "
+                                    f"mlp_bias={flags['mlp']} is not supported: {err}") from None
+    d_model, n_heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
+    n_layers = hf.get("num_hidden_layers", 32)
+    return ModelConfig(
+        vocab_size=hf.get("vocab_size", 32000),
+        context_length=context_length or hf.get("max_position_embeddings", 2048),
+        d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_head=hf.get("head_dim") or d_model // n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads, d_mlp=hf.get("intermediate_size", 11008),
+        positional="rope", norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
+        activation="silu", mlp="swiglu", **biases,
+        tie_embeddings=hf.get("tie_word_embeddings", False), dropout=0.0,
+        sliding_window=_sliding_window(hf, model_type, n_layers), **_rope_fields(hf),
+    )
+
+
+def config_to_hf(
+    config: ModelConfig, dtype: torch.dtype = torch.float32, special_ids: dict[str, int | None] | None = None,
+    zero_biases: bool = False,
+) -> dict[str, Any]:
+    """An HF `config.json` (as a dict) for a glasslm config of a supported family.
+
+    `special_ids` ({"bos": id, "eos": id, "pad": id}, from the tokenizer) are written as given,
+    None included: transformers fills absent GPT-2 ids with 50256, right only for GPT-2's own
+    vocabulary. A bias-free GPT-2-shaped model needs `zero_biases=True` (see `export_hf`).
+    """
     c = config
+    family = family_of(c)
     dtype_name = str(dtype).removeprefix("torch.")
-    if family_of(c) == "gpt2":
+    ids = {f"{role}_token_id": (special_ids or {}).get(role) for role in ("bos", "eos", "pad")}
+    head = {"architectures": [_ARCHITECTURES[family]], "model_type": family}
+    if family == "gpt2":
         if c.activation not in _GPT2_ACTIVATION_NAMES:
             raise UnsupportedModelError(f"activation {c.activation!r} has no GPT-2 counterpart")
+        flags = _bias_flags(c)
+        missing = [site for site, on in flags.items() if not on]
+        if missing and not zero_biases:
+            raise UnsupportedModelError(
+                f"a GPT-2-shaped model without biases ({', '.join(missing)}) has no exact Hugging Face form: "
+                "GPT-2 always has biases. Export with zero biases (`--zero-biases`, export_hf(zero_biases=True)): "
+                "transformers then computes the same logits, and glasslm re-imports it bias-free")
+        marker = {GLASSLM_KEY: {"bias_sites": flags}} if missing else {}
         return {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-            "vocab_size": c.vocab_size, "n_positions": c.context_length, "n_embd": c.d_model,
+            **head, "vocab_size": c.vocab_size, "n_positions": c.context_length, "n_embd": c.d_model,
             "n_layer": c.n_layers, "n_head": c.n_heads, "n_inner": c.d_mlp,
             "activation_function": _GPT2_ACTIVATION_NAMES[c.activation], "layer_norm_epsilon": c.norm_eps,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
-            "tie_word_embeddings": c.tie_embeddings, "dtype": dtype_name,
+            "tie_word_embeddings": c.tie_embeddings, **ids, "dtype": dtype_name, **marker,
         }
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.d_mlp,
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": c.rope_theta, "factor": c.rope_factor,
+                "low_freq_factor": c.rope_low_freq_factor, "high_freq_factor": c.rope_high_freq_factor,
+                "original_max_position_embeddings": c.rope_original_context}
+    out = {
+        **head, "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.d_mlp,
         "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
         "num_key_value_heads": c.n_kv_heads, "head_dim": c.d_head, "hidden_act": "silu",
         "max_position_embeddings": c.context_length, "rms_norm_eps": c.norm_eps,
-        # transformers >= 5 reads rope_parameters; older versions read rope_theta.
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}, "rope_theta": c.rope_theta,
-        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": c.tie_embeddings,
-        "dtype": dtype_name,
+        # transformers >= 5 reads rope_parameters; older versions read rope_theta (and rope_scaling).
+        "rope_parameters": rope, "rope_theta": c.rope_theta,
+        "tie_word_embeddings": c.tie_embeddings, **ids, "dtype": dtype_name,
     }
+    if c.rope_scaling != "none":
+        out["rope_scaling"] = rope
+    if family == "llama":
+        flags = _bias_flags(c)
+        out.update(attention_bias=flags["qkv"], mlp_bias=flags["mlp"])
+    elif family == "mistral":
+        out["sliding_window"] = c.sliding_window
+    elif family == "qwen2":
+        out.update(use_sliding_window=False, sliding_window=None)
+    return out
 
 
 # --- reading tensors lazily ----------------------------------------------------------------------
@@ -320,6 +451,7 @@ def _shard_files(directory: Path, index_name: str) -> list[Path]:
 # Keeping the HF names explicit lets import report missing and unexpected tensors by name.
 
 Plan = dict[str, tuple[tuple[str, ...], Callable[..., Tensor]]]
+_GPT2_BIAS = re.compile(r"\.(ln_\d|ln_f|c_attn|c_proj|c_fc)\.bias$")  # not the old attn.bias mask buffers
 
 
 def _same(t: Tensor) -> Tensor:
@@ -332,22 +464,35 @@ def _conv1d_to_linear(t: Tensor) -> Tensor:
 
 
 def _gpt2_plan(config: ModelConfig, hf_names: set[str]) -> tuple[Plan, set[str]]:
-    """The import plan for HF GPT-2 tensors, plus HF names that may be present and are not needed."""
+    """The import plan for HF GPT-2 tensors, plus HF names that may be present and are not needed.
+
+    Biases the config does not have (a glasslm export of a bias-free model holds zeros there) are
+    "not needed"; `import_hf` checks that they are zero.
+    """
     # GPT2LMHeadModel saves "transformer.h.0...", the bare GPT2Model (and the original hub gpt2) "h.0...".
     p = "transformer." if any(n.startswith("transformer.") for n in hf_names) else ""
+    flags = _bias_flags(config)
     plan: Plan = {"embed.weight": ((p + "wte.weight",), _same), "pos_embed.weight": ((p + "wpe.weight",), _same)}
+    zero_biases: set[str] = set()
+
+    def add_bias(ours: str, hf: str, on: bool) -> None:
+        if on:
+            plan[ours] = ((hf,), _same)
+        else:
+            zero_biases.add(hf)
+
     for i in range(config.n_layers):
         hf, ours = f"{p}h.{i}.", f"blocks.{i}."
         for hf_ln, our_ln in (("ln_1", "ln1"), ("ln_2", "ln2")):
             plan[ours + our_ln + ".weight"] = ((hf + hf_ln + ".weight",), _same)
-            plan[ours + our_ln + ".bias"] = ((hf + hf_ln + ".bias",), _same)
-        for hf_lin, our_lin in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.out"),
-                                ("mlp.c_fc", "mlp.up"), ("mlp.c_proj", "mlp.down")):
+            add_bias(ours + our_ln + ".bias", hf + hf_ln + ".bias", flags["norm"])
+        for hf_lin, our_lin, site in (("attn.c_attn", "attn.qkv", "qkv"), ("attn.c_proj", "attn.out", "out"),
+                                      ("mlp.c_fc", "mlp.up", "mlp"), ("mlp.c_proj", "mlp.down", "mlp")):
             # c_attn's output is [q | k | v], the same order as our fused qkv.
             plan[ours + our_lin + ".weight"] = ((hf + hf_lin + ".weight",), _conv1d_to_linear)
-            plan[ours + our_lin + ".bias"] = ((hf + hf_lin + ".bias",), _same)
+            add_bias(ours + our_lin + ".bias", hf + hf_lin + ".bias", flags[site])
     plan["ln_final.weight"] = ((p + "ln_f.weight",), _same)
-    plan["ln_final.bias"] = ((p + "ln_f.bias",), _same)
+    add_bias("ln_final.bias", p + "ln_f.bias", flags["norm"])
     if not config.tie_embeddings:
         plan["unembed.weight"] = (("lm_head.weight",), _same)
     # Old checkpoints saved the causal mask as buffers attn.bias / attn.masked_bias; a tied model may
@@ -355,25 +500,37 @@ def _gpt2_plan(config: ModelConfig, hf_names: set[str]) -> tuple[Plan, set[str]]
     ignorable = {n for n in hf_names if re.fullmatch(rf"{re.escape(p)}h\.\d+\.attn\.(bias|masked_bias)", n)}
     if config.tie_embeddings:
         ignorable.add("lm_head.weight")
-    return plan, ignorable
+    return plan, ignorable | (zero_biases & hf_names)
 
 
 def _llama_plan(config: ModelConfig, hf_names: set[str]) -> tuple[Plan, set[str]]:
-    """The import plan for HF Llama tensors, plus HF names that may be present and are not needed."""
+    """The import plan for HF Llama / Mistral / Qwen2 tensors, plus HF names that are not needed."""
     def fused_qkv(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # Biases are permuted like the rows they belong to; a trailing axis makes them 2-D for that.
+        squeeze = q.dim() == 1
+        if squeeze:
+            q, k, v = q[:, None], k[:, None], v[:, None]
         q = hf_rows_to_adjacent_pairs(q, config.n_heads)
         k = hf_rows_to_adjacent_pairs(k, config.n_kv_heads)
-        return torch.cat([q, k, v], dim=0)  # our fused layout: [q | k | v]
+        fused = torch.cat([q, k, v], dim=0)  # our fused layout: [q | k | v]
+        return fused[:, 0] if squeeze else fused
 
+    flags = _bias_flags(config)
     plan: Plan = {"embed.weight": (("model.embed_tokens.weight",), _same)}
     for i in range(config.n_layers):
         hf, ours = f"model.layers.{i}.", f"blocks.{i}."
         plan[ours + "ln1.weight"] = ((hf + "input_layernorm.weight",), _same)
         plan[ours + "attn.qkv.weight"] = (tuple(hf + f"self_attn.{x}_proj.weight" for x in "qkv"), fused_qkv)
+        if flags["qkv"]:
+            plan[ours + "attn.qkv.bias"] = (tuple(hf + f"self_attn.{x}_proj.bias" for x in "qkv"), fused_qkv)
         plan[ours + "attn.out.weight"] = ((hf + "self_attn.o_proj.weight",), _same)
+        if flags["out"]:
+            plan[ours + "attn.out.bias"] = ((hf + "self_attn.o_proj.bias",), _same)
         plan[ours + "ln2.weight"] = ((hf + "post_attention_layernorm.weight",), _same)
         for proj in ("gate", "up", "down"):
             plan[ours + f"mlp.{proj}.weight"] = ((hf + f"mlp.{proj}_proj.weight",), _same)
+            if flags["mlp"]:
+                plan[ours + f"mlp.{proj}.bias"] = ((hf + f"mlp.{proj}_proj.bias",), _same)
     plan["ln_final.weight"] = (("model.norm.weight",), _same)
     if not config.tie_embeddings:
         plan["unembed.weight"] = (("lm_head.weight",), _same)
@@ -401,11 +558,13 @@ def import_hf(
     directory: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
     context_length: int | None = None,
 ) -> TransformerLM:
-    """A glasslm model (eval mode) with the weights of the HF GPT-2 or Llama model in `directory`.
+    """A glasslm model (eval mode) with the weights of the HF model in `directory`.
 
-    `dtype` converts the weights (default: keep the checkpoint's); `context_length` overrides a
-    Llama's max_position_embeddings.
+    `directory` may also be a hub name ("gpt2", "org/name") found in the local HF cache (see
+    `resolve_model_path`; nothing is downloaded). `dtype` converts the weights (default: keep the
+    checkpoint's); `context_length` overrides a rotary model's max_position_embeddings.
     """
+    directory = resolve_model_path(directory)
     config, family = config_from_hf(read_hf_config(directory), context_length)
     source = TensorSource.from_directory(directory)
     names = source.names()
@@ -417,20 +576,31 @@ def import_hf(
             f"{source.source} does not match a {family} model with this config.json: "
             f"missing tensors {missing[:8]}, unexpected tensors {unexpected[:8]}"
         )
+    for name in sorted(ignorable & names):
+        if _GPT2_BIAS.search(name) and source.get(name).any():
+            raise ValueError(
+                f"{source.source}: {name} is not zero, but config.json's {GLASSLM_KEY!r} entry says the model "
+                f"has no biases there; remove that entry to import the biases")
     makers = {ours: (lambda hf_names=hf_names, convert=convert: convert(*map(source.get, hf_names)))
               for ours, (hf_names, convert) in plan.items()}
     return model_from_state_dict(config, makers, device, dtype, source.source)
 
 
-def hf_state_dict(model: TransformerLM) -> dict[str, Tensor]:
-    """The model's weights under HF names and layouts (the inverse of the import mapping)."""
+def hf_state_dict(model: TransformerLM, zero_biases: bool = False) -> dict[str, Tensor]:
+    """The model's weights under HF names and layouts (the inverse of the import mapping).
+
+    `zero_biases` fills the biases a bias-free GPT-2-shaped model lacks with zeros (HF GPT-2
+    always has them); without it such a model is refused.
+    """
     c, family = model.config, family_of(model.config)
     ours = {name: t.detach() for name, t in model.state_dict().items()}
     out: dict[str, Tensor] = {}
     if family == "gpt2":
+        if not all(_bias_flags(c).values()) and not zero_biases:
+            config_to_hf(c)  # raises the explanation
+        ref = ours["embed.weight"]
+
         def bias(name: str, size: int) -> Tensor:
-            # A bias-free GPT-2-shaped model (e.g. nanoGPT's) exports exact zeros: HF GPT-2 always has biases.
-            ref = ours["embed.weight"]
             return ours.get(name, torch.zeros(size, dtype=ref.dtype, device=ref.device))
 
         p = "transformer."
@@ -450,18 +620,25 @@ def hf_state_dict(model: TransformerLM) -> dict[str, Tensor]:
         out[p + "ln_f.bias"] = bias("ln_final.bias", c.d_model)
     else:
         out["model.embed_tokens.weight"] = ours["embed.weight"]
-        q_size, kv_size = c.n_heads * c.d_head, c.n_kv_heads * c.d_head
+        sizes = [c.n_heads * c.d_head, c.n_kv_heads * c.d_head, c.n_kv_heads * c.d_head]
         for i in range(c.n_layers):
             hf, b = f"model.layers.{i}.", f"blocks.{i}."
             out[hf + "input_layernorm.weight"] = ours[b + "ln1.weight"]
-            q, k, v = ours[b + "attn.qkv.weight"].split([q_size, kv_size, kv_size], dim=0)
-            out[hf + "self_attn.q_proj.weight"] = adjacent_pairs_to_hf_rows(q, c.n_heads)
-            out[hf + "self_attn.k_proj.weight"] = adjacent_pairs_to_hf_rows(k, c.n_kv_heads)
-            out[hf + "self_attn.v_proj.weight"] = v
-            out[hf + "self_attn.o_proj.weight"] = ours[b + "attn.out.weight"]
+            for kind in ("weight", "bias"):
+                if b + f"attn.qkv.{kind}" not in ours:
+                    continue
+                fused = ours[b + f"attn.qkv.{kind}"]
+                q, k, v = (fused[:, None] if kind == "bias" else fused).split(sizes, dim=0)
+                q, k = adjacent_pairs_to_hf_rows(q, c.n_heads), adjacent_pairs_to_hf_rows(k, c.n_kv_heads)
+                for name, t in (("q", q), ("k", k), ("v", v)):
+                    out[hf + f"self_attn.{name}_proj.{kind}"] = t[:, 0] if kind == "bias" else t
+            for kind in ("weight", "bias"):
+                if b + f"attn.out.{kind}" in ours:
+                    out[hf + f"self_attn.o_proj.{kind}"] = ours[b + f"attn.out.{kind}"]
+                for proj in ("gate", "up", "down"):
+                    if b + f"mlp.{proj}.{kind}" in ours:
+                        out[hf + f"mlp.{proj}_proj.{kind}"] = ours[b + f"mlp.{proj}.{kind}"]
             out[hf + "post_attention_layernorm.weight"] = ours[b + "ln2.weight"]
-            for proj in ("gate", "up", "down"):
-                out[hf + f"mlp.{proj}_proj.weight"] = ours[b + f"mlp.{proj}.weight"]
         out["model.norm.weight"] = ours["ln_final.weight"]
     if not c.tie_embeddings:
         # A tied model saves only the embedding; transformers re-ties lm_head to it on load.
@@ -469,37 +646,120 @@ def hf_state_dict(model: TransformerLM) -> dict[str, Tensor]:
     return out
 
 
-def export_hf(model: TransformerLM, directory: str | os.PathLike, tokenizer: Any | None = None) -> Path:
-    """Write `model` as an HF directory (config.json + model.safetensors) that transformers loads.
+def export_hf(
+    model: TransformerLM, directory: str | os.PathLike, tokenizer: Any | None = None,
+    meta: dict[str, Any] | None = None, *, zero_biases: bool = False,
+) -> Path:
+    """Write `model` as an HF directory that `AutoModelForCausalLM` and `AutoTokenizer` load.
 
-    Raises UnsupportedModelError for architectures outside the GPT-2 and Llama families.
-    A byte-level BPE `tokenizer` is saved alongside as GPT-2-format vocab.json + merges.txt.
+    Files: config.json (with the tokenizer's real bos/eos/pad ids, None where it has none),
+    model.safetensors, generation_config.json, the tokenizer as tokenizer.json +
+    tokenizer_config.json (a SentencePiece one as tokenizer.model), and a README.md model card
+    built from `meta` (what `checkpoint_summary` returns: training data, steps, val loss).
+
+    Raises UnsupportedModelError for architectures outside GPT-2 / Llama / Mistral / Qwen2. HF
+    GPT-2 always has biases, so a bias-free GPT-2-shaped model (nanoGPT style, like the
+    shakespeare-char presets) is refused unless `zero_biases=True`: then exact zeros are written,
+    transformers computes the same logits, and config.json notes the model is bias-free so that
+    `import_hf` gives the bias-free model back (same parameter count).
     """
     from safetensors.torch import save_file
 
-    config_dict = config_to_hf(model.config, model.embed.weight.dtype)
+    from .tokenizers import save_hf_tokenizer, special_token_ids
+
+    c = model.config
+    special_ids = {k: v for k, v in special_token_ids(tokenizer).items() if k != "unk"}
+    config_dict = config_to_hf(c, model.embed.weight.dtype, special_ids, zero_biases)
     # safetensors wants contiguous CPU tensors that share no memory with each other.
-    weights = {name: t.contiguous().cpu().clone() for name, t in hf_state_dict(model).items()}
+    weights = {name: t.contiguous().cpu().clone() for name, t in hf_state_dict(model, zero_biases).items()}
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(path / SAFETENSORS_FILE), metadata={"format": "pt"})
     (path / HF_CONFIG_FILE).write_text(json.dumps(config_dict, indent=2))
-    if tokenizer is not None and getattr(tokenizer, "kind", None) == "bpe":
-        tokenizer.save(path)
+    generation = {key: config_dict[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+                  if config_dict[key] is not None}
+    (path / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2))
+    if tokenizer is not None:
+        save_hf_tokenizer(tokenizer, path, c.context_length)
+    (path / "README.md").write_text(model_card(model, tokenizer, meta, config_dict["model_type"]))
     return path
+
+
+def model_card(model: TransformerLM, tokenizer: Any | None, meta: dict[str, Any] | None, family: str) -> str:
+    """A short README.md: architecture, size, tokenizer, training data, steps and val loss when known."""
+    c, meta = model.config, meta or {}
+    rows = [
+        ("architecture", f"{_ARCHITECTURES[family]} ({family}): {c.n_layers} layers, d_model {c.d_model}, "
+                         f"{c.n_heads} heads ({c.n_kv_heads} key/value) of size {c.d_head}, d_mlp {c.d_mlp}"),
+        ("parameters", f"{model.num_parameters():,}"),
+        ("context length", f"{c.context_length}"),
+        ("tokenizer", "none saved" if tokenizer is None
+         else f"{getattr(tokenizer, 'kind', '?')}, {tokenizer.vocab_size:,} tokens"),
+    ]
+    for key, label in (("data", "training data"), ("converted_from", "converted from"), ("init_from", "fine-tuned from"),
+                       ("step", "training steps"), ("val_loss", "validation loss")):
+        if meta.get(key) is not None:
+            value = meta[key]
+            rows.append((label, f"{value:.4f}" if isinstance(value, float) else str(value)))
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    return (f"---\nlibrary_name: transformers\ntags: [glasslm]\n---\n\n# glasslm model\n\n"
+            f"Exported by glasslm. Load it with transformers:\n\n```python\n"
+            f"from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            f"model = AutoModelForCausalLM.from_pretrained(\"PATH\")\n"
+            f"tokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```\n\n| | |\n|---|---|\n{table}\n")
+
+
+# --- the local Hugging Face cache -----------------------------------------------------------------
+
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def hf_cache_dir() -> Path:
+    """Where the Hugging Face hub keeps downloaded models: $HF_HUB_CACHE, else $HF_HOME/hub, else
+    $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub (the huggingface_hub rules)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    return cache / "huggingface" / "hub"
+
+
+def resolve_model_path(spec: str | os.PathLike) -> Path:
+    """A local path as is; a hub name ("gpt2", "org/name") as its snapshot in the local HF cache.
+
+    The cache layout is models--org--name/snapshots/<revision>/, with refs/main naming the
+    revision. Nothing is downloaded: a name missing from the cache is an error naming where it
+    was looked for.
+    """
+    path = Path(spec)
+    if path.exists() or not _HUB_NAME.fullmatch(str(spec)):
+        return path
+    repo = hf_cache_dir() / ("models--" + str(spec).replace("/", "--"))
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        snapshot = repo / "snapshots" / ref.read_text().strip()
+        if snapshot.is_dir():
+            return snapshot
+    snapshots = sorted((repo / "snapshots").iterdir(), key=lambda p: p.stat().st_mtime) \
+        if (repo / "snapshots").is_dir() else []
+    if snapshots:
+        return snapshots[-1]  # no refs/main: the most recently written revision
+    raise FileNotFoundError(
+        f"{spec} is not a local path, and the local Hugging Face cache has no {repo.name}: looked in {repo} "
+        "(set HF_HUB_CACHE or HF_HOME to another cache; glasslm never downloads, so fetch it first, "
+        f"e.g. `hf download {spec}`)"
+    )
 
 
 # --- tokenizers and one loader for both kinds of directory ---------------------------------------
 
 def hf_tokenizer(directory: str | os.PathLike) -> Any | None:
-    """A glasslm byte-level BPE tokenizer from GPT-2-format `vocab.json` + `merges.txt`, if present."""
-    from .tokenizers import BPETokenizer
+    """The tokenizer of an HF model directory (tokenizer.json, tokenizer.model, or GPT-2's
+    vocab.json + merges.txt), or None if it has none."""
+    from .tokenizers import read_hf_tokenizer
 
-    path = Path(directory)
-    vocab, merges = path / "vocab.json", path / "merges.txt"
-    if not (vocab.is_file() and merges.is_file()):
-        return None
-    return BPETokenizer.from_gpt2_files(vocab, merges)
+    return read_hf_tokenizer(resolve_model_path(directory))
 
 
 def is_hf_directory(directory: str | os.PathLike) -> bool:
@@ -517,14 +777,75 @@ def is_hf_directory(directory: str | os.PathLike) -> bool:
 def load_model(
     path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> tuple[TransformerLM, Any | None]:
-    """(model in eval mode, tokenizer or None) from a glasslm checkpoint, run directory or HF model directory.
+    """(model in eval mode, tokenizer or None) from a glasslm checkpoint, run directory, HF model
+    directory, or a hub name in the local HF cache.
 
     Either way the weights are memory-mapped and assigned into a meta-device model, so loading a
     large model needs about one copy of its weights in memory.
     """
     from .checkpoint import load_checkpoint
 
+    path = resolve_model_path(path)
     if is_hf_directory(path):
         return import_hf(path, device, dtype), hf_tokenizer(path)
     model, tokenizer, _ = load_checkpoint(path, device)  # a run directory means its best (else latest)
     return (model if dtype is None else model.to(dtype)), tokenizer
+
+
+def checkpoint_summary(path: str | os.PathLike) -> dict[str, Any]:
+    """What is known about how a checkpoint was made (for model cards and `glasslm info`):
+    data, steps, best validation loss, and where it was converted or fine-tuned from."""
+    from .checkpoint import resolve_checkpoint
+
+    path = resolve_model_path(path)
+    if is_hf_directory(path):
+        return {"converted_from": str(path)}
+    directory = resolve_checkpoint(path)
+    summary: dict[str, Any] = {}
+    for name in ("meta.json", "trainer_state.json"):
+        if (directory / name).is_file():
+            summary.update(read_json(directory / name))
+    out = {key: summary.get(key) for key in ("data", "converted_from", "step")}
+    out["init_from"] = (summary.get("train_config") or {}).get("init_from")
+    best = summary.get("best_val_loss")
+    out["val_loss"] = best if isinstance(best, (int, float)) and best != float("inf") else None
+    return out
+
+
+def init_weights_from(model: TransformerLM, path: str | os.PathLike) -> None:
+    """Copy the weights of a checkpoint / HF directory / cached hub name into `model` (fine-tuning).
+
+    The architectures must match except for training-only settings (dropout, attention impl)
+    and, for rotary models, the context length.
+    """
+    from .checkpoint import load_weights
+
+    source, _ = load_model(path)
+    if _comparable(source.config) != _comparable(model.config):
+        raise ValueError(f"{path} holds a different architecture than the model to train: {source.config} vs {model.config}")
+    load_weights(model, source.state_dict(), str(path))
+
+
+def _comparable(config: ModelConfig) -> dict[str, Any]:
+    """The fields that must agree between pretrained weights and the model to fine-tune."""
+    out = config.to_dict()
+    for name in ("dropout", "impl", "init", "init_std"):
+        out.pop(name)
+    if config.positional != "learned":
+        out.pop("context_length")  # rotary / sinusoidal tables are recomputed for any length
+    return out
+
+
+def checkpoint_config(path: str | os.PathLike) -> tuple[ModelConfig, Any | None, dict[str, Any]]:
+    """(config, tokenizer or None, summary) of any checkpoint without reading its weights."""
+    from .checkpoint import load_config, resolve_checkpoint
+    from .tokenizers import load_tokenizer
+
+    path = resolve_model_path(path)
+    if is_hf_directory(path):
+        return config_from_hf(read_hf_config(path))[0], hf_tokenizer(path), checkpoint_summary(path)
+    directory = resolve_checkpoint(path)
+    tokenizer = None
+    if any((directory / name).exists() for name in ("tokenizer.json", "glasslm_tokenizer.json", "tokenizer.model")):
+        tokenizer = load_tokenizer(directory)
+    return load_config(directory / "config.json"), tokenizer, checkpoint_summary(directory)

@@ -33,7 +33,8 @@ class Block(nn.Module):
         self.pre_norm = c.norm_placement == "pre"
         self.dropout_p, self.impl = c.dropout, impl
         self.ln1 = make_norm(c.norm, c.d_model, c.norm_eps, c.bias, impl)
-        self.attn = CausalSelfAttention(c.d_model, c.n_heads, c.n_kv_heads, c.bias, c.dropout, impl, rotary)
+        self.attn = CausalSelfAttention(c.d_model, c.n_heads, c.n_kv_heads, c.bias, c.dropout, impl, rotary,
+                                        d_head=c.d_head, qkv_bias=c.attn_qkv_bias, sliding_window=c.sliding_window)
         self.ln2 = make_norm(c.norm, c.d_model, c.norm_eps, c.bias, impl)
         mlp_class = SwiGLU if c.mlp == "swiglu" else MLP
         self.mlp = mlp_class(c.d_model, c.d_mlp, c.activation, c.bias, impl)
@@ -74,7 +75,7 @@ class TransformerLM(nn.Module):
         elif c.positional == "sinusoidal":
             self.pos_embed = SinusoidalPositions(c.context_length, c.d_model)
         elif c.positional == "rope":
-            rotary = RotaryPositions(c.context_length, c.d_head, c.rope_theta)
+            rotary = RotaryPositions.from_config(c)
         self.hook_embed, self.hook_pos_embed = HookPoint(), HookPoint()
         self.blocks = nn.ModuleList(Block(c, rotary) for _ in range(c.n_layers))
         self.ln_final = make_norm(c.norm, c.d_model, c.norm_eps, c.bias, c.impl) if c.final_norm else None

@@ -12,6 +12,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
@@ -53,19 +55,56 @@ class SinusoidalPositions(nn.Module):
         return self.table[positions]
 
 
+def llama3_scaled_frequencies(
+    inv_freq: Float[Tensor, "half"], factor: float, low_freq_factor: float, high_freq_factor: float,
+    original_context: int,
+) -> Float[Tensor, "half"]:
+    """Llama 3.1's RoPE scaling: slow the low frequencies down by `factor`, keep the high ones.
+
+    A pair whose wavelength (2*pi / frequency) is shorter than original_context / high_freq_factor
+    keeps its frequency (it resolves local order); one longer than original_context /
+    low_freq_factor is divided by `factor` (it can now span a longer context); in between, the
+    frequency moves linearly in original_context / wavelength from one to the other.
+
+    Example:
+        >>> f = llama3_scaled_frequencies(torch.tensor([1.0, 1e-4], dtype=torch.float64), 8.0, 1.0, 4.0, 8192)
+        >>> f.tolist()  # wavelength 6.3 is kept, wavelength 62832 > 8192 is slowed 8x
+        [1.0, 1.25e-05]
+    """
+    wavelength = 2 * math.pi / inv_freq
+    ratio = original_context / wavelength  # how many wavelengths fit in the original context
+    smooth = ((ratio - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)
+    # smooth = 1: high frequency, unchanged; smooth = 0: low frequency, divided by factor.
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
 class RotaryPositions(nn.Module):
     """Rotary embedding (Su et al. 2021): rotate pairs of features by position-dependent angles.
 
     Pairs are adjacent features (x[2i], x[2i+1]), as in the paper and Meta's original Llama code.
     (Hugging Face's Llama instead pairs x[i] with x[i + d_head/2]; interop permutes weights.)
+    `llama3` holds (factor, low_freq_factor, high_freq_factor, original_context) to apply
+    `llama3_scaled_frequencies`; None means plain RoPE.
     """
 
-    def __init__(self, context_length: int, d_head: int, theta: float = 10000.0):
+    def __init__(self, context_length: int, d_head: int, theta: float = 10000.0,
+                 llama3: tuple[float, float, float, int] | None = None):
         super().__init__()
         inv_freq = theta ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)  # (d_head/2,)
+        if llama3 is not None:
+            inv_freq = llama3_scaled_frequencies(inv_freq, *llama3)
         angles = torch.arange(context_length, dtype=torch.float64)[:, None] * inv_freq  # (seq, d_head/2)
         self.register_buffer("cos", torch.cos(angles).float(), persistent=False)
         self.register_buffer("sin", torch.sin(angles).float(), persistent=False)
+
+    @classmethod
+    def from_config(cls, config) -> "RotaryPositions":
+        """The rotary table a ModelConfig asks for (its context, head size, theta and scaling)."""
+        c = config
+        llama3 = None
+        if c.rope_scaling == "llama3":
+            llama3 = (c.rope_factor, c.rope_low_freq_factor, c.rope_high_freq_factor, c.rope_original_context)
+        return cls(c.context_length, c.d_head, c.rope_theta, llama3)
 
     def forward(
         self, x: Float[Tensor, "batch heads seq d_head"], positions: Int[Tensor, "seq"] | Int[Tensor, "batch seq"]

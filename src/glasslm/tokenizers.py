@@ -8,9 +8,16 @@ Kinds:
     * `CharTokenizer`: one id per character seen in the training text.
     * `BPETokenizer`: byte-level BPE, either trained here (`train_tokenizer`, `glasslm.bpe`) or
       GPT-2's released vocabulary (`gpt2_tokenizer`), optionally encoding through tiktoken.
+    * `HFTokenizer`: any Hugging Face `tokenizer.json` (byte-level BPE, Llama-style BPE with byte
+      fallback, WordPiece, ...) run by the `tokenizers` library, with its special and added tokens.
+    * `SentencePieceTokenizer`: a SentencePiece `tokenizer.model` (needs the sentencepiece package).
+
+`to_hf_json(tokenizer)` writes any of them as a `tokenizer.json` that `tokenizers` and
+`transformers.AutoTokenizer` load and that encodes to the same ids (used by export).
 
 Files written by `save(directory)`:
-    * char: `tokenizer.json` = {"kind": "char", "chars": [...]}.
+    * char: `tokenizer.json` = {"kind": "char", "chars": [...]} (told apart from a Hugging Face
+      `tokenizer.json` by its "kind" key).
     * bpe:  `vocab.json` + `merges.txt` in GPT-2's own formats (so Hugging Face's
       `GPT2TokenizerFast` / `ByteLevelBPETokenizer` read them), and `glasslm_tokenizer.json`, a
       small descriptor {"kind": "bpe", "name": ..., "special_tokens": {...}, ...}. It is not called
@@ -603,6 +610,295 @@ def gpt2_tokenizer(data_dir: str | os.PathLike | None = None, backend: str = "au
     return BPETokenizer.from_gpt2_files(vocab_file, merges_file, (ENDOFTEXT,), name="gpt2", backend=backend)
 
 
+# =========================================================================== Hugging Face files
+
+HF_TOKENIZER_FILE = "tokenizer.json"  # the same name as the char descriptor: told apart by its keys
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+SPM_FILE = "tokenizer.model"
+SPECIAL_ROLES = ("bos", "eos", "pad", "unk")
+# Names a BPE vocabulary uses for its start/end of text, in order of preference.
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<|im_start|>", ENDOFTEXT)
+_EOS_NAMES = ("<|end_of_text|>", "</s>", "<|im_end|>", ENDOFTEXT)
+
+
+def _tokenizers_lib():
+    try:
+        import tokenizers
+    except ImportError:
+        raise ImportError("Hugging Face tokenizer files need the tokenizers package: pip install tokenizers") from None
+    return tokenizers
+
+
+def _token_text(value) -> str | None:
+    """A tokenizer_config.json role value: a string, an AddedToken-like dict, or null."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json`, run by the `tokenizers` library (Rust), behind glasslm's interface.
+
+    `encode` adds no special tokens (glasslm's convention, and `AutoTokenizer`'s with
+    `add_special_tokens=False`); special and added tokens written in the text still become their
+    single ids. `config` is the directory's `tokenizer_config.json` (which token is bos/eos/pad);
+    it is written back unchanged by `save`.
+
+    Example:
+        >>> tok = HFTokenizer.from_json(to_hf_json(CharTokenizer.from_text("abc")))
+        >>> tok.encode("cab"), tok.decode([2, 0, 1])
+        ([2, 0, 1], 'cab')
+    """
+
+    kind = "hf"
+
+    def __init__(self, backend, config: Mapping | None = None):
+        self.backend = backend  # a tokenizers.Tokenizer
+        self.config = dict(config or {})
+        added = backend.get_added_tokens_decoder()
+        self.special_tokens: dict[str, int] = {t.content: int(i) for i, t in sorted(added.items()) if t.special}
+
+    @classmethod
+    def from_json(cls, data: Mapping | str, config: Mapping | None = None) -> "HFTokenizer":
+        text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+        try:
+            backend = _tokenizers_lib().Tokenizer.from_str(text)
+        except Exception as err:  # the Rust side raises plain Exceptions
+            raise ValueError(f"not a Hugging Face tokenizer.json the tokenizers library can read: {err}") from None
+        return cls(backend, config)
+
+    @classmethod
+    def from_directory(cls, directory: str | os.PathLike) -> "HFTokenizer":
+        root = Path(directory)
+        config_path = root / HF_TOKENIZER_CONFIG
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        try:
+            return cls.from_json((root / HF_TOKENIZER_FILE).read_text(encoding="utf-8"), config)
+        except ValueError as err:
+            raise ValueError(f"{root / HF_TOKENIZER_FILE}: {err}") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_iterable(self, chunks: Iterable[str]) -> Iterator[int]:
+        # A general tokenizer.json has no cut point known to be safe, so the text is encoded whole.
+        yield from self.encode("".join(chunks))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        return self.backend.decode(ids, skip_special_tokens=False)
+
+    def role_ids(self) -> dict[str, int | None]:
+        """{"bos": id, "eos": id, "pad": id, "unk": id} as tokenizer_config.json names them (None if not)."""
+        out: dict[str, int | None] = {}
+        for role in SPECIAL_ROLES:
+            text = _token_text(self.config.get(f"{role}_token"))
+            out[role] = self.backend.token_to_id(text) if text is not None else None
+        return out
+
+    def save(self, directory: str | os.PathLike) -> None:
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / HF_TOKENIZER_FILE).write_text(self.backend.to_str(), encoding="utf-8")
+        (path / HF_TOKENIZER_CONFIG).write_text(json.dumps(self.config, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece `tokenizer.model` (Llama 1/2 style), run by the sentencepiece package.
+
+    Only used where a directory has no `tokenizer.json`; like `HFTokenizer.encode`, `encode`
+    adds no bos/eos.
+    """
+
+    kind = "sentencepiece"
+
+    def __init__(self, model_bytes: bytes, config: Mapping | None = None):
+        try:
+            import sentencepiece
+        except ImportError:
+            raise ImportError("this tokenizer is a SentencePiece tokenizer.model, which needs the sentencepiece "
+                              "package: pip install sentencepiece (or save it with transformers as tokenizer.json)") from None
+        self.model_bytes = model_bytes
+        self.sp = sentencepiece.SentencePieceProcessor(model_proto=model_bytes)
+        self.config = dict(config or {})
+        n = self.sp.get_piece_size()
+        self.special_tokens = {self.sp.id_to_piece(i): i for i in range(n)
+                               if self.sp.is_control(i) or self.sp.is_unknown(i)}
+
+    @classmethod
+    def from_directory(cls, directory: str | os.PathLike) -> "SentencePieceTokenizer":
+        root = Path(directory)
+        config_path = root / HF_TOKENIZER_CONFIG
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        return cls((root / SPM_FILE).read_bytes(), config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def encode_iterable(self, chunks: Iterable[str]) -> Iterator[int]:
+        yield from self.encode("".join(chunks))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        return self.sp.decode(ids)
+
+    def role_ids(self) -> dict[str, int | None]:
+        ids = {"bos": self.sp.bos_id(), "eos": self.sp.eos_id(), "pad": self.sp.pad_id(), "unk": self.sp.unk_id()}
+        return {role: (i if i >= 0 else None) for role, i in ids.items()}
+
+    def save(self, directory: str | os.PathLike) -> None:
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / SPM_FILE).write_bytes(self.model_bytes)
+        (path / HF_TOKENIZER_CONFIG).write_text(json.dumps(self.config, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def special_token_ids(tokenizer) -> dict[str, int | None]:
+    """Which ids are bos / eos / pad / unk for any glasslm tokenizer (None where it has none).
+
+    A character tokenizer has none. A BPE vocabulary's `<|endoftext|>` is both bos and eos, as in
+    GPT-2; `<s>`/`</s>` and Llama 3's names are recognised too. Hugging Face and SentencePiece
+    tokenizers say themselves.
+
+    Example:
+        >>> special_token_ids(CharTokenizer.from_text("ab"))
+        {'bos': None, 'eos': None, 'pad': None, 'unk': None}
+    """
+    if tokenizer is None or isinstance(tokenizer, CharTokenizer):
+        return {role: None for role in SPECIAL_ROLES}
+    if hasattr(tokenizer, "role_ids"):
+        return tokenizer.role_ids()
+    specials = tokenizer.special_tokens
+    bos = next((specials[n] for n in _BOS_NAMES if n in specials), None)
+    eos = next((specials[n] for n in _EOS_NAMES if n in specials), None)
+    return {"bos": bos, "eos": eos, "pad": None, "unk": None}
+
+
+def same_vocabulary(a, b) -> bool:
+    """True if two tokenizers give every text the same ids (compared through their tokenizer.json
+    models and special tokens; kinds that cannot be written as one, by kind, size and specials)."""
+    if a is b:
+        return True
+    try:
+        ja, jb = to_hf_json(a), to_hf_json(b)
+    except ValueError:
+        return (type(a) is type(b) and a.vocab_size == b.vocab_size and a.special_tokens == b.special_tokens
+                and getattr(a, "model_bytes", None) == getattr(b, "model_bytes", None))
+    specials = lambda j: sorted((t["id"], t["content"]) for t in j.get("added_tokens") or [])  # noqa: E731
+    keys = ("model", "normalizer", "pre_tokenizer")
+    return all(ja.get(k) == jb.get(k) for k in keys) and specials(ja) == specials(jb)
+
+
+def _added_token(content: str, i: int) -> dict:
+    return {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": False, "special": True}
+
+
+def to_hf_json(tokenizer) -> dict:
+    """A Hugging Face `tokenizer.json` (as a dict) that encodes exactly as `tokenizer` does.
+
+    * char: a WordLevel model over the characters, after a pre-tokenizer that isolates every
+      character, decoded by fusing the characters back together (no spaces added).
+    * byte-level BPE (ours or GPT-2's): a BPE model over GPT-2's byte alphabet with the same
+      merges, GPT-2's pre-tokenizer regex, and the special tokens as added tokens.
+    * an `HFTokenizer`: its own JSON.
+    A SentencePiece tokenizer is not converted (it is saved as its tokenizer.model).
+    """
+    if isinstance(tokenizer, HFTokenizer):
+        return json.loads(tokenizer.backend.to_str())
+    if isinstance(tokenizer, CharTokenizer):
+        return {
+            "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+            # [\s\S] is any one character, newlines included: each character becomes its own piece.
+            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated", "invert": False},
+            "post_processor": None,
+            "decoder": {"type": "Fuse"},
+            "model": {"type": "WordLevel", "vocab": {c: i for i, c in enumerate(tokenizer.chars)},
+                      "unk_token": "<unk>"},
+        }
+    if isinstance(tokenizer, BPETokenizer):
+        mapping = bytes_to_unicode()
+        special_ids = {i: s for s, i in tokenizer.special_tokens.items()}
+
+        def to_str(token: bytes) -> str:
+            return "".join(mapping[b] for b in token)
+
+        vocab: dict[str, int] = {}
+        for i in range(tokenizer.vocab_size):
+            key = special_ids.get(i, to_str(tokenizer.token_bytes(i)))
+            if key in vocab:
+                raise ValueError(f"cannot export: tokens {vocab[key]} and {i} have the same text {key!r}")
+            vocab[key] = i
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": True}
+        return {
+            "version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [_added_token(s, i) for s, i in sorted(tokenizer.special_tokens.items(), key=lambda x: x[1])],
+            "normalizer": None, "pre_tokenizer": byte_level, "post_processor": byte_level, "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": vocab, "merges": [[to_str(a), to_str(b)] for a, b in tokenizer.merges]},
+        }
+    raise ValueError(f"cannot write a {getattr(tokenizer, 'kind', type(tokenizer).__name__)} tokenizer as tokenizer.json")
+
+
+def hf_tokenizer_config(tokenizer, context_length: int | None = None) -> dict:
+    """`tokenizer_config.json` for `to_hf_json(tokenizer)`: the class AutoTokenizer should build and
+    which tokens are bos/eos/pad/unk (only those the tokenizer really has). An `HFTokenizer` or
+    `SentencePieceTokenizer` keeps the config it was read with."""
+    if isinstance(tokenizer, (HFTokenizer, SentencePieceTokenizer)) and tokenizer.config:
+        return dict(tokenizer.config)
+    config: dict = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    names = {i: s for s, i in getattr(tokenizer, "special_tokens", {}).items()}
+    for role, i in special_token_ids(tokenizer).items():
+        if i is not None and i in names:
+            config[f"{role}_token"] = names[i]
+    if context_length is not None:
+        config["model_max_length"] = context_length
+    return config
+
+
+def save_hf_tokenizer(tokenizer, directory: str | os.PathLike, context_length: int | None = None) -> None:
+    """Write `tokenizer` as files `transformers.AutoTokenizer.from_pretrained(directory)` loads."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        tokenizer.save(path)
+        return
+    (path / HF_TOKENIZER_FILE).write_text(json.dumps(to_hf_json(tokenizer), ensure_ascii=False, indent=2), encoding="utf-8")
+    config = hf_tokenizer_config(tokenizer, context_length)
+    (path / HF_TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def read_hf_tokenizer(directory: str | os.PathLike):
+    """The tokenizer of a Hugging Face model directory, or None if it has no tokenizer files.
+
+    Looks for `tokenizer.json` (any model the tokenizers library runs), then SentencePiece's
+    `tokenizer.model`, then GPT-2's `vocab.json` + `merges.txt`.
+    """
+    root = Path(directory)
+    if (root / HF_TOKENIZER_FILE).is_file():
+        return HFTokenizer.from_directory(root)
+    if (root / SPM_FILE).is_file():
+        return SentencePieceTokenizer.from_directory(root)
+    if (root / VOCAB_FILE).is_file() and (root / MERGES_FILE).is_file():
+        return BPETokenizer.from_gpt2_files(root / VOCAB_FILE, root / MERGES_FILE)
+    return None
+
+
 # =========================================================================== training, loading
 
 
@@ -640,16 +936,19 @@ def train_tokenizer_from_text(text: str, vocab_size: int, special_tokens: Sequen
     return BPETokenizer(vocab, merges, list(special_tokens))
 
 
-def load_tokenizer(directory: str | os.PathLike) -> CharTokenizer | BPETokenizer:
+def load_tokenizer(directory: str | os.PathLike) -> "CharTokenizer | BPETokenizer | HFTokenizer | SentencePieceTokenizer":
     """Read the tokenizer that `save(directory)` wrote (any kind).
 
-    Looks for `glasslm_tokenizer.json` (BPE) first, then `tokenizer.json` (char).
+    Looks for `glasslm_tokenizer.json` (BPE) first, then `tokenizer.json` (char, or a Hugging
+    Face tokenizer.json), then SentencePiece's `tokenizer.model`.
     """
     root = Path(directory)
     if (root / BPE_DESCRIPTOR_FILE).is_file():
         path = root / BPE_DESCRIPTOR_FILE
     else:
         path = root / TOKENIZER_FILE
+    if not path.is_file() and (root / SPM_FILE).is_file():
+        return SentencePieceTokenizer.from_directory(root)
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer found: neither {root / BPE_DESCRIPTOR_FILE} nor {root / TOKENIZER_FILE} exists")
     try:
@@ -666,8 +965,7 @@ def load_tokenizer(directory: str | os.PathLike) -> CharTokenizer | BPETokenizer
     if kind == "bpe":
         return BPETokenizer.load(root)
     if kind is None and isinstance(data, dict) and "model" in data:
-        raise ValueError(f"{path} looks like a Hugging Face tokenizer.json, which glasslm does not read; "
-                         "point glasslm at vocab.json + merges.txt instead")
+        return HFTokenizer.from_directory(root)  # a Hugging Face tokenizer.json
     raise ValueError(f"{path}: unknown tokenizer kind {kind!r}")
 
 

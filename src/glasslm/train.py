@@ -91,6 +91,8 @@ class TrainConfig:
     tensorboard: bool = False  # also log metrics to TensorBoard (RUN_DIR/tensorboard; needs tensorboard)
     wandb: bool = False  # also log metrics to Weights & Biases, offline unless WANDB_MODE says otherwise
     progress: bool = True  # draw a progress bar with loss, lr and tokens/s
+    init_from: str | None = None  # fine-tune: start from these weights (a glasslm checkpoint, an HF
+                                  # directory or a cached hub name) with a fresh optimizer, in a new run
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "eval_iters", "grad_accum_steps", "log_interval"):
@@ -385,6 +387,10 @@ def _train(
     # Every process builds identical initial weights from the same seed.
     torch.manual_seed(cfg.seed)
     model = model_config if isinstance(model_config, TransformerLM) else TransformerLM(model_config)
+    if cfg.init_from and resume_dir is None and not isinstance(model_config, TransformerLM):
+        from .interop import init_weights_from
+
+        init_weights_from(model, cfg.init_from)
     model.to(device).train()
     context = model.config.context_length
     for name, tokens in (("training", train_tokens), ("validation", val_tokens)):
