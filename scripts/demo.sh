@@ -10,4 +10,6 @@ source scripts/venv.sh ""  # (an explicit empty argument: a bare `source` would 
 if [ -f ../shared/data/tinyshakespeare.txt ]; then
     glasslm fetch tinyshakespeare --from ../shared/data
 fi
-exec glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare-char-cpu "$@"
+# --overwrite: the demo starts a fresh run in its own directory each time (glasslm refuses to
+# train over an existing run otherwise).
+exec glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare-char-cpu --overwrite "$@"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,10 +94,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .checkpoint import load_config, read_json, resolve_checkpoint
     from .accounting import parameter_count
     from .data import load_training_data
-    from .distributed import init_distributed, shutdown_distributed
+    from .distributed import init_distributed, resolve_device, shutdown_distributed
     from .generate import generate_tokens
     from .tokenizers import get_tokenizer, load_tokenizer
-    from .train import TRAINER_STATE_JSON, train
+    from .rundir import check_run_dir
+    from .train import TRAINER_STATE_JSON, claim_run, schedule_end, train
 
     file = load_config_file(args.config) if args.config else {}
     given = {k: v for k, v in file.items() if k not in CONFIG_TABLES} | given_options(args, RunConfig)
@@ -121,12 +123,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         model_cfg = load_config(resume_dir / "config.json")
         saved_train = TrainConfig.from_dict(saved_state["train_config"], f"{resume_dir / TRAINER_STATE_JSON}")
         train_cfg = dataclasses.replace(saved_train, **train_overrides)
+        if args.extend_schedule:
+            if "lr_decay_steps" in train_overrides:
+                raise ValueError("give either --extend-schedule or --lr-decay-steps, not both")
+            train_cfg = dataclasses.replace(train_cfg, lr_decay_steps=train_cfg.max_steps)
     else:
         run = RunConfig(**given)
         # A preset without a recipe is refused unless --recipe names one (never silent defaults).
         train_cfg = get_recipe(run.recipe or run.preset, **train_overrides)
+        if args.extend_schedule:
+            raise ValueError("--extend-schedule only applies with --resume")
     preset, data_source, val_fraction = run.preset, run.data, run.val_fraction
     out = Path(run.out or f"runs/{preset}")
+    # Refused before any data is read: an unavailable device, an --out holding another run.
+    resolve_device(train_cfg.device)
+    if os.environ.get("RANK", "0") == "0":  # other torchrun processes may already see rank 0's files
+        check_run_dir(out, resuming=resume_dir is not None and out.resolve() == resume_dir.parent.resolve(),
+                      overwrite=args.overwrite)
     if train_cfg.threads:
         # Thread counts are the command's business, never the library's (train() leaves them alone).
         torch.set_num_threads(train_cfg.threads)
@@ -148,15 +161,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     say = print if ctx.is_main else (lambda *a, **k: None)
     say(f"data: {data.description}")
     say(f"model: {preset} ({parameter_count(model_cfg):,} parameters) -> {out}"
-        + (f", {ctx.world_size} processes" if ctx.enabled else "")
+        + (f", {ctx.world_size} processes, device {ctx.device}" if ctx.enabled else f", device {ctx.device}")
         + (f", resuming from {resume_dir}" if resume_dir is not None else ""))
+    if resume_dir is not None:
+        end = schedule_end(train_cfg, saved_state["train_config"])
+        if end < train_cfg.max_steps:
+            say(f"learning rate: the run's schedule ends at step {end}; steps after it train at min_lr "
+                f"{train_cfg.min_lr:g} (--extend-schedule stretches the cosine to --max-steps instead)")
 
     meta = {"preset": preset, "data": data.source, "val_fraction": val_fraction, "train_config": train_cfg.to_dict()}
-    loggers = _optional_loggers(train_cfg, out, {"model": model_cfg.to_dict(), "train": train_cfg.to_dict()}) \
-        if ctx.is_main else []
     try:
-        result = train(model_cfg, train_cfg, train_tokens, val_tokens, run_dir=out, resume=resume_dir,
-                       tokenizer=tokenizer, meta=meta, dist_ctx=ctx, loggers=loggers)
+        # Claimed (checked, locked, cleared for --overwrite) before any logger writes into it.
+        with claim_run(out, resume_dir, args.overwrite, ctx):
+            loggers = _optional_loggers(train_cfg, out, {"model": model_cfg.to_dict(), "train": train_cfg.to_dict()}) \
+                if ctx.is_main else []
+            result = train(model_cfg, train_cfg, train_tokens, val_tokens, run_dir=out, resume=resume_dir,
+                           tokenizer=tokenizer, meta=meta, dist_ctx=ctx, loggers=loggers)
     finally:
         shutdown_distributed()
     if result.stopped_by_signal is not None:
@@ -167,8 +187,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         step, val_loss = result.val_losses[-1]
         say(f"done: val loss {val_loss:.4f} after {step} steps, {result.tokens_per_second:,.0f} tokens/s; "
             f"checkpoints in {out}")
-    if run.sample_tokens and ctx.is_main and not (train_cfg.fsdp and ctx.enabled):
+    if run.sample_tokens and ctx.is_main:
         model = result.model.eval()
+        if train_cfg.fsdp and ctx.enabled:
+            # The trained model's weights are shards spread over the processes; the checkpoint
+            # just written holds them whole, so the sample comes from it.
+            from .checkpoint import load_checkpoint
+
+            model = load_checkpoint(result.checkpoint, device=ctx.device)[0]
         prompt = tokenizer.encode("\n")
         # GenerationConfig's defaults, as `glasslm generate` uses them.
         ids = generate_tokens(model, prompt, config=GenerationConfig(max_new_tokens=run.sample_tokens,
@@ -200,6 +226,16 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+DEVICE_HELP = "auto (the best available: cuda, else mps, else cpu), cpu, cuda, cuda:N or mps (default: auto)"
+
+
+def _device(name: str) -> str:
+    """The device to load a model on; a missing one is refused before the checkpoint is read."""
+    from .distributed import resolve_device
+
+    return resolve_device(name)
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt_file:
         if Path(args.prompt_file).is_dir():
@@ -220,7 +256,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
     config = GenerationConfig(**given_options(args, GenerationConfig))  # its defaults are the command's
     # A glasslm checkpoint or a Hugging Face GPT-2/Llama directory.
-    model, tokenizer = load_model(args.checkpoint, device=args.device)
+    model, tokenizer = load_model(args.checkpoint, device=_device(args.device))
     if tokenizer is None:
         raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
     model = model.to(getattr(torch, args.dtype)).eval()
@@ -288,7 +324,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from .evaluate import evaluate_text
     from .interop import load_model
 
-    model, tokenizer = load_model(args.checkpoint, device=args.device)  # glasslm or HF directory
+    model, tokenizer = load_model(args.checkpoint, device=_device(args.device))  # glasslm or HF directory
     model = model.to(getattr(torch, args.dtype))
     # The split rule is training's: prepared datasets hold it in their files, text files are cut
     # by data.split_offset (validation from the first line start at or after 90% of the bytes).
@@ -374,7 +410,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     from .inspection import draw_attention, draw_logit_lens
     from .interop import load_model
 
-    model, tokenizer = load_model(args.checkpoint, device=args.device)
+    model, tokenizer = load_model(args.checkpoint, device=_device(args.device))
     if args.what == "attention":
         path = draw_attention(model, tokenizer, args.prompt, args.layer, args.head, args.out)
     else:
@@ -433,6 +469,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue exactly from a checkpoint; a run directory resumes its latest (default: a fresh run)")
     add_options(p, RunConfig, "run: what to train on and where to write")
+    p.add_argument("--overwrite", action="store_true",
+                   help="train into an --out that holds an earlier run, deleting that run's checkpoints and "
+                        "metrics (default: such an --out is refused)")
+    p.add_argument("--extend-schedule", action="store_true",
+                   help="with --resume: stretch the cosine learning-rate decay to the new --max-steps (default: "
+                        "a resumed run keeps its schedule and trains on at min_lr past its end)")
     add_options(p, TrainConfig, "training (defaults shown are TrainConfig's; the preset's recipe may change them)")
     add_options(p, ModelConfig, "model (defaults shown are ModelConfig's; the preset sets most)", skip={"vocab_size"})
     p.set_defaults(func=cmd_train)
@@ -454,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
                 aliases={"stop_strings": ["--stop"], "stop_tokens": ["--stop-token"]})
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights' dtype for decoding (default: float32)")
-    p.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a checkpoint on a text")
@@ -473,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-chars", type=_positive_int, default=None, help="score only the first N characters")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("info", help="parameters and FLOPs per token of a preset, by component")
@@ -501,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--checkpoint", required=True, help="glasslm checkpoint or Hugging Face model directory")
         q.add_argument("--prompt", required=True)
         q.add_argument("--out", required=True, help="PNG file to write")
-        q.add_argument("--device", default="cpu")
+        q.add_argument("--device", default="auto", help=DEVICE_HELP)
         if name == "attention":
             q.add_argument("--layer", type=int, required=True)
             q.add_argument("--head", type=int, required=True)
