@@ -210,6 +210,8 @@ CASES = [
     Case("to-hf-out-is-its-input", lambda w: ["convert", "--to-hf", "--checkpoint", str(checkpoint_dir(w)),
                                               "--out", str(checkpoint_dir(w)), "--overwrite"],
          r"would overwrite the input"),
+    Case("train-out-existing-run", lambda w: ["train", "--data", str(w / "text.txt"), "--out", str(w / "run"),
+                                              "--max-steps", "1", *TINY], r"not empty.*--resume.*--overwrite"),
     Case("prepare-out-existing-run", lambda w: ["prepare", str(w / "text.txt"), "--out", str(w / "run"), "--quiet"],
          r"not empty.*--overwrite"),
     Case("train-tokenizer-out-existing", lambda w: ["train-tokenizer", str(w / "text.txt"), "--vocab-size", "270",
