@@ -210,6 +210,8 @@ CASES = [
     Case("to-hf-out-is-its-input", lambda w: ["convert", "--to-hf", "--zero-biases", "--checkpoint", str(checkpoint_dir(w)),
                                               "--out", str(checkpoint_dir(w)), "--overwrite"],
          r"would overwrite the input"),
+    Case("train-out-existing-run", lambda w: ["train", "--data", str(w / "text.txt"), "--out", str(w / "run"),
+                                              "--max-steps", "1", *TINY], r"not empty.*--resume.*--overwrite"),
     Case("prepare-out-existing-run", lambda w: ["prepare", str(w / "text.txt"), "--out", str(w / "run"), "--quiet"],
          r"not empty.*--overwrite"),
     Case("train-tokenizer-out-existing", lambda w: ["train-tokenizer", str(w / "text.txt"), "--vocab-size", "270",
@@ -278,33 +280,36 @@ def _cli(*args: str, **kwargs) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, **kwargs)
 
 
-def _start_prepare_and_wait_for_tmp(work: Path) -> tuple[subprocess.Popen, Path]:
-    big = work / "big.txt"
-    big.write_text(TEXT * 1000)  # 4 MB: writing it takes long enough to be caught mid-way
-    out = work / "new"
-    proc = _cli("prepare", str(big), "--out", str(out), "--quiet")
-    deadline = time.monotonic() + 60
-    while not (out / ".train.bin.tmp").exists():
-        assert proc.poll() is None, f"prepare ended before it could be interrupted: {proc.communicate()}"
+def _signal_each_once_writing(procs: dict[signal.Signals, subprocess.Popen], outs: dict[signal.Signals, Path]) -> None:
+    """Send each process its signal as soon as its token file is being written."""
+    waiting, deadline = dict(procs), time.monotonic() + 120
+    while waiting:
+        for sig, proc in list(waiting.items()):
+            if (outs[sig] / ".train.bin.tmp").exists():
+                proc.send_signal(sig)
+                del waiting[sig]
+            else:
+                assert proc.poll() is None, f"prepare ended before it could be interrupted: {proc.communicate()}"
         assert time.monotonic() < deadline
-        time.sleep(0.005)
-    return proc, out
+        time.sleep(0.002)
 
 
-def test_sigterm_during_prepare_leaves_nothing(work):
-    proc, out = _start_prepare_and_wait_for_tmp(work)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM
+def test_signals_during_prepare(work, capsys):
+    """SIGTERM: prepare removes what it wrote. SIGKILL (no chance to clean up): what is left is named
+    an incomplete preparation by every command that reads it, and prepare --overwrite redoes it.
+    Both processes start together, so their imports overlap."""
+    big = work / "big.txt"
+    big.write_text(TEXT * 2000)  # 8 MB: writing it takes long enough (~1 s) to be caught mid-way
+    outs = {sig: work / f"new-{sig.name}" for sig in (signal.SIGTERM, signal.SIGKILL)}
+    procs = {sig: _cli("prepare", str(big), "--out", str(out), "--quiet") for sig, out in outs.items()}
+    _signal_each_once_writing(procs, outs)
+    _, err = procs[signal.SIGTERM].communicate(timeout=60)
+    assert procs[signal.SIGTERM].returncode == 128 + signal.SIGTERM
     assert "Traceback" not in err and "interrupted" in err
-    assert not out.exists()  # neither .tmp files nor a half-made directory
+    assert not outs[signal.SIGTERM].exists()  # neither .tmp files nor a half-made directory
 
-
-def test_sigkill_during_prepare_reads_as_incomplete(work, capsys):
-    proc, out = _start_prepare_and_wait_for_tmp(work)
-    proc.kill()
-    proc.wait(timeout=60)
-    # What is left is named for what it is, by every command that reads it, and prepare redoes it.
+    procs[signal.SIGKILL].communicate(timeout=60)
+    out = outs[signal.SIGKILL]
     for argv in (["train", "--data", str(out), "--out", str(work / "r2"), *TINY],
                  ["prepare", str(work / "text.txt"), "--out", str(out), "--quiet"]):
         code, err = run_main(argv, capsys)
