@@ -30,13 +30,11 @@ import signal
 import sys
 import threading
 import time
-import warnings
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-import numpy as np
 import torch
 from jaxtyping import Int
 from torch import Tensor, nn
@@ -44,20 +42,21 @@ from tqdm.auto import tqdm
 
 from .checkpoint import (
     OPTIMIZER_FILE, OPTIMIZER_JSON, CheckpointWriteError, checkpoint_name, load_config, load_optimizer_state,
-    load_weights, optimizer_state_to_files, prune_checkpoints, read_json, read_pointer, read_safetensors,
+    load_weights, optimizer_state_to_files, prune_checkpoints, read_pointer, read_safetensors,
     remove_stale_staging, resolve_checkpoint, save_checkpoint, write_pointer,
 )
 from .config import ModelConfig
 from .data import get_batch
-from .distributed import DistributedContext, all_reduce_mean, any_process, barrier, gather_objects, resolve_device
+from .distributed import DistributedContext, all_reduce_mean, any_process, barrier, resolve_device
 from .layers import cross_entropy
 from .loggers import METRICS_FILE, JSONLLogger, MetricsLogger
 from .model import TransformerLM
 from .rundir import RunDirError, claim_run_dir
 from .schema import checked
+from .trainer_state import (
+    TRAINER_STATE_JSON, TRAINER_STATE_TENSORS, ResumePoint, load_resume_point, seed_processes, trainer_state_files,
+)
 
-TRAINER_STATE_JSON = "trainer_state.json"
-TRAINER_STATE_TENSORS = "trainer_state.safetensors"
 DType = Literal["float32", "bfloat16", "float16"]
 
 
@@ -298,6 +297,17 @@ class _StopRequest:
         finally:
             self._saving = False
 
+    def requested(self, ctx: DistributedContext, log_step: bool) -> int | None:
+        """The signal to stop for, if any process got one (then every process stops at this step).
+
+        Processes compare notes only at log steps: an all-reduce + `.item()` on every step would be
+        a host sync on the hot path."""
+        if not ctx.enabled:
+            return self.signum
+        if not log_step:
+            return None
+        return (self.signum or signal.SIGTERM) if any_process(self.signum is not None, ctx) else None
+
     def __exit__(self, *exc: Any) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
@@ -379,194 +389,49 @@ def _train(
     resume_dir: Path | None, tokenizer: Any, meta: dict[str, Any] | None, ctx: DistributedContext,
     loggers: list[MetricsLogger] | None,
 ) -> TrainResult:
+    """The loop: one `train_step` per step; the metrics window, the evaluator and the checkpointer
+    each decide when they have something to do."""
     device = ctx.device if ctx.enabled else resolve_device(cfg.device)
-    device_type = torch.device(device).type
-    if cfg.dtype == "float16" and device_type != "cuda":
+    if cfg.dtype == "float16" and torch.device(device).type != "cuda":
         raise ValueError("dtype float16 (with loss scaling) is for CUDA GPUs; use bfloat16 on CPU")
-
-    # Every process builds identical initial weights from the same seed.
-    torch.manual_seed(cfg.seed)
-    model = model_config if isinstance(model_config, TransformerLM) else TransformerLM(model_config)
-    if cfg.init_from and resume_dir is None and not isinstance(model_config, TransformerLM):
-        from .interop import init_weights_from
-
-        init_weights_from(model, cfg.init_from)
-    model.to(device).train()
-    context = model.config.context_length
-    for name, tokens in (("training", train_tokens), ("validation", val_tokens)):
-        if tokens is not None and len(tokens) <= context:
-            raise ValueError(f"{name} data has {len(tokens)} tokens; need more than context_length={context}")
-
-    # Dropout masks differ per process; the batch sampler is shared (see the module docstring).
-    torch.manual_seed(cfg.seed + ctx.rank)
-    random.seed(cfg.seed + ctx.rank)
-    np.random.seed((cfg.seed + ctx.rank) % 2**32)
-    batch_rng = torch.Generator().manual_seed(cfg.seed)
-    start_step, best_val_loss, elapsed_before = 0, math.inf, 0.0
-    window_losses: list[float] = []  # per-step losses since the last metrics record
-    if resume_dir is not None:
-        saved_config = load_config(resume_dir / "config.json")
-        if saved_config != model.config:
-            raise ValueError(f"{resume_dir} holds a different model config than the one to train")
-        load_weights(model, read_safetensors(resume_dir / "model.safetensors", device), str(resume_dir))
-
-    fsdp = cfg.fsdp and ctx.enabled
-    if fsdp:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:  # one all-gather per block keeps peak memory at one block's weights
-            fully_shard(block)
-        fully_shard(model)
-        step_model: nn.Module = model
-    elif ctx.enabled:
-        step_model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device_type == "cuda" else None)
-    else:
-        step_model = model
-    if cfg.compile:
-        step_model = torch.compile(step_model)
-    eval_model = step_model if cfg.compile and not ctx.enabled else model  # reuse the compiled graph
-    no_sync = step_model.no_sync if isinstance(step_model, nn.parallel.DistributedDataParallel) else None
-
-    optimizer = make_optimizer(model, cfg, fused=not fsdp)
-    scaler = torch.amp.GradScaler(device_type) if cfg.dtype == "float16" else None
-    if resume_dir is not None:
-        state = read_json(resume_dir / TRAINER_STATE_JSON)
-        tensors = read_safetensors(resume_dir / TRAINER_STATE_TENSORS)
-        _load_optimizer(model, optimizer, resume_dir, fsdp)
-        start_step, best_val_loss, elapsed_before = state["step"], state["best_val_loss"], state["elapsed_s"]
-        # The losses of a metrics window a checkpoint cut in two, so the record closing that
-        # window averages the same steps as in an uninterrupted run.
-        window_losses = [float(v) for v in state.get("log_window_losses", [])]
-        if scaler is not None and state.get("grad_scaler"):
-            scaler.load_state_dict(state["grad_scaler"])
-        _restore_rng(state, tensors, batch_rng, ctx)
-        # The run's schedule goes on (see schedule_end), saved explicitly so a later resume keeps it too.
-        cfg = dataclasses.replace(cfg, lr_decay_steps=schedule_end(cfg, state.get("train_config")))
-    global_batch = cfg.batch_size * cfg.grad_accum_steps * ctx.world_size
-    tokens_per_step = global_batch * context
-    autocast = lambda: autocast_context(cfg, device)  # noqa: E731 (a fresh context per micro-batch)
-
+    parts = _Parts.build(model_config, cfg, ctx, device, resume_dir, (train_tokens, val_tokens))
+    cfg, point = parts.cfg, parts.point
     run_path = Path(run_dir) if run_dir is not None else None
-    loggers = list(loggers or [])
-    if run_path is not None and ctx.is_main:
-        remove_stale_staging(run_path)  # safe: the run directory is locked (see train)
-        loggers.insert(0, JSONLLogger(run_path / METRICS_FILE, keep_up_to_step=start_step if resume_dir else None))
-    result = TrainResult(model, step=start_step, best_val_loss=best_val_loss)
-    pending_losses: list[Tensor] = []  # per-step losses still on the device (no sync per step)
-    pending_norms: list[Tensor] = []
-    window_steps = 0  # steps timed by this process in the current window (resumed ones were not)
-    last_grad_norm = math.nan
-    last_val_loss: float | None = None
-
-    def flush_pending(done: int) -> None:
-        """Bring pending losses to the host (one sync) and stop on a non-finite loss or gradient."""
-        nonlocal last_grad_norm
-        if not pending_losses:
-            return
-        losses = all_reduce_mean(torch.stack(pending_losses), ctx).tolist()
-        norms = torch.stack(pending_norms).tolist()
-        first = done - len(losses) + 1  # steps are counted from 1, as in the metrics log
-        for i, (loss, norm) in enumerate(zip(losses, norms)):
-            # Under fp16 loss scaling an infinite gradient just skips that step, so it is not an error.
-            if not math.isfinite(loss) or (scaler is None and not math.isfinite(norm)):
-                kept = result.checkpoint or "none written"
-                raise FloatingPointError(
-                    f"training stopped at step {first + i}: loss {loss}, gradient norm {norm} is not finite "
-                    f"(lower the learning rate?). Last good checkpoint: {kept}")
-        result.train_losses.extend(losses)
-        window_losses.extend(losses)
-        last_grad_norm = norms[-1]
-        pending_losses.clear()
-        pending_norms.clear()
-
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not (cfg.progress and ctx.is_main),
+    result = TrainResult(parts.model, step=point.step, best_val_loss=point.best_val_loss)
+    tokens_per_step = cfg.batch_size * cfg.grad_accum_steps * ctx.world_size * parts.model.config.context_length
+    window = MetricsWindow(cfg, ctx, tokens_per_step, point, result, parts.scaler is not None)
+    evaluator = Evaluator(parts.eval_model, val_tokens, cfg, ctx, device, tokens_per_step, point.best_val_loss, result,
+                          on_eval)
+    checkpointer = Checkpointer(run_path, cfg, ctx, parts, tokenizer, meta, result)
+    loggers = _metrics_loggers(run_path, loggers, ctx, point.step if resume_dir else None)
+    bar = tqdm(total=cfg.max_steps, initial=point.step, disable=not (cfg.progress and ctx.is_main),
                dynamic_ncols=True, desc="train", mininterval=1.0)
-    clock_start = time.perf_counter()
-    window_start, window_train_time = time.perf_counter(), 0.0
-    total_train_time = 0.0
     try:
         with _StopRequest() as stop:
-            for step in range(start_step, cfg.max_steps):
-                step_start = time.perf_counter()
-                lr = scheduled_lr(cfg, step)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                x, y = get_batch(train_tokens, global_batch, context, batch_rng)
-                x = rank_slice(x, ctx.rank, ctx.world_size).to(device, non_blocking=True)
-                y = rank_slice(y, ctx.rank, ctx.world_size).to(device, non_blocking=True)
-                loss = forward_backward(step_model, x, y, cfg.grad_accum_steps, autocast, scaler, no_sync)
-                if scaler is not None:
-                    scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
-                max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-                if scaler is not None:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                pending_losses.append(loss)
-                if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, already reduced over shards
-                    grad_norm = grad_norm.full_tensor()
-                pending_norms.append(grad_norm.detach().float().to(loss.device))
+            for step in range(point.step, cfg.max_steps):
+                started = time.perf_counter()
+                lr = set_lr(parts.optimizer, cfg, step)
+                loss, grad_norm = train_step(parts, *parts.next_batch(train_tokens))
                 done = result.step = step + 1
-                window_train_time += time.perf_counter() - step_start
-                window_steps += 1
+                window.add(loss, grad_norm, time.perf_counter() - started)
                 bar.update(1)
-
                 last = done == cfg.max_steps
-                is_log = done % cfg.log_interval == 0 or last
-                # Processes must agree to stop together; they compare notes only at log steps, as
-                # an all-reduce + .item() on every step would be a host sync on the hot path.
-                stop_signal = stop.signum if not ctx.enabled else (
-                    stop.signum or signal.SIGTERM if is_log and any_process(stop.signum is not None, ctx) else None)
-                is_eval = val_tokens is not None and (last or (cfg.eval_interval > 0 and done % cfg.eval_interval == 0))
-                is_checkpoint = run_path is not None and (
-                    is_eval or last or stop_signal is not None
-                    or (cfg.checkpoint_interval > 0 and done % cfg.checkpoint_interval == 0))
-                if not (is_log or is_eval or is_checkpoint):
+                logging = done % cfg.log_interval == 0 or last
+                stop_signal = stop.requested(ctx, logging)
+                evaluating = evaluator.due(done, last)
+                saving = checkpointer.due(done, last, stop_signal is not None, evaluating)
+                if not (logging or evaluating or saving):
                     continue
-                flush_pending(done)
-                record: dict[str, Any] = {}
-                if is_log:
-                    total_train_time += window_train_time
-                    tokens_per_s = tokens_per_step * window_steps / max(window_train_time, 1e-9)
-                    result.tokens_per_second = tokens_per_step * len(result.train_losses) / max(total_train_time, 1e-9)
-                    record = {
-                        "step": done, "tokens": done * tokens_per_step,
-                        "train_loss": sum(window_losses) / len(window_losses), "lr": lr,
-                        "grad_norm": last_grad_norm, "tokens_per_s": tokens_per_s,
-                        "elapsed_s": elapsed_before + time.perf_counter() - clock_start,
-                    }
-                    bar.set_postfix(loss=f"{window_losses[-1]:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}",
-                                    refresh=False)  # redrawn at tqdm's own pace
-                    window_losses.clear()
-                    window_train_time, window_steps = 0.0, 0
-                improved = False
-                if is_eval:
-                    assert val_tokens is not None
-                    last_val_loss = evaluate(eval_model, val_tokens, cfg, ctx=ctx, device=device)
-                    result.val_losses.append((done, last_val_loss))
-                    improved = last_val_loss < best_val_loss
-                    best_val_loss = min(best_val_loss, last_val_loss)
-                    result.best_val_loss = best_val_loss
-                    record.update(step=done, tokens=done * tokens_per_step, val_loss=last_val_loss,
-                                  val_ppl=math.exp(min(last_val_loss, 50.0)))
-                    if ctx.is_main and cfg.progress:
-                        bar.write(f"step {done}: train loss {result.train_losses[-1]:.4f}, val loss {last_val_loss:.4f}")
-                    if on_eval is not None:
-                        on_eval(done, last_val_loss, model)
+                window.flush(done, checkpointer.last)
+                record = window.record(done, lr, bar) if logging else {}
+                if evaluating:
+                    record |= evaluator.run(done, bar)
                 if record and ctx.is_main:
                     for logger in loggers:
                         logger.log(record)
-                if is_checkpoint:
-                    assert run_path is not None
-                    elapsed = elapsed_before + time.perf_counter() - clock_start
+                if saving:
                     with stop.saving():  # a second Ctrl-C now waits for the checkpoint to be complete
-                        result.checkpoint = _save_training_checkpoint(
-                            run_path, done, model, optimizer, scaler, batch_rng, cfg, ctx, tokenizer,
-                            {**(meta or {}), "step": done, "val_loss": last_val_loss},
-                            best_val_loss, elapsed, improved, fsdp, window_losses)
+                        checkpointer.save(done, evaluator, window)
                 if stop_signal is not None:
                     result.stopped_by_signal = stop_signal
                     if ctx.is_main and cfg.progress:
@@ -580,44 +445,255 @@ def _train(
     return result
 
 
-def _save_training_checkpoint(
-    run_dir: Path, step: int, model: TransformerLM, optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None, batch_rng: torch.Generator, cfg: TrainConfig, ctx: DistributedContext,
-    tokenizer: Any, meta: dict[str, Any], best_val_loss: float, elapsed: float, is_best: bool, fsdp: bool,
-    window_losses: list[float] = (),  # type: ignore[assignment]
-) -> Path:
+def _metrics_loggers(run_path: Path | None, loggers: list[MetricsLogger] | None, ctx: DistributedContext,
+                     resumed_at: int | None) -> list[MetricsLogger]:
+    """metrics.jsonl (cut back to the resumed step) first, then any others; only the main process logs."""
+    loggers = list(loggers or [])
+    if run_path is not None and ctx.is_main:
+        remove_stale_staging(run_path)  # safe: the run directory is locked (see train)
+        loggers.insert(0, JSONLLogger(run_path / METRICS_FILE, keep_up_to_step=resumed_at))
+    return loggers
+
+
+@dataclass
+class _Parts:
+    """What the loop works with: the model (and its DDP/FSDP/compiled wrappers), the optimizer,
+    the loss scaler, the batch sampler, and where the run stands (fresh or resumed)."""
+
+    cfg: TrainConfig
+    ctx: DistributedContext
+    device: str
+    model: TransformerLM
+    step_model: nn.Module  # what the step runs: DDP- or FSDP-wrapped, maybe compiled
+    eval_model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    batch_rng: torch.Generator
+    point: ResumePoint
+    fsdp: bool
+
+    @classmethod
+    def build(cls, model_config: ModelConfig | TransformerLM, cfg: TrainConfig, ctx: DistributedContext, device: str,
+              resume_dir: Path | None, data: tuple[Tensor, Tensor | None]) -> "_Parts":
+        torch.manual_seed(cfg.seed)  # every process builds identical initial weights
+        model = model_config if isinstance(model_config, TransformerLM) else TransformerLM(model_config)
+        if cfg.init_from and resume_dir is None and not isinstance(model_config, TransformerLM):
+            from .interop import init_weights_from
+
+            init_weights_from(model, cfg.init_from)
+        model.to(device).train()
+        context = model.config.context_length
+        for name, tokens in zip(("training", "validation"), data):
+            if tokens is not None and len(tokens) <= context:
+                raise ValueError(f"{name} data has {len(tokens)} tokens; need more than context_length={context}")
+        batch_rng = seed_processes(cfg.seed, ctx.rank)
+        if resume_dir is not None:
+            if load_config(resume_dir / "config.json") != model.config:
+                raise ValueError(f"{resume_dir} holds a different model config than the one to train")
+            load_weights(model, read_safetensors(resume_dir / "model.safetensors", device), str(resume_dir))
+        fsdp = cfg.fsdp and ctx.enabled
+        step_model, eval_model = _wrap(model, cfg, ctx, device, fsdp)
+        optimizer = make_optimizer(model, cfg, fused=not fsdp)
+        scaler = torch.amp.GradScaler(torch.device(device).type) if cfg.dtype == "float16" else None
+        point = ResumePoint()
+        if resume_dir is not None:
+            _load_optimizer(model, optimizer, resume_dir, fsdp)
+            point = load_resume_point(resume_dir, batch_rng, ctx)
+            if scaler is not None and point.grad_scaler:
+                scaler.load_state_dict(point.grad_scaler)
+            # The run's schedule goes on (see schedule_end), saved explicitly so a later resume keeps it too.
+            cfg = dataclasses.replace(cfg, lr_decay_steps=schedule_end(cfg, point.train_config))
+        return cls(cfg, ctx, device, model, step_model, eval_model, optimizer, scaler, batch_rng, point, fsdp)
+
+    def next_batch(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """This process's slice of the step's global batch (see the module docstring)."""
+        cfg, ctx = self.cfg, self.ctx
+        x, y = get_batch(tokens, cfg.batch_size * cfg.grad_accum_steps * ctx.world_size,
+                         self.model.config.context_length, self.batch_rng)
+        x = rank_slice(x, ctx.rank, ctx.world_size).to(self.device, non_blocking=True)
+        return x, rank_slice(y, ctx.rank, ctx.world_size).to(self.device, non_blocking=True)
+
+
+def _wrap(model: TransformerLM, cfg: TrainConfig, ctx: DistributedContext, device: str,
+          fsdp: bool) -> tuple[nn.Module, nn.Module]:
+    """(model to step, model to evaluate): FSDP2 or DDP across processes, then maybe compiled."""
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:  # one all-gather per block keeps peak memory at one block's weights
+            fully_shard(block)
+        fully_shard(model)
+        step_model: nn.Module = model
+    elif ctx.enabled:
+        cuda = torch.device(device).type == "cuda"
+        step_model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if cuda else None)
+    else:
+        step_model = model
+    if cfg.compile:
+        step_model = torch.compile(step_model)
+    return step_model, step_model if cfg.compile and not ctx.enabled else model  # reuse the compiled graph
+
+
+def set_lr(optimizer: torch.optim.Optimizer, cfg: TrainConfig, step: int) -> float:
+    lr = scheduled_lr(cfg, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def train_step(parts: _Parts, x: Int[Tensor, "b t"], y: Int[Tensor, "b t"]) -> tuple[Tensor, Tensor]:
+    """One optimizer step on this process's batch: (mean loss, global gradient norm), both still
+    on the device (reading them would wait for the step to finish)."""
+    cfg, model, optimizer, scaler = parts.cfg, parts.model, parts.optimizer, parts.scaler
+    ddp = parts.step_model if isinstance(parts.step_model, nn.parallel.DistributedDataParallel) else None
+    loss = forward_backward(parts.step_model, x, y, cfg.grad_accum_steps,
+                            lambda: autocast_context(cfg, parts.device), scaler, ddp.no_sync if ddp else None)
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    if scaler is not None:
+        scaler.step(optimizer)  # skips the step if the gradient is not finite
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, already reduced over shards
+        grad_norm = grad_norm.full_tensor()
+    return loss, grad_norm.detach().float().to(loss.device)
+
+
+class MetricsWindow:
+    """Per-step losses between two metrics records: kept on the device until a log, eval or
+    checkpoint step needs them (one host sync then), checked for non-finite values, averaged."""
+
+    def __init__(self, cfg: TrainConfig, ctx: DistributedContext, tokens_per_step: int, point: ResumePoint,
+                 result: TrainResult, loss_scaling: bool):
+        self.cfg, self.ctx, self.tokens_per_step, self.result = cfg, ctx, tokens_per_step, result
+        self.loss_scaling = loss_scaling  # fp16: an infinite gradient only skips its step
+        self.pending: list[tuple[Tensor, Tensor]] = []
+        self.losses: list[float] = list(point.log_window_losses)  # resumed mid-window: its earlier steps
+        self.grad_norm = math.nan
+        self.seconds, self.steps_timed, self.total_seconds = 0.0, 0, 0.0
+        self.clock_start, self.elapsed_before = time.perf_counter(), point.elapsed_s
+
+    def add(self, loss: Tensor, grad_norm: Tensor, seconds: float) -> None:
+        self.pending.append((loss, grad_norm))
+        self.seconds += seconds
+        self.steps_timed += 1
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.clock_start
+
+    def flush(self, done: int, last_checkpoint: Path | None) -> None:
+        """Bring pending losses to the host and stop on a non-finite loss or gradient norm."""
+        if not self.pending:
+            return
+        losses = all_reduce_mean(torch.stack([loss for loss, _ in self.pending]), self.ctx).tolist()
+        norms = torch.stack([norm for _, norm in self.pending]).tolist()
+        first = done - len(losses) + 1  # steps are counted from 1, as in the metrics log
+        for i, (loss, norm) in enumerate(zip(losses, norms)):
+            if not math.isfinite(loss) or (not self.loss_scaling and not math.isfinite(norm)):
+                raise FloatingPointError(
+                    f"training stopped at step {first + i}: loss {loss}, gradient norm {norm} is not finite "
+                    f"(lower the learning rate?). Last good checkpoint: {last_checkpoint or 'none written'}")
+        self.result.train_losses.extend(losses)
+        self.losses.extend(losses)
+        self.grad_norm = norms[-1]
+        self.pending.clear()
+
+    def record(self, done: int, lr: float, bar: Any) -> dict[str, Any]:
+        """The metrics record closing the window (which then starts afresh)."""
+        self.total_seconds += self.seconds
+        tokens_per_s = self.tokens_per_step * self.steps_timed / max(self.seconds, 1e-9)
+        self.result.tokens_per_second = (self.tokens_per_step * len(self.result.train_losses)
+                                         / max(self.total_seconds, 1e-9))
+        record = {"step": done, "tokens": done * self.tokens_per_step, "train_loss": sum(self.losses) / len(self.losses),
+                  "lr": lr, "grad_norm": self.grad_norm, "tokens_per_s": tokens_per_s, "elapsed_s": self.elapsed()}
+        bar.set_postfix(loss=f"{self.losses[-1]:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}",
+                        refresh=False)  # redrawn at tqdm's own pace
+        self.losses.clear()
+        self.seconds, self.steps_timed = 0.0, 0
+        return record
+
+
+class Evaluator:
+    """Validation loss every `eval_interval` steps and at the end; keeps the best one."""
+
+    def __init__(self, model: nn.Module, tokens: Tensor | None, cfg: TrainConfig, ctx: DistributedContext,
+                 device: str, tokens_per_step: int, best: float, result: TrainResult,
+                 on_eval: Callable[[int, float, TransformerLM], None] | None):
+        self.model, self.tokens, self.cfg, self.ctx, self.device = model, tokens, cfg, ctx, device
+        self.tokens_per_step, self.best, self.result, self.on_eval = tokens_per_step, best, result, on_eval
+        self.last: float | None = None  # the latest validation loss
+        self.improved_at: int | None = None  # the step whose evaluation set the current best
+
+    def due(self, done: int, last: bool) -> bool:
+        interval = self.cfg.eval_interval
+        return self.tokens is not None and (last or (interval > 0 and done % interval == 0))
+
+    def run(self, done: int, bar: Any) -> dict[str, Any]:
+        """Evaluate now; returns the fields it adds to the step's metrics record."""
+        assert self.tokens is not None
+        loss = self.last = evaluate(self.model, self.tokens, self.cfg, ctx=self.ctx, device=self.device)
+        self.result.val_losses.append((done, loss))
+        if loss < self.best:
+            self.improved_at = done
+        self.best = self.result.best_val_loss = min(self.best, loss)
+        if self.ctx.is_main and self.cfg.progress:
+            bar.write(f"step {done}: train loss {self.result.train_losses[-1]:.4f}, val loss {loss:.4f}")
+        if self.on_eval is not None:
+            self.on_eval(done, loss, self.result.model)
+        return {"step": done, "tokens": done * self.tokens_per_step, "val_loss": loss,
+                "val_ppl": math.exp(min(loss, 50.0))}
+
+
+class Checkpointer:
+    """Saves at every evaluation, every `checkpoint_interval` steps, at the end and when stopped
+    by a signal, into the run directory (if any)."""
+
+    def __init__(self, run_dir: Path | None, cfg: TrainConfig, ctx: DistributedContext, parts: _Parts,
+                 tokenizer: Any, meta: dict[str, Any] | None, result: TrainResult):
+        self.run_dir, self.cfg, self.ctx, self.parts = run_dir, cfg, ctx, parts
+        self.tokenizer, self.meta, self.result = tokenizer, meta or {}, result
+
+    @property
+    def last(self) -> Path | None:
+        return self.result.checkpoint
+
+    def due(self, done: int, last: bool, stopping: bool, evaluating: bool) -> bool:
+        interval = self.cfg.checkpoint_interval
+        return self.run_dir is not None and (
+            evaluating or last or stopping or (interval > 0 and done % interval == 0))
+
+    def save(self, done: int, evaluator: Evaluator, window: MetricsWindow) -> None:
+        assert self.run_dir is not None
+        point = ResumePoint(step=done, best_val_loss=evaluator.best, elapsed_s=window.elapsed(),
+                            log_window_losses=window.losses, train_config=self.cfg.to_dict(),
+                            grad_scaler=self.parts.scaler.state_dict() if self.parts.scaler is not None else None)
+        meta = {**self.meta, "step": done, "val_loss": evaluator.last}
+        self.result.checkpoint = _save_training_checkpoint(self.run_dir, self.parts, point, self.tokenizer, meta,
+                                                           is_best=evaluator.improved_at == done)
+
+
+def _save_training_checkpoint(run_dir: Path, parts: _Parts, point: ResumePoint, tokenizer: Any,
+                              meta: dict[str, Any], is_best: bool) -> Path:
     """Write ckpt-<step>/ with everything needed to continue bit for bit; point `latest` (and maybe
     `best`) at it; prune old ones. Collective: every process calls it, the main one writes.
 
     Pointers move only once the directory is complete. If writing fails (a full disk), the
     error names the previous checkpoint, which is untouched, and nothing half-written stays."""
-    model_state, optim_state = _full_state_dicts(model, optimizer, fsdp)
-    torch_rng_states = gather_objects(torch.get_rng_state(), ctx)
-    cuda_rng_states = gather_objects(torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [], ctx)
-    target = run_dir / checkpoint_name(step)
-    if ctx.is_main:
-        tensors: dict[str, Tensor] = {"rng.batch_sampler": batch_rng.get_state()}
-        for rank, state in enumerate(torch_rng_states):
-            tensors[f"rng.torch.rank{rank}"] = state  # type: ignore[assignment]
-        for rank, states in enumerate(cuda_rng_states):
-            for i, state in enumerate(states):  # type: ignore[arg-type]
-                tensors[f"rng.cuda.rank{rank}.device{i}"] = state
-        np_state = np.random.get_state()
-        trainer_state = {
-            "format": 1, "step": step, "best_val_loss": best_val_loss, "elapsed_s": elapsed,
-            "world_size": ctx.world_size, "train_config": cfg.to_dict(),
-            "rng_python": _jsonable(random.getstate()),
-            "rng_numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-            "grad_scaler": scaler.state_dict() if scaler is not None else None,
-            "log_window_losses": list(window_losses),  # JSON floats round-trip exactly
-        }
+    model_state, optim_state = _full_state_dicts(parts.model, parts.optimizer, parts.fsdp)
+    state_tensors, state_json = trainer_state_files(point, parts.batch_rng, parts.ctx)
+    target = run_dir / checkpoint_name(point.step)
+    if parts.ctx.is_main:
         optim_tensors, optim_scalars = optimizer_state_to_files(optim_state)
         previous = read_pointer(run_dir, "latest")
         try:
             save_checkpoint(
-                target, model, tokenizer, meta, state_dict=model_state,
-                extra_tensors={OPTIMIZER_FILE: optim_tensors, TRAINER_STATE_TENSORS: tensors},
-                extra_json={OPTIMIZER_JSON: optim_scalars, TRAINER_STATE_JSON: trainer_state},
+                target, parts.model, tokenizer, meta, state_dict=model_state,
+                extra_tensors={OPTIMIZER_FILE: optim_tensors, TRAINER_STATE_TENSORS: state_tensors},
+                extra_json={OPTIMIZER_JSON: optim_scalars, TRAINER_STATE_JSON: state_json},
             )
             if is_best:  # `best` first: if `latest` then fails, what the error says about it is true
                 write_pointer(run_dir, "best", target.name)
@@ -626,8 +702,8 @@ def _save_training_checkpoint(
             kept = (f"the previous checkpoint {previous} is intact and `latest` still names it"
                     if previous is not None and previous.is_dir() else "no earlier checkpoint exists")
             raise CheckpointWriteError(f"{err}; {kept}") from None
-        prune_checkpoints(run_dir, cfg.keep_last)
-    barrier(ctx)
+        prune_checkpoints(run_dir, parts.cfg.keep_last)
+    barrier(parts.ctx)
     return target
 
 
@@ -651,29 +727,6 @@ def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, director
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
-
-
-def _jsonable(obj: Any) -> Any:
-    return [_jsonable(x) for x in obj] if isinstance(obj, (tuple, list)) else obj
-
-
-def _restore_rng(state: dict[str, Any], tensors: dict[str, Tensor], batch_rng: torch.Generator,
-                 ctx: DistributedContext) -> None:
-    """Put every random number generator back where the checkpoint found it."""
-    batch_rng.set_state(tensors["rng.batch_sampler"])
-    if state.get("world_size", 1) != ctx.world_size:
-        warnings.warn(f"checkpoint was written by {state['world_size']} processes, resuming with "
-                      f"{ctx.world_size}: data order is unchanged for the same global batch, dropout masks differ")
-    own = tensors.get(f"rng.torch.rank{ctx.rank}")
-    if own is not None:
-        torch.set_rng_state(own)
-    cuda_states = [tensors[k] for k in sorted(tensors) if k.startswith(f"rng.cuda.rank{ctx.rank}.")]
-    if cuda_states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda_states)
-    version, internal, gauss = state["rng_python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["rng_numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 if __name__ == "__main__":  # pragma: no cover
