@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -177,13 +178,18 @@ async def stream_chunks(job: Job, body: CompletionRequest, name: str, tokenizer:
 async def collect(job: Job, body: CompletionRequest, name: str, tokenizer: Any, request: Any) -> dict[str, Any]:
     """The whole completion as one response; gives up (cancelling the job) if the client leaves."""
     text, tokens = [], []
+    checked = time.monotonic()
     while True:
         try:
-            event = await asyncio.wait_for(job.events.get(), timeout=0.5)
+            event = await asyncio.wait_for(job.events.get(), timeout=0.25)
         except asyncio.TimeoutError:
+            event = None
+        if time.monotonic() - checked > 0.25:  # tokens may flow without pause: look by the clock
+            checked = time.monotonic()
             if await request.is_disconnected():
                 job.cancelled.set()
                 return {"error": {"message": "client disconnected"}}
+        if event is None:
             continue
         if "error" in event:
             return {"error": {"message": event["error"]}}
