@@ -95,8 +95,13 @@ class Job:
         self.finish_reason: str | None = None
         self.first_token_time: float | None = None
 
+    outbox: list | None = None  # set by the engine: events wait there until the step ends
+
     def emit(self, event: dict[str, Any]) -> None:
         """Hand an event to the request's event loop (thread-safe; a closed loop means nobody listens)."""
+        if self.outbox is not None:
+            self.outbox.append((self, event))
+            return
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
@@ -127,6 +132,9 @@ class Engine:
         self._deadline: float | None = None
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="glasslm-batcher", daemon=True)
+        # One wake-up of the event loop per step for all rows, not one per row: each wake-up is a
+        # GIL hand-over between this thread and the loop's, which costs milliseconds on a busy CPU.
+        self._outbox: list[tuple[Job, dict[str, Any]]] = []
 
     # --- the request side (event-loop threads) ---
 
@@ -142,6 +150,7 @@ class Engine:
                 self.stats["rejected"] += 1
                 raise Overloaded(f"the server is busy ({len(self.active)} requests running, "
                                  f"{len(self._pending)} waiting, the queue holds {self.max_queue}); retry later")
+            job.outbox = self._outbox
             self._pending.append(job)
             self.stats["submitted"] += 1
             self._cond.notify()
@@ -166,37 +175,53 @@ class Engine:
 
     # --- the worker thread ---
 
+    def _flush(self) -> None:
+        """Deliver the events of the last step: one call into each event loop that has any."""
+        events, self._outbox[:] = list(self._outbox), []
+        by_loop: dict[Any, list[tuple[Job, dict[str, Any]]]] = {}
+        for job, event in events:
+            by_loop.setdefault(job.loop, []).append((job, event))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+                loop.call_soon_threadsafe(_deliver, items)
+
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not (self.active or self._pending or self._stop):
-                    self._cond.wait()
-                if self._stop or (self._deadline is not None and time.monotonic() > self._deadline):
-                    for job in [*self.active, *self._pending]:
-                        job.finish("abort", job.streamer.finish())
-                        self.stats["aborted"] += 1
-                    self.active, self._window = [], None
-                    self._pending.clear()
-                    if self._stop:
-                        return
-                    continue
-                new = []
-                while self._pending and len(self.active) + len(new) < self.max_batch:
-                    job = self._pending.popleft()
-                    if job.cancelled.is_set():
-                        self.stats["cancelled"] += 1
-                    else:
-                        new.append(job)
-            try:
-                with self.model_lock, torch.inference_mode():
-                    self._step(new)
-            except Exception as err:  # never leave a client waiting on a dead worker
-                log.exception("decode step failed")
-                for job in [*self.active, *new]:
-                    if job.finish_reason is None:
-                        job.emit({"error": f"generation failed: {type(err).__name__}: {err}"})
-                        job.finish_reason = "error"
+        try:
+            while self._iterate():
+                self._flush()
+        finally:
+            self._flush()
+
+    def _iterate(self) -> bool:
+        """One pass of the worker: admit, step, or abort everything; False once stopped."""
+        with self._cond:
+            while not (self.active or self._pending or self._stop):
+                self._cond.wait()
+            if self._stop or (self._deadline is not None and time.monotonic() > self._deadline):
+                for job in [*self.active, *self._pending]:
+                    job.finish("abort", job.streamer.finish())
+                    self.stats["aborted"] += 1
                 self.active, self._window = [], None
+                self._pending.clear()
+                return not self._stop
+            new = []
+            while self._pending and len(self.active) + len(new) < self.max_batch:
+                job = self._pending.popleft()
+                if job.cancelled.is_set():
+                    self.stats["cancelled"] += 1
+                else:
+                    new.append(job)
+        try:
+            with self.model_lock, torch.inference_mode():
+                self._step(new)
+        except Exception as err:  # never leave a client waiting on a dead worker
+            log.exception("decode step failed")
+            for job in [*self.active, *new]:
+                if job.finish_reason is None:
+                    job.emit({"error": f"generation failed: {type(err).__name__}: {err}"})
+                    job.finish_reason = "error"
+            self.active, self._window = [], None
+        return True
 
     def _step(self, new: list[Job]) -> None:
         if new:
@@ -320,6 +345,11 @@ class Engine:
         weight = self.model.embed.weight
         main.use_native_gemv = (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
                                 and len(pads) == 1)
+
+
+def _deliver(items: list[tuple[Job, dict[str, Any]]]) -> None:
+    for job, event in items:
+        job.events.put_nowait(event)
 
 
 def _shift(t: torch.Tensor, by: int, length: int) -> torch.Tensor:

@@ -93,6 +93,7 @@ function addToken(choice) {
   span.className = "tok gen";
   span.textContent = token.text;
   span.dataset.index = index; span.dataset.id = token.id;
+  span.dataset.t = performance.now().toFixed(1);  // arrival time: shows the tokens streamed in
   span.dataset.prob = Math.exp(token.logprob).toFixed(4);
   span.title = `p = ${Math.exp(token.logprob).toFixed(3)}`;
   span.onclick = () => selectToken(index);
@@ -120,7 +121,7 @@ async function redrawNextToken() {
   try {
     const table = await post("/api/next-token", { tokens: context, k: 12, ...samplingControls() });
     if (index !== gen.selected) return;  // a newer selection was made meanwhile
-    drawBars(table.top, gen.tokens[index].text, `token ${index + 1}; ${table.kept} tokens kept by the controls`);
+    drawBars(table.top, gen.tokens[index].text, `token ${index + 1}; the controls keep ${table.kept} of ${info.vocab_size} tokens`);
   } catch (err) { showError($("next-token-where"), err); }
 }
 
