@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 PROMPTS = ["ROMEO:\n", "First Citizen:\nBefore we proceed", "KING HENRY:\nOnce more unto", "O, ", "To be, or not",
@@ -127,6 +128,39 @@ async def load(host: str, port: int, clients: int, duration: float, max_tokens: 
             "ttft": sorted(ttft), "gaps": sorted(gaps)}
 
 
+async def engine_load(checkpoint: Path, clients: int, max_batch: int, duration: float, max_tokens: int,
+                      threads: int) -> dict:
+    """The same load on the batching engine in this process, without HTTP: what batching itself buys."""
+    import torch
+
+    from glasslm.interop import load_model
+    from glasslm.serve import Engine, Job, Sampling
+
+    torch.set_num_threads(threads)
+    model, tokenizer = load_model(checkpoint)
+    engine = Engine(model.eval(), tokenizer, max_batch=max_batch, max_queue=clients)
+    engine.start()
+    loop, deadline, tokens, done = asyncio.get_running_loop(), time.perf_counter() + duration, 0, 0
+
+    async def client(i: int) -> None:
+        nonlocal tokens, done
+        rng = random.Random(i)
+        while time.perf_counter() < deadline:
+            sampling = Sampling(max_tokens=max_tokens, temperature=0.8, seed=rng.randrange(1 << 30))
+            job = Job(tokenizer.encode(rng.choice(PROMPTS)), sampling, tokenizer, loop)
+            engine.submit(job)
+            while "finish_reason" not in (event := await job.events.get()):
+                tokens += "token" in event
+            done += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    elapsed = time.perf_counter() - start
+    engine.stop()
+    return {"elapsed": elapsed, "requests": done, "tokens": tokens,
+            "mean_batch": engine.stats["rows"] / max(1, engine.stats["steps"])}
+
+
 def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
@@ -156,6 +190,9 @@ def main() -> None:
             try:
                 results[label] = asyncio.run(load(host, port, args.clients, args.duration, args.max_tokens,
                                                   args.timeout))
+                with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=30) as response:
+                    health = json.loads(response.read())
+                results[label]["mean_batch"] = health["rows"] / max(1, health["steps"])
             finally:
                 proc.send_signal(signal.SIGTERM)
                 try:
@@ -168,6 +205,7 @@ def main() -> None:
                 ("first token p99 (ms)", lambda r: 1000 * pct(r["ttft"], 0.99), "{:.0f}"),
                 ("between tokens p50 (ms)", lambda r: 1000 * pct(r["gaps"], 0.5), "{:.1f}"),
                 ("between tokens p99 (ms)", lambda r: 1000 * pct(r["gaps"], 0.99), "{:.1f}"),
+                ("mean batch decoded", lambda r: r["mean_batch"], "{:.1f}"),
                 ("completed requests", lambda r: r["requests"], "{:d}"),
                 ("failed or dropped", lambda r: len(r["failures"]), "{:d}")]
         labels = list(results)
@@ -179,6 +217,16 @@ def main() -> None:
         for label in labels:
             for failure in sorted(set(results[label]["failures"]))[:5]:
                 print(f"  {label} failure: {failure}")
+        print(f"\nthe engine alone (same load, in this process, no HTTP), {args.duration:.0f} s per run:")
+        alone = {label: asyncio.run(engine_load(checkpoint, args.clients, max_batch, args.duration, args.max_tokens,
+                                                args.threads))
+                 for label, max_batch in (("batched", args.clients), ("one at a time", 1))}
+        for label, r in alone.items():
+            print(f"  {label:14} {r['tokens'] / r['elapsed']:8.1f} tokens/s  {r['requests'] / r['elapsed']:6.2f} "
+                  f"requests/s  mean batch {r['mean_batch']:.1f}")
+        ratio = (alone["batched"]["tokens"] / alone["batched"]["elapsed"]) / max(
+            1e-9, alone["one at a time"]["tokens"] / alone["one at a time"]["elapsed"])
+        print(f"  ratio {ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -229,6 +229,8 @@ class Engine:
         if not self.active:
             return
         chosen, keep = self._sample()
+        self.stats["steps"] += 1
+        self.stats["rows"] += len(self.active)  # rows / steps: the mean batch actually decoded
         if len(keep) < len(self.active):
             self._remove(keep)
         if self.active:
@@ -453,7 +455,7 @@ def create_app(
         status = "draining" if engine.draining else "ok"
         body = {"status": status, "model": name, "active": len(engine.active), "queued": engine.queued(),
                 **{k: engine.stats[k] for k in ("submitted", "completed", "cancelled", "rejected", "aborted",
-                                                     "largest_batch")}}
+                                                     "largest_batch", "steps", "rows")}}
         return JSONResponse(body, status_code=503 if engine.draining else 200)
 
     @app.get("/v1/models")
