@@ -8,4 +8,6 @@ source scripts/venv.sh ""  # (an explicit empty argument: a bare `source` would 
 if [ -z "${GLASSLM_DATA_DIR:-}" ] && [ -f ../shared/data/tinyshakespeare.txt ]; then
     export GLASSLM_DATA_DIR="$(cd ../shared/data && pwd)"
 fi
-exec glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare-char-cpu "$@"
+# --overwrite: the demo starts a fresh run in its own directory each time (glasslm refuses to
+# train over an existing run otherwise).
+exec glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare-char-cpu --overwrite "$@"

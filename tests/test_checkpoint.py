@@ -136,9 +136,11 @@ def test_damaged_json_and_missing_files_are_named(saved_checkpoint, tmp_path):
 
 # ----- real processes: `glasslm train` killed and resumed -----
 
+# Log and checkpoint intervals that do not align (issue 12): a checkpoint cuts a metrics window in
+# two, and the resumed run must still log the same averaged losses as the uninterrupted one.
 CLI_ARGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--context-length", "16", "--batch-size", "4",
             "--max-steps", "400", "--warmup-steps", "10", "--eval-interval", "100", "--eval-iters", "2",
-            "--log-interval", "1", "--checkpoint-interval", "20", "--keep-last", "0", "--progress", "false",
+            "--log-interval", "10", "--checkpoint-interval", "7", "--keep-last", "0", "--progress", "false",
             "--sample-tokens", "0", "--dropout", "0.1"]
 
 
@@ -182,19 +184,135 @@ def comparable(records: list[dict]) -> list[tuple]:
 def test_killed_run_resumes_with_identical_losses(corpus, uninterrupted, tmp_path, sig):
     out = tmp_path / "run"
     proc = run_cli([*CLI_ARGS, "--data", str(corpus), "--out", str(out)])
-    wait_for(out / "ckpt-000040", proc)
+    wait_for(out / "ckpt-000042", proc)
     proc.send_signal(sig)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM), output
     stopped_at = int((out / "latest").read_text().strip().split("-")[1])
-    # SIGKILL may land after ckpt-000040 is renamed into place but before `latest` names it:
-    # then `latest` still names ckpt-000020, which is just as consistent a place to resume from.
-    assert 20 <= stopped_at < 400, "the run should be stopped midway"
+    # SIGKILL may land after ckpt-000042 is renamed into place but before `latest` names it:
+    # then `latest` still names ckpt-000035, which is just as consistent a place to resume from.
+    assert 35 <= stopped_at < 400, "the run should be stopped midway"
     if sig == signal.SIGTERM:
         assert "interrupted after step" in output and f"ckpt-{stopped_at:06d}" in output
         # SIGTERM checkpoints the step it stopped at (not just the last periodic one).
-        assert read_metrics(out / "metrics.jsonl")[-1]["step"] == stopped_at
+        assert (out / f"ckpt-{stopped_at:06d}").is_dir()
     resumed = run_cli(["--resume", str(out)])
     output, _ = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, output
     assert comparable(read_metrics(out / "metrics.jsonl")) == comparable(uninterrupted)
+
+
+# ----- a second Ctrl-C while saving, a full disk (issue 12) -----
+
+# Runs `glasslm train` in a real process whose safetensors writer is slowed (FAULT=slow:SECONDS) or
+# fails with ENOSPC from its Nth call on (FAULT=enospc:N), to hit the moments a test needs.
+FAULTY_CLI = """
+import errno, os, sys, time
+import glasslm.checkpoint as checkpoint
+kind, arg = os.environ["FAULT"].split(":")
+real, calls = checkpoint.save_file, [0]
+def faulty(*args, **kwargs):
+    calls[0] += 1
+    if kind == "slow":
+        time.sleep(float(arg))
+    elif calls[0] >= int(arg):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real(*args, **kwargs)
+checkpoint.save_file = faulty
+from glasslm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def run_faulty_cli(args: list[str], fault: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "FAULT": fault}
+    return subprocess.Popen([sys.executable, "-c", FAULTY_CLI, "train", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_second_ctrl_c_while_saving_waits_for_a_complete_checkpoint(corpus, tmp_path):
+    out = tmp_path / "run"
+    args = [*CLI_ARGS, "--checkpoint-interval", "0", "--eval-interval", "0", "--max-steps", "100000", "--log-interval",
+            "1", "--data", str(corpus), "--out", str(out)]
+    proc = run_faulty_cli(args, "slow:0.5")  # each of the 3 safetensors files of a checkpoint takes 0.5 s
+    wait_for(out / "metrics.jsonl", proc)
+    while not (out / "metrics.jsonl").stat().st_size:  # a step is done: the loop's signal handler is in place
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 60
+    while not list(out.glob(".ckpt-*.tmp-*")):  # the checkpoint of the stop step is being staged
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert "stopping as soon as it is complete" in stderr
+    latest = resolve_checkpoint(out, prefer=("latest",))
+    model, _, meta = load_checkpoint(latest)
+    assert f"saved {latest}" in stdout and proc.returncode in (130, 128 + signal.SIGINT)
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name or ".old" in p.name]
+
+
+def test_replacing_a_checkpoint_never_leaves_the_name_empty(tmp_path, monkeypatch):
+    from glasslm.checkpoint import save_checkpoint
+
+    model = TransformerLM_tiny()
+    target = save_checkpoint(tmp_path / "ckpt-000010", model, meta={"version": 1})
+    real_replace, calls = os.replace, []
+
+    def interrupted(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # the old copy is moved aside; a Ctrl-C lands before the new one moves in
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(target, model, meta={"version": 2})
+    monkeypatch.undo()
+    assert load_checkpoint(target)[2] == {"version": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000010"]
+
+
+def TransformerLM_tiny():
+    from glasslm.model import TransformerLM
+
+    return TransformerLM(get_preset("shakespeare-char-cpu", **TINY))
+
+
+@pytest.mark.parametrize("error", ["oserror", "safetensors"])
+def test_full_disk_names_the_surviving_checkpoint_and_leaves_nothing_behind(tmp_path, monkeypatch, error):
+    import errno
+
+    import glasslm.checkpoint as checkpoint
+    from safetensors import SafetensorError
+
+    real, calls = checkpoint.save_file, []
+
+    def full_disk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:  # the first checkpoint (3 safetensors files) fits, the next does not
+            raise (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if error == "oserror"
+                   else SafetensorError("Error while serializing: No space left on device (os error 28)"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_file", full_disk)
+    tokens = tiny_tokens()
+    with pytest.raises(RuntimeError, match=r"could not write .*ckpt-000010: No space left on device.*"
+                                           r"previous checkpoint .*ckpt-000005 is intact") as err:
+        train(get_preset("shakespeare-char-cpu", **TINY), tiny_cfg(max_steps=12, eval_interval=0, checkpoint_interval=5),
+              tokens, run_dir=tmp_path)
+    assert "\n" not in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "ckpt-000005", "latest", "metrics.jsonl"]
+    assert resolve_checkpoint(tmp_path, prefer=("latest",)).name == "ckpt-000005"
+
+
+def test_full_disk_in_the_command_line_is_one_line(corpus, tmp_path):
+    out = tmp_path / "run"
+    args = [*CLI_ARGS, "--max-steps", "20", "--eval-interval", "0", "--data", str(corpus), "--out", str(out)]
+    proc = run_faulty_cli(args, "enospc:4")  # ckpt-000007 is written, ckpt-000014 finds the disk full
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stdout + stderr
+    assert stderr.strip() == (f"glasslm train: error: could not write {out / 'ckpt-000014'}: No space left on device; "
+                              f"the previous checkpoint {out / 'ckpt-000007'} is intact and `latest` still names it")
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name]

@@ -14,7 +14,7 @@ def tiny_run(tmp_path_factory, shakespeare_text):
     out = root / "ckpt"
     code = main(["train", "--data", str(text), "--out", str(out), "--max-steps", "30", "--eval-interval", "10",
                  "--eval-iters", "2", "--n-layers", "1", "--d-model", "32", "--n-heads", "2",
-                 "--progress", "false", "--sample-tokens", "20"])
+                 "--no-progress", "--sample-tokens", "20"])
     assert code == 0
     return out
 
@@ -65,7 +65,7 @@ def test_train_tokenizer_then_prepare(tmp_path, shakespeare_text, capsys):
     assert data.tokenizer.decode(np.concatenate([data.train, data.val]).tolist()) == shakespeare_text[:30000]
     assert main(["train", "--data", str(tmp_path / "ds"), "--out", str(tmp_path / "run"), "--max-steps", "5",
                  "--eval-iters", "1", "--n-layers", "1", "--d-model", "32", "--n-heads", "2",
-                 "--progress", "false", "--sample-tokens", "5"]) == 0
+                 "--no-progress", "--sample-tokens", "5"]) == 0
     model, tokenizer, _ = load_checkpoint(tmp_path / "run")
     assert model.config.vocab_size == tokenizer.vocab_size == 400
     assert main(["prepare", str(text), "--out", str(tmp_path / "char"), "--quiet"]) == 0

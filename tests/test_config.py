@@ -45,7 +45,7 @@ def test_presets_have_the_documented_shapes():
 def test_unknown_preset_and_fields():
     with pytest.raises(ValueError, match="unknown preset"):
         get_preset("gpt5")
-    with pytest.raises(ValueError, match="unknown ModelConfig fields"):
+    with pytest.raises(ValueError, match="unknown setting .n_layer.; did you mean .n_layers."):
         get_preset("gpt2-small", n_layer=3)
 
 
@@ -60,3 +60,42 @@ def test_replace_keeps_derived_defaults_following():
 def test_dict_round_trip(name):
     cfg = get_preset(name)
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_one_registry_holds_model_and_recipe_of_every_preset():
+    from glasslm.config import get_recipe
+    from glasslm.train import TrainConfig
+
+    for name, preset in PRESETS.items():
+        assert isinstance(preset.model, ModelConfig)
+        if preset.recipe is not None:
+            recipe = get_recipe(name)
+            assert isinstance(recipe, TrainConfig)
+            assert {k: getattr(recipe, k) for k in preset.recipe} == preset.recipe
+    assert get_recipe("shakespeare-char").batch_size == 64
+    assert get_recipe("gpt2-small", max_steps=10).max_steps == 10
+    assert get_recipe("default") == TrainConfig()
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "gpt2-xl", "vaswani-decoder"])
+def test_presets_without_a_recipe_are_refused_not_trained_with_defaults(name):
+    from glasslm.config import get_recipe
+
+    assert PRESETS[name].recipe is None
+    with pytest.raises(ValueError, match="has no training recipe"):
+        get_recipe(name)
+
+
+def test_unknown_preset_suggests_the_closest_name():
+    with pytest.raises(ValueError, match="did you mean 'gpt2-small'"):
+        get_preset("gpt2-smal")
+
+
+def test_cli_refuses_a_preset_without_recipe_before_loading_anything(tmp_path, capsys):
+    from glasslm.cli import main
+
+    assert main(["train", "--preset", "llama3-8b", "--data", str(tmp_path / "none.txt"),
+                 "--out", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "has no training recipe" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()

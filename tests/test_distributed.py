@@ -113,3 +113,14 @@ def test_torchrun_cli_trains_and_resumes(tmp_path):
     one = read_metrics(tmp_path / "one" / "metrics.jsonl")
     assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, 21))
     assert [r["train_loss"] for r in two] == pytest.approx([r["train_loss"] for r in one], rel=1e-5)
+
+
+def test_fsdp_run_still_prints_its_sample(tmp_path):
+    # Under FSDP the trained weights are shards; the sample used to be skipped without a word (issue 12).
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quality of mercy is not strained\n" * 60)
+    output = torchrun(["--data", str(corpus), "--n-layers", "1", "--d-model", "32", "--n-heads", "2",
+                       "--context-length", "16", "--batch-size", "2", "--max-steps", "2", "--eval-iters", "1",
+                       "--progress", "false", "--fsdp", "--sample-tokens", "12", "--out", str(tmp_path / "fsdp")])
+    assert output.count("--- sample ---") == 1, output
+    assert len(output.split("--- sample ---")[1].strip()) > 0

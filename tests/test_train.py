@@ -206,7 +206,7 @@ def test_cli_config_file_errors(tmp_path, capsys):
     assert main(["train", "--config", str(bad)]) == 1
     bad.write_text("epochs = 3\n")
     assert main(["train", "--config", str(bad)]) == 1
-    assert "unknown keys ['epochs']" in capsys.readouterr().err
+    assert "unknown setting 'epochs'" in capsys.readouterr().err
 
 
 def test_optional_loggers_tensorboard(tmp_path):
@@ -217,3 +217,145 @@ def test_optional_loggers_tensorboard(tmp_path):
     logger.log({"step": 1, "train_loss": 2.0})
     logger.close()
     assert list((tmp_path / "tensorboard").glob("events.*"))
+
+
+# ----- run directories, resumed schedules and devices through the real command line (issue 12) -----
+
+import os
+import shutil
+import subprocess
+import sys
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+RUN_ARGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--context-length", "16", "--batch-size", "4",
+            "--warmup-steps", "2", "--eval-interval", "10", "--eval-iters", "2", "--log-interval", "1",
+            "--progress", "false", "--sample-tokens", "0", "--threads", "1", "--lr", "1e-2", "--min-lr", "1e-3"]
+
+
+def glasslm(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "glasslm.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(corpus, run directory of a finished 20-step run); tests copy the run before changing it."""
+    root = tmp_path_factory.mktemp("cli")
+    corpus = root / "corpus.txt"
+    corpus.write_text("now is the winter of our discontent made glorious summer\n" * 60)
+    done = glasslm("train", *RUN_ARGS, "--data", str(corpus), "--max-steps", "20", "--out", str(root / "run"))
+    assert done.returncode == 0, done.stderr
+    return corpus, root / "run"
+
+
+def one_line_error(done: subprocess.CompletedProcess, command: str = "train") -> str:
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"glasslm {command}: error: "), done.stderr
+    return lines[0]
+
+
+def test_cli_refuses_an_out_holding_a_run_unless_resumed_or_overwritten(cli_run, tmp_path):
+    corpus, finished = cli_run
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    before = snapshot(run)
+    error = one_line_error(glasslm("train", *RUN_ARGS, "--data", str(corpus), "--max-steps", "3", "--out", str(run)))
+    assert "not empty" in error and "--resume" in error and "--overwrite" in error
+    assert snapshot(run) == before, "a refused run changes nothing"
+    (tmp_path / "file").write_text("x")
+    assert "is a file" in one_line_error(glasslm("train", *RUN_ARGS, "--data", str(corpus), "--out",
+                                                 str(tmp_path / "file")))
+    done = glasslm("train", *RUN_ARGS, "--data", str(corpus), "--max-steps", "3", "--out", str(run), "--overwrite")
+    assert done.returncode == 0, done.stderr
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+    assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-000003"]
+    assert (run / "latest").read_text().strip() == (run / "best").read_text().strip() == "ckpt-000003"
+
+
+def test_cli_resume_keeps_the_schedule_and_extending_it_is_explicit(cli_run, tmp_path):
+    _, finished = cli_run
+    first = read_metrics(finished / "metrics.jsonl")
+    for extend in (False, True):
+        run = tmp_path / f"run-{extend}"
+        shutil.copytree(finished, run)
+        done = glasslm("train", "--resume", str(run), "--max-steps", "26", *(["--extend-schedule"] if extend else []))
+        assert done.returncode == 0, done.stderr
+        records = read_metrics(run / "metrics.jsonl")
+        assert records[:20] == first, "resuming leaves the earlier records alone"
+        lrs = [r["lr"] for r in records[20:]]
+        if extend:  # the cosine now ends at 26: the rate rises back up, as asked
+            assert lrs == pytest.approx([lr_at(s, 1e-2, 1e-3, 2, 26) for s in range(20, 26)])
+            assert lrs[0] > 1e-3
+        else:  # the run's schedule ended at step 20: the rate stays at min_lr
+            assert lrs == [1e-3] * 6
+            assert "schedule ends at step 20" in done.stdout
+    saved = json.loads((tmp_path / "run-False" / "ckpt-000026" / "trainer_state.json").read_text())
+    assert saved["train_config"]["lr_decay_steps"] == 20, "the schedule is recorded, so a later resume keeps it"
+
+
+def test_resumed_run_continues_its_schedule_in_process(tmp_path):
+    data = tokens()
+    model_cfg = get_preset("shakespeare-char-cpu", **TINY)
+    train(model_cfg, cfg(max_steps=8, lr=1e-2, min_lr=1e-3), data, run_dir=tmp_path)
+    train(model_cfg, cfg(max_steps=12, lr=1e-2, min_lr=1e-3), data, run_dir=tmp_path, resume=tmp_path)
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl")]
+    assert lrs[:8] == pytest.approx([lr_at(s, 1e-2, 1e-3, 2, 8) for s in range(8)])
+    assert lrs[8:] == [1e-3] * 4
+
+
+def test_two_writers_on_one_run_directory_are_refused(cli_run, tmp_path):
+    import fcntl
+
+    corpus, _ = cli_run
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / ".lock", "w") as held:  # what a running `glasslm train` holds
+        held.write(f"{os.getpid()}\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        before = snapshot(run)
+        error = one_line_error(glasslm("train", *RUN_ARGS, "--data", str(corpus), "--max-steps", "2",
+                                       "--out", str(run)))
+        assert f"in use by another training process (pid {os.getpid()})" in error
+        assert snapshot(run) == before
+    from glasslm.rundir import RunLock
+
+    with RunLock(run), RunLock(run):  # re-entrant within one process; released on exit
+        pass
+    with RunLock(run):
+        pass
+
+
+def test_default_device_is_the_best_available(monkeypatch):
+    from glasslm.distributed import resolve_device
+
+    assert TrainConfig().device == "auto"
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda"
+    monkeypatch.setenv("LOCAL_RANK", "1")  # under torchrun each process takes its own GPU
+    assert resolve_device("auto") == "cuda:1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert resolve_device("auto") == "mps"
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    with pytest.raises(ValueError, match="unknown device 'gpu'"):
+        resolve_device("gpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_unavailable_device_is_a_one_line_error(cli_run):
+    corpus, run = cli_run
+    for command, args in (("train", [*RUN_ARGS, "--data", str(corpus), "--out", str(run.parent / "never")]),
+                          ("generate", ["--checkpoint", str(run), "--max-new-tokens", "2"])):
+        error = one_line_error(glasslm(command, *args, "--device", "cuda"), command)
+        assert "device 'cuda' is not available" in error and "corrupt" not in error
+    assert not (run.parent / "never").exists()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -46,6 +47,21 @@ META_FILE = "meta.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_JSON = "optimizer.json"
 POINTER_NAMES = ("latest", "best")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint or pointer could not be written (full disk, no permission); nothing half-written
+    was left behind and what was there before is untouched."""
+
+
+def _write_failure(what: Path, err: Exception) -> CheckpointWriteError:
+    if isinstance(err, OSError) and err.strerror:
+        reason = err.strerror
+    else:  # safetensors wraps the OS error: 'Error while serializing: IoError(Os { ..., message: "..." })'
+        text = str(err)
+        found = re.search(r'message: "([^"]+)"', text)
+        reason = found.group(1) if found else re.sub(r"^(Error while serializing: )?(I/O error: )?|\s*\(os error \d+\)$", "", text)
+    return CheckpointWriteError(f"could not write {what}: {reason}")
 
 
 def save_checkpoint(
@@ -78,6 +94,9 @@ def save_checkpoint(
             (staging / name).write_text(json.dumps(obj, indent=1))
         _fsync_directory(staging)
         _swap_into_place(staging, target)
+    except (OSError, SafetensorError) as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise _write_failure(target, err) from err
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -97,7 +116,12 @@ def _swap_into_place(staging: Path, target: Path) -> None:
     if target.exists():
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         os.replace(target, old)
-    os.replace(staging, target)
+    try:
+        os.replace(staging, target)
+    except BaseException:
+        if old is not None:  # put the previous copy back rather than leave nothing at `target`
+            os.replace(old, target)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -216,11 +240,15 @@ def write_pointer(run_dir: str | os.PathLike, pointer: str, checkpoint_dir_name:
     """Atomically make `run_dir/pointer` (latest or best) name a checkpoint directory."""
     run_dir = Path(run_dir)
     tmp = run_dir / f".{pointer}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(checkpoint_dir_name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, run_dir / pointer)
+    try:
+        with open(tmp, "w") as f:
+            f.write(checkpoint_dir_name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, run_dir / pointer)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise _write_failure(run_dir / pointer, err) from err
 
 
 def read_pointer(run_dir: str | os.PathLike, pointer: str) -> Path | None:

@@ -19,59 +19,42 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
-import types
-import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import PRESETS, ModelConfig, get_preset
-from .train import TRAIN_PRESETS, TrainConfig
+from . import __version__
+from .config import PRESETS, ModelConfig, get_preset, get_recipe
+from .generate import GenerationConfig
+from .schema import ArgumentParser, HelpFormatter, add_options, checked, did_you_mean, given_options, read_settings_file
+from .train import TrainConfig
 
 
-def _field_type(cls: type, f: dataclasses.Field) -> type:
-    """The plain Python type behind a dataclass field's annotation (int | None -> int)."""
-    hint = typing.get_type_hints(cls)[f.name]
-    if typing.get_origin(hint) is typing.Literal:
-        return type(typing.get_args(hint)[0])
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
+@dataclass
+class RunConfig:
+    """What a training run trains on and where it writes: the top level of a `--config` file."""
+
+    preset: str = "shakespeare-char-cpu"  # the model (glasslm info --preset NAME shows it); not with --resume
+    recipe: str | None = None  # training recipe: a preset's name or 'default' (TrainConfig's); none: the preset's own
+    data: str = "tinyshakespeare"  # dataset name, UTF-8 text file, or a directory made by `glasslm prepare`
+    tokenizer: str = "char"  # for text files: char, gpt2, or a saved tokenizer directory
+    data_dir: str | None = None  # where datasets are kept; none: $GLASSLM_DATA_DIR, else ~/.cache/glasslm
+    out: str | None = None  # run directory for checkpoints and metrics.jsonl; none: runs/PRESET
+    val_fraction: float = 0.1  # the last fraction of the text (from a line start) held out for validation
+    sample_tokens: int = 300  # print a sample of this many tokens when training ends; 0: none
 
 
-def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
-def add_dataclass_options(parser: argparse.ArgumentParser, cls: type, title: str, skip: set[str] = set()) -> None:
-    """One --option per field of `cls`, defaulting to None so only given values override a preset."""
-    group = parser.add_argument_group(title)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        kind = _field_type(cls, f)
-        hint = typing.get_type_hints(cls)[f.name]
-        choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
-        group.add_argument(
-            "--" + f.name.replace("_", "-"), dest=f"{cls.__name__}.{f.name}", default=None,
-            type=_parse_bool if kind is bool else kind, choices=choices, metavar=None if choices else kind.__name__.upper(),
-        )
-
-
-def dataclass_overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    prefix = cls.__name__ + "."
-    return {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix) and v is not None}
+# The tables of a --config file, beside RunConfig's keys at its top level.
+CONFIG_TABLES: dict[str, type] = {"model": ModelConfig, "train": TrainConfig}
 
 
 def load_config_file(path: str) -> dict[str, Any]:
-    """A run description from TOML (or YAML, if PyYAML is installed).
+    """A run description from TOML (or YAML, if PyYAML is installed), every key checked.
 
-    Top-level keys are the `train` command's own options (preset, data, out, ...); the tables
-    [model] and [train] override fields of ModelConfig and TrainConfig:
+    Top-level keys are RunConfig's (preset, data, out, ...); the tables [model] and [train]
+    override fields of ModelConfig and TrainConfig:
 
         preset = "shakespeare-char-cpu"
         data = "tinyshakespeare"
@@ -80,49 +63,37 @@ def load_config_file(path: str) -> dict[str, Any]:
         [train]
         max_steps = 500
         dtype = "bfloat16"
+
+    Returns RunConfig's settings with the tables' settings under "model" and "train".
     """
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"config file {file} does not exist")
-    if file.suffix in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:
-            raise ValueError(f"{file}: reading YAML needs PyYAML (pip install pyyaml); TOML works without") from None
-        data = yaml.safe_load(file.read_text()) or {}
-    else:
-        import tomllib
-
-        try:
-            data = tomllib.loads(file.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ValueError(f"{file} is not valid TOML: {err}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{file} must hold a table of settings")
-    allowed = {"preset", "data", "data_dir", "out", "val_fraction", "sample_tokens", "model", "train"}
-    unknown = set(data) - allowed
-    if unknown:
-        raise ValueError(f"{file}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
-    return data
-
-
-def _pick(cli_value: Any, file: dict[str, Any], key: str, default: Any) -> Any:
-    """Command line beats the config file beats the default."""
-    return cli_value if cli_value is not None else file.get(key, default)
+    data = read_settings_file(path)
+    top = {k: v for k, v in data.items() if k not in CONFIG_TABLES}
+    names = [f.name for f in dataclasses.fields(RunConfig)] + list(CONFIG_TABLES)
+    for key in top:
+        if key not in names:
+            raise ValueError(f"{path}: unknown setting {key!r}{did_you_mean(str(key), names)}")
+    result = checked(RunConfig, top, str(path))
+    for table, cls in CONFIG_TABLES.items():
+        result[table] = checked(cls, data.get(table, {}), f"{path} [{table}]")
+    return result
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
     from .checkpoint import load_config, read_json, resolve_checkpoint
     from .accounting import parameter_count
     from .data import load_training_data
-    from .distributed import init_distributed, shutdown_distributed
+    from .distributed import init_distributed, resolve_device, shutdown_distributed
     from .generate import generate_tokens
     from .tokenizers import get_tokenizer, load_tokenizer
-    from .train import TRAINER_STATE_JSON, train
+    from .rundir import check_run_dir
+    from .train import TRAINER_STATE_JSON, claim_run, schedule_end, train
 
     file = load_config_file(args.config) if args.config else {}
-    train_overrides = {**file.get("train", {}), **dataclass_overrides(args, TrainConfig)}
-    model_overrides = {**file.get("model", {}), **dataclass_overrides(args, ModelConfig)}
+    given = {k: v for k, v in file.items() if k not in CONFIG_TABLES} | given_options(args, RunConfig)
+    train_overrides = {**file.get("train", {}), **given_options(args, TrainConfig)}
+    model_overrides = {**file.get("model", {}), **given_options(args, ModelConfig)}
     resume_dir = resolve_checkpoint(args.resume, prefer=("latest",)) if args.resume else None
     if resume_dir is not None:
         # The checkpoint records the run; the command line may change training settings (e.g.
@@ -131,25 +102,38 @@ def cmd_train(args: argparse.Namespace) -> int:
         saved_state = read_json(resume_dir / TRAINER_STATE_JSON)
         if model_overrides:
             raise ValueError(f"--resume continues the checkpoint's model; drop {sorted(model_overrides)}")
-        preset = saved_meta.get("preset", "checkpoint")
-        data_source = _pick(args.data, file, "data", saved_meta.get("data"))
-        val_fraction = _pick(args.val_fraction, file, "val_fraction", saved_meta.get("val_fraction", 0.1))
+        run = RunConfig(**{"preset": saved_meta.get("preset", "checkpoint"), "data": saved_meta.get("data"),
+                           "val_fraction": saved_meta.get("val_fraction", 0.1), "out": str(resume_dir.parent),
+                           **given})
         model_cfg = load_config(resume_dir / "config.json")
-        train_cfg = dataclasses.replace(TrainConfig.from_dict(saved_state["train_config"]), **train_overrides)
-        out = Path(_pick(args.out, file, "out", resume_dir.parent))
+        saved_train = TrainConfig.from_dict(saved_state["train_config"], f"{resume_dir / TRAINER_STATE_JSON}")
+        train_cfg = dataclasses.replace(saved_train, **train_overrides)
+        if args.extend_schedule:
+            if "lr_decay_steps" in train_overrides:
+                raise ValueError("give either --extend-schedule or --lr-decay-steps, not both")
+            train_cfg = dataclasses.replace(train_cfg, lr_decay_steps=train_cfg.max_steps)
     else:
-        preset = _pick(args.preset, file, "preset", "shakespeare-char-cpu")
-        data_source = _pick(args.data, file, "data", "tinyshakespeare")
-        val_fraction = _pick(args.val_fraction, file, "val_fraction", 0.1)
-        train_cfg = dataclasses.replace(TRAIN_PRESETS.get(preset, TrainConfig()), **train_overrides)
-        out = Path(_pick(args.out, file, "out", f"runs/{preset}"))
+        run = RunConfig(**given)
+        # A preset without a recipe is refused unless --recipe names one (never silent defaults).
+        train_cfg = get_recipe(run.recipe or run.preset, **train_overrides)
+        if args.extend_schedule:
+            raise ValueError("--extend-schedule only applies with --resume")
+    preset, data_source, val_fraction = run.preset, run.data, run.val_fraction
+    out = Path(run.out or f"runs/{preset}")
+    # Refused before any data is read: an unavailable device, an --out holding another run.
+    resolve_device(train_cfg.device)
+    if os.environ.get("RANK", "0") == "0":  # other torchrun processes may already see rank 0's files
+        check_run_dir(out, resuming=resume_dir is not None and out.resolve() == resume_dir.parent.resolve(),
+                      overwrite=args.overwrite)
+    if train_cfg.threads:
+        # Thread counts are the command's business, never the library's (train() leaves them alone).
+        torch.set_num_threads(train_cfg.threads)
 
-    data_dir = _pick(args.data_dir, file, "data_dir", None)
+    data_dir = run.data_dir
     if resume_dir is not None:
         tokenizer = load_tokenizer(resume_dir)
-    else:
-        spec = _pick(args.tokenizer, file, "tokenizer", "char")
-        tokenizer = None if spec == "char" else get_tokenizer(spec, data_dir=data_dir)  # char: built from the text
+    else:  # char: built from the text
+        tokenizer = None if run.tokenizer == "char" else get_tokenizer(run.tokenizer, data_dir=data_dir)
     data = load_training_data(data_source, data_dir, val_fraction, tokenizer=tokenizer)
     tokenizer, train_tokens, val_tokens = data.tokenizer, data.train, data.val
     if resume_dir is None:
@@ -162,15 +146,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     say = print if ctx.is_main else (lambda *a, **k: None)
     say(f"data: {data.description}")
     say(f"model: {preset} ({parameter_count(model_cfg):,} parameters) -> {out}"
-        + (f", {ctx.world_size} processes" if ctx.enabled else "")
+        + (f", {ctx.world_size} processes, device {ctx.device}" if ctx.enabled else f", device {ctx.device}")
         + (f", resuming from {resume_dir}" if resume_dir is not None else ""))
+    if resume_dir is not None:
+        end = schedule_end(train_cfg, saved_state["train_config"])
+        if end < train_cfg.max_steps:
+            say(f"learning rate: the run's schedule ends at step {end}; steps after it train at min_lr "
+                f"{train_cfg.min_lr:g} (--extend-schedule stretches the cosine to --max-steps instead)")
 
     meta = {"preset": preset, "data": data.source, "val_fraction": val_fraction, "train_config": train_cfg.to_dict()}
-    loggers = _optional_loggers(train_cfg, out, {"model": model_cfg.to_dict(), "train": train_cfg.to_dict()}) \
-        if ctx.is_main else []
     try:
-        result = train(model_cfg, train_cfg, train_tokens, val_tokens, run_dir=out, resume=resume_dir,
-                       tokenizer=tokenizer, meta=meta, dist_ctx=ctx, loggers=loggers)
+        # Claimed (checked, locked, cleared for --overwrite) before any logger writes into it.
+        with claim_run(out, resume_dir, args.overwrite, ctx):
+            loggers = _optional_loggers(train_cfg, out, {"model": model_cfg.to_dict(), "train": train_cfg.to_dict()}) \
+                if ctx.is_main else []
+            result = train(model_cfg, train_cfg, train_tokens, val_tokens, run_dir=out, resume=resume_dir,
+                           tokenizer=tokenizer, meta=meta, dist_ctx=ctx, loggers=loggers)
     finally:
         shutdown_distributed()
     if result.stopped_by_signal is not None:
@@ -181,10 +172,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         step, val_loss = result.val_losses[-1]
         say(f"done: val loss {val_loss:.4f} after {step} steps, {result.tokens_per_second:,.0f} tokens/s; "
             f"checkpoints in {out}")
-    if args.sample_tokens and ctx.is_main and not (train_cfg.fsdp and ctx.enabled):
+    if run.sample_tokens and ctx.is_main:
         model = result.model.eval()
+        if train_cfg.fsdp and ctx.enabled:
+            # The trained model's weights are shards spread over the processes; the checkpoint
+            # just written holds them whole, so the sample comes from it.
+            from .checkpoint import load_checkpoint
+
+            model = load_checkpoint(result.checkpoint, device=ctx.device)[0]
         prompt = tokenizer.encode("\n")
-        ids = generate_tokens(model, prompt, args.sample_tokens, temperature=0.8, top_k=200, seed=train_cfg.seed)
+        # GenerationConfig's defaults, as `glasslm generate` uses them.
+        ids = generate_tokens(model, prompt, config=GenerationConfig(max_new_tokens=run.sample_tokens,
+                                                                     seed=train_cfg.seed))
         print("--- sample ---")
         print(tokenizer.decode(list(ids)))
     return 0
@@ -212,6 +211,16 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+DEVICE_HELP = "auto (the best available: cuda, else mps, else cpu), cpu, cuda, cuda:N or mps (default: auto)"
+
+
+def _device(name: str) -> str:
+    """The device to load a model on; a missing one is refused before the checkpoint is read."""
+    from .distributed import resolve_device
+
+    return resolve_device(name)
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt_file:
         return Path(args.prompt_file).read_text(encoding="utf-8")
@@ -225,21 +234,16 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
     import torch
 
-    from .generate import GenerationConfig, TextStreamer, generate_tokens, optimize_for_decoding
+    from .generate import TextStreamer, generate_tokens, optimize_for_decoding
     from .interop import load_model
 
+    config = GenerationConfig(**given_options(args, GenerationConfig))  # its defaults are the command's
     # A glasslm checkpoint or a Hugging Face GPT-2/Llama directory.
-    model, tokenizer = load_model(args.checkpoint, device=args.device)
+    model, tokenizer = load_model(args.checkpoint, device=_device(args.device))
     if tokenizer is None:
         raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
     model = model.to(getattr(torch, args.dtype)).eval()
     optimize_for_decoding(model)
-    config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k if args.top_k and args.top_k > 0 else None, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, seed=args.seed, stop_tokens=args.stop_token or (),
-        stop_strings=args.stop or (),
-    )
 
     def respond(prompt: str, echo: bool) -> None:
         # An empty prompt starts from a newline, the most neutral context a text model knows.
@@ -281,7 +285,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from .evaluate import evaluate_text
     from .interop import load_model
 
-    model, tokenizer = load_model(args.checkpoint, device=args.device)  # glasslm or HF directory
+    model, tokenizer = load_model(args.checkpoint, device=_device(args.device))  # glasslm or HF directory
     if tokenizer is None:
         raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
     model = model.to(getattr(torch, args.dtype))
@@ -303,7 +307,7 @@ def cmd_info(args: argparse.Namespace) -> None:
     from .accounting import format_cost_table
 
     # --context-length (a ModelConfig option) sets the model's context and the FLOPs' context alike.
-    cfg = get_preset(args.preset, **dataclass_overrides(args, ModelConfig))
+    cfg = get_preset(args.preset, **given_options(args, ModelConfig))
     print(format_cost_table(cfg, title=args.preset))
     if args.json:
         print(json.dumps(cfg.to_dict(), indent=2))
@@ -334,7 +338,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     from .inspection import draw_attention, draw_logit_lens
     from .interop import load_model
 
-    model, tokenizer = load_model(args.checkpoint, device=args.device)
+    model, tokenizer = load_model(args.checkpoint, device=_device(args.device))
     if args.what == "attention":
         path = draw_attention(model, tokenizer, args.prompt, args.layer, args.head, args.out)
     else:
@@ -392,25 +396,26 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="glasslm", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="glasslm", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"glasslm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train a model on a text file or a named dataset")
-    p.add_argument("--config", default=None, help="TOML file of settings ([model], [train] tables); flags override it")
+    p = sub.add_parser("train", help="train a model on a text file or a named dataset", formatter_class=HelpFormatter,
+                       description="Train a model. Each setting comes from the preset and its recipe, then\n"
+                                   "a --config file, then these options: the later wins.")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="TOML (or YAML) file: RunConfig keys at the top, [model] and [train] tables (default: none)")
     p.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue exactly from a checkpoint (a run directory resumes its latest)")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default shakespeare-char-cpu")
-    p.add_argument("--data", default=None,
-                   help="dataset name, UTF-8 text file, or a directory made by `glasslm prepare` (default tinyshakespeare)")
-    p.add_argument("--tokenizer", default=None,
-                   help="for text files: char (default), gpt2, or a saved tokenizer directory")
-    p.add_argument("--data-dir", default=None, help="where datasets are kept (default $GLASSLM_DATA_DIR or ~/.cache/glasslm)")
-    p.add_argument("--out", default=None, help="run directory: checkpoints, metrics.jsonl (default runs/PRESET)")
-    p.add_argument("--val-fraction", type=float, default=None, help="default 0.1")
-    p.add_argument("--sample-tokens", type=int, default=300, help="print a sample of this many tokens at the end")
-    add_dataclass_options(p, TrainConfig, "training settings (override the preset's)")
-    add_dataclass_options(p, ModelConfig, "model settings (override the preset's)", skip={"vocab_size"})
+                   help="continue exactly from a checkpoint; a run directory resumes its latest (default: a fresh run)")
+    add_options(p, RunConfig, "run: what to train on and where to write")
+    p.add_argument("--overwrite", action="store_true",
+                   help="train into an --out that holds an earlier run, deleting that run's checkpoints and "
+                        "metrics (default: such an --out is refused)")
+    p.add_argument("--extend-schedule", action="store_true",
+                   help="with --resume: stretch the cosine learning-rate decay to the new --max-steps (default: "
+                        "a resumed run keeps its schedule and trains on at min_lr past its end)")
+    add_options(p, TrainConfig, "training (defaults shown are TrainConfig's; the preset's recipe may change them)")
+    add_options(p, ModelConfig, "model (defaults shown are ModelConfig's; the preset sets most)", skip={"vocab_size"})
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("plot", help="PNG of train/val loss against steps and tokens of a run")
@@ -421,22 +426,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sample", aliases=["generate"], help="write text from a trained checkpoint (streamed)")
     p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or run directory, or Hugging Face model directory")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--prompt", default="", help="the prompt text; '-' reads it from stdin")
-    source.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file")
+    source.add_argument("--prompt", default="",
+                        help="the prompt text; '-' reads it from stdin (default: empty, i.e. a newline)")
+    source.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file (default: none)")
     source.add_argument("--interactive", action="store_true",
-                        help="keep the model loaded and answer each line of stdin until EOF")
-    p.add_argument("--max-new-tokens", type=int, default=500)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=200, help="0 turns top-k off")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop before this text (repeatable)")
-    p.add_argument("--stop-token", action="append", type=int, default=None, metavar="ID",
-                   help="stop at this token id (repeatable)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' dtype for decoding")
-    p.add_argument("--device", default="cpu")
+                        help="keep the model loaded and answer each line of stdin until EOF (default: off)")
+    add_options(p, GenerationConfig, "sampling", skip={"logprobs", "pad_token"},
+                aliases={"stop_strings": ["--stop"], "stop_tokens": ["--stop-token"]})
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights' dtype for decoding (default: float32)")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a checkpoint on a text")
@@ -448,13 +447,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-chars", type=int, default=None, help="score only the first N characters")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("info", help="parameters and FLOPs per token of a preset, by component")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    p.add_argument("--json", action="store_true", help="also print the full config")
-    add_dataclass_options(p, ModelConfig, "model settings (override the preset's)")
+    p.add_argument("--json", action="store_true", help="also print the full config (default: off)")
+    add_options(p, ModelConfig, "model settings (override the preset's)")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("convert", help="convert between glasslm checkpoints and Hugging Face directories")
@@ -475,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--checkpoint", required=True, help="glasslm checkpoint or Hugging Face model directory")
         q.add_argument("--prompt", required=True)
         q.add_argument("--out", required=True, help="PNG file to write")
-        q.add_argument("--device", default="cpu")
+        q.add_argument("--device", default="auto", help=DEVICE_HELP)
         if name == "attention":
             q.add_argument("--layer", type=int, required=True)
             q.add_argument("--head", type=int, required=True)

@@ -2,6 +2,7 @@
 
 GPT-2, Llama and the original Vaswani decoder are all points in this one space: they differ in
 positions, norm, activation, MLP shape, norm placement, biases and tying — each a field here.
+`PRESETS` is the one registry of names: each holds a model and its training recipe (or none).
 
 Example:
     >>> from glasslm.config import ModelConfig, get_preset
@@ -19,7 +20,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+from .schema import checked, did_you_mean
+
+if TYPE_CHECKING:
+    from .train import TrainConfig
 
 Positional = Literal["learned", "sinusoidal", "rope", "none"]
 Norm = Literal["layernorm", "rmsnorm"]
@@ -44,28 +50,28 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 class ModelConfig:
     """Architecture of a decoder-only transformer. Validated on construction."""
 
-    vocab_size: int = 50257
-    context_length: int = 1024
-    d_model: int = 768
-    n_layers: int = 12
-    n_heads: int = 12
-    n_kv_heads: int | None = None  # None means n_heads (plain multi-head attention)
-    d_mlp: int | None = None  # None means 4 * d_model
-    positional: Positional = "learned"
-    rope_theta: float = 10000.0
-    norm: Norm = "layernorm"
-    norm_eps: float = 1e-5
-    activation: Activation = "gelu_tanh"
-    mlp: MLPKind = "mlp"
-    norm_placement: NormPlacement = "pre"
-    final_norm: bool = True
-    bias: bool = True
-    tie_embeddings: bool = True
+    vocab_size: int = 50257  # token ids run from 0 to vocab_size - 1
+    context_length: int = 1024  # the most positions the model attends over
+    d_model: int = 768  # width of the residual stream
+    n_layers: int = 12  # transformer blocks
+    n_heads: int = 12  # attention heads per block (query heads, with grouped-query attention)
+    n_kv_heads: int | None = None  # key/value heads; fewer than n_heads is grouped-query attention; None: n_heads
+    d_mlp: int | None = None  # hidden width of the MLP; None: 4 * d_model
+    positional: Positional = "learned"  # how positions enter: added learned/sinusoidal vectors, or rotary (RoPE)
+    rope_theta: float = 10000.0  # RoPE base: larger rotates slower, for longer contexts
+    norm: Norm = "layernorm"  # normalisation layer
+    norm_eps: float = 1e-5  # added to the variance inside the norm
+    activation: Activation = "gelu_tanh"  # MLP nonlinearity (gelu_tanh: GPT-2's approximation)
+    mlp: MLPKind = "mlp"  # plain two-layer MLP, or gated SwiGLU (Llama)
+    norm_placement: NormPlacement = "pre"  # norm before each sublayer (GPT-2, Llama) or after the residual (Vaswani)
+    final_norm: bool = True  # a norm before the unembedding
+    bias: bool = True  # biases in the linear layers and norms
+    tie_embeddings: bool = True  # the unembedding reuses the token embedding matrix
     scale_embeddings: bool = False  # multiply token embeddings by sqrt(d_model) (Vaswani)
     dropout: float = 0.0  # on embeddings, attention probabilities and residual outputs
-    init: Init = "gpt2"
-    init_std: float = 0.02
-    impl: AttentionImpl = "fast"
+    init: Init = "gpt2"  # weight initialisation scheme
+    init_std: float = 0.02  # standard deviation of the normal initialisations
+    impl: AttentionImpl = "fast"  # fast: PyTorch's fused kernels; readable: every step in plain tensor ops
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -104,9 +110,7 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """A copy with some fields changed (validated again)."""
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+        checked(ModelConfig, changes, "ModelConfig")
         # Fields left at their derived default follow the field they derive from.
         if "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
             changes["n_kv_heads"] = None
@@ -118,12 +122,9 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
-        return cls(**data)
+    def from_dict(cls, data: dict[str, Any], where: str = "ModelConfig") -> "ModelConfig":
+        """From `to_dict`'s output (or JSON/TOML), type-checked; `where` names the source in errors."""
+        return cls(**checked(cls, data, where))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -149,35 +150,105 @@ def _char(**kw: Any) -> ModelConfig:
     return ModelConfig(**base)
 
 
-PRESETS: dict[str, ModelConfig] = {
-    "gpt2-small": _gpt2(768, 12, 12),
-    "gpt2-medium": _gpt2(1024, 24, 16),
-    "gpt2-large": _gpt2(1280, 36, 20),
-    "gpt2-xl": _gpt2(1600, 48, 25),
-    "llama-tiny": _llama(vocab_size=512, context_length=256, d_model=128, n_layers=4, n_heads=8,
-                         n_kv_heads=2, d_mlp=344, norm_eps=1e-5),
-    "tinyllama-1.1b": _llama(vocab_size=32000, context_length=2048, d_model=2048, n_layers=22, n_heads=32,
-                             n_kv_heads=4, d_mlp=5632, norm_eps=1e-5),
-    "llama2-7b": _llama(vocab_size=32000, context_length=4096, d_model=4096, n_layers=32, n_heads=32,
-                        d_mlp=11008, norm_eps=1e-5),
-    "llama3-8b": _llama(vocab_size=128256, context_length=8192, d_model=4096, n_layers=32, n_heads=32,
-                        n_kv_heads=8, d_mlp=14336, norm_eps=1e-5, rope_theta=500000.0),
-    "vaswani-decoder": ModelConfig(
-        vocab_size=37000, context_length=512, d_model=512, n_layers=6, n_heads=8, d_mlp=2048,
-        positional="sinusoidal", norm="layernorm", norm_eps=1e-6, activation="relu", norm_placement="post",
-        final_norm=False, bias=True, tie_embeddings=True, scale_embeddings=True, dropout=0.1, init="xavier",
-    ),
-    "shakespeare-char": _char(context_length=256, d_model=384, n_layers=6, n_heads=6, dropout=0.2),
-    "shakespeare-char-cpu": _char(context_length=64, d_model=128, n_layers=4, n_heads=4, dropout=0.0),
-    "tiny-transformer": ModelConfig(
-        vocab_size=65, context_length=256, d_model=195, n_layers=5, n_heads=5, activation="relu",
-        dropout=0.15, norm="layernorm", positional="learned",
-    ),
+@dataclass(frozen=True)
+class Preset:
+    """A named model and, where one has been tried, how to train it."""
+
+    model: ModelConfig
+    recipe: dict[str, Any] | None  # the TrainConfig fields that differ from TrainConfig's defaults;
+                                   # None: no recipe (pretrained weights, or a schedule TrainConfig lacks)
+    about: str = ""  # where the numbers come from
+
+
+# One registry: every preset name maps to its architecture and its training recipe.
+PRESETS: dict[str, Preset] = {
+    "gpt2-small": Preset(
+        _gpt2(768, 12, 12), about="GPT-2 124M; recipe from nanoGPT's config/train_gpt2.py (~0.5M tokens a step)",
+        recipe=dict(max_steps=600_000, batch_size=12, grad_accum_steps=40, lr=6e-4, min_lr=6e-5, warmup_steps=2000,
+                    beta2=0.95, eval_interval=1000, eval_iters=200, log_interval=10, dtype="bfloat16")),
+    "gpt2-medium": Preset(_gpt2(1024, 24, 16), recipe=None, about="GPT-2 350M (pretrained weights: convert --from-hf)"),
+    "gpt2-large": Preset(_gpt2(1280, 36, 20), recipe=None, about="GPT-2 774M (pretrained weights: convert --from-hf)"),
+    "gpt2-xl": Preset(_gpt2(1600, 48, 25), recipe=None, about="GPT-2 1.5B (pretrained weights: convert --from-hf)"),
+    "llama-tiny": Preset(
+        _llama(vocab_size=512, context_length=256, d_model=128, n_layers=4, n_heads=8, n_kv_heads=2, d_mlp=344,
+               norm_eps=1e-5),
+        about="a small Llama-architecture model for tests and CPU runs",
+        recipe=dict(max_steps=5000, batch_size=32, lr=1e-3, min_lr=1e-4, beta2=0.95, warmup_steps=200,
+                    eval_interval=250, eval_iters=50)),
+    "tinyllama-1.1b": Preset(
+        _llama(vocab_size=32000, context_length=2048, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4,
+               d_mlp=5632, norm_eps=1e-5),
+        recipe=None, about="TinyLlama 1.1B (pretrained weights: convert --from-hf)"),
+    "llama2-7b": Preset(
+        _llama(vocab_size=32000, context_length=4096, d_model=4096, n_layers=32, n_heads=32, d_mlp=11008,
+               norm_eps=1e-5),
+        recipe=None, about="Llama 2 7B (pretrained weights: convert --from-hf)"),
+    "llama3-8b": Preset(
+        _llama(vocab_size=128256, context_length=8192, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+               d_mlp=14336, norm_eps=1e-5, rope_theta=500000.0),
+        recipe=None, about="Llama 3 8B (pretrained weights: convert --from-hf)"),
+    "vaswani-decoder": Preset(
+        ModelConfig(vocab_size=37000, context_length=512, d_model=512, n_layers=6, n_heads=8, d_mlp=2048,
+                    positional="sinusoidal", norm="layernorm", norm_eps=1e-6, activation="relu",
+                    norm_placement="post", final_norm=False, bias=True, tie_embeddings=True, scale_embeddings=True,
+                    dropout=0.1, init="xavier"),
+        recipe=None, about="the base model of Attention Is All You Need as a decoder (its inverse-square-root "
+                           "schedule is not TrainConfig's warmup + cosine)"),
+    "shakespeare-char": Preset(
+        _char(context_length=256, d_model=384, n_layers=6, n_heads=6, dropout=0.2),
+        about="nanoGPT's config/train_shakespeare_char.py",
+        recipe=dict(max_steps=5000, batch_size=64, warmup_steps=100, eval_interval=250, eval_iters=200)),
+    "shakespeare-char-cpu": Preset(
+        _char(context_length=64, d_model=128, n_layers=4, n_heads=4, dropout=0.0),
+        about="nanoGPT's CPU recipe for tiny Shakespeare (TrainConfig's defaults are that recipe)",
+        recipe={}),
+    "tiny-transformer": Preset(
+        ModelConfig(vocab_size=65, context_length=256, d_model=195, n_layers=5, n_heads=5, activation="relu",
+                    dropout=0.15, norm="layernorm", positional="learned"),
+        recipe=None, about="a 5-layer character model (no tested recipe)"),
 }
+
+DEFAULT_RECIPE = "default"  # the recipe name meaning TrainConfig's own defaults
+
+
+def _lookup(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; "
+                         f"choose from {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
 
 
 def get_preset(name: str, **overrides: Any) -> ModelConfig:
-    """The preset called `name` (exact name), with optional field overrides."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(sorted(PRESETS))}")
-    return PRESETS[name].replace(**overrides)
+    """The model of the preset called `name` (exact name), with optional field overrides."""
+    return _lookup(name).model.replace(**overrides)
+
+
+def get_recipe(name: str, **overrides: Any) -> "TrainConfig":
+    """The training recipe of the preset called `name` as a TrainConfig, with optional overrides.
+
+    `name` may also be "default" (TrainConfig's defaults). A preset with no recipe is refused
+    rather than trained with defaults meant for a 0.8M-parameter model:
+
+    >>> get_recipe("shakespeare-char").batch_size
+    64
+    >>> get_recipe("llama3-8b")
+    Traceback (most recent call last):
+    ...
+    ValueError: preset 'llama3-8b' has no training recipe (...); pick one: recipe 'default' (...) or a preset's: ...
+    """
+    from .train import TrainConfig  # train.py imports this module, so import it late
+
+    if name == DEFAULT_RECIPE:
+        recipe: dict[str, Any] = {}
+    else:
+        preset = _lookup(name)
+        if preset.recipe is None:
+            raise ValueError(
+                f"preset {name!r} has no training recipe ({preset.about}); pick one: recipe "
+                f"'{DEFAULT_RECIPE}' (TrainConfig's defaults) or a preset's: {', '.join(presets_with_recipes())}")
+        recipe = preset.recipe
+    return TrainConfig(**{**recipe, **overrides})
+
+
+def presets_with_recipes() -> list[str]:
+    return sorted(name for name, preset in PRESETS.items() if preset.recipe is not None)

@@ -6,7 +6,7 @@ variables RANK, WORLD_SIZE and LOCAL_RANK set (plus MASTER_ADDR/MASTER_PORT for 
 `python -m glasslm.cli train` sees none of them and runs as a world of one.
 
 Example (no torchrun variables set, so a single process):
-    >>> ctx = init_distributed("cpu")
+    >>> ctx = init_distributed("cpu")   # "auto" (the default) picks cuda, else mps, else cpu
     >>> (ctx.rank, ctx.world_size, ctx.is_main, ctx.enabled)
     (0, 1, True, False)
 """
@@ -27,7 +27,7 @@ class DistributedContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    device: str = "cpu"
+    device: str = "cpu"  # a resolved device (resolve_device), never "auto"
 
     @property
     def enabled(self) -> bool:
@@ -39,11 +39,50 @@ class DistributedContext:
         return self.rank == 0
 
 
-def init_distributed(device: str = "cpu") -> DistributedContext:
+def resolve_device(device: str = "auto") -> str:
+    """The device to use for `device`: "auto" picks the best available (cuda, else mps, else cpu).
+
+    Under torchrun (LOCAL_RANK set) a bare "cuda" means this process's own GPU, cuda:LOCAL_RANK.
+    A device that does not exist here is refused in one line, before anything touches it.
+
+    >>> resolve_device("cpu")
+    'cpu'
+    """
+    name = device.strip().lower()
+    if name == "auto":
+        if torch.cuda.is_available():
+            name = "cuda"
+        elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            name = "mps"
+        else:
+            name = "cpu"
+    try:
+        parsed = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this PyTorch build has no CUDA support" if torch.version.cuda is None
+                   else "no CUDA GPU is visible")
+            raise ValueError(f"device {device!r} is not available: {why} (torch {torch.__version__}); "
+                             "use --device cpu or auto")
+        if parsed.index is None:
+            return f"cuda:{os.environ['LOCAL_RANK']}" if "LOCAL_RANK" in os.environ else "cuda"
+        if parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} is not available: {torch.cuda.device_count()} CUDA GPU(s) visible")
+    if parsed.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ValueError(f"device {device!r} is not available: no Apple MPS device here; use --device cpu or auto")
+    if parsed.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device {device!r} is not supported; use auto, cpu, cuda, cuda:N or mps")
+    return name
+
+
+def init_distributed(device: str = "auto") -> DistributedContext:
     """Join the process group torchrun set up (if any) and pick this process's device.
 
     On CUDA each process takes the GPU numbered by its LOCAL_RANK.
     """
+    device = resolve_device(device)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return DistributedContext(device=device)

@@ -53,15 +53,15 @@ class GenerationConfig:
     Stop tokens are not part of the output; stop strings cut the text just before them.
     """
 
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_k: int | None = None  # keep the k most likely tokens (and any tied with the k-th)
-    top_p: float | None = None  # keep the smallest most-likely set with mass >= top_p
-    min_p: float | None = None  # keep tokens with probability >= min_p * the top probability
+    max_new_tokens: int = 256  # tokens to generate (fewer if a stop token or string comes first)
+    temperature: float = 1.0  # divides the logits: < 1 sharpens, > 1 flattens; 0: greedy (argmax)
+    top_k: int | None = None  # keep the k most likely tokens (and any tied with the k-th); None or 0: all
+    top_p: float | None = None  # keep the smallest most-likely set with mass >= top_p; None: all
+    min_p: float | None = None  # keep tokens with probability >= min_p * the top probability; None: all
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output
-    seed: int | None = None  # makes sampling reproducible
-    stop_tokens: Sequence[int] = ()
-    stop_strings: Sequence[str] = ()
+    seed: int | None = None  # makes sampling reproducible; None: a fresh draw each time
+    stop_tokens: Sequence[int] = ()  # stop at any of these token ids (not part of the output)
+    stop_strings: Sequence[str] = ()  # stop before any of these texts (cut from the output)
     logprobs: bool = False  # also return log p(token) under the model's unmodified distribution
     window_keep: int | None = None  # tokens kept when the context slides; default context_length // 2
     pad_token: int = 0  # fills the left of shorter prompts; masked out, so any valid id works
@@ -71,8 +71,10 @@ class GenerationConfig:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0 or not math.isfinite(self.temperature):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k == 0:  # 0 has always meant "off" on the command line, as in transformers
+            self.top_k = None
         if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+            raise ValueError(f"top_k must be >= 1 (or 0 for off), got {self.top_k}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:

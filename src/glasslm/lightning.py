@@ -2,7 +2,7 @@
 
 `GlassLMModule` wraps a `TransformerLM` so `lightning.Trainer` can train it with glasslm's own
 pieces: `cross_entropy` for the loss, `make_optimizer` for AdamW (weight decay only on matrices)
-and `lr_at` (warmup + cosine) for the learning rate, stepped once per optimizer step.
+and `scheduled_lr` (warmup + cosine, as `train` uses it) for the learning rate, stepped once per optimizer step.
 `token_loader` feeds it random windows of a 1-D token tensor through `get_batch`.
 
 What stays with the Trainer: the number of steps (`Trainer(max_steps=...)`; keep it equal to
@@ -39,7 +39,7 @@ from .config import ModelConfig
 from .data import get_batch
 from .layers import cross_entropy
 from .model import TransformerLM
-from .train import TrainConfig, lr_at, make_optimizer
+from .train import TrainConfig, make_optimizer, scheduled_lr
 
 
 class TokenWindows(IterableDataset):
@@ -105,9 +105,9 @@ class GlassLMModule(lightning.LightningModule):
     def configure_optimizers(self):
         cfg = self.train_config
         optimizer = make_optimizer(self.model, cfg)
-        decay_steps = cfg.lr_decay_steps if cfg.lr_decay_steps is not None else cfg.max_steps
-        # LambdaLR multiplies each group's initial lr (cfg.lr) by the factor, so factor = lr_at / lr.
-        factor = lambda step: lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, decay_steps) / cfg.lr  # noqa: E731
+        # LambdaLR multiplies each group's initial lr (cfg.lr) by the factor, so factor = lr / cfg.lr;
+        # scheduled_lr is the function train() uses, so both follow the same schedule.
+        factor = lambda step: scheduled_lr(cfg, step) / cfg.lr  # noqa: E731
         if cfg.lr == 0:
             factor = lambda step: 0.0  # noqa: E731
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -42,16 +42,18 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .checkpoint import (
-    OPTIMIZER_FILE, OPTIMIZER_JSON, checkpoint_name, load_config, load_optimizer_state, load_weights,
-    optimizer_state_to_files, prune_checkpoints, read_json, read_safetensors, remove_stale_staging,
-    resolve_checkpoint, save_checkpoint, write_pointer,
+    OPTIMIZER_FILE, OPTIMIZER_JSON, CheckpointWriteError, checkpoint_name, load_config, load_optimizer_state,
+    load_weights, optimizer_state_to_files, prune_checkpoints, read_json, read_pointer, read_safetensors,
+    remove_stale_staging, resolve_checkpoint, save_checkpoint, write_pointer,
 )
 from .config import ModelConfig
 from .data import get_batch
-from .distributed import DistributedContext, all_reduce_mean, any_process, barrier, gather_objects
+from .distributed import DistributedContext, all_reduce_mean, any_process, barrier, gather_objects, resolve_device
 from .layers import cross_entropy
 from .loggers import METRICS_FILE, JSONLLogger, MetricsLogger
 from .model import TransformerLM
+from .rundir import RunDirError, claim_run_dir
+from .schema import checked
 
 TRAINER_STATE_JSON = "trainer_state.json"
 TRAINER_STATE_TENSORS = "trainer_state.safetensors"
@@ -62,32 +64,32 @@ DType = Literal["float32", "bfloat16", "float16"]
 class TrainConfig:
     """Everything about a run that is not the architecture. Saved (as JSON) with every checkpoint."""
 
-    max_steps: int = 2000
+    max_steps: int = 2000  # optimizer steps in the whole run (a resumed run continues up to it)
     batch_size: int = 12  # sequences per micro-batch per process
     grad_accum_steps: int = 1  # micro-batches per optimizer step
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 100
-    lr_decay_steps: int | None = None  # end of the cosine phase; None means max_steps
-    beta1: float = 0.9
-    beta2: float = 0.99
-    weight_decay: float = 0.1
+    lr: float = 1e-3  # peak learning rate, reached at the end of warmup
+    min_lr: float = 1e-4  # learning rate at the end of the cosine decay, and after it
+    warmup_steps: int = 100  # steps of linear warmup to lr
+    lr_decay_steps: int | None = None  # step where the cosine decay ends; None (or 0): max_steps
+    beta1: float = 0.9  # AdamW's decay rate of the gradient's running mean
+    beta2: float = 0.99  # AdamW's decay rate of the squared gradient's running mean
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay, on matrices only
     decay_embeddings: bool = False  # also decay token/position embeddings (nanoGPT does)
     grad_clip: float = 1.0  # max global L2 norm of the gradient; 0 disables clipping
-    eval_interval: int = 250  # 0 evaluates only at the end
+    eval_interval: int = 250  # steps between validation runs; 0: only at the end
     eval_iters: int = 20  # validation batches per evaluation (the same batches every time)
     log_interval: int = 10  # steps between metrics records (JSONL) and progress-bar updates
     checkpoint_interval: int = 0  # steps between extra checkpoints; 0: only at evaluations and the end
     keep_last: int = 2  # numbered checkpoints kept (plus the best one); 0 keeps all
-    seed: int = 1337
-    device: str = "cpu"
+    seed: int = 1337  # seeds the initial weights, the batch order and dropout
+    device: str = "auto"  # auto: the best available (cuda, else mps, else cpu; cuda:LOCAL_RANK under torchrun), or cpu, cuda, cuda:1, mps
     dtype: DType = "float32"  # bfloat16/float16: autocast the forward pass; weights stay float32
     compile: bool = False  # torch.compile the model (measured no faster on CPU; see docs/training.md)
     threads: int = 0  # CPU intra-op threads; 0 keeps torch's default (one per core)
     fsdp: bool = False  # shard parameters, gradients and optimizer state (FSDP2) instead of DDP
-    tensorboard: bool = False
-    wandb: bool = False
-    progress: bool = True
+    tensorboard: bool = False  # also log metrics to TensorBoard (RUN_DIR/tensorboard; needs tensorboard)
+    wandb: bool = False  # also log metrics to Weights & Biases, offline unless WANDB_MODE says otherwise
+    progress: bool = True  # draw a progress bar with loss, lr and tokens/s
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "eval_iters", "grad_accum_steps", "log_interval"):
@@ -105,26 +107,12 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown TrainConfig fields: {sorted(unknown)}")
-        return cls(**data)
+    def from_dict(cls, data: dict[str, Any], where: str = "TrainConfig") -> "TrainConfig":
+        """From `to_dict`'s output (or JSON/TOML), type-checked; `where` names the source in errors."""
+        return cls(**checked(cls, data, where))
 
 
-TRAIN_PRESETS: dict[str, TrainConfig] = {
-    # nanoGPT's CPU recipe for tiny Shakespeare, so results compare directly.
-    "shakespeare-char-cpu": TrainConfig(),
-    # nanoGPT's config/train_shakespeare_char.py.
-    "shakespeare-char": TrainConfig(max_steps=5000, batch_size=64, warmup_steps=100, eval_interval=250,
-                                    eval_iters=200),
-    "llama-tiny": TrainConfig(max_steps=5000, batch_size=32, lr=1e-3, min_lr=1e-4, beta2=0.95,
-                              warmup_steps=200, eval_interval=250, eval_iters=50),
-    # nanoGPT's config/train_gpt2.py: ~0.5M tokens per step (12 x 1024 x 40 accumulated).
-    "gpt2-small": TrainConfig(max_steps=600_000, batch_size=12, grad_accum_steps=40, lr=6e-4, min_lr=6e-5,
-                              warmup_steps=2000, beta2=0.95, eval_interval=1000, eval_iters=200,
-                              log_interval=10, dtype="bfloat16"),
-}
+# Each preset's training recipe lives beside its model in config.PRESETS (see config.get_recipe).
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
@@ -143,6 +131,33 @@ def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: i
         return min_lr
     progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def scheduled_lr(cfg: TrainConfig, step: int) -> float:
+    """`cfg`'s learning rate at 0-based `step`; the one place lr_decay_steps None (or 0) means max_steps.
+
+    >>> round(scheduled_lr(TrainConfig(max_steps=100, lr=1.0, min_lr=0.1, warmup_steps=0, lr_decay_steps=0), 50), 3)
+    0.55
+    """
+    return lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.lr_decay_steps or cfg.max_steps)
+
+
+def schedule_end(cfg: TrainConfig, resumed_config: dict[str, Any] | None = None) -> int:
+    """The step where the cosine decay ends (min_lr from there on).
+
+    An explicit `lr_decay_steps` wins. Otherwise a fresh run decays over `max_steps`, and a
+    resumed run keeps the end its checkpoint's run had: raising max_steps on resume trains longer
+    at min_lr instead of re-stretching the cosine (which would raise the learning rate mid-run).
+    To stretch it, set lr_decay_steps explicitly (`glasslm train --resume ... --extend-schedule`).
+
+    >>> schedule_end(TrainConfig(max_steps=400), resumed_config={"max_steps": 300, "lr_decay_steps": None})
+    300
+    """
+    if cfg.lr_decay_steps:
+        return cfg.lr_decay_steps
+    if resumed_config is not None:
+        return resumed_config.get("lr_decay_steps") or resumed_config["max_steps"]
+    return cfg.max_steps
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool | None = None) -> torch.optim.AdamW:
@@ -170,7 +185,7 @@ def autocast_context(cfg: TrainConfig, device: str | None = None):
     if cfg.dtype == "float32":
         return nullcontext()
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float16
-    return torch.autocast(device_type=torch.device(device or cfg.device).type, dtype=dtype)
+    return torch.autocast(device_type=torch.device(device or resolve_device(cfg.device)).type, dtype=dtype)
 
 
 def rank_slice(batch: Tensor, rank: int, world_size: int) -> Tensor:
@@ -212,7 +227,7 @@ def evaluate(
     Each process takes its slice of each global batch, so the mean matches a single process.
     """
     ctx = ctx or DistributedContext()
-    device = device or cfg.device
+    device = device or resolve_device(cfg.device)
     generator = generator or torch.Generator().manual_seed(cfg.seed + 1)
     context_length = _config_of(model).context_length
     was_training = model.training
@@ -248,12 +263,15 @@ class TrainResult:
 class _StopRequest:
     """Turns SIGINT/SIGTERM into a flag the loop checks after each step (to checkpoint first).
 
-    A second SIGINT falls through to Python's KeyboardInterrupt, for when saving hangs.
+    A second SIGINT stops at once (KeyboardInterrupt), except while a checkpoint is being saved:
+    then it only says it will stop when the checkpoint is complete, so pointers never name a
+    half-written or half-replaced checkpoint. (A save that hangs still yields to SIGKILL.)
     """
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._saving = False
 
     def __enter__(self) -> "_StopRequest":
         if threading.current_thread() is threading.main_thread():  # signal handlers need the main thread
@@ -262,8 +280,20 @@ class _StopRequest:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self.signum is None:
+            self.signum = signum
+        elif self._saving:
+            print("saving a checkpoint; stopping as soon as it is complete", file=sys.stderr, flush=True)
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def saving(self):
+        self._saving = True
+        try:
+            yield
+        finally:
+            self._saving = False
 
     def __exit__(self, *exc: Any) -> None:
         for signum, handler in self._previous.items():
@@ -283,15 +313,50 @@ def train(
     meta: dict[str, Any] | None = None,
     dist_ctx: DistributedContext | None = None,
     loggers: list[MetricsLogger] | None = None,
+    overwrite: bool = False,
 ) -> TrainResult:
     """Train a model (or a fresh one from a config) on 1-D token ids (anything `get_batch` indexes).
 
     With `run_dir`, checkpoints (ckpt-NNNNNN/ plus `latest` and `best` pointers) and
     metrics.jsonl are written there. `resume` (a run or checkpoint directory) continues a run
-    exactly where its checkpoint left off. `dist_ctx` comes from `init_distributed()` under torchrun.
+    exactly where its checkpoint left off, on the learning-rate schedule it had (see
+    `schedule_end`). `dist_ctx` comes from `init_distributed()` under torchrun.
+
+    A `run_dir` that already holds files is refused unless it is the resumed run's own directory
+    or `overwrite` is set (which removes the previous run's files first); while training, the
+    directory is locked against a second writer (glasslm.rundir).
     """
-    ctx = dist_ctx or DistributedContext(device=cfg.device)
-    device = ctx.device if ctx.enabled else cfg.device
+    ctx = dist_ctx or DistributedContext(device=resolve_device(cfg.device))
+    resume_dir = resolve_checkpoint(resume, prefer=("latest",)) if resume is not None else None
+    with claim_run(run_dir, resume_dir, overwrite, ctx):
+        return _train(model_config, cfg, train_tokens, val_tokens, on_eval, run_dir, resume_dir, tokenizer,
+                      meta, ctx, loggers)
+
+
+@contextmanager
+def claim_run(run_dir: str | os.PathLike | None, resume_dir: str | os.PathLike | None, overwrite: bool,
+              ctx: DistributedContext):
+    """Hold `run_dir` for training (glasslm.rundir.claim_run_dir) on the main process. Collective:
+    if the main process is refused, every process raises, so none waits for it forever."""
+    with ExitStack() as claim:
+        refused: RunDirError | None = None
+        if run_dir is not None and ctx.is_main:
+            try:
+                claim.enter_context(claim_run_dir(run_dir, resume_dir, overwrite))
+            except RunDirError as err:
+                refused = err
+        if any_process(refused is not None, ctx):
+            raise refused or RunDirError(f"the main process refused the run directory {run_dir}")
+        yield
+
+
+def _train(
+    model_config: ModelConfig | TransformerLM, cfg: TrainConfig, train_tokens: Tensor, val_tokens: Tensor | None,
+    on_eval: Callable[[int, float, TransformerLM], None] | None, run_dir: str | os.PathLike | None,
+    resume_dir: Path | None, tokenizer: Any, meta: dict[str, Any] | None, ctx: DistributedContext,
+    loggers: list[MetricsLogger] | None,
+) -> TrainResult:
+    device = ctx.device if ctx.enabled else resolve_device(cfg.device)
     device_type = torch.device(device).type
     if cfg.dtype == "float16" and device_type != "cuda":
         raise ValueError("dtype float16 (with loss scaling) is for CUDA GPUs; use bfloat16 on CPU")
@@ -315,7 +380,7 @@ def train(
     np.random.seed((cfg.seed + ctx.rank) % 2**32)
     batch_rng = torch.Generator().manual_seed(cfg.seed)
     start_step, best_val_loss, elapsed_before = 0, math.inf, 0.0
-    resume_dir = resolve_checkpoint(resume, prefer=("latest",)) if resume is not None else None
+    window_losses: list[float] = []  # per-step losses since the last metrics record
     if resume_dir is not None:
         saved_config = load_config(resume_dir / "config.json")
         if saved_config != model.config:
@@ -346,10 +411,14 @@ def train(
         tensors = read_safetensors(resume_dir / TRAINER_STATE_TENSORS)
         _load_optimizer(model, optimizer, resume_dir, fsdp)
         start_step, best_val_loss, elapsed_before = state["step"], state["best_val_loss"], state["elapsed_s"]
+        # The losses of a metrics window a checkpoint cut in two, so the record closing that
+        # window averages the same steps as in an uninterrupted run.
+        window_losses = [float(v) for v in state.get("log_window_losses", [])]
         if scaler is not None and state.get("grad_scaler"):
             scaler.load_state_dict(state["grad_scaler"])
         _restore_rng(state, tensors, batch_rng, ctx)
-    decay_steps = cfg.lr_decay_steps or cfg.max_steps
+        # The run's schedule goes on (see schedule_end), saved explicitly so a later resume keeps it too.
+        cfg = dataclasses.replace(cfg, lr_decay_steps=schedule_end(cfg, state.get("train_config")))
     global_batch = cfg.batch_size * cfg.grad_accum_steps * ctx.world_size
     tokens_per_step = global_batch * context
     autocast = lambda: autocast_context(cfg, device)  # noqa: E731 (a fresh context per micro-batch)
@@ -357,13 +426,12 @@ def train(
     run_path = Path(run_dir) if run_dir is not None else None
     loggers = list(loggers or [])
     if run_path is not None and ctx.is_main:
-        run_path.mkdir(parents=True, exist_ok=True)
-        remove_stale_staging(run_path)
+        remove_stale_staging(run_path)  # safe: the run directory is locked (see train)
         loggers.insert(0, JSONLLogger(run_path / METRICS_FILE, keep_up_to_step=start_step if resume_dir else None))
     result = TrainResult(model, step=start_step, best_val_loss=best_val_loss)
     pending_losses: list[Tensor] = []  # per-step losses still on the device (no sync per step)
     pending_norms: list[Tensor] = []
-    window_losses: list[float] = []  # since the last metrics record
+    window_steps = 0  # steps timed by this process in the current window (resumed ones were not)
     last_grad_norm = math.nan
     last_val_loss: float | None = None
 
@@ -397,7 +465,7 @@ def train(
         with _StopRequest() as stop:
             for step in range(start_step, cfg.max_steps):
                 step_start = time.perf_counter()
-                lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, decay_steps)
+                lr = scheduled_lr(cfg, step)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 x, y = get_batch(train_tokens, global_batch, context, batch_rng)
@@ -420,6 +488,7 @@ def train(
                 pending_norms.append(grad_norm.detach().float().to(loss.device))
                 done = result.step = step + 1
                 window_train_time += time.perf_counter() - step_start
+                window_steps += 1
                 bar.update(1)
 
                 last = done == cfg.max_steps
@@ -436,7 +505,7 @@ def train(
                 record: dict[str, Any] = {}
                 if is_log:
                     total_train_time += window_train_time
-                    tokens_per_s = tokens_per_step * len(window_losses) / max(window_train_time, 1e-9)
+                    tokens_per_s = tokens_per_step * window_steps / max(window_train_time, 1e-9)
                     result.tokens_per_second = tokens_per_step * len(result.train_losses) / max(total_train_time, 1e-9)
                     record = {
                         "step": done, "tokens": done * tokens_per_step,
@@ -447,7 +516,7 @@ def train(
                     bar.set_postfix(loss=f"{window_losses[-1]:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}",
                                     refresh=False)  # redrawn at tqdm's own pace
                     window_losses.clear()
-                    window_train_time = 0.0
+                    window_train_time, window_steps = 0.0, 0
                 improved = False
                 if is_eval:
                     assert val_tokens is not None
@@ -468,10 +537,11 @@ def train(
                 if is_checkpoint:
                     assert run_path is not None
                     elapsed = elapsed_before + time.perf_counter() - clock_start
-                    result.checkpoint = _save_training_checkpoint(
-                        run_path, done, model, optimizer, scaler, batch_rng, cfg, ctx, tokenizer,
-                        {**(meta or {}), "step": done, "val_loss": last_val_loss},
-                        best_val_loss, elapsed, improved, fsdp)
+                    with stop.saving():  # a second Ctrl-C now waits for the checkpoint to be complete
+                        result.checkpoint = _save_training_checkpoint(
+                            run_path, done, model, optimizer, scaler, batch_rng, cfg, ctx, tokenizer,
+                            {**(meta or {}), "step": done, "val_loss": last_val_loss},
+                            best_val_loss, elapsed, improved, fsdp, window_losses)
                 if stop_signal is not None:
                     result.stopped_by_signal = stop_signal
                     if ctx.is_main and cfg.progress:
@@ -489,9 +559,13 @@ def _save_training_checkpoint(
     run_dir: Path, step: int, model: TransformerLM, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None, batch_rng: torch.Generator, cfg: TrainConfig, ctx: DistributedContext,
     tokenizer: Any, meta: dict[str, Any], best_val_loss: float, elapsed: float, is_best: bool, fsdp: bool,
+    window_losses: list[float] = (),  # type: ignore[assignment]
 ) -> Path:
     """Write ckpt-<step>/ with everything needed to continue bit for bit; point `latest` (and maybe
-    `best`) at it; prune old ones. Collective: every process calls it, the main one writes."""
+    `best`) at it; prune old ones. Collective: every process calls it, the main one writes.
+
+    Pointers move only once the directory is complete. If writing fails (a full disk), the
+    error names the previous checkpoint, which is untouched, and nothing half-written stays."""
     model_state, optim_state = _full_state_dicts(model, optimizer, fsdp)
     torch_rng_states = gather_objects(torch.get_rng_state(), ctx)
     cuda_rng_states = gather_objects(torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [], ctx)
@@ -510,16 +584,23 @@ def _save_training_checkpoint(
             "rng_python": _jsonable(random.getstate()),
             "rng_numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
+            "log_window_losses": list(window_losses),  # JSON floats round-trip exactly
         }
         optim_tensors, optim_scalars = optimizer_state_to_files(optim_state)
-        save_checkpoint(
-            target, model, tokenizer, meta, state_dict=model_state,
-            extra_tensors={OPTIMIZER_FILE: optim_tensors, TRAINER_STATE_TENSORS: tensors},
-            extra_json={OPTIMIZER_JSON: optim_scalars, TRAINER_STATE_JSON: trainer_state},
-        )
-        write_pointer(run_dir, "latest", target.name)
-        if is_best:
-            write_pointer(run_dir, "best", target.name)
+        previous = read_pointer(run_dir, "latest")
+        try:
+            save_checkpoint(
+                target, model, tokenizer, meta, state_dict=model_state,
+                extra_tensors={OPTIMIZER_FILE: optim_tensors, TRAINER_STATE_TENSORS: tensors},
+                extra_json={OPTIMIZER_JSON: optim_scalars, TRAINER_STATE_JSON: trainer_state},
+            )
+            if is_best:  # `best` first: if `latest` then fails, what the error says about it is true
+                write_pointer(run_dir, "best", target.name)
+            write_pointer(run_dir, "latest", target.name)
+        except CheckpointWriteError as err:
+            kept = (f"the previous checkpoint {previous} is intact and `latest` still names it"
+                    if previous is not None and previous.is_dir() else "no earlier checkpoint exists")
+            raise CheckpointWriteError(f"{err}; {kept}") from None
         prune_checkpoints(run_dir, cfg.keep_last)
     barrier(ctx)
     return target
