@@ -93,7 +93,6 @@ function addToken(choice) {
   span.className = "tok gen";
   span.textContent = token.text;
   span.dataset.index = index; span.dataset.id = token.id;
-  span.dataset.t = performance.now().toFixed(1);  // arrival time: shows the tokens streamed in
   span.dataset.prob = Math.exp(token.logprob).toFixed(4);
   span.title = `p = ${Math.exp(token.logprob).toFixed(3)}`;
   span.onclick = () => selectToken(index);
