@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from glasslm import explore
 from glasslm.config import get_preset
+from glasslm.evaluate import evaluate_tokens
 from glasslm.hooks import logit_lens as hooks_logit_lens
 from glasslm.hooks import run_with_cache
 from glasslm.model import TransformerLM
@@ -83,6 +84,19 @@ def test_token_loss_is_cross_entropy_of_each_next_token(setup):
     assert result["mean_loss"] == pytest.approx(float(expected.mean()), rel=1e-5)
 
 
+def test_token_loss_of_a_text_longer_than_the_context(setup):
+    model, tok, _ = setup
+    ids = tok.encode("the cat sat on the mat. " * 4)  # 96 tokens, context 32
+    result = explore.token_loss(model, tok, ids)
+    assert len(result["loss"]) == len(ids) and result["loss"][0] is None
+    # Scored in windows: the total equals evaluate's sliding-window likelihood with the same stride.
+    reference = evaluate_tokens(model, ids, stride=16)
+    assert sum(result["loss"][1:]) == pytest.approx(reference["nll"], rel=1e-5)
+    # Tokens inside the first window match one plain forward pass.
+    first = F.cross_entropy(model(torch.tensor([ids[:32]]))[0, :-1], torch.tensor(ids[1:32]), reduction="none")
+    torch.testing.assert_close(torch.tensor(result["loss"][1:32]), first, rtol=1e-5, atol=1e-5)
+
+
 def test_attention_matches_the_cached_hook_pattern(setup):
     model, tok, ids = setup
     _, cache = run_with_cache(model, torch.tensor([ids]), names_filter=["blocks.1.attn.hook_pattern"])
@@ -120,6 +134,6 @@ def test_logit_lens_top_tokens_match_hooks_logit_lens(setup):
 def test_too_long_or_empty_input_is_refused(setup):
     model, tok, _ = setup
     with pytest.raises(ValueError, match="more than the context length 32"):
-        explore.token_loss(model, tok, [0] * 33)
+        explore.logit_lens(model, tok, [0] * 33)
     with pytest.raises(ValueError, match="no tokens"):
         explore.logit_lens(model, tok, [])

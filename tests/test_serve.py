@@ -225,6 +225,8 @@ def test_explorer_endpoints_return_the_explore_numbers(served):
     for path, body, words in [("/api/attention", {"text": text, "layer": 7}, "layer 7 does not exist"),
                               ("/api/attention", {"text": text, "layer": 0, "head": 9}, "head 9 does not exist"),
                               ("/api/logit-lens", {"text": ""}, "empty"),
+                              ("/api/logit-lens", {"text": "a" * (CONTEXT + 1)}, f"at most {CONTEXT}"),
+                              ("/api/token-loss", {"text": "a" * (16 * CONTEXT + 1)}, f"at most {16 * CONTEXT}"),
                               ("/api/token-loss", {"text": text, "tokens": ids}, "exactly one"),
                               ("/api/next-token", {"text": text, "colour": 1}, "unknown field")]:
         status, reply = call(url, path, body)

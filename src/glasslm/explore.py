@@ -30,6 +30,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from .evaluate import sliding_windows
 from .generate import filter_logits
 from .inspection import attention_pattern, logit_lens_top
 from .model import TransformerLM
@@ -40,10 +41,10 @@ def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     return [tokenizer.decode([int(i)]) for i in ids]
 
 
-def _tensor(model: TransformerLM, ids: Sequence[int]) -> Tensor:
+def _tensor(model: TransformerLM, ids: Sequence[int], limit: int | None = None) -> Tensor:
     if not ids:
         raise ValueError("the text encodes to no tokens")
-    if len(ids) > model.config.context_length:
+    if limit is None and len(ids) > model.config.context_length:
         raise ValueError(f"{len(ids)} tokens is more than the context length {model.config.context_length}")
     return torch.tensor([list(ids)], dtype=torch.long, device=model.embed.weight.device)
 
@@ -88,10 +89,19 @@ def next_token(
 
 @torch.no_grad()
 def token_loss(model: TransformerLM, tokenizer: Any, ids: Sequence[int]) -> dict[str, Any]:
-    """-log p(token | the tokens before it) for every token after the first (the first has none)."""
-    tokens = _tensor(model, ids)
-    log_probs = torch.log_softmax(model(tokens)[0].float(), dim=-1)  # (seq, vocab)
-    losses = -log_probs[:-1].gather(-1, tokens[0, 1:, None])[:, 0]
+    """-log p(token | the tokens before it) for every token after the first (the first has none).
+
+    A text longer than the context is scored in windows that overlap by half a context
+    (`evaluate.sliding_windows`), so every token keeps at least half a context of history.
+    """
+    tokens = _tensor(model, ids, limit=len(ids))[0]
+    context = model.config.context_length
+    losses = torch.empty(len(ids) - 1)
+    for start, end, first in sliding_windows(len(ids), context, max(1, context // 2)):
+        log_probs = torch.log_softmax(model(tokens[None, start:end])[0].float(), dim=-1)  # (end - start, vocab)
+        targets = tokens[first:end + 1]
+        rows = log_probs[first - start - 1:end - start]  # the positions that predict those targets
+        losses[first - 1:end] = -rows.gather(-1, targets[:, None])[:, 0].cpu()
     loss_list: list[float | None] = [None, *map(float, losses)]
     mean = float(losses.mean()) if len(losses) else math.nan
     return {"tokens": list(map(int, ids)), "texts": token_texts(tokenizer, ids), "loss": loss_list,

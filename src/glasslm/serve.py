@@ -48,6 +48,7 @@ from .model import TransformerLM
 log = logging.getLogger("glasslm.serve")
 STATIC_DIR = Path(__file__).parent / "static"
 ENDOFTEXT = "<|endoftext|>"
+LOSS_LIMIT_CONTEXTS = 16  # /api/token-loss scores texts up to this many context lengths
 
 
 class Overloaded(Exception):
@@ -424,7 +425,7 @@ def create_app(
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error(500, f"internal error: {type(exc).__name__}", "server_error")
 
-    def encode(prompt: str | list[int] | list[str], limit: int = context) -> list[int]:
+    def encode(prompt: str | list[int] | list[str], limit: int = context, what: str = "prompt") -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise api.BadRequest("prompt: only one prompt per request is supported", "prompt")
@@ -433,17 +434,17 @@ def create_app(
             try:
                 ids = tokenizer.encode(prompt) if prompt else (list(eos)[:1] or tokenizer.encode("\n"))
             except ValueError as err:
-                raise api.BadRequest(f"prompt: {err}", "prompt") from None
+                raise api.BadRequest(f"{what}: {err}", what) from None
         else:
             ids = list(prompt)
             bad = [i for i in ids if not 0 <= i < model.config.vocab_size]
             if bad:
-                raise api.BadRequest(f"prompt: token id {bad[0]} is outside [0, {model.config.vocab_size})", "prompt")
+                raise api.BadRequest(f"{what}: token id {bad[0]} is outside [0, {model.config.vocab_size})", what)
         if not ids:
-            raise api.BadRequest("prompt: the prompt encodes to no tokens", "prompt")
+            raise api.BadRequest(f"{what}: the {what} encodes to no tokens", what)
         if len(ids) > limit:
-            raise api.BadRequest(f"prompt: the prompt is {len(ids)} tokens; at most {limit} are allowed "
-                                 f"(the model's context length)", "prompt")
+            raise api.BadRequest(f"{what}: the {what} is {len(ids)} tokens; at most {limit} are allowed"
+                                 + (" (the model's context length)" if limit == context else ""), what)
         return ids
 
     @app.exception_handler(api.BadRequest)
@@ -526,27 +527,33 @@ def create_app(
                 "n_heads": c.n_heads, "d_model": c.d_model, "parameters": model.num_parameters(),
                 "tokenizer": getattr(tokenizer, "kind", type(tokenizer).__name__), "max_tokens_limit": max_tokens_limit}
 
+    def encode_text(text: str | list[int]) -> list[int]:
+        return encode(text, what="text")
+
+    def encode_long(text: str | list[int]) -> list[int]:
+        return encode(text, limit=LOSS_LIMIT_CONTEXTS * context, what="text")
+
     @app.post("/api/tokenize")
     def api_tokenize(body: api.TextRequest):
-        ids = body.ids(encode)
+        ids = body.ids(encode_text)
         return {"tokens": ids, "texts": token_texts(tokenizer, ids)}
 
     @app.post("/api/next-token")
     def api_next_token(body: api.NextTokenRequest):
         top_k = body.top_k or None
-        return run_locked(next_token, body.ids(encode), body.temperature, top_k, body.top_p, body.min_p, body.k)
+        return run_locked(next_token, body.ids(encode_text), body.temperature, top_k, body.top_p, body.min_p, body.k)
 
     @app.post("/api/token-loss")
     def api_token_loss(body: api.TextRequest):
-        return run_locked(token_loss, body.ids(encode))
+        return run_locked(token_loss, body.ids(encode_long))
 
     @app.post("/api/attention")
     def api_attention(body: api.AttentionRequest):
-        return run_locked(attention, body.ids(encode), body.layer, body.head)
+        return run_locked(attention, body.ids(encode_text), body.layer, body.head)
 
     @app.post("/api/logit-lens")
     def api_logit_lens(body: api.TextRequest):
-        return run_locked(logit_lens, body.ids(encode))
+        return run_locked(logit_lens, body.ids(encode_text))
 
     @app.get("/")
     async def index():
