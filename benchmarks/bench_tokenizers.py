@@ -8,7 +8,7 @@ Usage:
     python benchmarks/bench_tokenizers.py --data-dir /work/shared/data --big   # + 32k vocab on >= 50 MB
 
 Needs tinyshakespeare.txt and gpt2/ (see glasslm.tokenizers.find_gpt2_files) under --data-dir
-(default $GLASSLM_DATA_DIR); tiktoken's gpt2 files are read from <data-dir>/tiktoken_cache if present.
+(default, glasslm's one rule: $GLASSLM_DATA_DIR, else ~/.cache/glasslm); tiktoken's gpt2 files are read from <data-dir>/tiktoken_cache if present.
 """
 
 from __future__ import annotations
@@ -168,7 +168,8 @@ def train_one(which: str, corpus: str, vocab_size: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", default=os.environ.get("GLASSLM_DATA_DIR"), help="shared data directory")
+    parser.add_argument("--data-dir", default=None,
+                        help="data directory (default, as everywhere in glasslm: $GLASSLM_DATA_DIR, else ~/.cache/glasslm)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vocab-size", type=int, default=10_000)
     parser.add_argument("--big", action="store_true", help="also train a 32k vocab on >= --big-mb MB of local text")
@@ -179,10 +180,15 @@ def main() -> None:
         which, corpus, vocab = args.train_one
         train_one(which, corpus, int(vocab))
         return
-    if not args.data_dir:
-        parser.error("pass --data-dir or set GLASSLM_DATA_DIR")
-    data_dir = Path(args.data_dir)
-    shakespeare = data_dir / "tinyshakespeare.txt"
+    from glasslm.data import data_dir as resolve_data_dir, resolve_text
+    from glasslm.tokenizers import find_gpt2_files
+
+    data_dir = resolve_data_dir(args.data_dir)
+    try:
+        shakespeare = resolve_text("tinyshakespeare", data_dir)
+        find_gpt2_files(data_dir)
+    except (OSError, ValueError, RuntimeError) as err:
+        sys.exit(f"bench_tokenizers.py: error: {err}")
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
     bench_training(shakespeare, args.vocab_size, args.repeats)
     bench_encoding(shakespeare, data_dir, args.repeats)

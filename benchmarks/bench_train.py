@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import time
 from contextlib import nullcontext
 
@@ -119,9 +120,8 @@ def llama_variant(c):
                      d_mlp=int(8 * c.d_model / 3) // 8 * 8)
 
 
-def bench(preset: str, which: list[str], batch_size: int, steps: int, rounds: int, warmup: int) -> None:
+def bench(preset: str, which: list[str], batch_size: int, steps: int, rounds: int, warmup: int, text: str) -> None:
     cfg = TrainConfig()
-    text = open(_data_path()).read()
     vocab = sorted(set(text))
     tokens = torch.tensor([vocab.index(ch) for ch in text[:200_000]], dtype=torch.long)
     variants = build_variants(preset, which, cfg)
@@ -186,10 +186,15 @@ def profile_step(preset: str, batch_size: int, impl: str, dtype: str) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
-def _data_path() -> str:
+def _shakespeare(data_dir: str | None) -> str:
+    """tiny Shakespeare from the data directory, by glasslm's one rule (--data-dir, else
+    $GLASSLM_DATA_DIR, else ~/.cache/glasslm); a one-line error, not a traceback, if it is not there."""
     from glasslm.data import resolve_text
 
-    return str(resolve_text("tinyshakespeare"))
+    try:
+        return resolve_text("tinyshakespeare", data_dir).read_text(encoding="utf-8")
+    except (OSError, ValueError, RuntimeError) as err:
+        sys.exit(f"bench_train.py: error: {err}")
 
 
 def main() -> None:
@@ -205,7 +210,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--impl", default="fast")
     parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--data-dir", default=None, help="where datasets are kept (default $GLASSLM_DATA_DIR or ~/.cache/glasslm)")
     args = parser.parse_args()
+    text = None if args.matmul_only or args.profile else _shakespeare(args.data_dir)  # fail before timing anything
     if args.threads:
         torch.set_num_threads(args.threads)
     peak = matmul_throughput()
@@ -216,7 +223,7 @@ def main() -> None:
     if args.profile:
         profile_step(args.preset, args.batch_size, args.impl, args.dtype)
         return
-    bench(args.preset, args.variants.split(","), args.batch_size, args.steps, args.rounds, args.warmup)
+    bench(args.preset, args.variants.split(","), args.batch_size, args.steps, args.rounds, args.warmup, text)
 
 
 if __name__ == "__main__":

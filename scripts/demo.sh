@@ -4,9 +4,11 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/venv.sh ""  # (an explicit empty argument: a bare `source` would pass on our "$@")
-# Use the shared data copy when it sits beside the checkout (as on CI); else glasslm downloads it.
-if [ -z "${GLASSLM_DATA_DIR:-}" ] && [ -f ../shared/data/tinyshakespeare.txt ]; then
-    export GLASSLM_DATA_DIR="$(cd ../shared/data && pwd)"
+# Offline machines (as on CI) keep a shared copy beside the checkout: copy it, sha256-checked, into
+# the data directory every glasslm command uses (--data-dir, else $GLASSLM_DATA_DIR, else
+# ~/.cache/glasslm), so later commands find it without this script. Else glasslm downloads it.
+if [ -f ../shared/data/tinyshakespeare.txt ]; then
+    glasslm fetch tinyshakespeare --from ../shared/data
 fi
 # --overwrite: the demo starts a fresh run in its own directory each time (glasslm refuses to
 # train over an existing run otherwise).

@@ -2,7 +2,7 @@
 # Runs the test suite. Sets up ./.venv (with test extras) on first use. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-source scripts/venv.sh "test,plot"
+source scripts/venv.sh "test"
 if [ -z "${GLASSLM_DATA_DIR:-}" ] && [ -d ../shared/data ]; then
     export GLASSLM_DATA_DIR="$(cd ../shared/data && pwd)"
 fi

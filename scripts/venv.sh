@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates ./.venv (if missing) and installs glasslm with the given extras into it.
 # Idempotent: reinstalls only when pyproject.toml or the extras change.
-# Usage: source scripts/venv.sh [extras]   (e.g. "test,plot")
+# Usage: source scripts/venv.sh [extras]   (e.g. "test")
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 extras="${1:-}"

@@ -154,3 +154,48 @@ def test_training_data_from_a_prepared_directory_or_text(tmp_path):
     assert from_dir.tokenizer.vocab_size == from_text.tokenizer.vocab_size
     meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
     assert len(from_dir.train) == meta["train_tokens"]
+
+
+def test_train_on_a_text_file_splits_exactly_like_prepare(tmp_path, shakespeare_text):
+    """One split rule: `train --data file.txt` (in memory) and `prepare` give the same two streams."""
+    src = tmp_path / "s.txt"
+    src.write_text(shakespeare_text[:30_001])  # 90% of the bytes falls inside a line
+    tok = CharTokenizer.from_text(shakespeare_text[:30_001])
+    prepare([src], tok, tmp_path / "ds", val_fraction=0.1, progress=False)
+    prepared, in_memory = load_prepared(tmp_path / "ds"), load_training_data(str(src), val_fraction=0.1)
+    assert in_memory.tokenizer.chars == tok.chars
+    assert in_memory.train.tolist() == prepared.train.tolist()
+    assert in_memory.val.tolist() == prepared.val.tolist()
+    assert tok.decode(in_memory.val[:1].tolist()) != "\n" and tok.decode(in_memory.train[-1:].tolist()) == "\n"
+
+
+def test_fetch_copies_a_verified_dataset_into_the_data_directory(tmp_path, data_dir, capsys, monkeypatch):
+    """What the demo does offline: seed the data directory from a shared folder, by the one rule."""
+    from glasslm.cli import main
+
+    monkeypatch.setenv("GLASSLM_DATA_DIR", str(tmp_path / "cache"))
+    assert main(["fetch", "tinyshakespeare", "--from", str(data_dir)]) == 0
+    assert str(tmp_path / "cache") in capsys.readouterr().out
+    assert resolve_text("tinyshakespeare") == tmp_path / "cache" / "tinyshakespeare.txt"
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "tinyshakespeare.txt").write_text("not shakespeare")
+    assert main(["fetch", "tinyshakespeare", "--from", str(tmp_path / "bad"), "--data-dir", str(tmp_path / "c2")]) == 1
+    assert "sha256" in capsys.readouterr().err
+    assert not (tmp_path / "c2").exists() or not list((tmp_path / "c2").iterdir())  # nothing half-copied
+
+
+def test_offline_error_states_the_rule_and_the_path(tmp_path, monkeypatch, capsys):
+    import urllib.request
+
+    from glasslm.cli import main
+
+    def offline(*args, **kwargs):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    monkeypatch.setenv("GLASSLM_DATA_DIR", str(tmp_path / "d"))
+    assert main(["fetch", "tinyshakespeare"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert str(tmp_path / "d" / "tinyshakespeare.txt") in err
+    assert "--data-dir, else $GLASSLM_DATA_DIR, else ~/.cache/glasslm" in err

@@ -106,9 +106,67 @@ def test_cli_eval_prints_loss_perplexity_and_bits_per_byte(tmp_path, capsys):
     model = tiny(tok.vocab_size, context=32)
     path = save_checkpoint(tmp_path / "ckpt", model, tok)
     (tmp_path / "text.txt").write_text(TEXT)
-    assert main(["eval", "--checkpoint", str(path), "--data", str(tmp_path / "text.txt"), "--stride", "8"]) == 0
+    assert main(["eval", "--checkpoint", str(path), "--data", str(tmp_path / "text.txt"), "--stride", "8",
+                 "--split", "all"]) == 0
     out = capsys.readouterr().out
     expected = evaluate_text(model, tok, TEXT, stride=8)
     assert f"loss {expected['loss']:.4f}" in out
     assert f"perplexity {expected['perplexity']:.3f}" in out
     assert f"bits/byte {expected['bits_per_byte']:.4f}" in out
+
+
+def _split_fixture(tmp_path):
+    from glasslm.data import prepare
+
+    text = "".join(f"line {i}: to be or not to be\n" for i in range(60))
+    tok = CharTokenizer.from_text(text)
+    model = tiny(tok.vocab_size, context=16)
+    path = save_checkpoint(tmp_path / "ckpt", model, tok)
+    (tmp_path / "text.txt").write_text(text)
+    prepare([tmp_path / "text.txt"], tok, tmp_path / "ds", progress=False)
+    return text, tok, model, path
+
+
+def _scores(out: str) -> str:
+    return out.splitlines()[-1].split("(")[0]  # "loss ...  perplexity ...  bits/byte ..."
+
+
+def test_cli_eval_scores_the_validation_split_of_text_or_prepared_data(tmp_path, capsys):
+    from glasslm.data import read_split, split_offset
+
+    text, tok, model, path = _split_fixture(tmp_path)
+    val = text.encode()[split_offset(tmp_path / "text.txt"):].decode()
+    assert read_split(tmp_path / "text.txt", "val") == val and 0 < len(val) < len(text) // 5
+    assert main(["eval", "--checkpoint", str(path), "--data", str(tmp_path / "text.txt")]) == 0  # default: val
+    captured = capsys.readouterr()
+    expected = evaluate_text(model, tok, val)
+    assert f"loss {expected['loss']:.4f}" in captured.out and f"{expected['tokens']:,} tokens scored" in captured.out
+    assert "eval" in captured.err and "tok" in captured.err  # the progress bar, on stderr
+    # A prepared dataset's val.bin holds the same text, so the same scores.
+    assert main(["eval", "--checkpoint", str(path), "--data", str(tmp_path / "ds"), "--quiet"]) == 0
+    assert _scores(capsys.readouterr().out) == _scores(captured.out)
+    for split, part in (("train", text[:len(text) - len(val)]), ("all", text)):
+        assert main(["eval", "--checkpoint", str(path), "--data", str(tmp_path / "ds"), "--split", split,
+                     "--quiet"]) == 0
+        assert f"loss {evaluate_text(model, tok, part)['loss']:.4f}" in capsys.readouterr().out
+
+
+def test_cli_eval_max_tokens_bounds_the_work(tmp_path, capsys):
+    text, tok, model, path = _split_fixture(tmp_path)
+    for data in (str(tmp_path / "text.txt"), str(tmp_path / "ds")):
+        assert main(["eval", "--checkpoint", str(path), "--data", data, "--split", "all", "--max-tokens", "50",
+                     "--quiet"]) == 0
+        out = capsys.readouterr().out
+        expected = evaluate_text(model, tok, text[:51])
+        assert "50 tokens scored" in out and f"loss {expected['loss']:.4f}" in out
+        assert f"bits/byte {expected['bits_per_byte']:.4f}" in out
+
+
+def test_cli_eval_refuses_a_dataset_of_another_tokenizer(tmp_path, capsys):
+    from glasslm.data import prepare
+
+    text, tok, model, path = _split_fixture(tmp_path)
+    other = CharTokenizer(list(reversed(tok.chars)))  # same size, different ids
+    prepare([tmp_path / "text.txt"], other, tmp_path / "ds2", progress=False)
+    assert main(["eval", "--checkpoint", str(path), "--data", str(tmp_path / "ds2")]) == 1
+    assert "different tokenizer" in capsys.readouterr().err

@@ -192,3 +192,23 @@ def test_checkpoints_of_the_previous_version_load_and_resume(tmp_path, capsys):
     assert meta["train_config"] == OLD_TRAIN_CONFIG
     assert main(["train", "--resume", str(run), "--max-steps", "6", "--sample-tokens", "0"]) == 0
     assert json.loads((run / "ckpt-000006" / "meta.json").read_text())["step"] == 6
+
+
+def test_the_package_exposes_its_main_names():
+    import importlib
+
+    import glasslm
+
+    for name in glasslm.__all__:
+        assert getattr(glasslm, name) is not None
+    assert glasslm.__version__ and glasslm.ModelConfig is ModelConfig and glasslm.TrainConfig is TrainConfig
+    # `glasslm.train` stays the module (the trainer is `train_model`); submodules stay importable.
+    assert importlib.import_module("glasslm.train") is glasslm.train and glasslm.train.TrainConfig is TrainConfig
+    import glasslm.generate as generate_module
+
+    assert generate_module.GenerationConfig is glasslm.GenerationConfig
+    import torch
+
+    result = glasslm.train_model(glasslm.get_preset("shakespeare-char-cpu", vocab_size=4, n_layers=1, context_length=8),
+                                 TrainConfig(max_steps=1, eval_iters=1, progress=False), torch.randint(0, 4, (50,)))
+    assert isinstance(result, glasslm.TrainResult) and len(result.train_losses) == 1

@@ -482,6 +482,7 @@ def test_missing_gpt2_files_say_what_to_put_where(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"gpt2_vocab\.json"):
         find_gpt2_files(tmp_path)
     monkeypatch.delenv("GLASSLM_DATA_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the rule's last resort, ~/.cache/glasslm, is empty
     with pytest.raises(FileNotFoundError, match="GLASSLM_DATA_DIR"):
         find_gpt2_files()
     (tmp_path / "encoder.json").write_text("{}")

@@ -1,6 +1,7 @@
 """glasslm: a decoder-only transformer language model you can read line by line.
 
 The main names are here; each lives in its own module (see the README's "Where things are").
+`glasslm.train` is the training module; its entry point is exported as `glasslm.train_model`.
 
 Example:
     >>> import glasslm

@@ -9,9 +9,9 @@
     glasslm eval --checkpoint runs/shakespeare --data tinyshakespeare
     glasslm info --preset gpt2-small --context-length 1024
     glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2
-    glasslm convert --to-hf --checkpoint runs/gpt2 --out exported/gpt2
-    glasslm inspect attention --checkpoint runs/shakespeare --prompt "ROMEO:" --layer 0 --head 1 --out attn.png
-    glasslm inspect logit-lens --checkpoint runs/shakespeare --prompt "ROMEO:" --out lens.png
+    glasslm convert --to-hf --checkpoint runs/gpt2 --out runs/exported-gpt2
+    glasslm inspect attention --checkpoint runs/shakespeare --prompt "ROMEO:" --layer 0 --head 1 --out runs/attn.png
+    glasslm inspect logit-lens --checkpoint runs/shakespeare --prompt "ROMEO:" --out runs/lens.png
 """
 
 from __future__ import annotations
@@ -44,6 +44,16 @@ class RunConfig:
     out: str | None = None  # run directory for checkpoints and metrics.jsonl; none: runs/PRESET
     val_fraction: float = 0.1  # the last fraction of the text (from a line start) held out for validation
     sample_tokens: int = 300  # print a sample of this many tokens when training ends; 0: none
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 # The tables of a --config file, beside RunConfig's keys at its top level.
@@ -100,6 +110,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         # raise max_steps to train longer), not the model.
         saved_meta = read_json(resume_dir / "meta.json")
         saved_state = read_json(resume_dir / TRAINER_STATE_JSON)
+        missing = [k for k in ("step", "best_val_loss", "elapsed_s", "train_config")
+                   if not isinstance(saved_state, dict) or k not in saved_state]
+        if missing:
+            raise ValueError(f"{resume_dir / TRAINER_STATE_JSON} lacks {', '.join(missing)}: not a complete "
+                             "training checkpoint, so it cannot be resumed")
         if model_overrides:
             raise ValueError(f"--resume continues the checkpoint's model; drop {sorted(model_overrides)}")
         run = RunConfig(**{"preset": saved_meta.get("preset", "checkpoint"), "data": saved_meta.get("data"),
@@ -199,7 +214,7 @@ def _optional_loggers(cfg: TrainConfig, run_dir: Path, config: dict[str, Any]) -
             try:
                 loggers.append(make())
             except ImportError:
-                raise ValueError(f"--{package} needs the {package} package: pip install 'glasslm[{package}]'") from None
+                raise ValueError(f"--{package} needs the {package} package: pip install {package}") from None
     return loggers
 
 
@@ -223,6 +238,8 @@ def _device(name: str) -> str:
 
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt_file:
+        if Path(args.prompt_file).is_dir():
+            raise ValueError(f"--prompt-file {args.prompt_file} is a directory, not a text file")
         return Path(args.prompt_file).read_text(encoding="utf-8")
     if args.prompt == "-":
         return sys.stdin.read()
@@ -271,36 +288,88 @@ def cmd_sample(args: argparse.Namespace) -> None:
         respond(_read_prompt(args), echo=True)
         return
     # Interactive: the model stays loaded; every line read from stdin is a new prompt, until EOF.
-    print("glasslm interactive: one prompt per line, end with Ctrl-D", file=sys.stderr)
-    for line in sys.stdin:
-        respond(line.rstrip("\n"), echo=False)
+    # Ctrl-C stops the answer being written (back to the prompt); at the prompt it ends the session.
+    tty = sys.stdin.isatty()
+    print("glasslm interactive: one prompt per line; Ctrl-C stops an answer; Ctrl-D (or Ctrl-C here) quits",
+          file=sys.stderr)
+    while True:
+        try:
+            if tty:
+                sys.stderr.write("> ")
+                sys.stderr.flush()
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            line = ""
+        if not line:  # EOF or Ctrl-C at the prompt: a clean exit
+            if tty:
+                sys.stderr.write("\n")
+            return
+        try:
+            respond(line.rstrip("\n"), echo=False)
+        except Terminated:
+            raise
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            print("[stopped]", file=sys.stderr)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
     import time
 
+    import numpy as np
     import torch
 
-    from .data import resolve_text
+    from .data import is_prepared, load_prepared, read_split, resolve_text
     from .evaluate import evaluate_text
     from .interop import load_model
 
     model, tokenizer = load_model(args.checkpoint, device=_device(args.device))  # glasslm or HF directory
-    if tokenizer is None:
-        raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
     model = model.to(getattr(torch, args.dtype))
-    text_path = resolve_text(args.data, args.data_dir)
-    text = text_path.read_text(encoding="utf-8")
-    if args.max_chars:
-        text = text[:args.max_chars]
+    # The split rule is training's: prepared datasets hold it in their files, text files are cut
+    # by data.split_offset (validation from the first line start at or after 90% of the bytes).
+    if is_prepared(args.data):
+        data = load_prepared(args.data)
+        ids = {"train": data.train, "val": data.val}.get(args.split)
+        ids = np.concatenate([data.train, data.val]) if ids is None else ids
+        if args.max_tokens:
+            ids = ids[:args.max_tokens + 1]
+        ids = np.asarray(ids, dtype=np.int64)
+        _check_same_tokenizer(tokenizer, data.tokenizer, ids, model.config.vocab_size, args)
+        tokenizer, text, source = data.tokenizer, None, f"{args.data} [{args.split}]"
+    else:
+        if tokenizer is None:
+            raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
+        text_path = resolve_text(args.data, args.data_dir)
+        text = read_split(text_path, args.split, args.val_fraction)
+        if args.max_chars:
+            text = text[:args.max_chars]
+        if len(text) < 2:
+            raise ValueError(f"the {args.split} split of {text_path} holds {len(text)} characters: nothing to score "
+                             "(validation starts at the first line start in the last --val-fraction of the bytes)")
+        ids, source = None, f"{text_path} [{args.split}]"
     start = time.perf_counter()
-    result = evaluate_text(model, tokenizer, text, stride=args.stride, batch_size=args.batch_size)
+    result = evaluate_text(model, tokenizer, text, stride=args.stride, batch_size=args.batch_size,
+                           max_tokens=args.max_tokens, progress=not args.quiet, ids=ids)
     seconds = time.perf_counter() - start
     stride = args.stride or model.config.context_length
-    print(f"data: {text_path} ({result['tokens']:,} tokens scored, {result['bytes']:,} bytes; "
+    print(f"data: {source} ({result['tokens']:,} tokens scored, {result['bytes']:,} bytes; "
           f"context {model.config.context_length}, stride {stride})")
     print(f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.3f}  "
           f"bits/byte {result['bits_per_byte']:.4f}  ({seconds:.1f} s)")
+
+
+def _check_same_tokenizer(model_tokenizer: Any, data_tokenizer: Any, ids: Any, vocab_size: int,
+                          args: argparse.Namespace) -> None:
+    """A prepared dataset's token ids mean something only to the tokenizer that made them."""
+    if data_tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"{args.data} has a vocabulary of {data_tokenizer.vocab_size} tokens, more than the "
+                         f"model's {vocab_size}: it was prepared with another tokenizer")
+    sample = [int(i) for i in ids[:2000]]
+    if model_tokenizer is not None and (model_tokenizer.vocab_size != data_tokenizer.vocab_size
+                                        or model_tokenizer.decode(sample) != data_tokenizer.decode(sample)):
+        raise ValueError(f"{args.data} was prepared with a different tokenizer than {args.checkpoint}'s; "
+                         "prepare it with --tokenizer pointing at the checkpoint")
 
 
 def cmd_info(args: argparse.Namespace) -> None:
@@ -315,9 +384,11 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> None:
     from .checkpoint import save_checkpoint
+    from .data import check_output_dir
     from .interop import export_hf, import_hf, hf_tokenizer, load_model
 
     if args.from_hf:
+        check_output_dir(args.out, args.overwrite, inputs=[args.from_hf], what="checkpoint")
         model = import_hf(args.from_hf, context_length=args.context_length)
         tokenizer = hf_tokenizer(args.from_hf)
         if tokenizer is not None and not hasattr(tokenizer, "save"):
@@ -329,6 +400,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
     else:
         if not args.checkpoint:
             raise ValueError("--to-hf needs --checkpoint")
+        check_output_dir(args.out, args.overwrite, inputs=[args.checkpoint], what="export")
         model, tokenizer = load_model(args.checkpoint)
         export_hf(model, args.out, tokenizer)
         print(f"{args.checkpoint} -> {args.out} (Hugging Face format)")
@@ -371,10 +443,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_train_tokenizer(args: argparse.Namespace) -> None:
     import time
 
-    from .data import resolve_text
+    from .data import check_output_dir, resolve_text
     from .tokenizers import train_tokenizer
 
     paths = [resolve_text(source, args.data_dir) for source in args.inputs]
+    check_output_dir(args.out, args.overwrite, inputs=paths, what="tokenizer")
     start = time.perf_counter()
     tokenizer = train_tokenizer(paths, args.vocab_size, args.special_tokens, args.out, args.workers)
     print(f"trained a {tokenizer.vocab_size:,}-token byte-level BPE in {time.perf_counter() - start:.2f} s "
@@ -382,17 +455,27 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from .data import char_vocabulary, prepare, resolve_text
+    from .data import char_vocabulary, check_output_dir, prepare, resolve_text
     from .tokenizers import CharTokenizer, get_tokenizer
 
     paths = [resolve_text(source, args.data_dir) for source in args.inputs]
+    check_output_dir(args.out, args.overwrite, inputs=paths, what="dataset")  # before the slow part
     if args.tokenizer == "char":
         tokenizer = CharTokenizer(char_vocabulary(paths))
     else:
         tokenizer = get_tokenizer(args.tokenizer, data_dir=args.data_dir)
-    meta = prepare(paths, tokenizer, args.out, args.val_fraction, progress=not args.quiet)
+    meta = prepare(paths, tokenizer, args.out, args.val_fraction, progress=not args.quiet, overwrite=args.overwrite)
     print(f"{args.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
           f"({meta['dtype']}, vocab {meta['vocab_size']:,})")
+
+
+def cmd_fetch(args: argparse.Namespace) -> None:
+    from .data import DATA_DIR_RULE, DATASETS, data_dir, fetch_dataset
+
+    print(f"data directory: {data_dir(args.data_dir)} ({DATA_DIR_RULE})")
+    for name in args.names or list(DATASETS):
+        path = fetch_dataset(name, args.data_dir, source_dir=args.source)
+        print(f"{name}: {path} (sha256 verified)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -440,12 +523,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a checkpoint on a text")
     p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or run directory, or Hugging Face model directory")
-    p.add_argument("--data", required=True, help="dataset name or path to a UTF-8 text file")
+    p.add_argument("--data", required=True,
+                   help="dataset name, path to a UTF-8 text file, or a directory made by `glasslm prepare`")
     p.add_argument("--data-dir", default=None, help="where datasets are kept (default $GLASSLM_DATA_DIR or ~/.cache/glasslm)")
-    p.add_argument("--stride", type=int, default=None,
+    p.add_argument("--split", default="val", choices=["val", "train", "all"],
+                   help="which part to score, split as in training (default val: the text training did not see)")
+    p.add_argument("--val-fraction", type=float, default=0.1,
+                   help="text files: validation starts at the first line start at or after 1 - this of the bytes")
+    p.add_argument("--stride", type=_positive_int, default=None,
                    help="tokens between window starts (default: the context length, i.e. chunks)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-chars", type=int, default=None, help="score only the first N characters")
+    p.add_argument("--batch-size", type=_positive_int, default=8)
+    p.add_argument("--max-tokens", type=_positive_int, default=None, help="score at most N tokens (from the split's start)")
+    p.add_argument("--max-chars", type=_positive_int, default=None, help="score only the first N characters")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.set_defaults(func=cmd_eval)
@@ -462,11 +552,12 @@ def build_parser() -> argparse.ArgumentParser:
     direction.add_argument("--to-hf", action="store_true", help="export --checkpoint as an HF directory")
     p.add_argument("--checkpoint", help="glasslm checkpoint to export (with --to-hf)")
     p.add_argument("--out", required=True, help="where to write the converted model")
-    p.add_argument("--context-length", type=int, default=None,
+    p.add_argument("--context-length", type=_positive_int, default=None,
                    help="Llama only: context length to use instead of max_position_embeddings")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (else refused)")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("inspect", help="draw attention patterns or the logit lens (needs matplotlib)")
+    p = sub.add_parser("inspect", help="draw attention patterns or the logit lens (PNG)")
     what = p.add_subparsers(dest="what", required=True)
     for name, help_text in (("attention", "one head's attention pattern, tokens on both axes"),
                             ("logit-lens", "top next token read from every layer, as a grid")):
@@ -500,12 +591,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train-tokenizer", help="train a byte-level BPE vocabulary on text files")
     p.add_argument("inputs", nargs="+", help="UTF-8 text files or dataset names")
-    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--vocab-size", type=_positive_int, required=True)
     p.add_argument("--special-tokens", nargs="*", default=["<|endoftext|>"])
     p.add_argument("--out", required=True, help="directory for vocab.json + merges.txt")
     p.add_argument("--workers", type=int, default=None, help="pre-tokenizing processes (default: all cores)")
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out (else refused)")
     p.set_defaults(func=cmd_train_tokenizer)
+
+    p = sub.add_parser("fetch", help="put known datasets into the data directory (download, or copy with --from)")
+    p.add_argument("names", nargs="*", help="dataset names (default: all known)")
+    p.add_argument("--from", dest="source", default=None, metavar="DIR",
+                   help="copy from this local folder instead of downloading (sha256 still checked)")
+    p.add_argument("--data-dir", default=None, help="where datasets are kept (default $GLASSLM_DATA_DIR or ~/.cache/glasslm)")
+    p.set_defaults(func=cmd_fetch)
 
     p = sub.add_parser("prepare", help="tokenize text files into train.bin / val.bin for training")
     p.add_argument("inputs", nargs="+", help="UTF-8 text files or dataset names")
@@ -514,20 +613,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="the last fraction of each file (from a line start) becomes validation data")
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--overwrite", action="store_true", help="delete what --out holds first (else a non-empty --out is refused)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_prepare)
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that commands clean up what they were writing."""
+
+    signum = 15
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _describe(err: BaseException) -> str:
+    """One line for the user: OS errors as "what: path", everything else as its message."""
+    if isinstance(err, OSError) and err.strerror:
+        where = f": {err.filename}" if err.filename else ""
+        return f"{err.strerror}{where}"
+    return " ".join(str(err).split("\n"))
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Every user-facing error goes through here once: a single line
+    `glasslm COMMAND: error: ...` on stderr and exit status 1, never a traceback."""
+    import signal
+    import threading
+
     args = build_parser().parse_args(argv)
+    if args.command != "train" and threading.current_thread() is threading.main_thread():
+        # train saves a checkpoint on SIGTERM itself; other commands unwind like Ctrl-C, removing
+        # half-written output (prepare's .tmp files) on the way out.
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         code = args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError) as err:
-        print(f"glasslm {args.command}: error: {err}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError, OSError) as err:
+        print(f"glasslm {args.command}: error: {_describe(err)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as err:
+        print(f"glasslm {args.command}: interrupted", file=sys.stderr)
+        return 128 + getattr(err, "signum", 2)
     return code or 0
 
 

@@ -2,7 +2,12 @@
 
 Known datasets are fetched from their public URL once, checked against a sha256, and kept in a
 data directory: `--data-dir`, else the GLASSLM_DATA_DIR environment variable, else
-~/.cache/glasslm. Offline, the error says exactly where to put the file.
+~/.cache/glasslm. The CLI, the benchmarks and the scripts all use this one rule (`data_dir`).
+Offline, the error says exactly where to put the file; `glasslm fetch NAME --from DIR` copies a
+verified copy in from a local folder.
+
+One split rule (`split_offset`) serves `prepare` and `train --data file.txt` alike: in each file,
+text from the first line start at or after (1 - val_fraction) of its bytes is validation text.
 
 Example:
     >>> import torch
@@ -15,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import codecs
+import errno
 import hashlib
 import itertools
 import json
@@ -70,8 +76,16 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_dataset(name: str, directory: str | os.PathLike | None = None) -> Path:
-    """Path to a known dataset's file, downloading and verifying it first if it is not there."""
+DATA_DIR_RULE = f"--data-dir, else ${DATA_DIR_ENV}, else ~/.cache/glasslm"
+
+
+def fetch_dataset(name: str, directory: str | os.PathLike | None = None,
+                  source_dir: str | os.PathLike | None = None) -> Path:
+    """Path to a known dataset's file, downloading and verifying it first if it is not there.
+
+    With `source_dir`, a missing file is copied from that local folder (and verified) instead of
+    downloaded: how the scripts seed the data directory from a shared copy on offline machines.
+    """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")
     info = DATASETS[name]
@@ -81,39 +95,57 @@ def fetch_dataset(name: str, directory: str | os.PathLike | None = None) -> Path
         if found != info.sha256:
             raise ValueError(f"{target} has sha256 {found}, expected {info.sha256}: delete it to re-download")
         return target
+    origin = info.url if source_dir is None else str(Path(source_dir) / info.filename)
     target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{info.filename}.", suffix=".tmp", delete=False)
     try:
-        with urllib.request.urlopen(info.url, timeout=30) as response, tempfile.NamedTemporaryFile(
-            dir=target.parent, delete=False
-        ) as tmp:
-            shutil.copyfileobj(response, tmp)
+        with tmp:
+            if source_dir is not None:
+                with open(origin, "rb") as f:
+                    shutil.copyfileobj(f, tmp)
+            else:
+                with urllib.request.urlopen(info.url, timeout=30) as response:
+                    shutil.copyfileobj(response, tmp)
+        found = sha256_of(Path(tmp.name))
+        if found != info.sha256:
+            raise ValueError(f"{origin} has sha256 {found}, expected {info.sha256}")
+        os.replace(tmp.name, target)
     except (urllib.error.URLError, OSError) as err:
+        Path(tmp.name).unlink(missing_ok=True)
+        if source_dir is not None:
+            raise
+        # One line: the rule, and the exact path the file must have.
         raise RuntimeError(
-            f"could not download dataset {name!r} from {info.url} ({err}).\n"
-            f"If this machine is offline, fetch that file elsewhere and put it at {target} "
-            f"(or point --data-dir / ${DATA_DIR_ENV} at a directory holding {info.filename})."
+            f"could not download dataset {name!r} from {info.url} ({err}); if this machine is offline, "
+            f"put {info.filename} at {target} (data directory: {DATA_DIR_RULE}), "
+            f"or copy it in with: glasslm fetch {name} --from DIR"
         ) from None
-    found = sha256_of(Path(tmp.name))
-    if found != info.sha256:
-        os.unlink(tmp.name)
-        raise ValueError(f"download of {info.url} has sha256 {found}, expected {info.sha256}")
-    os.replace(tmp.name, target)
+    except BaseException:
+        Path(tmp.name).unlink(missing_ok=True)
+        raise
     return target
 
 
-def resolve_text(source: str, directory: str | os.PathLike | None = None) -> Path:
+def resolve_text(source: str | os.PathLike, directory: str | os.PathLike | None = None) -> Path:
     """A dataset name from DATASETS or a path to a text file."""
-    if source in DATASETS:
+    if isinstance(source, str) and source in DATASETS:
         return fetch_dataset(source, directory)
     path = Path(source)
+    if path.is_dir():
+        check_prepared(path)  # names an interrupted `prepare` as such
+        if is_prepared(path):
+            raise ValueError(f"{path} is a prepared dataset (token files), not a text file")
+        raise ValueError(f"{path} is a directory, not a text file or a dataset made by `glasslm prepare`")
     if not path.is_file():
-        raise FileNotFoundError(f"{source!r} is neither a known dataset ({', '.join(DATASETS)}) nor a file")
+        raise FileNotFoundError(f"{str(source)!r} is neither a known dataset ({', '.join(DATASETS)}) nor a file")
     return path
 
 
 def train_val_split(tokens: Int[Tensor, "n"], val_fraction: float = 0.1) -> tuple[Tensor, Tensor]:
     """First (1 - val_fraction) of the tokens for training, the rest for validation (no shuffling,
-    so no validation window overlaps a training window except at the single boundary)."""
+    so no validation window overlaps a training window except at the single boundary).
+
+    For tokens that do not come from a text file; text is split by `split_offset`, on a line start."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     cut = int(len(tokens) * (1.0 - val_fraction))
@@ -160,9 +192,21 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def _split_point(path: Path, val_fraction: float) -> int:
-    """Byte offset where validation text starts: the first line start at or after (1 - val_fraction) of
-    the file, or the next UTF-8 character boundary if no newline follows within 1 MiB."""
+def split_offset(path: str | os.PathLike, val_fraction: float = 0.1) -> int:
+    """Byte offset where a file's validation text starts: the first line start at or after
+    (1 - val_fraction) of its bytes, or the next UTF-8 character boundary if no newline follows
+    within 1 MiB. The one split rule of `prepare`, `train --data file.txt` and `eval --split`.
+
+    >>> import tempfile, pathlib
+    >>> f = pathlib.Path(tempfile.mkdtemp()) / "t.txt"; _ = f.write_text("aaaa\\nbbbb\\ncccc\\n")
+    >>> split_offset(f, 0.3)  # 70% of 15 bytes is byte 10, which starts the line "cccc"
+    10
+    >>> split_offset(f, 0.4)  # 60% is byte 9, the newline ending "bbbb": the next line starts at 10
+    10
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    path = Path(path)
     size = path.stat().st_size
     cut = int(size * (1.0 - val_fraction))
     if cut == 0:
@@ -178,6 +222,19 @@ def _split_point(path: Path, val_fraction: float) -> int:
     while step < len(ahead) and ahead[step] & 0xC0 == 0x80:  # skip UTF-8 continuation bytes
         step += 1
     return cut + step
+
+
+def read_split(path: str | os.PathLike, split: str, val_fraction: float = 0.1) -> str:
+    """The text of one split of a file ("train", "val" or "all"), by `split_offset`'s rule."""
+    data = Path(path).read_bytes()
+    if split == "all":
+        return data.decode("utf-8")
+    cut = split_offset(path, val_fraction)
+    if split == "train":
+        return data[:cut].decode("utf-8")
+    if split == "val":
+        return data[cut:].decode("utf-8")
+    raise ValueError(f"split must be train, val or all, got {split!r}")
 
 
 def _read_text(path: Path, start: int, end: int, chunk_bytes: int, bar: Any = None) -> Iterator[str]:
@@ -217,15 +274,23 @@ def _flush(block: np.ndarray, f: Any, dtype: np.dtype, vocab_size: int) -> int:
     return len(block)
 
 
+INCOMPLETE_MARKER = ".prepare-incomplete"
+
+
 def prepare(
     sources: Sequence[str | os.PathLike], tokenizer: Any, out_dir: str | os.PathLike,
-    val_fraction: float = 0.1, chunk_bytes: int = 1 << 20, progress: bool = True,
+    val_fraction: float = 0.1, chunk_bytes: int = 1 << 20, progress: bool = True, overwrite: bool = False,
 ) -> dict[str, Any]:
     """Tokenize text files into `train.bin` / `val.bin` + `meta.json` + the tokenizer's files.
 
-    Split rule: in each source file, text before the first line start at or after (1 - val_fraction) of
-    its bytes goes to train.bin, the rest to val.bin, so every file contributes to both. Text is
-    streamed in chunks, so memory does not grow with the corpus.
+    Split rule (`split_offset`): in each source file, text before the first line start at or after
+    (1 - val_fraction) of its bytes goes to train.bin, the rest to val.bin, so every file
+    contributes to both. Text is streamed in chunks, so memory does not grow with the corpus.
+
+    `out_dir` must be new or empty; `overwrite=True` deletes what it holds first. A marker file
+    stays in the directory until `meta.json`, written last, completes it: a killed `prepare` leaves
+    a directory that reads as an incomplete preparation. On an error (a full disk) or SIGINT /
+    SIGTERM, everything written is removed.
 
     Example:
         >>> import tempfile, pathlib
@@ -245,9 +310,33 @@ def prepare(
     if total == 0:
         raise ValueError("the input text is empty: nothing to prepare")
     out = Path(out_dir)
+    check_output_dir(out, overwrite, inputs=paths, what="dataset")
+    created = not out.exists()
+    if not created and overwrite:
+        shutil.rmtree(out)
+        created = True
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        (out / INCOMPLETE_MARKER).write_text("glasslm prepare did not finish here; rerun it with --overwrite\n")
+        meta = _prepare_into(paths, tokenizer, out, val_fraction, chunk_bytes, progress, total)
+        (out / INCOMPLETE_MARKER).unlink()
+    except BaseException as err:
+        # Everything in `out` is ours (it was new or empty): remove it, leave no .tmp behind.
+        for child in list(out.iterdir()) if out.is_dir() else []:
+            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            raise ValueError(f"no space left on the device while writing {out}; removed the partial "
+                             "dataset (nothing else was changed)") from None
+        raise
+    return meta
+
+
+def _prepare_into(paths: list[Path], tokenizer: Any, out: Path, val_fraction: float, chunk_bytes: int,
+                  progress: bool, total: int) -> dict[str, Any]:
     dtype = token_dtype(tokenizer.vocab_size)
-    splits = {p: _split_point(p, val_fraction) for p in paths}
+    splits = {p: split_offset(p, val_fraction) for p in paths}
     counts = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not progress) as bar:
         for split in ("train", "val"):
@@ -269,6 +358,39 @@ def prepare(
     return meta
 
 
+def check_output_dir(out: str | os.PathLike, overwrite: bool = False, inputs: Sequence[str | os.PathLike] = (),
+                     what: str = "output") -> None:
+    """Refuse an output directory that would lose data: a file, a non-empty directory (unless
+    `overwrite`), or one holding or equal to an input. Used by prepare, convert and train-tokenizer.
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "x").write_text("keep me")
+    >>> check_output_dir(d / "new")  # new: fine
+    >>> check_output_dir(d)
+    Traceback (most recent call last):
+    ...
+    ValueError: ... is not empty (x); choose another --out, or pass --overwrite to replace what it holds
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is an existing file, not a directory; choose another --out")
+    resolved = out.resolve()
+    for source in inputs:
+        source = Path(source).resolve()
+        if source == resolved or resolved in source.parents:
+            raise ValueError(f"--out {out} would overwrite the input {source}; choose another --out")
+    if not out.is_dir():
+        return
+    children = sorted(child.name for child in out.iterdir())
+    if children and not overwrite:
+        if INCOMPLETE_MARKER in children:
+            raise ValueError(f"{out} holds an incomplete preparation (an interrupted prepare); "
+                             "rerun prepare with --overwrite")
+        shown = ", ".join(children[:4]) + (", ..." if len(children) > 4 else "")
+        raise ValueError(f"{what} directory {out} is not empty ({shown}); choose another --out, "
+                         "or pass --overwrite to replace what it holds")
+
+
 def char_vocabulary(paths: Sequence[str | os.PathLike], chunk_bytes: int = 1 << 20) -> list[str]:
     """Every distinct character in the files, sorted, read in chunks (for a character tokenizer)."""
     chars: set[str] = set()
@@ -281,7 +403,15 @@ def char_vocabulary(paths: Sequence[str | os.PathLike], chunk_bytes: int = 1 << 
 
 
 def is_prepared(path: str | os.PathLike) -> bool:
-    return (Path(path) / META_FILE).is_file()
+    return (Path(path) / META_FILE).is_file() and not (Path(path) / INCOMPLETE_MARKER).exists()
+
+
+def check_prepared(path: str | os.PathLike) -> None:
+    """Name an interrupted `prepare` as such (instead of "not a dataset")."""
+    path = Path(path)
+    if (path / INCOMPLETE_MARKER).exists() or any(path.glob(".*.bin.tmp")):
+        raise ValueError(f"{path} is an incomplete preparation (prepare was interrupted): "
+                         "rerun prepare with --overwrite")
 
 
 def load_token_file(path: str | os.PathLike, dtype: str | np.dtype) -> np.ndarray:
@@ -313,10 +443,17 @@ def load_prepared(directory: str | os.PathLike) -> TokenData:
     from .tokenizers import load_tokenizer
 
     root = Path(directory)
+    check_prepared(root)
     try:
         meta = json.loads((root / META_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{root / META_FILE} is unreadable ({err})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{root / META_FILE} should hold a JSON object describing the dataset, "
+                         f"got a {type(meta).__name__}; rerun prepare with --overwrite")
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        raise ValueError(f"{root / META_FILE}: dtype should be uint16 or uint32, got {meta.get('dtype')!r}; "
+                         "rerun prepare with --overwrite")
     tokenizer = load_tokenizer(root)
     if tokenizer.vocab_size != meta.get("vocab_size"):
         raise ValueError(f"{root}: tokenizer has {tokenizer.vocab_size} tokens but meta.json says {meta.get('vocab_size')}")
@@ -335,11 +472,18 @@ def load_training_data(source: str, directory: str | os.PathLike | None = None, 
     if is_prepared(source):
         return load_prepared(source)
     path = resolve_text(source, directory)
-    text = path.read_text(encoding="utf-8")
-    if not text:
+    data = path.read_bytes()
+    if not data:
         raise ValueError(f"{path} is empty")
-    tokenizer = tokenizer or CharTokenizer.from_text(text)
-    tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
-    train, val = train_val_split(tokens, val_fraction)
-    return TokenData(train, val, tokenizer, f"{path} ({len(text):,} characters, vocab {tokenizer.vocab_size}, "
-                                            f"{len(train):,} train / {len(val):,} val tokens)", str(path))
+    # The same split as `prepare`: validation text starts on a line, at or after 90% of the bytes.
+    cut = split_offset(path, val_fraction)
+    try:
+        train_text, val_text = data[:cut].decode("utf-8"), data[cut:].decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err})") from None
+    tokenizer = tokenizer or CharTokenizer.from_text(train_text + val_text)
+    train = torch.tensor(tokenizer.encode(train_text), dtype=torch.long)
+    val = torch.tensor(tokenizer.encode(val_text), dtype=torch.long)
+    return TokenData(train, val, tokenizer, f"{path} ({len(train_text) + len(val_text):,} characters, "
+                                            f"vocab {tokenizer.vocab_size}, {len(train):,} train / "
+                                            f"{len(val):,} val tokens)", str(path))

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Int
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from .model import TransformerLM
 
@@ -58,11 +60,12 @@ def sliding_windows(n_tokens: int, context: int, stride: int) -> list[tuple[int,
 @torch.inference_mode()
 def evaluate_tokens(
     model: TransformerLM, tokens: Sequence[int] | Int[Tensor, "n"], stride: int | None = None,
-    batch_size: int = 8,
+    batch_size: int = 8, progress: bool = False,
 ) -> dict[str, float]:
     """Summed and mean negative log-likelihood (nats) of tokens[1:] given what precedes each.
 
     Returns dict(loss, nll, tokens): `loss` the mean over the `tokens` targets, `nll` their sum.
+    `progress` shows a tqdm bar on stderr, counted in scored tokens.
     """
     model.eval()
     device = model.embed.weight.device
@@ -73,6 +76,8 @@ def evaluate_tokens(
     windows = sliding_windows(len(tokens), context, stride or context)
     total_nll = torch.zeros((), dtype=torch.float64)
     n_scored = 0
+    bar = tqdm(total=len(tokens) - 1, unit="tok", unit_scale=True, desc="eval", disable=not progress,
+               file=sys.stderr)
     # Full-length windows are stacked into batches; a shorter final window runs on its own.
     for i in range(0, len(windows), batch_size):
         group = windows[i:i + batch_size]
@@ -88,23 +93,35 @@ def evaluate_tokens(
             logits = model(inputs).float()
             total_nll += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
                                          reduction="sum").double().cpu()
-            n_scored += int((targets != -100).sum())
+            scored = int((targets != -100).sum())
+            n_scored += scored
+            bar.update(scored)
+    bar.close()
     assert n_scored == len(tokens) - 1, "windows must score every target exactly once"
     nll = float(total_nll)
     return {"loss": nll / n_scored, "nll": nll, "tokens": n_scored}
 
 
 def evaluate_text(
-    model: TransformerLM, tokenizer: Any, text: str, stride: int | None = None, batch_size: int = 8,
+    model: TransformerLM, tokenizer: Any, text: str | None, stride: int | None = None, batch_size: int = 8,
+    max_tokens: int | None = None, progress: bool = False, ids: Sequence[int] | None = None,
 ) -> dict[str, float]:
     """Loss (nats per token), perplexity, bits per byte over `text`, scored with a sliding window.
 
     Bits per byte divides the total information by the UTF-8 bytes of the scored text (everything
-    but the first token), so models with different tokenizers can be compared.
-    Returns dict(loss, perplexity, bits_per_byte, tokens, bytes).
+    but the first token), so models with different tokenizers can be compared. `max_tokens` scores
+    only the first that many tokens; `ids` (already tokenized text, e.g. a prepared dataset's
+    val.bin) replaces `text`. Returns dict(loss, perplexity, bits_per_byte, tokens, bytes).
     """
-    ids = tokenizer.encode(text)
-    result = evaluate_tokens(model, ids, stride, batch_size)
+    if ids is None:
+        if text is None:
+            raise ValueError("evaluate_text needs text or ids")
+        ids = tokenizer.encode(text)
+    truncated = max_tokens is not None and len(ids) > max_tokens + 1
+    ids = [int(i) for i in (ids[:max_tokens + 1] if truncated else ids)]
+    if text is None or truncated:
+        text = tokenizer.decode(ids)  # the text actually scored, for its byte count
+    result = evaluate_tokens(model, ids, stride, batch_size, progress)
     n_bytes = len(text.encode("utf-8")) - len(tokenizer.decode(ids[:1]).encode("utf-8"))
     return {
         "loss": result["loss"],

@@ -1,6 +1,6 @@
 """Pictures of what a model does: attention patterns and the logit lens.
 
-The numbers come from `glasslm.hooks`; the drawing needs matplotlib (`pip install glasslm[plot]`).
+The numbers come from `glasslm.hooks`; the drawing uses matplotlib (a core dependency).
 Figures are drawn with matplotlib's object API onto an Agg canvas, so no display is needed and
 no global pyplot state is touched.
 
@@ -64,7 +64,7 @@ def _figure(width: float, height: float) -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise RuntimeError("drawing needs matplotlib: pip install 'glasslm[plot]'") from None
+        raise RuntimeError("drawing needs matplotlib: pip install matplotlib") from None
     return Figure(figsize=(width, height), dpi=150, layout="constrained")
 
 

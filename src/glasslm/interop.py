@@ -269,7 +269,10 @@ class TensorSource:
 
         readers: dict[str, Callable[[], Tensor]] = {}
         for file in files:
-            handle = safe_open(str(file), framework="pt", device="cpu")
+            try:
+                handle = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as err:  # SafetensorError and friends: name the file, no traceback
+                raise ValueError(f"{file} is not a readable safetensors file ({err}); truncated or corrupt?") from None
             for name in handle.keys():
                 readers[name] = lambda handle=handle, name=name: handle.get_tensor(name)
         return cls(readers, source)
@@ -277,8 +280,26 @@ class TensorSource:
     @classmethod
     def from_torch_bin(cls, files: Iterable[Path], source: str) -> "TensorSource":
         readers: dict[str, Callable[[], Tensor]] = {}
+        import pickle
+
         for file in files:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            with open(file, "rb") as f:
+                if f.read(1) == b"\x80":  # a bare pickle stream, not torch.save's zip archive
+                    raise ValueError(f"refusing to load pickled code from {file}: a bare pickle, not a "
+                                     "torch.save archive; convert it to safetensors with a tool you trust")
+            try:
+                # weights_only: the restricted unpickler, which refuses any code a file names.
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except pickle.UnpicklingError as err:
+                named = re.search(r"Unsupported global: GLOBAL [\w.]+", str(err))
+                reason = named.group(0) if named else "it names code to run"
+                raise ValueError(f"refusing to load pickled code from {file}: it holds more than tensors "
+                                 f"({reason}); convert it to safetensors with a tool you trust") from None
+            except (RuntimeError, OSError, EOFError, ValueError) as err:
+                raise ValueError(f"{file} is not a readable PyTorch weights file ({' '.join(str(err).split())}); "
+                                 "truncated or corrupt?") from None
+            if not isinstance(state, dict) or not all(isinstance(t, Tensor) for t in state.values()):
+                raise ValueError(f"{file} does not hold a state dict of tensors")
             for name, tensor in state.items():
                 readers[name] = lambda tensor=tensor: tensor
         return cls(readers, source)

@@ -1,4 +1,4 @@
-"""PyTorch Lightning adapter (optional extra: `pip install glasslm[lightning]`).
+"""PyTorch Lightning adapter (optional: `pip install lightning`).
 
 `GlassLMModule` wraps a `TransformerLM` so `lightning.Trainer` can train it with glasslm's own
 pieces: `cross_entropy` for the loss, `make_optimizer` for AdamW (weight decay only on matrices)

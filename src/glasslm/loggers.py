@@ -97,11 +97,13 @@ class TensorBoardLogger:
 class WandbLogger:
     """Metrics to Weights & Biases; offline unless WANDB_MODE says otherwise (needs `wandb`)."""
 
-    def __init__(self, run_dir: str | os.PathLike, config: dict[str, Any], project: str = "glasslm"):
+    def __init__(self, run_dir: str | os.PathLike, config: dict[str, Any], project: str = "glasslm",
+                 mode: str | None = None):
         import wandb  # optional extra
 
-        os.environ.setdefault("WANDB_MODE", "offline")
-        self.run = wandb.init(project=project, dir=str(run_dir), config=config)
+        # Read, never set: a logger must not change the environment of the process that made it.
+        mode = mode or os.environ.get("WANDB_MODE", "offline")
+        self.run = wandb.init(project=project, dir=str(run_dir), config=config, mode=mode)
 
     def log(self, record: dict[str, Any]) -> None:
         self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])

@@ -133,9 +133,11 @@ class TransformerLM(nn.Module):
             raise ValueError(f"tokens must be integer ids (torch.long), got {tokens.dtype}")
         if tokens.shape[1] == 0:
             raise ValueError("tokens must contain at least one position")
-        if torch.compiler.is_compiling():
-            return  # reading values back from the tensor would break the compiled graph
-        lo, hi = int(tokens.min()), int(tokens.max())
+        if tokens.device.type != "cpu" or torch.compiler.is_compiling():
+            # Reading ids back from an accelerator would stall it on every forward (and break a
+            # compiled graph); there the embedding's own index check catches an out-of-range id.
+            return
+        lo, hi = (int(v) for v in torch.aminmax(tokens))
         if lo < 0 or hi >= self.config.vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")

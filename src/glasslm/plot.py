@@ -1,6 +1,7 @@
 """Loss curves of a run as a PNG: train and validation loss against steps and against tokens seen.
 
-Needs matplotlib (the `plot` extra); it draws off-screen (Agg), so it works without a display.
+Uses matplotlib (a core dependency) through its Figure API, off-screen, so it works without a display
+and leaves matplotlib's backend and pyplot's state as they were.
 
 Example:
     >>> import json, tempfile
@@ -23,12 +24,10 @@ from .loggers import METRICS_FILE, read_metrics
 def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Write a PNG of the run's loss curves (default RUN_DIR/loss.png) and return its path."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # The Figure API draws off-screen without pyplot: no backend switch, no global figure state.
+        from matplotlib.figure import Figure
     except ImportError:
-        raise ValueError("plotting needs matplotlib: pip install 'glasslm[plot]'") from None
+        raise ValueError("plotting needs matplotlib: pip install matplotlib") from None
     run = Path(run_dir)
     metrics_path = run / METRICS_FILE if run.is_dir() else run
     if not metrics_path.is_file():
@@ -39,7 +38,8 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     if not train and not val:
         raise ValueError(f"{metrics_path} holds no loss records yet")
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig = Figure(figsize=(11, 4))
+    axes = fig.subplots(1, 2, sharey=True)
     for ax, x_key, x_label in ((axes[0], "step", "optimizer step"), (axes[1], "tokens", "tokens seen")):
         if train:
             ax.plot([r[x_key] for r in train], [r["train_loss"] for r in train], label="train", lw=1.2)
@@ -57,5 +57,4 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     target = Path(out) if out is not None else (run if run.is_dir() else run.parent) / "loss.png"
     target.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(target, dpi=110)
-    plt.close(fig)
     return target

@@ -568,17 +568,14 @@ _GPT2_NAMES = [("gpt2_vocab.json", "gpt2_merges.txt"), ("encoder.json", "vocab.b
 
 
 def find_gpt2_files(data_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
-    """Locate GPT-2's vocab and merges files: in `data_dir` (default: $GLASSLM_DATA_DIR) or its
+    """Locate GPT-2's vocab and merges files: in the data directory (`data_dir`, else
+    $GLASSLM_DATA_DIR, else ~/.cache/glasslm) or its
     `gpt2/` subdirectory, named gpt2_vocab.json + gpt2_merges.txt, encoder.json + vocab.bpe, or
     vocab.json + merges.txt. Raises FileNotFoundError saying what to put where."""
-    if data_dir is None:
-        data_dir = os.environ.get(DATA_DIR_ENV)
-        if not data_dir:
-            raise FileNotFoundError(
-                f"GPT-2 tokenizer files not found: pass data_dir or set {DATA_DIR_ENV} to a directory "
-                "containing gpt2/gpt2_vocab.json and gpt2/gpt2_merges.txt (GPT-2's encoder.json and vocab.bpe)"
-            )
-    root = Path(data_dir)
+    from .data import DATA_DIR_RULE
+    from .data import data_dir as resolve_data_dir
+
+    root = resolve_data_dir(data_dir)  # the one rule: data_dir, else $GLASSLM_DATA_DIR, else ~/.cache/glasslm
     for folder in (root / "gpt2", root):
         for vocab_name, merges_name in _GPT2_NAMES:
             if (folder / vocab_name).is_file() and (folder / merges_name).is_file():
@@ -586,7 +583,8 @@ def find_gpt2_files(data_dir: str | os.PathLike | None = None) -> tuple[Path, Pa
     raise FileNotFoundError(
         f"GPT-2 tokenizer files not found under {root}: expected {root / 'gpt2' / 'gpt2_vocab.json'} and "
         f"{root / 'gpt2' / 'gpt2_merges.txt'} (GPT-2's encoder.json and vocab.bpe; the names "
-        "encoder.json/vocab.bpe or vocab.json/merges.txt also work, in gpt2/ or directly in the directory)"
+        f"encoder.json/vocab.bpe or vocab.json/merges.txt also work, in gpt2/ or directly in the directory; "
+        f"data directory: {DATA_DIR_RULE})"
     )
 
 
@@ -660,7 +658,11 @@ def load_tokenizer(directory: str | os.PathLike) -> CharTokenizer | BPETokenizer
         raise ValueError(f"{path} is not valid JSON: {err}") from None
     kind = data.get("kind") if isinstance(data, dict) else None
     if kind == "char":
-        return CharTokenizer(data["chars"])
+        chars = data.get("chars")
+        if not isinstance(chars, list) or not chars or not all(isinstance(c, str) for c in chars):
+            raise ValueError(f"{path}: a character tokenizer needs \"chars\", a list of its characters; "
+                             f"got {type(chars).__name__ if chars is not None else 'none'}")
+        return CharTokenizer(chars)
     if kind == "bpe":
         return BPETokenizer.load(root)
     if kind is None and isinstance(data, dict) and "model" in data:

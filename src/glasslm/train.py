@@ -22,6 +22,7 @@ size: 2 processes with batch 6 see exactly what 1 process with batch 12 sees, an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import random
@@ -85,7 +86,7 @@ class TrainConfig:
     device: str = "auto"  # auto: the best available (cuda, else mps, else cpu; cuda:LOCAL_RANK under torchrun), or cpu, cuda, cuda:1, mps
     dtype: DType = "float32"  # bfloat16/float16: autocast the forward pass; weights stay float32
     compile: bool = False  # torch.compile the model (measured no faster on CPU; see docs/training.md)
-    threads: int = 0  # CPU intra-op threads; 0 keeps torch's default (one per core)
+    threads: int = 0  # CPU intra-op threads, set by `glasslm train` (train() leaves it to the caller); 0: torch's
     fsdp: bool = False  # shard parameters, gradients and optimizer state (FSDP2) instead of DDP
     tensorboard: bool = False  # also log metrics to TensorBoard (RUN_DIR/tensorboard; needs tensorboard)
     wandb: bool = False  # also log metrics to Weights & Biases, offline unless WANDB_MODE says otherwise
@@ -300,6 +301,26 @@ class _StopRequest:
             signal.signal(signum, handler)
 
 
+def keeps_global_rng(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run `fn` with torch's, Python's and NumPy's global generators put back afterwards.
+
+    Training seeds them (dropout has no generator argument, so it draws from torch's), but the
+    caller's own random stream must not be reset by calling a library function.
+    """
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=cuda):
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                random.setstate(python_state)
+                np.random.set_state(numpy_state)
+    return wrapper
+
+
+@keeps_global_rng
 def train(
     model_config: ModelConfig | TransformerLM,
     cfg: TrainConfig,
@@ -361,10 +382,6 @@ def _train(
     if cfg.dtype == "float16" and device_type != "cuda":
         raise ValueError("dtype float16 (with loss scaling) is for CUDA GPUs; use bfloat16 on CPU")
 
-    if cfg.threads:
-        # On a busy CPU fewer threads than cores can be several times faster (no waiting on
-        # descheduled sibling threads); the count also fixes the order of parallel float reductions.
-        torch.set_num_threads(cfg.threads)
     # Every process builds identical initial weights from the same seed.
     torch.manual_seed(cfg.seed)
     model = model_config if isinstance(model_config, TransformerLM) else TransformerLM(model_config)
@@ -492,9 +509,11 @@ def _train(
                 bar.update(1)
 
                 last = done == cfg.max_steps
-                stop_signal = stop.signum if not ctx.enabled else (
-                    stop.signum or signal.SIGTERM if any_process(stop.signum is not None, ctx) else None)
                 is_log = done % cfg.log_interval == 0 or last
+                # Processes must agree to stop together; they compare notes only at log steps, as
+                # an all-reduce + .item() on every step would be a host sync on the hot path.
+                stop_signal = stop.signum if not ctx.enabled else (
+                    stop.signum or signal.SIGTERM if is_log and any_process(stop.signum is not None, ctx) else None)
                 is_eval = val_tokens is not None and (last or (cfg.eval_interval > 0 and done % cfg.eval_interval == 0))
                 is_checkpoint = run_path is not None and (
                     is_eval or last or stop_signal is not None
