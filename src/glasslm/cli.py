@@ -428,7 +428,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         from .serve import serve
         import fastapi, uvicorn  # noqa: F401
     except ImportError:
-        raise RuntimeError("serving needs fastapi and uvicorn: pip install 'glasslm[serve]'") from None
+        raise RuntimeError("serving needs fastapi and uvicorn: pip install fastapi uvicorn") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.checkpoint, device=args.device)
@@ -571,7 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--head", type=int, required=True)
         q.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible completions server and the explorer page (needs glasslm[serve])")
+    p = sub.add_parser("serve", help="OpenAI-compatible completions server and the explorer page (needs fastapi, uvicorn)")
     p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or run directory, or Hugging Face model directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
