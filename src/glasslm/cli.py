@@ -489,6 +489,28 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    import torch
+
+    from .generate import optimize_for_decoding
+    from .interop import load_model
+
+    try:
+        from .serve import serve
+        import fastapi, uvicorn  # noqa: F401
+    except ImportError:
+        raise RuntimeError("serving needs fastapi and uvicorn: pip install fastapi uvicorn") from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.checkpoint, device=args.device)
+    if tokenizer is None:
+        raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
+    model = optimize_for_decoding(model.to(getattr(torch, args.dtype)).eval())
+    name = args.name or Path(args.checkpoint).resolve().name
+    serve(model, tokenizer, args.host, args.port, name, args.max_batch, args.max_queue, args.max_tokens_limit,
+          args.grace, args.log_level)
+
+
 def cmd_train_tokenizer(args: argparse.Namespace) -> None:
     import time
 
@@ -627,6 +649,24 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--layer", type=int, required=True)
             q.add_argument("--head", type=int, required=True)
         q.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible completions server and the explorer page (needs fastapi, uvicorn)")
+    p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or run directory, or Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--name", default=None, help="model name in the API (default: the checkpoint directory's name)")
+    p.add_argument("--max-batch", type=int, default=32, help="requests decoded together; 1 serves one at a time")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get HTTP 429")
+    p.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens a request may ask for")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for the model (0: torch's default, one per core); small models on a busy CPU "
+                        "decode fastest with 1")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("train-tokenizer", help="train a byte-level BPE vocabulary on text files")
     p.add_argument("inputs", nargs="+", help="UTF-8 text files or dataset names")

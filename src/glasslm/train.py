@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+import numpy as np
 import torch
 from jaxtyping import Int
 from torch import Tensor, nn

@@ -1,0 +1,233 @@
+"""Load test for `glasslm serve`: N concurrent streaming clients for a fixed time, batched vs one at a time.
+
+Starts `glasslm serve` twice on 127.0.0.1 (a free port each time): once decoding up to N requests
+together (--max-batch N), once one request at a time (--max-batch 1, the others queue). Each client
+sends a streaming completion, reads it to the end, and sends the next, until the time is up
+(a request still running then is finished and counted). Reported per run: completed requests/s,
+generated tokens/s, time to first token (p50/p99), time between tokens (p50/p99), and failed or
+dropped requests (an HTTP error, a stream without its final chunk, or no answer within --timeout).
+
+The model is a shakespeare-char-cpu checkpoint given with --checkpoint, else the same architecture
+with random weights (the work per token is the same; the text is noise).
+
+    python benchmarks/bench_serve.py                      # 32 clients, 20 s per run
+    python benchmarks/bench_serve.py --clients 8 --duration 5 --checkpoint runs/shakespeare-char-cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+PROMPTS = ["ROMEO:\n", "First Citizen:\nBefore we proceed", "KING HENRY:\nOnce more unto", "O, ", "To be, or not",
+           "JULIET:\nWhat's in a name?", "MENENIUS:\nWhy, masters", "Now is the winter of our"]
+
+
+def random_checkpoint(directory: Path) -> Path:
+    """shakespeare-char-cpu with random weights and the tinyshakespeare characters (or a fixed set)."""
+    from glasslm.checkpoint import save_checkpoint
+    from glasslm.config import get_preset
+    from glasslm.model import TransformerLM
+    from glasslm.tokenizers import CharTokenizer
+
+    text_path = Path(os.environ.get("GLASSLM_DATA_DIR", "")) / "tinyshakespeare.txt"
+    chars = sorted(set(text_path.read_text(encoding="utf-8"))) if text_path.is_file() else sorted(
+        set("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"))
+    tokenizer = CharTokenizer(chars)
+    model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=tokenizer.vocab_size))
+    return save_checkpoint(directory / "shakespeare-char-cpu-random", model, tokenizer)
+
+
+def start_server(checkpoint: Path, max_batch: int, max_queue: int, threads: int) -> tuple[subprocess.Popen, str, int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "glasslm.cli", "serve", "--checkpoint", str(checkpoint), "--host", "127.0.0.1",
+         "--port", "0", "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--log-level", "warning",
+         "--threads", str(threads)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    match = re.search(r"http://(127\.0\.0\.1):(\d+)", line)
+    if not match:
+        proc.kill()
+        raise RuntimeError(f"the server did not start: {line!r}")
+    return proc, match.group(1), int(match.group(2))
+
+
+async def stream_completion(host: str, port: int, body: dict, timeout: float) -> tuple[float, list[float]]:
+    """Send one streaming request; (time to first token, times between tokens). Raises on any failure."""
+    start = time.perf_counter()
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    try:
+        payload = json.dumps(body).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (host.encode(), len(payload)) + payload)
+        status = await asyncio.wait_for(reader.readline(), timeout)
+        if b" 200 " not in status:
+            raise RuntimeError(status.decode().strip())
+        while (await asyncio.wait_for(reader.readline(), timeout)) not in (b"\r\n", b""):
+            pass  # headers
+        times, buffer, finished = [], b"", False
+        while True:  # chunked transfer encoding; each chunk is one server-sent event
+            size = int((await asyncio.wait_for(reader.readline(), timeout)).strip() or b"0", 16)
+            if size == 0:
+                break
+            buffer += (await asyncio.wait_for(reader.readexactly(size + 2), timeout))[:-2]
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                data = event.removeprefix(b"data: ")
+                if data == b"[DONE]":
+                    continue
+                choice = json.loads(data)["choices"][0]
+                if choice["finish_reason"] is not None:
+                    finished = True
+                elif choice.get("token_ids"):
+                    times.append(time.perf_counter())
+        if not finished or not times:
+            raise RuntimeError("stream ended without its final chunk")
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        return times[0] - start, gaps
+    finally:
+        writer.close()
+
+
+async def load(host: str, port: int, clients: int, duration: float, max_tokens: int, timeout: float) -> dict:
+    deadline = time.perf_counter() + duration
+    ttft, gaps, failures, done, tokens = [], [], [], 0, 0
+
+    async def client(i: int) -> None:
+        nonlocal done, tokens
+        rng = random.Random(i)
+        while time.perf_counter() < deadline:
+            body = {"prompt": rng.choice(PROMPTS), "max_tokens": max_tokens, "temperature": 0.8, "stream": True,
+                    "return_token_ids": True, "seed": rng.randrange(1 << 30)}
+            try:
+                first, between = await stream_completion(host, port, body, timeout)
+            except Exception as err:  # counted, never hidden
+                failures.append(f"{type(err).__name__}: {err}")
+                continue
+            ttft.append(first)
+            gaps.extend(between)
+            done += 1
+            tokens += len(between) + 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    elapsed = time.perf_counter() - start
+    return {"elapsed": elapsed, "requests": done, "tokens": tokens, "failures": failures,
+            "ttft": sorted(ttft), "gaps": sorted(gaps)}
+
+
+async def engine_load(checkpoint: Path, clients: int, max_batch: int, duration: float, max_tokens: int,
+                      threads: int) -> dict:
+    """The same load on the batching engine in this process, without HTTP: what batching itself buys."""
+    import torch
+
+    from glasslm.interop import load_model
+    from glasslm.serve import Engine, Job, Sampling
+
+    torch.set_num_threads(threads)
+    model, tokenizer = load_model(checkpoint)
+    engine = Engine(model.eval(), tokenizer, max_batch=max_batch, max_queue=clients)
+    engine.start()
+    loop, deadline, tokens, done = asyncio.get_running_loop(), time.perf_counter() + duration, 0, 0
+
+    async def client(i: int) -> None:
+        nonlocal tokens, done
+        rng = random.Random(i)
+        while time.perf_counter() < deadline:
+            sampling = Sampling(max_tokens=max_tokens, temperature=0.8, seed=rng.randrange(1 << 30))
+            job = Job(tokenizer.encode(rng.choice(PROMPTS)), sampling, tokenizer, loop)
+            engine.submit(job)
+            while "finish_reason" not in (event := await job.events.get()):
+                tokens += "token" in event
+            done += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    elapsed = time.perf_counter() - start
+    engine.stop()
+    return {"elapsed": elapsed, "requests": done, "tokens": tokens,
+            "mean_batch": engine.stats["rows"] / max(1, engine.stats["steps"])}
+
+
+def pct(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", default=None, help="default: shakespeare-char-cpu with random weights")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds of load per run")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
+    parser.add_argument("--timeout", type=float, default=120.0, help="a request silent this long has failed")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="the server's torch threads (1: a 0.8M-parameter model's steps are too small to split)")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = Path(args.checkpoint) if args.checkpoint else random_checkpoint(Path(tmp))
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+        print(f"model: {checkpoint}{'' if args.checkpoint else ' (random weights)'}; {args.clients} streaming "
+              f"clients, {args.duration:.0f} s per run, {args.max_tokens} tokens per request, server threads {args.threads}; "
+              f"CPU: {cpu} ({os.cpu_count()} cores)")
+        results = {}
+        for label, max_batch, max_queue in (("batched", args.clients, args.clients),
+                                            ("one at a time", 1, args.clients)):
+            proc, host, port = start_server(checkpoint, max_batch, max_queue, args.threads)
+            try:
+                results[label] = asyncio.run(load(host, port, args.clients, args.duration, args.max_tokens,
+                                                  args.timeout))
+                with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=30) as response:
+                    health = json.loads(response.read())
+                results[label]["mean_batch"] = health["rows"] / max(1, health["steps"])
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        rows = [("requests/s", lambda r: r["requests"] / r["elapsed"], "{:.2f}"),
+                ("tokens/s", lambda r: r["tokens"] / r["elapsed"], "{:.1f}"),
+                ("first token p50 (ms)", lambda r: 1000 * pct(r["ttft"], 0.5), "{:.0f}"),
+                ("first token p99 (ms)", lambda r: 1000 * pct(r["ttft"], 0.99), "{:.0f}"),
+                ("between tokens p50 (ms)", lambda r: 1000 * pct(r["gaps"], 0.5), "{:.1f}"),
+                ("between tokens p99 (ms)", lambda r: 1000 * pct(r["gaps"], 0.99), "{:.1f}"),
+                ("mean batch decoded", lambda r: r["mean_batch"], "{:.1f}"),
+                ("completed requests", lambda r: r["requests"], "{:d}"),
+                ("failed or dropped", lambda r: len(r["failures"]), "{:d}")]
+        labels = list(results)
+        print(f"{'':26}" + "".join(f"{label:>16}" for label in labels) + f"{'ratio':>10}")
+        for name, get, fmt in rows:
+            values = [get(results[label]) for label in labels]
+            ratio = values[0] / values[1] if values[1] else float("nan")
+            print(f"{name:26}" + "".join(f"{fmt.format(v):>16}" for v in values) + f"{ratio:>10.2f}")
+        for label in labels:
+            for failure in sorted(set(results[label]["failures"]))[:5]:
+                print(f"  {label} failure: {failure}")
+        print(f"\nthe engine alone (same load, in this process, no HTTP), {args.duration:.0f} s per run:")
+        alone = {label: asyncio.run(engine_load(checkpoint, args.clients, max_batch, args.duration, args.max_tokens,
+                                                args.threads))
+                 for label, max_batch in (("batched", args.clients), ("one at a time", 1))}
+        for label, r in alone.items():
+            print(f"  {label:14} {r['tokens'] / r['elapsed']:8.1f} tokens/s  {r['requests'] / r['elapsed']:6.2f} "
+                  f"requests/s  mean batch {r['mean_batch']:.1f}")
+        ratio = (alone["batched"]["tokens"] / alone["batched"]["elapsed"]) / max(
+            1e-9, alone["one at a time"]["tokens"] / alone["one at a time"]["elapsed"])
+        print(f"  ratio {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+// The glasslm explorer: plain DOM and SVG, no build step, no network beyond this server.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+let info = null;                 // /api/info: the model's shape
+let gen = { prompt: [], tokens: [], selected: -1, controller: null };
+
+// A token's text made visible: spaces and newlines drawn as symbols (as glasslm inspect does).
+const visible = (t) => t.replace(/ /g, "␣").replace(/\n/g, "↵").replace(/\t/g, "⇥") || "∅";
+
+async function post(path, body) {
+  const response = await fetch(path, { method: "POST", headers: { "Content-Type": "application/json" },
+                                       body: JSON.stringify(body) });
+  const data = await response.json();
+  if (!response.ok) throw new Error(data.error ? data.error.message : response.statusText);
+  return data;
+}
+
+function showError(where, err) { where.textContent = String(err.message || err); where.classList.add("error"); }
+function showStatus(where, text) { where.textContent = text; where.classList.remove("error"); }
+
+function samplingControls() {
+  return { temperature: Number($("temperature").value), top_k: Number($("top-k").value) || 0,
+           top_p: Number($("top-p").value) };
+}
+
+// --- generation, streamed as server-sent events from /v1/completions ---
+
+async function generate() {
+  const output = $("output"), status = $("gen-status");
+  output.textContent = "";
+  $("next-token-bars").textContent = "";
+  const text = $("prompt").value;
+  gen = { prompt: [], tokens: [], selected: -1, controller: new AbortController() };
+  $("generate").disabled = true; $("stop").disabled = false;
+  try {
+    gen.prompt = text ? (await post("/api/tokenize", { text })).tokens : [];
+    const promptSpan = document.createElement("span");
+    promptSpan.className = "prompt"; promptSpan.textContent = text;
+    output.appendChild(promptSpan);
+    const body = { prompt: text, max_tokens: Number($("max-tokens").value), stream: true, logprobs: 5,
+                   return_token_ids: true, ...samplingControls() };
+    if ($("seed").value !== "") body.seed = Number($("seed").value);
+    const start = performance.now();
+    const response = await fetch("/v1/completions", { method: "POST", body: JSON.stringify(body),
+      headers: { "Content-Type": "application/json" }, signal: gen.controller.signal });
+    if (!response.ok) throw new Error((await response.json()).error.message);
+    let finish = null;
+    for await (const chunk of events(response)) {
+      if (chunk.error) throw new Error(chunk.error.message);
+      const choice = chunk.choices[0];
+      if (choice.token_ids) addToken(choice);
+      if (choice.finish_reason) finish = choice.finish_reason;
+      const seconds = (performance.now() - start) / 1000;
+      showStatus(status, `${gen.tokens.length} tokens, ${(gen.tokens.length / seconds).toFixed(1)} tokens/s` +
+                 (finish ? `, finish: ${finish}` : ""));
+    }
+    output.dataset.done = "true";
+    $("inspect-text").value = text + gen.tokens.map((t) => t.text).join("");
+    if (gen.tokens.length) selectToken(gen.tokens.length - 1);
+  } catch (err) {
+    if (err.name !== "AbortError") showError(status, err);
+  } finally {
+    $("generate").disabled = false; $("stop").disabled = true;
+  }
+}
+
+async function* events(response) {
+  const reader = response.body.getReader(), decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const line = buffer.slice(0, end).trim();
+      buffer = buffer.slice(end + 2);
+      if (!line.startsWith("data: ")) continue;
+      if (line === "data: [DONE]") return;
+      yield JSON.parse(line.slice(6));
+    }
+  }
+}
+
+function addToken(choice) {
+  const index = gen.tokens.length;
+  const lp = choice.logprobs;
+  const token = { id: choice.token_ids[0], text: lp.tokens[0], logprob: lp.token_logprobs[0],
+                  top: lp.top_logprobs[0] };
+  gen.tokens.push(token);
+  const span = document.createElement("span");
+  span.className = "tok gen";
+  span.textContent = token.text;
+  span.dataset.index = index; span.dataset.id = token.id;
+  span.dataset.prob = Math.exp(token.logprob).toFixed(4);
+  span.title = `p = ${Math.exp(token.logprob).toFixed(3)}`;
+  span.onclick = () => selectToken(index);
+  $("output").appendChild(span);
+  // While streaming, show the alternatives that came with the token (the model's own top 5).
+  drawBars(Object.entries(token.top).map(([text, l]) => ({ text, prob: Math.exp(l), adjusted: null })),
+           token.text, `token ${index + 1} (streamed)`);
+}
+
+// --- next-token distribution under the sampling controls ---
+
+async function selectToken(index) {
+  gen.selected = index;
+  document.querySelectorAll("#output .tok.selected").forEach((e) => e.classList.remove("selected"));
+  const span = document.querySelector(`#output .tok[data-index="${index}"]`);
+  if (span) span.classList.add("selected");
+  await redrawNextToken();
+}
+
+async function redrawNextToken() {
+  if (gen.selected < 0 || gen.controller === null) return;
+  const index = gen.selected;
+  const context = gen.prompt.concat(gen.tokens.slice(0, index).map((t) => t.id)).slice(-info.context_length);
+  if (!context.length) return;
+  try {
+    const table = await post("/api/next-token", { tokens: context, k: 12, ...samplingControls() });
+    if (index !== gen.selected) return;  // a newer selection was made meanwhile
+    drawBars(table.top, gen.tokens[index].text, `token ${index + 1}; the controls keep ${table.kept} of ${info.vocab_size} tokens`);
+  } catch (err) { showError($("next-token-where"), err); }
+}
+
+function drawBars(rows, chosenText, where) {
+  showStatus($("next-token-where"), where);
+  const bars = $("next-token-bars");
+  bars.textContent = "";
+  for (const row of rows) {
+    const div = document.createElement("div");
+    div.className = "bar-row" + (row.text === chosenText ? " chosen" : "");
+    div.dataset.prob = row.prob; if (row.adjusted !== null) div.dataset.adjusted = row.adjusted;
+    const shown = row.adjusted === null ? row.prob : row.adjusted;
+    div.innerHTML = `<span class="label"></span><span class="bar-track"><span class="bar-raw"></span>` +
+                    `<span class="bar-adj"></span></span><span class="value"></span>`;
+    div.querySelector(".label").textContent = visible(row.text);
+    div.querySelector(".bar-raw").style.width = `${100 * row.prob}%`;
+    div.querySelector(".bar-adj").style.width = `${100 * shown}%`;
+    div.querySelector(".value").textContent = shown.toFixed(3);
+    bars.appendChild(div);
+  }
+}
+
+let redrawTimer = null;
+function controlsChanged() {
+  $("temperature-value").textContent = $("temperature").value;
+  $("top-p-value").textContent = $("top-p").value;
+  clearTimeout(redrawTimer);
+  redrawTimer = setTimeout(redrawNextToken, 60);  // live, but not one request per pixel of a drag
+}
+
+// --- per-token loss ---
+
+async function scoreText() {
+  const status = $("loss-status"), out = $("loss-output");
+  try {
+    const result = await post("/api/token-loss", { text: $("loss-text").value });
+    out.textContent = "";
+    const worst = Math.log(info.vocab_size);
+    result.texts.forEach((text, i) => {
+      const span = document.createElement("span");
+      const loss = result.loss[i];
+      span.className = "tok"; span.textContent = text; span.dataset.index = i;
+      if (loss !== null) {
+        const a = Math.min(1, loss / worst);
+        span.style.background = `rgba(214, 39, 40, ${a.toFixed(3)})`;
+        span.dataset.loss = loss; span.title = `loss ${loss.toFixed(3)} nats (p = ${Math.exp(-loss).toFixed(3)})`;
+      }
+      out.appendChild(span);
+    });
+    showStatus(status, `${result.texts.length} tokens, mean loss ${result.mean_loss === null ? "–" : result.mean_loss.toFixed(3)} nats`);
+  } catch (err) { showError(status, err); }
+}
+
+// --- attention heat map (SVG) ---
+
+async function showAttention() {
+  const status = $("inspect-status"), layer = Number($("layer").value), head = Number($("head").value);
+  try {
+    const result = await post("/api/attention", { text: $("inspect-text").value, layer, head });
+    drawHeatMap($("attention-map"), result.patterns[0], result.texts, layer, head);
+    $("attention-title").textContent = `layer ${layer}, head ${head} (rows: queries, columns: keys)`;
+    showStatus(status, `${result.texts.length} tokens`);
+  } catch (err) { showError(status, err); }
+}
+
+function drawHeatMap(where, pattern, texts, layer, head) {
+  const n = texts.length, cell = Math.max(8, Math.min(24, Math.floor(420 / n))), margin = 56;
+  const svgNS = "http://www.w3.org/2000/svg";
+  const svg = document.createElementNS(svgNS, "svg");
+  svg.setAttribute("width", margin + n * cell + 4); svg.setAttribute("height", margin + n * cell + 4);
+  svg.dataset.layer = layer; svg.dataset.head = head;
+  const add = (tag, attrs, text) => {
+    const e = document.createElementNS(svgNS, tag);
+    for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+    if (text !== undefined) e.textContent = text;
+    svg.appendChild(e); return e;
+  };
+  for (let q = 0; q < n; q++) {
+    add("text", { x: margin - 4, y: margin + q * cell + cell * 0.7, "text-anchor": "end", "font-size": 10 }, visible(texts[q]));
+    add("text", { x: 0, y: 0, "font-size": 10, transform: `translate(${margin + q * cell + cell * 0.7},${margin - 4}) rotate(-90)` },
+        visible(texts[q]));
+    for (let k = 0; k < n; k++) {
+      const p = pattern[q][k];
+      const rect = add("rect", { x: margin + k * cell, y: margin + q * cell, width: cell - 1, height: cell - 1,
+        class: "cell", fill: k > q ? "#eeeeee" : `rgba(26, 115, 232, ${Math.sqrt(p).toFixed(4)})` });
+      rect.dataset.q = q; rect.dataset.k = k; rect.dataset.p = p;
+      const title = document.createElementNS(svgNS, "title");
+      title.textContent = `${visible(texts[q])} → ${visible(texts[k])}: ${p.toFixed(4)}`;
+      rect.appendChild(title);
+    }
+  }
+  where.textContent = ""; where.appendChild(svg);
+}
+
+// --- logit lens (table: one row per layer, last layer on top) ---
+
+async function showLens() {
+  const status = $("inspect-status");
+  try {
+    const result = await post("/api/logit-lens", { text: $("inspect-text").value });
+    const table = document.createElement("table");
+    const header = table.insertRow();
+    header.insertCell().outerHTML = "<th>layer</th>";
+    result.texts.forEach((t) => { const th = document.createElement("th"); th.textContent = visible(t); header.appendChild(th); });
+    for (let layer = result.layers.length - 1; layer >= 0; layer--) {
+      const row = table.insertRow();
+      const th = document.createElement("th"); th.textContent = layer; row.appendChild(th);
+      result.layers[layer].forEach((top, pos) => {
+        const td = row.insertCell();
+        td.textContent = visible(top.text);
+        td.dataset.layer = layer; td.dataset.pos = pos; td.dataset.id = top.id; td.dataset.prob = top.prob;
+        td.style.background = `rgba(46, 160, 67, ${top.prob.toFixed(3)})`;
+        td.title = `after layer ${layer}, position ${pos}: ${visible(top.text)} (p = ${top.prob.toFixed(3)})`;
+      });
+    }
+    $("lens").textContent = ""; $("lens").appendChild(table);
+    showStatus(status, `${result.texts.length} tokens, ${result.layers.length} layers`);
+  } catch (err) { showError(status, err); }
+}
+
+// --- start ---
+
+async function start() {
+  info = await (await fetch("/api/info")).json();
+  $("model-info").textContent = `${info.model}: ${(info.parameters / 1e6).toFixed(2)}M parameters, ` +
+    `${info.n_layers} layers × ${info.n_heads} heads, context ${info.context_length}, ${info.tokenizer} tokenizer`;
+  for (let i = 0; i < info.n_layers; i++) $("layer").add(new Option(String(i), String(i)));
+  for (let i = 0; i < info.n_heads; i++) $("head").add(new Option(String(i), String(i)));
+  $("generate").onclick = generate;
+  $("stop").onclick = () => gen.controller && gen.controller.abort();
+  $("score").onclick = scoreText;
+  $("show-attention").onclick = showAttention;
+  $("layer").onchange = $("head").onchange = showAttention;
+  $("show-lens").onclick = showLens;
+  for (const id of ["temperature", "top-k", "top-p"]) $(id).oninput = controlsChanged;
+  document.body.dataset.ready = "true";
+}
+start();
