@@ -225,11 +225,22 @@ def count_corpus(text_or_paths, special_tokens: Sequence[str] = (), num_workers:
     if num_workers == 1 or len(jobs) == 1:
         results = map(_count_job, jobs)
         return _sum_counters(results)
-    # fork starts workers in milliseconds and they only need `regex`; fall back where unavailable.
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
-    with ctx.Pool(min(num_workers, len(jobs))) as pool:
+    with _worker_context().Pool(min(num_workers, len(jobs))) as pool:
         return _sum_counters(pool.imap_unordered(_count_job, jobs))
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """A process context that is safe to use from a program that already runs threads.
+
+    Plain fork copies locks held by other threads (tqdm's monitor, a server, BLAS pools) into the
+    child, which can then wait on them forever; forkserver forks from a clean single-threaded server
+    that imported this module once, so workers still start in milliseconds. Spawn where it is missing.
+    """
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
+        return ctx
+    return multiprocessing.get_context("spawn")
 
 
 def _sum_counters(counters: Iterable[Counter[str]]) -> Counter[str]:
