@@ -84,7 +84,7 @@ class Variant:
         self.times: list[float] = []
 
     def step(self, tokens, batch_size, context, generator, clip: float) -> None:
-        x, y = get_batch(tokens, batch_size, context, generator)
+        x, y = get_batch(tokens, batch_size, context, generator=generator)
         autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if self.dtype == "bf16" else nullcontext
         if self.glasslm:
             forward_backward(self.model, x, y, 1, autocast)

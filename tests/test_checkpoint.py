@@ -53,14 +53,17 @@ def test_optimizer_state_round_trip_is_exact():
             assert torch.equal(a[key], b[key])
 
 
-def test_resume_in_process_continues_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("optimizer,impl", [("adamw", "fast"), ("muon", "fast"), ("muon", "readable")])
+def test_resume_in_process_continues_bit_for_bit(tmp_path, optimizer, impl):
     tokens = tiny_tokens()
-    model_cfg = get_preset("shakespeare-char-cpu", **TINY, dropout=0.1)  # dropout exercises the torch RNG
-    full = train(model_cfg, tiny_cfg(), tokens[:3500], tokens[3500:], run_dir=tmp_path / "full")
-    first = train(model_cfg, tiny_cfg(max_steps=10), tokens[:3500], tokens[3500:], run_dir=tmp_path / "part")
+    # dropout exercises the torch RNG
+    model_cfg = get_preset("shakespeare-char-cpu", **TINY, dropout=0.1, impl=impl)
+    full = train(model_cfg, tiny_cfg(optimizer=optimizer), tokens[:3500], tokens[3500:], run_dir=tmp_path / "full")
+    first = train(model_cfg, tiny_cfg(max_steps=10, optimizer=optimizer), tokens[:3500], tokens[3500:],
+                  run_dir=tmp_path / "part")
     assert first.step == 10
     # Same schedule as the full run: lr_decay_steps pins the cosine to 24 steps in both halves.
-    second = train(model_cfg, tiny_cfg(), tokens[:3500], tokens[3500:], run_dir=tmp_path / "part",
+    second = train(model_cfg, tiny_cfg(optimizer=optimizer), tokens[:3500], tokens[3500:], run_dir=tmp_path / "part",
                    resume=tmp_path / "part")
     assert first.train_losses + second.train_losses == full.train_losses
     assert second.val_losses == [v for v in full.val_losses if v[0] > 10]

@@ -8,7 +8,7 @@ from glasslm.data import DATASETS, fetch_dataset, get_batch, resolve_text, train
 
 def test_batches_are_true_next_token_pairs():
     tokens = torch.arange(1000) * 7 % 1013  # distinct values, so each window is identifiable
-    x, y = get_batch(tokens, 16, 32, torch.Generator().manual_seed(0))
+    x, y = get_batch(tokens, 16, 32, generator=torch.Generator().manual_seed(0))
     assert x.shape == y.shape == (16, 32) and x.dtype == torch.long
     for row_x, row_y in zip(x, y):
         start = int((tokens == row_x[0]).nonzero())
@@ -18,15 +18,15 @@ def test_batches_are_true_next_token_pairs():
 
 def test_batches_are_reproducible_from_a_seed():
     tokens = torch.arange(500)
-    a = get_batch(tokens, 4, 8, torch.Generator().manual_seed(3))
-    b = get_batch(tokens, 4, 8, torch.Generator().manual_seed(3))
-    c = get_batch(tokens, 4, 8, torch.Generator().manual_seed(4))
+    a = get_batch(tokens, 4, 8, generator=torch.Generator().manual_seed(3))
+    b = get_batch(tokens, 4, 8, generator=torch.Generator().manual_seed(3))
+    c = get_batch(tokens, 4, 8, generator=torch.Generator().manual_seed(4))
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
 
 
 def test_every_start_position_is_reachable():
     tokens = torch.arange(12)
-    x, _ = get_batch(tokens, 2000, 8, torch.Generator().manual_seed(0))
+    x, _ = get_batch(tokens, 2000, 8, generator=torch.Generator().manual_seed(0))
     assert set(x[:, 0].tolist()) == set(range(12 - 8))
 
 
@@ -112,8 +112,8 @@ def test_memmap_batches_equal_tensor_batches(tmp_path):
     tokens = (np.arange(5000) % 251).astype(np.uint16)
     tokens.tofile(tmp_path / "t.bin")
     mapped = load_token_file(tmp_path / "t.bin", "uint16")
-    a = get_batch(mapped, 8, 32, torch.Generator().manual_seed(1))
-    b = get_batch(torch.from_numpy(tokens.astype(np.int64)), 8, 32, torch.Generator().manual_seed(1))
+    a = get_batch(mapped, 8, 32, generator=torch.Generator().manual_seed(1))
+    b = get_batch(torch.from_numpy(tokens.astype(np.int64)), 8, 32, generator=torch.Generator().manual_seed(1))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[0].dtype == torch.long
 
 

@@ -37,8 +37,10 @@ def test_lr_schedule_shape(warmup, decay):
     lr, min_lr = 1e-3, 1e-4
     values = [lr_at(s, lr, min_lr, warmup, decay) for s in range(decay + 20)]
     warm = values[: warmup + 1]
-    assert all(0 < a < b for a, b in zip(warm, warm[1:])), "warmup rises strictly from above 0"
-    assert values[0] == pytest.approx(lr / (warmup + 1))
+    assert all(a < b for a, b in zip(warm, warm[1:])), "warmup rises strictly"
+    if warmup:
+        assert values[0] == 0.0, "the usual linear warmup starts at 0"
+        assert values[1] == pytest.approx(lr / warmup)
     assert values[warmup] == pytest.approx(lr), "peak exactly where the cosine starts"
     cosine = values[warmup:decay + 1]
     assert all(a >= b for a, b in zip(cosine, cosine[1:])), "cosine phase never rises"

@@ -187,6 +187,20 @@ def _make_jobs(sources: list[str | Path], special_tokens: Sequence[str], n_piece
     return jobs
 
 
+_FILE_SUFFIXES = (".txt", ".text", ".md", ".json", ".jsonl", ".csv", ".tsv", ".xml", ".html", ".py")
+
+
+def _resolve_str(item: str) -> str | Path:
+    """A str naming an existing file is that file; one that only looks like a file name is refused."""
+    if len(item) < 4096 and "\n" not in item and os.path.isfile(item):
+        return Path(item)
+    looks_like_path = (item.strip() == item and item and not any(c.isspace() for c in item)
+                       and (os.sep in item or "/" in item or item.lower().endswith(_FILE_SUFFIXES)))
+    if looks_like_path:
+        raise FileNotFoundError(f"no file {item} to train on; to train on this string itself, pass text=...")
+    return item
+
+
 def _normalize_sources(text_or_paths) -> list[str | Path]:
     if isinstance(text_or_paths, (str, os.PathLike)):
         text_or_paths = [text_or_paths]
@@ -225,11 +239,22 @@ def count_corpus(text_or_paths, special_tokens: Sequence[str] = (), num_workers:
     if num_workers == 1 or len(jobs) == 1:
         results = map(_count_job, jobs)
         return _sum_counters(results)
-    # fork starts workers in milliseconds and they only need `regex`; fall back where unavailable.
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
-    with ctx.Pool(min(num_workers, len(jobs))) as pool:
+    with _worker_context().Pool(min(num_workers, len(jobs))) as pool:
         return _sum_counters(pool.imap_unordered(_count_job, jobs))
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """A process context that is safe to use from a program that already runs threads.
+
+    Plain fork copies locks held by other threads (tqdm's monitor, a server, BLAS pools) into the
+    child, which can then wait on them forever; forkserver forks from a clean single-threaded server
+    that imported this module once, so workers still start in milliseconds. Spawn where it is missing.
+    """
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
+        return ctx
+    return multiprocessing.get_context("spawn")
 
 
 def _sum_counters(counters: Iterable[Counter[str]]) -> Counter[str]:
@@ -350,31 +375,60 @@ def _apply_merge(words, freqs, counts, where, heap, keys, a: int, b: int, new: i
 
 
 def train_bpe(
-    text_or_paths,
-    vocab_size: int,
+    text_or_paths=None,
+    vocab_size: int | None = None,
     special_tokens: Sequence[str] = (),
     num_workers: int | None = None,
+    *,
+    text: str | None = None,
+    path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
 ) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
     """Train a byte-level BPE vocabulary.
 
     Args:
-        text_or_paths: text (`str`), a file path (`pathlib.Path` or other `os.PathLike`), or a list
-            mixing both. Note: a plain `str` is always text, never a file name.
+        text_or_paths: a file path (`pathlib.Path` or other `os.PathLike`), text (`str`), or a list
+            mixing both. A `str` that names an existing file is that file; a `str` that looks like
+            a file name (no whitespace, with a path separator or a suffix such as .txt) but names no
+            file is refused, so a mistyped path never trains on its own characters. To say which one
+            you mean, pass `text=` or `path=` instead.
         vocab_size: total size including the 256 bytes and the special tokens. Training stops
             early (smaller vocabulary) if the corpus runs out of pairs.
         special_tokens: strings removed from the training text before counting (never merged
             across, never part of a learned token); they get the last ids.
         num_workers: processes for pre-tokenization (None: automatic). Results never depend on it.
+        text: the training text itself (never read as a file name).
+        path: a file (str or path) or a list of files to train on.
 
     Returns:
         (vocab, merges): vocab maps id -> bytes with the layout described in the module docstring;
         merges lists the learned pairs in order, merge r producing id 256 + r.
 
     Example:
-        >>> vocab, merges = train_bpe("aaab<|x|>aaab", 258, special_tokens=["<|x|>"], num_workers=1)
+        >>> vocab, merges = train_bpe(text="aaab<|x|>aaab", vocab_size=258, special_tokens=["<|x|>"], num_workers=1)
         >>> merges, vocab[257]
         ([(b'a', b'a')], b'<|x|>')
+        >>> train_bpe("corpus/missing.txt", 300)
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: no file corpus/missing.txt to train on; to train on this string itself, pass text=...
     """
+    if vocab_size is None:
+        raise TypeError("train_bpe needs vocab_size")
+    given = [name for name, value in (("text_or_paths", text_or_paths), ("text", text), ("path", path))
+             if value is not None]
+    if len(given) != 1:
+        raise TypeError(f"train_bpe takes exactly one of text_or_paths, text= or path=; got {given or 'none'}")
+    if text is not None:
+        if not isinstance(text, str):
+            raise TypeError(f"text= takes a str, got {type(text).__name__}")
+        text_or_paths = [text]
+    elif path is not None:
+        paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+        text_or_paths = [Path(p) for p in paths]
+    else:
+        text_or_paths = [_resolve_str(item) if isinstance(item, str) else item
+                         for item in ([text_or_paths] if isinstance(text_or_paths, (str, os.PathLike))
+                                      else text_or_paths)]
     specials = list(dict.fromkeys(special_tokens))
     num_merges = vocab_size - 256 - len(specials)
     if num_merges < 0:

@@ -156,14 +156,21 @@ def get_batch(
     tokens: Int[Tensor, "n"] | np.ndarray,
     batch_size: int,
     context_length: int,
-    generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
 ) -> tuple[Int[Tensor, "batch seq"], Int[Tensor, "batch seq"]]:
     """Random contiguous windows: inputs tokens[i : i+T] and next-token targets tokens[i+1 : i+T+1].
 
-    `tokens` may be a tensor or a numpy array, including a memory-mapped token file: only the
-    sampled windows are read from disk.
+    `tokens` may be a 1-D tensor or numpy array, including a memory-mapped token file: only the
+    sampled windows are read from disk. Starts are uniform over every full window, drawn from
+    `generator` (torch's global generator if None). Both outputs are int64 on `device`.
+
+    >>> x, y = get_batch(np.arange(100), batch_size=2, context_length=4, device="cpu")
+    >>> x.shape, bool((y == x + 1).all())
+    (torch.Size([2, 4]), True)
     """
+    if isinstance(device, torch.Generator):
+        raise TypeError("get_batch's 4th argument is the device; pass the generator as generator=...")
     n_starts = len(tokens) - context_length
     if n_starts < 1:
         raise ValueError(

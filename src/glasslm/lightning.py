@@ -62,7 +62,7 @@ class TokenWindows(IterableDataset):
         generator = torch.Generator().manual_seed(self.seed + (worker.id if worker else 0))
         produced = 0
         while self.num_batches is None or produced < self.num_batches:
-            yield get_batch(self.tokens, self.batch_size, self.context_length, generator)
+            yield get_batch(self.tokens, self.batch_size, self.context_length, generator=generator)
             produced += 1
 
 

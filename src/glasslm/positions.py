@@ -107,11 +107,30 @@ class RotaryPositions(nn.Module):
         return cls(c.context_length, c.d_head, c.rope_theta, llama3)
 
     def forward(
-        self, x: Float[Tensor, "batch heads seq d_head"], positions: Int[Tensor, "seq"] | Int[Tensor, "batch seq"]
-    ) -> Float[Tensor, "batch heads seq d_head"]:
-        cos, sin = self.cos[positions], self.sin[positions]  # (seq, d_head/2) or (batch, seq, d_head/2)
-        if positions.dim() == 2:  # per-row positions (left-padded batches): broadcast over heads
-            cos, sin = cos[:, None], sin[:, None]
+        self, x: Float[Tensor, "*batch seq d_head"], positions: Int[Tensor, "seq"] | Int[Tensor, "*batch seq"]
+    ) -> Float[Tensor, "*batch seq d_head"]:
+        """Rotate `x` (any leading dims, e.g. (batch, heads, seq, d_head) or (batch, seq, d_head)).
+
+        `positions` is (seq,) for every row alike, or has x's leading batch dims first: (batch, seq)
+        positions apply per row to (batch, seq, d_head) input and, broadcast over heads, to
+        (batch, heads, seq, d_head) input.
+
+        >>> rope = RotaryPositions(context_length=16, d_head=8)
+        >>> rope(torch.randn(4, 12, 8), torch.arange(12).expand(4, 12)).shape
+        torch.Size([4, 12, 8])
+        >>> rope(torch.randn(4, 2, 12, 8), torch.arange(12).expand(4, 12)).shape
+        torch.Size([4, 2, 12, 8])
+        """
+        if positions.dim() > x.dim() - 1:
+            raise ValueError(f"positions of shape {tuple(positions.shape)} have more dims than x's "
+                             f"{tuple(x.shape[:-1])} (leading dims, seq)")
+        cos, sin = self.cos[positions], self.sin[positions]  # positions.shape + (d_head/2,)
+        # Per-row positions (left-padded batches) lead with x's batch dims; any dims of x between
+        # them and seq (heads) get size-1 axes to broadcast over.
+        missing = x.dim() - 1 - positions.dim()
+        if positions.dim() > 1 and missing > 0:
+            shape = (*positions.shape[:-1], *([1] * missing), positions.shape[-1], cos.shape[-1])
+            cos, sin = cos.reshape(shape), sin.reshape(shape)
         pairs = upcast(x).unflatten(-1, (-1, 2))  # (batch, heads, seq, d_head/2, 2)
         first, second = pairs[..., 0], pairs[..., 1]
         # 2-D rotation of each (first, second) pair by its angle.

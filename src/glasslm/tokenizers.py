@@ -932,7 +932,7 @@ def train_tokenizer(
 
 def train_tokenizer_from_text(text: str, vocab_size: int, special_tokens: Sequence[str] = (ENDOFTEXT,)) -> BPETokenizer:
     """Like `train_tokenizer`, for text already in memory (handy in tests and notebooks)."""
-    vocab, merges = train_bpe(text, vocab_size, special_tokens, num_workers=1)
+    vocab, merges = train_bpe(text=text, vocab_size=vocab_size, special_tokens=special_tokens, num_workers=1)
     return BPETokenizer(vocab, merges, list(special_tokens))
 
 

@@ -50,6 +50,7 @@ from .config import ModelConfig
 from .data import get_batch
 from .distributed import DistributedContext, all_reduce_mean, any_process, barrier, resolve_device
 from .layers import cross_entropy
+from .optim import clip_grad_norm, cosine_schedule, make_optimizer
 from .loggers import METRICS_FILE, JSONLLogger, MetricsLogger
 from .model import TransformerLM
 from .rundir import RunDirError, claim_run_dir
@@ -59,6 +60,8 @@ from .trainer_state import (
 )
 
 DType = Literal["float32", "bfloat16", "float16"]
+OptimizerName = Literal["adamw", "muon"]
+NSDType = Literal["bfloat16", "float32"]
 
 
 @dataclass
@@ -72,8 +75,13 @@ class TrainConfig:
     min_lr: float = 1e-4  # learning rate at the end of the cosine decay, and after it
     warmup_steps: int = 100  # steps of linear warmup to lr
     lr_decay_steps: int | None = None  # step where the cosine decay ends; None (or 0): max_steps
+    optimizer: OptimizerName = "adamw"  # adamw, or muon: Newton–Schulz-orthogonalised momentum for the blocks' matrices (AdamW for the rest)
+    muon_lr: float = 0.02  # Muon's peak learning rate (lr is then AdamW's, for embeddings, unembedding, norms, biases)
+    muon_momentum: float = 0.95  # Muon's momentum (Nesterov)
+    muon_ns_dtype: NSDType = "bfloat16"  # precision of Muon's Newton–Schulz iteration (bfloat16 as torch.optim.Muon)
     beta1: float = 0.9  # AdamW's decay rate of the gradient's running mean
     beta2: float = 0.99  # AdamW's decay rate of the squared gradient's running mean
+    eps: float = 1e-8  # AdamW's term added to the root-mean-square denominator
     weight_decay: float = 0.1  # AdamW's decoupled weight decay, on matrices only
     decay_embeddings: bool = False  # also decay token/position embeddings (nanoGPT does)
     grad_clip: float = 1.0  # max global L2 norm of the gradient; 0 disables clipping
@@ -103,6 +111,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need 0 <= min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
+        if self.muon_ns_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"muon_ns_dtype must be 'bfloat16' or 'float32', got {self.muon_ns_dtype!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
 
@@ -118,22 +130,8 @@ class TrainConfig:
 # Each preset's training recipe lives beside its model in config.PRESETS (see config.get_recipe).
 
 
-def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
-    """Learning rate for 0-based `step`: linear warmup to `lr`, cosine decay to `min_lr`, then flat.
-
-    Warmup is (step + 1) / (warmup_steps + 1) of `lr` (nanoGPT's form): the very first step
-    already learns (a zero learning rate would waste a batch), and the ramp reaches exactly `lr`
-    at step == warmup_steps, where the cosine starts, so the curve is continuous.
-
-    >>> [round(lr_at(s, 1.0, 0.1, warmup_steps=3, decay_steps=7), 3) for s in range(9)]
-    [0.25, 0.5, 0.75, 1.0, 0.868, 0.55, 0.232, 0.1, 0.1]
-    """
-    if step < warmup_steps:
-        return lr * (step + 1) / (warmup_steps + 1)
-    if step >= decay_steps:
-        return min_lr
-    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+# The schedule's formula (linear warmup from 0, cosine decay, flat) lives in glasslm.optim.
+lr_at = cosine_schedule
 
 
 def scheduled_lr(cfg: TrainConfig, step: int) -> float:
@@ -161,26 +159,6 @@ def schedule_end(cfg: TrainConfig, resumed_config: dict[str, Any] | None = None)
     if resumed_config is not None:
         return resumed_config.get("lr_decay_steps") or resumed_config["max_steps"]
     return cfg.max_steps
-
-
-def make_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool | None = None) -> torch.optim.AdamW:
-    """AdamW; weight decay only on matrices that multiply activations (not norms, biases, and not
-    embeddings unless cfg.decay_embeddings).
-
-    The fused kernel updates every parameter in one pass (CPU and CUDA); sharded (DTensor)
-    parameters use the foreach kernel instead, passing `fused=False`.
-    """
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        is_embedding = name.startswith(("embed.", "pos_embed."))
-        wants_decay = p.dim() >= 2 and (cfg.decay_embeddings or not is_embedding)
-        (decay if wants_decay else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = True if fused is None else fused
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None,
-                             foreach=None if fused else True)
 
 
 def autocast_context(cfg: TrainConfig, device: str | None = None):
@@ -237,7 +215,7 @@ def evaluate(
     model.eval()
     total = torch.zeros((), device=device)
     for _ in range(cfg.eval_iters):
-        x, y = get_batch(tokens, cfg.batch_size * ctx.world_size, context_length, generator)
+        x, y = get_batch(tokens, cfg.batch_size * ctx.world_size, context_length, generator=generator)
         x, y = rank_slice(x, ctx.rank, ctx.world_size).to(device), rank_slice(y, ctx.rank, ctx.world_size).to(device)
         with autocast_context(cfg, device):
             total += cross_entropy(model(x), y).float()
@@ -411,7 +389,7 @@ def _train(
         with _StopRequest() as stop:
             for step in range(point.step, cfg.max_steps):
                 started = time.perf_counter()
-                lr = set_lr(parts.optimizer, cfg, step)
+                lr = apply_schedule(parts.optimizer, cfg, step)
                 loss, grad_norm = train_step(parts, *parts.next_batch(train_tokens))
                 done = result.step = step + 1
                 window.add(loss, grad_norm, time.perf_counter() - started)
@@ -510,7 +488,7 @@ class _Parts:
         """This process's slice of the step's global batch (see the module docstring)."""
         cfg, ctx = self.cfg, self.ctx
         x, y = get_batch(tokens, cfg.batch_size * cfg.grad_accum_steps * ctx.world_size,
-                         self.model.config.context_length, self.batch_rng)
+                         self.model.config.context_length, generator=self.batch_rng)
         x = rank_slice(x, ctx.rank, ctx.world_size).to(self.device, non_blocking=True)
         return x, rank_slice(y, ctx.rank, ctx.world_size).to(self.device, non_blocking=True)
 
@@ -535,10 +513,12 @@ def _wrap(model: TransformerLM, cfg: TrainConfig, ctx: DistributedContext, devic
     return step_model, step_model if cfg.compile and not ctx.enabled else model  # reuse the compiled graph
 
 
-def set_lr(optimizer: torch.optim.Optimizer, cfg: TrainConfig, step: int) -> float:
+def apply_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, step: int) -> float:
+    """Set every group's rate for `step`: its peak (`initial_lr`, else cfg.lr) times the schedule's
+    fraction of cfg.lr, so Muon's and AdamW's groups warm up and decay together. Returns cfg.lr's value."""
     lr = scheduled_lr(cfg, step)
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = group.get("initial_lr", cfg.lr) * (lr / cfg.lr if cfg.lr > 0 else 0.0)
     return lr
 
 
@@ -552,7 +532,10 @@ def train_step(parts: _Parts, x: Int[Tensor, "b t"], y: Int[Tensor, "b t"]) -> t
     if scaler is not None:
         scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    if parts.fsdp:  # sharded (DTensor) gradients: torch's clipping reduces the norm across shards
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    else:
+        grad_norm = clip_grad_norm(model.parameters(), max_norm)
     if scaler is not None:
         scaler.step(optimizer)  # skips the step if the gradient is not finite
         scaler.update()
