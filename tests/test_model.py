@@ -2,6 +2,7 @@
 
 import math
 
+import jaxtyping
 import pytest
 import torch
 
@@ -63,7 +64,7 @@ def test_kv_cache_steps_equal_full_forward(family, impl):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-4)
 
 
-def test_bad_inputs_raise_clear_errors():
+def test_bad_inputs_raise_clear_errors(unchecked_shapes):
     model = TransformerLM(FAMILIES["gpt2"])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         model(torch.tensor([[1, 97]]))
@@ -168,3 +169,12 @@ def test_scaled_embeddings_multiply_by_sqrt_d_model():
     model(tokens)
     expected = model.embed.weight[tokens] * math.sqrt(cfg.d_model) + model.pos_embed.table[:2]
     torch.testing.assert_close(seen["x"], expected)
+
+
+def test_shape_annotations_are_checked_while_testing():
+    """conftest installs jaxtyping's import hook on the core, so an annotation is a checked claim."""
+    model = TransformerLM(get_preset("llama-tiny"))
+    with pytest.raises(jaxtyping.TypeCheckError, match="tokens"):
+        model(torch.zeros(5, dtype=torch.long))  # (seq,) where (batch, seq) is annotated
+    out = model(torch.zeros(2, 5, dtype=torch.long), last_logits_only=True)
+    assert out.shape == (2, 1, model.config.vocab_size)  # the annotation's out_seq = 1

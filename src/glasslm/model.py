@@ -100,8 +100,8 @@ class TransformerLM(nn.Module):
         kv_cache: KVCache | None = None,
         attn_mask: Bool[Tensor, "batch seq k_seq"] | None = None,
         last_logits_only: bool = False,
-    ) -> Float[Tensor, "batch seq vocab"]:
-        """Logits for the next token at every position.
+    ) -> Float[Tensor, "batch out_seq vocab"]:
+        """Logits for the next token at every position (out_seq = seq), or the last one (out_seq = 1).
 
         With a `kv_cache`, `tokens` continue the cached sequence: positions default to the slots
         after the cached ones, and the cache cursor advances by seq. `attn_mask` (True = may attend)
@@ -135,7 +135,7 @@ class TransformerLM(nn.Module):
         if self.ln_final is not None:
             x = self.ln_final(x)
         weight = self.embed.weight if self.unembed is None else self.unembed.weight
-        logits = x @ weight.T  # (batch, seq, vocab)
+        logits = x @ weight.T  # (batch, out_seq, vocab)
         return logits if self.unembed_bias is None else logits + self.unembed_bias
 
     def check_tokens(self, tokens: Tensor) -> None:
