@@ -36,7 +36,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .config import ModelConfig
-from .checkpoint import model_from_state_dict, read_json
+from .build import model_from_state_dict
+from .checkpoint import read_json
 from .model import TransformerLM
 
 Family = Literal["gpt2", "llama", "mistral", "qwen2"]
@@ -825,7 +826,7 @@ def init_weights_from(model: TransformerLM, path: str | os.PathLike) -> None:
     The architectures must match except for training-only settings (dropout, attention impl)
     and, for rotary models, the context length.
     """
-    from .checkpoint import load_weights
+    from .build import load_weights
 
     source, _ = load_model(path)
     if _comparable(source.config) != _comparable(model.config):
