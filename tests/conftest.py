@@ -1,8 +1,47 @@
+import contextlib
 import os
 from pathlib import Path
 
 import pytest
 import torch
+import jaxtyping
+from jaxtyping import install_import_hook
+
+# The jaxtyping annotations on the readable core are checked (dtype kind, rank and named-dimension
+# consistency within a call) on every call made by the tests, so a false shape annotation fails here
+# instead of misleading a reader. This must run before glasslm's modules are first imported.
+_SHAPE_CHECKED = ["glasslm.layers", "glasslm.positions", "glasslm.attention", "glasslm.model"]
+install_import_hook(_SHAPE_CHECKED, "beartype.beartype")
+
+
+# Long training loops call the same modules thousands of times with the same shapes; checking them
+# there doubled those files' time and checks nothing the component tests do not.
+_LOOP_TEST_FILES = {"test_learning", "test_train", "test_checkpoint"}
+
+
+@contextlib.contextmanager
+def _shape_checks_off():
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
+
+
+@pytest.fixture(autouse=True)
+def _no_shape_checks_in_training_loops(request):
+    if request.module.__name__.rsplit(".", 1)[-1] in _LOOP_TEST_FILES:
+        with _shape_checks_off():
+            yield
+    else:
+        yield
+
+
+@pytest.fixture
+def unchecked_shapes():
+    """For tests that pass wrong shapes on purpose, to see glasslm's own error (what users get)."""
+    with _shape_checks_off():
+        yield
 
 # Tests are small: more threads than cores only adds contention on the 2-core CI machines.
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -22,6 +22,7 @@ from glasslm.generate import generate_tokens  # noqa: E402
 from glasslm.interop import (  # noqa: E402
     UnsupportedModelError,
     adjacent_pairs_to_hf_rows,
+    config_from_hf,
     export_hf,
     hf_rows_to_adjacent_pairs,
     import_hf,
@@ -197,9 +198,9 @@ def test_unsupported_hf_configs_are_named(tmp_path):
     _write_config(tmp_path / "bert", {"model_type": "bert", "architectures": ["BertModel"]})
     with pytest.raises(UnsupportedModelError, match="model_type='bert'"):
         import_hf(tmp_path / "bert")
-    _write_config(tmp_path / "biased", {"model_type": "llama", "attention_bias": True})
-    with pytest.raises(UnsupportedModelError, match="attention_bias"):
-        import_hf(tmp_path / "biased")
+    # Attention biases without MLP biases were refused before ModelConfig had per-site bias switches.
+    biased, family = config_from_hf({**data, "rope_parameters": None, "attention_bias": True, "mlp_bias": False})
+    assert family == "llama" and [biased.site_bias(site) for site in ("qkv", "out", "mlp")] == [True, True, False]
 
 
 def test_missing_unexpected_and_misshaped_tensors_are_named(tmp_path):

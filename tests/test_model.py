@@ -2,6 +2,7 @@
 
 import math
 
+import jaxtyping
 import pytest
 import torch
 
@@ -63,7 +64,7 @@ def test_kv_cache_steps_equal_full_forward(family, impl):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-4)
 
 
-def test_bad_inputs_raise_clear_errors():
+def test_bad_inputs_raise_clear_errors(unchecked_shapes):
     model = TransformerLM(FAMILIES["gpt2"])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         model(torch.tensor([[1, 97]]))
@@ -83,16 +84,21 @@ def expected_parameters(c: ModelConfig) -> int:
     """Parameter count from the architecture's formula, written independently of the model code."""
     d, L, V, T = c.d_model, c.n_layers, c.vocab_size, c.context_length
     d_kv = c.n_kv_heads * c.d_head
-    norm = d * (2 if c.norm == "layernorm" and c.bias else 1)
-    attn = d * (d + 2 * d_kv) + d * d + (c.bias and (d + 2 * d_kv) + d)
+
+    def has_bias(own: bool | None) -> bool:  # a per-site switch, else the `bias` shorthand
+        return c.bias if own is None else own
+
+    norm = d * (2 if c.norm == "layernorm" and has_bias(c.norm_bias) else 1)
+    attn = d * (d + 2 * d_kv) + d * d + has_bias(c.attn_qkv_bias) * (d + 2 * d_kv) + has_bias(c.attn_out_bias) * d
     if c.mlp == "swiglu":
-        mlp = 3 * d * c.d_mlp + (c.bias and 2 * c.d_mlp + d)
+        mlp = 3 * d * c.d_mlp + has_bias(c.mlp_bias) * (2 * c.d_mlp + d)
     else:
-        mlp = 2 * d * c.d_mlp + (c.bias and c.d_mlp + d)
+        mlp = 2 * d * c.d_mlp + has_bias(c.mlp_bias) * (c.d_mlp + d)
     total = V * d + L * (attn + mlp + 2 * norm)
     total += T * d if c.positional == "learned" else 0
     total += norm if c.final_norm else 0
     total += 0 if c.tie_embeddings else V * d
+    total += V if c.unembed_bias else 0
     return total
 
 
@@ -163,3 +169,12 @@ def test_scaled_embeddings_multiply_by_sqrt_d_model():
     model(tokens)
     expected = model.embed.weight[tokens] * math.sqrt(cfg.d_model) + model.pos_embed.table[:2]
     torch.testing.assert_close(seen["x"], expected)
+
+
+def test_shape_annotations_are_checked_while_testing():
+    """conftest installs jaxtyping's import hook on the core, so an annotation is a checked claim."""
+    model = TransformerLM(get_preset("llama-tiny"))
+    with pytest.raises(jaxtyping.TypeCheckError, match="tokens"):
+        model(torch.zeros(5, dtype=torch.long))  # (seq,) where (batch, seq) is annotated
+    out = model(torch.zeros(2, 5, dtype=torch.long), last_logits_only=True)
+    assert out.shape == (2, 1, model.config.vocab_size)  # the annotation's out_seq = 1

@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 
-from .checkpoint import empty_model
+from .build import empty_model
 from .config import ModelConfig
 from .layers import Linear
 

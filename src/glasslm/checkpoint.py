@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +35,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .build import model_from_state_dict
 from .config import ModelConfig
 from .model import TransformerLM
-from .positions import RotaryPositions, SinusoidalPositions
 from .tokenizers import load_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -313,73 +312,3 @@ def load_config(path: Path) -> ModelConfig:
         return ModelConfig.from_dict(data)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{path} is not a glasslm model config: {err}") from None
-
-
-def load_weights(model: TransformerLM, weights: dict[str, torch.Tensor], source: str = "weights") -> None:
-    """Copy `weights` into an existing `model`, naming any missing, unexpected or mis-shaped tensor."""
-    expected = model.state_dict()
-    _check_names(expected, weights, source)
-    for name, tensor in weights.items():
-        _check_shape(name, tensor, expected[name], source)
-    model.load_state_dict(weights)
-
-
-def _check_names(expected: dict[str, Any], given: dict[str, Any], source: str) -> None:
-    missing = sorted(set(expected) - set(given))
-    unexpected = sorted(set(given) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{source} does not match the model: missing tensors {missing}, unexpected tensors {unexpected}")
-
-
-def _check_shape(name: str, tensor: torch.Tensor, expected: torch.Tensor, source: str) -> None:
-    if tensor.shape != expected.shape:
-        raise ValueError(
-            f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(expected.shape)}"
-        )
-
-
-def empty_model(config: ModelConfig) -> TransformerLM:
-    """A TransformerLM on the `meta` device: every shape, no storage, no time spent initialising."""
-    with torch.device("meta"):
-        return TransformerLM(config)
-
-
-def materialize_buffers(model: TransformerLM, device: torch.device | str) -> None:
-    """Compute the non-persistent buffers (not in checkpoints) on `device` after a meta build.
-
-    Rotary cos/sin and the sinusoidal table are functions of the config alone, so they are
-    rebuilt rather than loaded. A shared rotary module (one per model) is rebuilt once.
-    """
-    c = model.config
-    for module in model.modules():
-        if isinstance(module, RotaryPositions):
-            with torch.device(device):
-                fresh = RotaryPositions.from_config(c)
-            module.cos, module.sin = fresh.cos, fresh.sin
-        elif isinstance(module, SinusoidalPositions):
-            with torch.device(device):
-                module.table = SinusoidalPositions(c.context_length, c.d_model).table
-    leftover = [name for name, b in model.named_buffers() if b.is_meta]
-    if leftover:
-        raise RuntimeError(f"buffers still on the meta device after loading: {leftover}")
-
-
-def model_from_state_dict(
-    config: ModelConfig, tensors: dict[str, Callable[[], torch.Tensor]] | dict[str, torch.Tensor],
-    device: torch.device | str = "cpu", dtype: torch.dtype | None = None, source: str = "weights",
-) -> TransformerLM:
-    """Build a model by assigning tensors (or zero-argument functions making them) into a meta model.
-
-    Names every missing or unexpected tensor, and every shape mismatch with both shapes.
-    """
-    model = empty_model(config)
-    expected = model.state_dict()
-    _check_names(expected, tensors, source)
-    loaded: dict[str, torch.Tensor] = {}
-    for name, make in tensors.items():
-        tensor = make() if callable(make) else make
-        _check_shape(name, tensor, expected[name], source)
-        loaded[name] = tensor.to(device=device, dtype=dtype or tensor.dtype)
-    model.load_state_dict(loaded, assign=True)
-    materialize_buffers(model, device)
-    return model.eval()

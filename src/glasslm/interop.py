@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -35,7 +36,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .config import ModelConfig
-from .checkpoint import model_from_state_dict, read_json
+from .build import model_from_state_dict
+from .checkpoint import read_json
 from .model import TransformerLM
 
 Family = Literal["gpt2", "llama", "mistral", "qwen2"]
@@ -140,6 +142,12 @@ def family_of(config: ModelConfig) -> Family:
         common.append("no final norm")
     if c.scale_embeddings:
         common.append("scaled embeddings")
+    if c.unembed_bias:
+        common.append("a bias on the logits (unembed_bias)")
+    if c.norm_unbiased_std:
+        common.append("LayerNorm by the unbiased std (norm_unbiased_std)")
+    if not math.isclose(c.attn_score_scale, c.d_head ** -0.5, rel_tol=1e-12):
+        common.append(f"attention scores scaled by {c.attn_score_scale:g}, not 1/sqrt(d_head)")
     if c.positional == "learned":
         problems = list(common)
         if c.norm != "layernorm":
@@ -818,7 +826,7 @@ def init_weights_from(model: TransformerLM, path: str | os.PathLike) -> None:
     The architectures must match except for training-only settings (dropout, attention impl)
     and, for rotary models, the context length.
     """
-    from .checkpoint import load_weights
+    from .build import load_weights
 
     source, _ = load_model(path)
     if _comparable(source.config) != _comparable(model.config):

@@ -29,7 +29,7 @@ class LearnedPositions(nn.Module):
         self.weight = nn.Parameter(torch.empty(context_length, d_model))
         nn.init.normal_(self.weight, std=0.02)
 
-    def forward(self, positions: Int[Tensor, "seq"]) -> Float[Tensor, "seq d_model"]:
+    def forward(self, positions: Int[Tensor, "*leading seq"]) -> Float[Tensor, "*leading seq d_model"]:
         return self.weight[positions]
 
 
@@ -51,7 +51,7 @@ class SinusoidalPositions(nn.Module):
         super().__init__()
         self.register_buffer("table", sinusoidal_table(context_length, d_model), persistent=False)
 
-    def forward(self, positions: Int[Tensor, "seq"]) -> Float[Tensor, "seq d_model"]:
+    def forward(self, positions: Int[Tensor, "*leading seq"]) -> Float[Tensor, "*leading seq d_model"]:
         return self.table[positions]
 
 
@@ -107,7 +107,7 @@ class RotaryPositions(nn.Module):
         return cls(c.context_length, c.d_head, c.rope_theta, llama3)
 
     def forward(
-        self, x: Float[Tensor, "*batch seq d_head"], positions: Int[Tensor, "seq"] | Int[Tensor, "*batch seq"]
+        self, x: Float[Tensor, "*batch seq d_head"], positions: Int[Tensor, "seq"] | Int[Tensor, "*leading seq"]
     ) -> Float[Tensor, "*batch seq d_head"]:
         """Rotate `x` (any leading dims, e.g. (batch, heads, seq, d_head) or (batch, seq, d_head)).
 

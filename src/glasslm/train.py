@@ -41,9 +41,10 @@ from jaxtyping import Int
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from .build import load_weights
 from .checkpoint import (
     OPTIMIZER_FILE, OPTIMIZER_JSON, CheckpointWriteError, checkpoint_name, load_config, load_optimizer_state,
-    load_weights, optimizer_state_to_files, prune_checkpoints, read_pointer, read_safetensors,
+    optimizer_state_to_files, prune_checkpoints, read_pointer, read_safetensors,
     remove_stale_staging, resolve_checkpoint, save_checkpoint, write_pointer,
 )
 from .config import ModelConfig
