@@ -123,8 +123,9 @@ class TransformerLM(nn.Module):
             x = x[:, -1:]
         if self.ln_final is not None:
             x = self.ln_final(x)
-        weight = self.embed.weight if self.unembed is None else self.unembed.weight
-        return x @ weight.T  # (batch, out_seq, vocab)
+        if self.unembed is None:  # tied: the embedding table read backwards
+            return x @ self.embed.weight.T  # (batch, out_seq, vocab)
+        return self.unembed(x)  # (batch, out_seq, vocab)
 
     def check_tokens(self, tokens: Tensor) -> None:
         if not isinstance(tokens, Tensor) or tokens.dim() != 2:
