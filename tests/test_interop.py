@@ -22,6 +22,7 @@ from glasslm.generate import generate_tokens  # noqa: E402
 from glasslm.interop import (  # noqa: E402
     UnsupportedModelError,
     adjacent_pairs_to_hf_rows,
+    config_from_hf,
     export_hf,
     hf_rows_to_adjacent_pairs,
     import_hf,
@@ -147,7 +148,7 @@ def test_sharded_safetensors_and_pytorch_bin(tmp_path):
 
 @torch.no_grad()
 def test_bias_free_gpt2_shaped_model_exports_only_with_explicit_zero_biases(tmp_path):
-    model = TransformerLM(get_preset("shakespeare-char-cpu", n_layers=2)).eval()
+    model = TransformerLM(get_preset("shakespeare-char-cpu-nanogpt", n_layers=2)).eval()
     with pytest.raises(UnsupportedModelError, match="GPT-2 always has biases.*zero-biases"):
         export_hf(model, tmp_path / "refused")
     exported = export_hf(model, tmp_path / "hf", zero_biases=True)
@@ -197,9 +198,9 @@ def test_unsupported_hf_configs_are_named(tmp_path):
     _write_config(tmp_path / "bert", {"model_type": "bert", "architectures": ["BertModel"]})
     with pytest.raises(UnsupportedModelError, match="model_type='bert'"):
         import_hf(tmp_path / "bert")
-    _write_config(tmp_path / "biased", {"model_type": "llama", "attention_bias": True})
-    with pytest.raises(UnsupportedModelError, match="attention_bias"):
-        import_hf(tmp_path / "biased")
+    # Attention biases without MLP biases were refused before ModelConfig had per-site bias switches.
+    biased, family = config_from_hf({**data, "rope_parameters": None, "attention_bias": True, "mlp_bias": False})
+    assert family == "llama" and [biased.site_bias(site) for site in ("qkv", "out", "mlp")] == [True, True, False]
 
 
 def test_missing_unexpected_and_misshaped_tensors_are_named(tmp_path):
@@ -239,9 +240,9 @@ def test_export_outside_both_families_is_refused(tmp_path):
 
 def test_export_refuses_post_norm_and_gqa_gpt2(tmp_path):
     with pytest.raises(UnsupportedModelError, match="post-norm"):
-        export_hf(TransformerLM(get_preset("shakespeare-char-cpu", n_layers=1, norm_placement="post")), tmp_path)
+        export_hf(TransformerLM(get_preset("shakespeare-char-cpu-nanogpt", n_layers=1, norm_placement="post")), tmp_path)
     with pytest.raises(UnsupportedModelError, match="grouped-query"):
-        export_hf(TransformerLM(get_preset("shakespeare-char-cpu", n_layers=1, n_kv_heads=2)), tmp_path)
+        export_hf(TransformerLM(get_preset("shakespeare-char-cpu-nanogpt", n_layers=1, n_kv_heads=2)), tmp_path)
 
 
 # --- one loader for both kinds of directory --------------------------------------------------------

@@ -84,16 +84,21 @@ def expected_parameters(c: ModelConfig) -> int:
     """Parameter count from the architecture's formula, written independently of the model code."""
     d, L, V, T = c.d_model, c.n_layers, c.vocab_size, c.context_length
     d_kv = c.n_kv_heads * c.d_head
-    norm = d * (2 if c.norm == "layernorm" and c.bias else 1)
-    attn = d * (d + 2 * d_kv) + d * d + (c.bias and (d + 2 * d_kv) + d)
+
+    def has_bias(own: bool | None) -> bool:  # a per-site switch, else the `bias` shorthand
+        return c.bias if own is None else own
+
+    norm = d * (2 if c.norm == "layernorm" and has_bias(c.norm_bias) else 1)
+    attn = d * (d + 2 * d_kv) + d * d + has_bias(c.attn_qkv_bias) * (d + 2 * d_kv) + has_bias(c.attn_out_bias) * d
     if c.mlp == "swiglu":
-        mlp = 3 * d * c.d_mlp + (c.bias and 2 * c.d_mlp + d)
+        mlp = 3 * d * c.d_mlp + has_bias(c.mlp_bias) * (2 * c.d_mlp + d)
     else:
-        mlp = 2 * d * c.d_mlp + (c.bias and c.d_mlp + d)
+        mlp = 2 * d * c.d_mlp + has_bias(c.mlp_bias) * (c.d_mlp + d)
     total = V * d + L * (attn + mlp + 2 * norm)
     total += T * d if c.positional == "learned" else 0
     total += norm if c.final_norm else 0
     total += 0 if c.tie_embeddings else V * d
+    total += V if c.unembed_bias else 0
     return total
 
 

@@ -60,9 +60,15 @@ def scaled_dot_product_attention(
     training: bool = False,
     scores_hook: HookPoint | None = None,
     pattern_hook: HookPoint | None = None,
+    scale: float | None = None,
 ) -> Float[Tensor, "batch heads q_seq d_head"]:
-    """softmax(q k^T / sqrt(d_head), masked) v — the readable reference for the fused kernel."""
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (batch, heads, q_seq, k_seq)
+    """softmax(q k^T * scale, masked) v — the readable reference for the fused kernel.
+
+    `scale` defaults to 1/sqrt(d_head); some models divide by sqrt(d_model) instead.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = q @ k.transpose(-2, -1) * scale  # (batch, heads, q_seq, k_seq)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     if scores_hook is not None:
@@ -119,15 +125,17 @@ class CausalSelfAttention(nn.Module):
     n_heads / n_kv_heads query heads (n_kv_heads == n_heads is ordinary multi-head attention).
     `d_head` defaults to d_model / n_heads; `qkv_bias` (default: `bias`) switches the q/k/v
     biases apart from the output's (Qwen2 has the first, not the second); `sliding_window` limits
-    each query to its last that-many keys (Mistral).
+    each query to its last that-many keys (Mistral). `scale` multiplies the scores (default
+    1/sqrt(d_head)); `dropout_p` applies to the attention probabilities.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout_p: float,
                  impl: str, rotary: RotaryPositions | None = None, *, d_head: int | None = None,
-                 qkv_bias: bool | None = None, sliding_window: int | None = None):
+                 qkv_bias: bool | None = None, sliding_window: int | None = None, scale: float | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_head or d_model // n_heads
         self.dropout_p, self.impl, self.sliding_window = dropout_p, impl, sliding_window
+        self.scale = 1.0 / math.sqrt(self.d_head) if scale is None else scale
         # One projection makes q, k and v together: one matmul instead of three.
         self.qkv = Linear(d_model, (n_heads + 2 * n_kv_heads) * self.d_head, bias=bias if qkv_bias is None else qkv_bias)
         self.out = Linear(n_heads * self.d_head, d_model, bias=bias)
@@ -179,7 +187,7 @@ class CausalSelfAttention(nn.Module):
         if self.impl == "fast" and not needs_pattern:
             z = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p, is_causal=plain_causal,
-                enable_gqa=self.n_kv_heads != self.n_heads,
+                enable_gqa=self.n_kv_heads != self.n_heads, scale=self.scale,
             )
         else:
             groups = self.n_heads // self.n_kv_heads
@@ -188,7 +196,7 @@ class CausalSelfAttention(nn.Module):
             if plain_causal:
                 mask = causal_mask(seq, seq, device=x.device)
             z = scaled_dot_product_attention(
-                q, k, v, mask, p, self.training, self.hook_attn_scores, self.hook_pattern
+                q, k, v, mask, p, self.training, self.hook_attn_scores, self.hook_pattern, self.scale
             )
         z = self.hook_z(z.transpose(1, 2).to(x.dtype))  # (batch, seq, heads, d_head)
         return self.out(z.reshape(batch, seq, self.n_heads * self.d_head))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -32,7 +33,8 @@ Norm = Literal["layernorm", "rmsnorm"]
 Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
 MLPKind = Literal["mlp", "swiglu"]
 NormPlacement = Literal["pre", "post"]
-Init = Literal["gpt2", "truncated_normal", "xavier"]
+Init = Literal["gpt2", "truncated_normal", "xavier", "torch"]
+AttnScaleBy = Literal["d_head", "d_model"]
 AttentionImpl = Literal["fast", "readable"]
 RopeScaling = Literal["none", "llama3"]
 
@@ -42,9 +44,17 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "activation": ("gelu", "gelu_tanh", "relu", "silu"),
     "mlp": ("mlp", "swiglu"),
     "norm_placement": ("pre", "post"),
-    "init": ("gpt2", "truncated_normal", "xavier"),
+    "init": ("gpt2", "truncated_normal", "xavier", "torch"),
+    "attn_scale_by": ("d_head", "d_model"),
     "impl": ("fast", "readable"),
     "rope_scaling": ("none", "llama3"),
+}
+
+
+# The per-site fields that follow a shorthand field while they are None.
+_SHORTHANDS = {
+    "bias": ("attn_qkv_bias", "attn_out_bias", "mlp_bias", "norm_bias"),
+    "dropout": ("embed_dropout", "attn_dropout", "attn_out_dropout", "mlp_out_dropout"),
 }
 
 
@@ -62,20 +72,33 @@ class ModelConfig:
     positional: Positional = "learned"  # how positions enter: added learned/sinusoidal vectors, or rotary (RoPE)
     rope_theta: float = 10000.0  # RoPE base: larger rotates slower, for longer contexts
     norm: Norm = "layernorm"  # normalisation layer
-    norm_eps: float = 1e-5  # added to the variance inside the norm
+    norm_eps: float = 1e-5  # added to the variance inside the norm (to the std with norm_unbiased_std)
+    norm_unbiased_std: bool = False  # LayerNorm as g*(x-mean)/(unbiased std + eps)+b (seed 002's hand-written norm)
     activation: Activation = "gelu_tanh"  # MLP nonlinearity (gelu_tanh: GPT-2's approximation)
     mlp: MLPKind = "mlp"  # plain two-layer MLP, or gated SwiGLU (Llama)
     norm_placement: NormPlacement = "pre"  # norm before each sublayer (GPT-2, Llama) or after the residual (Vaswani)
     final_norm: bool = True  # a norm before the unembedding
-    bias: bool = True  # biases in the linear layers and norms
+    bias: bool = True  # biases in the linear layers and norms (shorthand for every *_bias site left at None)
     tie_embeddings: bool = True  # the unembedding reuses the token embedding matrix
     scale_embeddings: bool = False  # multiply token embeddings by sqrt(d_model) (Vaswani)
-    dropout: float = 0.0  # on embeddings, attention probabilities and residual outputs
-    init: Init = "gpt2"  # weight initialisation scheme
+    dropout: float = 0.0  # on embeddings, attention probabilities and residual outputs (sites left at None)
+    init: Init = "gpt2"  # weight initialisation scheme (torch: PyTorch's own nn.Linear/nn.Embedding defaults)
+    init_residual_scaling: bool = True  # gpt2 init: divide the std of residual output projections by sqrt(2 n_layers)
     init_std: float = 0.02  # standard deviation of the normal initialisations
     impl: AttentionImpl = "fast"  # fast: PyTorch's fused kernels; readable: every step in plain tensor ops
     d_head: int | None = None  # per-head size; None means d_model // n_heads (Qwen2/Gemma may differ)
     attn_qkv_bias: bool | None = None  # biases on the q, k, v projections; None: follow bias (Qwen2: true)
+    attn_out_bias: bool | None = None  # bias on the attention output projection; None: follow bias
+    mlp_bias: bool | None = None  # biases in the MLP's linear layers; None: follow bias
+    norm_bias: bool | None = None  # shift (bias) in LayerNorms; None: follow bias (RMSNorm never has one)
+    unembed_bias: bool = False  # a bias on the logits (TransformerLens's b_U); not covered by bias
+    attn_scale_by: AttnScaleBy = "d_head"  # attention scores are divided by sqrt of this size (tiny-transformer: d_model)
+    attn_scale: float | None = None  # a fixed multiplier of the attention scores instead; None: from attn_scale_by
+    embed_dropout: float | None = None  # dropout on the summed embeddings; None: dropout
+    attn_dropout: float | None = None  # dropout on the attention probabilities; None: dropout
+    attn_out_dropout: float | None = None  # dropout on the attention output, before the residual add; None: dropout
+    mlp_hidden_dropout: float = 0.0  # dropout on the MLP hidden activations (after the nonlinearity); not covered by dropout
+    mlp_out_dropout: float | None = None  # dropout on the MLP output, before the residual add; None: dropout
     sliding_window: int | None = None  # each query sees at most this many keys, itself included (Mistral)
     rope_scaling: RopeScaling = "none"  # "llama3": Llama 3.1's frequency-dependent stretch of RoPE
     rope_factor: float = 8.0  # llama3 scaling: how much the low frequencies are slowed down
@@ -111,8 +134,15 @@ class ModelConfig:
             raise ValueError(f"rotary positions need an even head size, got d_head={self.d_head}")
         if self.positional == "sinusoidal" and self.d_model % 2 != 0:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        for name in ("dropout", "embed_dropout", "attn_dropout", "attn_out_dropout", "mlp_hidden_dropout",
+                     "mlp_out_dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
+        if self.norm_unbiased_std and self.norm != "layernorm":
+            raise ValueError("norm_unbiased_std is a LayerNorm variant; it needs norm='layernorm'")
+        if self.attn_scale is not None and not self.attn_scale > 0:
+            raise ValueError(f"attn_scale must be positive, got {self.attn_scale}")
         if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
             raise ValueError("norm_eps, rope_theta and init_std must be positive")
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window <= 0):
@@ -124,9 +154,41 @@ class ModelConfig:
             raise ValueError("llama3 rope scaling needs rope_factor >= 1, 0 < rope_low_freq_factor < "
                              "rope_high_freq_factor and a positive rope_original_context")
 
+    def site_bias(self, site: str) -> bool:
+        """Whether `site` (qkv, out, mlp, norm) has biases: its own switch, else `bias`.
+
+        >>> ModelConfig(bias=False, mlp_bias=True).site_bias("mlp"), ModelConfig(bias=False).site_bias("qkv")
+        (True, False)
+        """
+        own = {"qkv": self.attn_qkv_bias, "out": self.attn_out_bias, "mlp": self.mlp_bias, "norm": self.norm_bias}[site]
+        return self.bias if own is None else own
+
+    def site_dropout(self, site: str) -> float:
+        """The dropout rate at `site` (embed, attn, attn_out, mlp_hidden, mlp_out): its own rate, else `dropout`."""
+        own = getattr(self, f"{site}_dropout")
+        return self.dropout if own is None else own
+
+    @property
+    def attn_score_scale(self) -> float:
+        """What q·k is multiplied by before the softmax: attn_scale, else 1/sqrt(d_head or d_model)."""
+        if self.attn_scale is not None:
+            return self.attn_scale
+        return 1.0 / math.sqrt(self.d_head if self.attn_scale_by == "d_head" else self.d_model)
+
     def replace(self, **changes: Any) -> "ModelConfig":
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again).
+
+        `bias` and `dropout` stay shorthands: changing one resets the per-site switches it covers
+        (those not changed in the same call) to follow it.
+
+        >>> cfg = ModelConfig(dropout=0.15, attn_dropout=0.1).replace(dropout=0.0)
+        >>> cfg.site_dropout("attn"), cfg.site_dropout("embed")
+        (0.0, 0.0)
+        """
         checked(ModelConfig, changes, "ModelConfig")
+        for shorthand, sites in _SHORTHANDS.items():
+            if shorthand in changes:
+                changes = {**{site: None for site in sites}, **changes}
         # Fields left at their derived default follow the field they derive from.
         if "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
             changes["n_kv_heads"] = None
@@ -164,6 +226,14 @@ def _llama(**kw: Any) -> ModelConfig:
 def _char(**kw: Any) -> ModelConfig:
     # nanoGPT-style character model: GPT-2 architecture with exact GELU and no biases.
     base: dict[str, Any] = dict(vocab_size=65, activation="gelu", bias=False)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _char_llama(**kw: Any) -> ModelConfig:
+    # A character model with Llama's parts; embeddings stay tied (65 x d_model is most of the vocabulary cost).
+    base: dict[str, Any] = dict(vocab_size=65, positional="rope", norm="rmsnorm", activation="silu", mlp="swiglu",
+                                bias=False, tie_embeddings=True)
     base.update(kw)
     return ModelConfig(**base)
 
@@ -217,13 +287,64 @@ PRESETS: dict[str, Preset] = {
         about="nanoGPT's config/train_shakespeare_char.py",
         recipe=dict(max_steps=5000, batch_size=64, warmup_steps=100, eval_interval=250, eval_iters=200)),
     "shakespeare-char-cpu": Preset(
+        _char_llama(context_length=64, d_model=128, n_layers=4, n_heads=4, d_mlp=336),
+        about="nanoGPT's CPU tiny-Shakespeare size (4 layers, d_model 128, context 64) with Llama parts (RoPE, "
+              "RMSNorm, SwiGLU) and Muon: nanoGPT's best val loss in a third of its time "
+              "(benchmarks/bench_time_to_loss.py)",
+        recipe=dict(optimizer="muon", muon_lr=0.02, lr=3e-3, min_lr=3e-4, beta2=0.95, warmup_steps=50,
+                    max_steps=600, batch_size=16)),
+    "shakespeare-char-cpu-nanogpt": Preset(
         _char(context_length=64, d_model=128, n_layers=4, n_heads=4, dropout=0.0),
         about="nanoGPT's CPU recipe for tiny Shakespeare (TrainConfig's defaults are that recipe)",
         recipe={}),
+    # --- the five seed systems (../shared/seeds), each reproduced exactly: tests/test_seeds.py ---
+    "arena-gpt2": Preset(
+        _gpt2(768, 12, 12).replace(tie_embeddings=False, unembed_bias=True, init_residual_scaling=False),
+        recipe=None,
+        about="seed 000, ARENA's GPT-2 'almost from scratch' (TransformerLens naming): untied W_U with a bias b_U, "
+              "every weight normal(0.02) with no residual scaling. The seed freezes b_U (requires_grad=False); "
+              "here it is an ordinary parameter, so it trains unless you freeze it. No training recipe in the seed"),
+    "lightning-char-gpt": Preset(
+        _char(context_length=256, d_model=384, n_layers=6, n_heads=6, attn_qkv_bias=False, attn_out_bias=False,
+              mlp_bias=True, norm_bias=True, tie_embeddings=False, dropout=0.1),
+        about="seed 001, 'Transformers in a Nutshell' (PyTorch Lightning + W&B): exact GELU, no attention biases, MLP "
+              "and LayerNorm biases, untied bias-free head, GPT-2 init with residual scaling, emb/attn/residual "
+              "dropout. Its printed block normalises the residual stream itself (x = ln1(x); x = x + attn(x)); its "
+              "text says pre-norm (LayerNorm before each sublayer), which this preset follows. The tutorial does "
+              "not print its sizes: these are character-level Shakespeare's usual ones (nanoGPT's). Recipe: plain "
+              "Adam (AdamW with no weight decay), constant learning rate, no gradient clipping (Lightning's default)",
+        recipe=dict(max_steps=5000, batch_size=64, lr=3e-4, min_lr=3e-4, warmup_steps=0, weight_decay=0.0,
+                    grad_clip=0.0, eval_interval=250, eval_iters=200)),
+    "aiayn-decoder-prenorm": Preset(
+        ModelConfig(vocab_size=37000, context_length=512, d_model=512, n_layers=6, n_heads=8, d_mlp=2048,
+                    positional="sinusoidal", norm="layernorm", norm_unbiased_std=True, norm_eps=1e-6, activation="relu",
+                    norm_placement="pre", final_norm=True, attn_qkv_bias=False, attn_out_bias=False, mlp_bias=True,
+                    norm_bias=True, tie_embeddings=False, unembed_bias=True, scale_embeddings=True, dropout=0.1,
+                    mlp_hidden_dropout=0.1, init="xavier"),
+        recipe=None,
+        about="seed 002, a decoder-only 'Attention Is All You Need' model: sqrt(d_model)-scaled embeddings, "
+              "sinusoidal positions, pre-norm with its own LayerNorm (unbiased std + eps), a final norm, bias-free "
+              "attention, ReLU FFN with biases and dropout inside, an untied projection with a bias, Xavier init. "
+              "(vaswani-decoder is the paper's post-norm model.) No training recipe in the seed"),
+    "cs336-lm": Preset(
+        _llama(vocab_size=10000, context_length=256, d_model=512, n_layers=4, n_heads=16, d_mlp=1344,
+               norm_eps=1e-5, rope_theta=10000.0, init="truncated_normal"),
+        recipe=None,
+        about="seed 003, Stanford CS336 assignment 1's TransformerLM: RMSNorm, SwiGLU, interleaved-pair RoPE, "
+              "pre-norm, no biases, untied lm_head, truncated-normal init (std sqrt(2/(fan_in+fan_out)) per matrix, "
+              "embeddings std 1, cut at 3 std); the assignment's TinyStories sizes. No training recipe in the seed"),
     "tiny-transformer": Preset(
         ModelConfig(vocab_size=65, context_length=256, d_model=195, n_layers=5, n_heads=5, activation="relu",
-                    dropout=0.15, norm="layernorm", positional="learned"),
-        recipe=None, about="a 5-layer character model (no tested recipe)"),
+                    norm="layernorm", positional="learned", attn_qkv_bias=False, bias=True, tie_embeddings=False,
+                    unembed_bias=True, attn_scale_by="d_model", dropout=0.15, attn_dropout=0.1,
+                    attn_out_dropout=0.1, init="torch"),
+        about="seed 004, tiny-transformer: character model, 5 blocks x 5 heads, 195 wide, context 256; scores "
+              "scaled by 1/sqrt(d_model); no q/k/v biases, biases elsewhere; lm_head with a bias; dropout 0.1 on "
+              "attention probabilities and output, 0.15 on embeddings and the FFN output; PyTorch's default init. "
+              "Its printed multihead calls head(head_size), which cannot run; the text (head(embeds, block, "
+              "head_size)) is followed. Recipe: the tutorial's batch 64, lr 9e-4, 5000 iterations, eval every 300 "
+              "(optimizer settings it does not state are TrainConfig's)",
+        recipe=dict(max_steps=5000, batch_size=64, lr=9e-4, eval_interval=300)),
 }
 
 DEFAULT_RECIPE = "default"  # the recipe name meaning TrainConfig's own defaults

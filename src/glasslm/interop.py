@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -141,6 +142,12 @@ def family_of(config: ModelConfig) -> Family:
         common.append("no final norm")
     if c.scale_embeddings:
         common.append("scaled embeddings")
+    if c.unembed_bias:
+        common.append("a bias on the logits (unembed_bias)")
+    if c.norm_unbiased_std:
+        common.append("LayerNorm by the unbiased std (norm_unbiased_std)")
+    if not math.isclose(c.attn_score_scale, c.d_head ** -0.5, rel_tol=1e-12):
+        common.append(f"attention scores scaled by {c.attn_score_scale:g}, not 1/sqrt(d_head)")
     if c.positional == "learned":
         problems = list(common)
         if c.norm != "layernorm":

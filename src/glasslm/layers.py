@@ -66,17 +66,27 @@ class Embedding(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """Normalise each vector to zero mean and unit variance, then scale and shift."""
+    """Normalise each vector to zero mean and unit variance, then scale and shift.
 
-    def __init__(self, d_model: int, eps: float = 1e-5, bias: bool = True, impl: str = "readable"):
+    `unbiased_std=True` is the variant some tutorials write by hand (seed 002):
+    (x - mean) / (std + eps) with the unbiased (n - 1) standard deviation, eps outside the root.
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-5, bias: bool = True, impl: str = "readable",
+                 unbiased_std: bool = False):
         super().__init__()
-        self.eps, self.impl = eps, impl
+        self.eps, self.impl, self.unbiased_std = eps, impl, unbiased_std
         self.weight = nn.Parameter(torch.ones(d_model))
         self.bias = nn.Parameter(torch.zeros(d_model)) if bias else None
         self.hook_normalized = HookPoint()
 
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
-        if self.impl == "fast":
+        if self.unbiased_std:  # no fused kernel computes this variant
+            mean = x.mean(dim=-1, keepdim=True)
+            out = self.weight * (x - mean) / (x.std(dim=-1, keepdim=True) + self.eps)
+            if self.bias is not None:
+                out = out + self.bias
+        elif self.impl == "fast":
             out = F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
         else:
             mean = x.mean(dim=-1, keepdim=True)
@@ -109,9 +119,9 @@ class RMSNorm(nn.Module):
         return self.hook_normalized((normed.to(x.dtype) * self.weight).to(x.dtype))
 
 
-def make_norm(kind: str, d_model: int, eps: float, bias: bool, impl: str) -> nn.Module:
+def make_norm(kind: str, d_model: int, eps: float, bias: bool, impl: str, unbiased_std: bool = False) -> nn.Module:
     if kind == "layernorm":
-        return LayerNorm(d_model, eps=eps, bias=bias, impl=impl)
+        return LayerNorm(d_model, eps=eps, bias=bias, impl=impl, unbiased_std=unbiased_std)
     return RMSNorm(d_model, eps=eps, impl=impl)
 
 
@@ -161,10 +171,11 @@ def dropout(x: Tensor, p: float, training: bool, impl: str = "readable") -> Tens
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward: down(act(up(x)))."""
+    """Position-wise feed-forward: down(dropout(act(up(x)))) (the dropout only while training)."""
 
-    def __init__(self, d_model: int, d_mlp: int, act: str, bias: bool, impl: str):
+    def __init__(self, d_model: int, d_mlp: int, act: str, bias: bool, impl: str, hidden_dropout: float = 0.0):
         super().__init__()
+        self.hidden_dropout, self.impl = hidden_dropout, impl
         self.up = Linear(d_model, d_mlp, bias=bias)
         self.down = Linear(d_mlp, d_model, bias=bias)
         self.act = activation(act, impl)
@@ -172,14 +183,16 @@ class MLP(nn.Module):
 
     def forward(self, x: Float[Tensor, "batch seq d_model"]) -> Float[Tensor, "batch seq d_model"]:
         hidden = self.hook_pre(self.up(x))  # (batch, seq, d_mlp)
-        return self.down(self.hook_post(self.act(hidden)))
+        hidden = self.hook_post(self.act(hidden))
+        return self.down(dropout(hidden, self.hidden_dropout, self.training, self.impl))
 
 
 class SwiGLU(nn.Module):
     """Gated feed-forward (Shazeer 2020, used by Llama): down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, d_model: int, d_mlp: int, act: str, bias: bool, impl: str):
+    def __init__(self, d_model: int, d_mlp: int, act: str, bias: bool, impl: str, hidden_dropout: float = 0.0):
         super().__init__()
+        self.hidden_dropout, self.impl = hidden_dropout, impl
         self.gate = Linear(d_model, d_mlp, bias=bias)
         self.up = Linear(d_model, d_mlp, bias=bias)
         self.down = Linear(d_mlp, d_model, bias=bias)
@@ -188,7 +201,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Float[Tensor, "batch seq d_model"]) -> Float[Tensor, "batch seq d_model"]:
         gate = self.hook_pre(self.gate(x))  # (batch, seq, d_mlp)
-        return self.down(self.hook_post(self.act(gate) * self.up(x)))
+        hidden = self.hook_post(self.act(gate) * self.up(x))
+        return self.down(dropout(hidden, self.hidden_dropout, self.training, self.impl))
 
 
 def cross_entropy(

@@ -31,13 +31,16 @@ class Block(nn.Module):
         c = config
         impl = c.impl
         self.pre_norm = c.norm_placement == "pre"
-        self.dropout_p, self.impl = c.dropout, impl
-        self.ln1 = make_norm(c.norm, c.d_model, c.norm_eps, c.bias, impl)
-        self.attn = CausalSelfAttention(c.d_model, c.n_heads, c.n_kv_heads, c.bias, c.dropout, impl, rotary,
-                                        d_head=c.d_head, qkv_bias=c.attn_qkv_bias, sliding_window=c.sliding_window)
-        self.ln2 = make_norm(c.norm, c.d_model, c.norm_eps, c.bias, impl)
+        self.attn_out_dropout, self.mlp_out_dropout = c.site_dropout("attn_out"), c.site_dropout("mlp_out")
+        self.impl = impl
+        self.ln1 = make_norm(c.norm, c.d_model, c.norm_eps, c.site_bias("norm"), impl, c.norm_unbiased_std)
+        self.attn = CausalSelfAttention(
+            c.d_model, c.n_heads, c.n_kv_heads, c.site_bias("out"), c.site_dropout("attn"), impl, rotary,
+            d_head=c.d_head, qkv_bias=c.site_bias("qkv"), sliding_window=c.sliding_window, scale=c.attn_score_scale)
+        self.ln2 = make_norm(c.norm, c.d_model, c.norm_eps, c.site_bias("norm"), impl, c.norm_unbiased_std)
         mlp_class = SwiGLU if c.mlp == "swiglu" else MLP
-        self.mlp = mlp_class(c.d_model, c.d_mlp, c.activation, c.bias, impl)
+        self.mlp = mlp_class(c.d_model, c.d_mlp, c.activation, c.site_bias("mlp"), impl,
+                             hidden_dropout=c.mlp_hidden_dropout)
         self.hook_resid_pre, self.hook_attn_out, self.hook_resid_mid = HookPoint(), HookPoint(), HookPoint()
         self.hook_mlp_out, self.hook_resid_post = HookPoint(), HookPoint()
 
@@ -46,18 +49,23 @@ class Block(nn.Module):
         layer: int = 0, attn_mask: Tensor | None = None,
     ) -> Float[Tensor, "batch seq d_model"]:
         x = self.hook_resid_pre(x)
-        attn_in = self.ln1(x) if self.pre_norm else x
-        attn_out = self.attn(attn_in, positions, kv_cache, layer, attn_mask)
-        attn_out = self.hook_attn_out(dropout(attn_out, self.dropout_p, self.training, self.impl))
-        x = self.hook_resid_mid(x + attn_out)
-        if not self.pre_norm:
-            x = self.ln1(x)
-        mlp_out = self.mlp(self.ln2(x) if self.pre_norm else x)
-        mlp_out = self.hook_mlp_out(dropout(mlp_out, self.dropout_p, self.training, self.impl))
-        x = x + mlp_out
-        if not self.pre_norm:
-            x = self.ln2(x)
+        if self.pre_norm:
+            # GPT-2, Llama: each sublayer reads a normalised copy; the residual stream itself is never normalised.
+            x = self.hook_resid_mid(x + self._attention(self.ln1(x), positions, kv_cache, layer, attn_mask))
+            x = x + self._mlp(self.ln2(x))
+        else:
+            # The original Transformer: add the sublayer's output, then normalise the sum.
+            x = self.ln1(self.hook_resid_mid(x + self._attention(x, positions, kv_cache, layer, attn_mask)))
+            x = self.ln2(x + self._mlp(x))
         return self.hook_resid_post(x)
+
+    def _attention(self, x: Tensor, positions: Tensor, kv_cache: KVCache | None, layer: int,
+                   attn_mask: Tensor | None) -> Tensor:
+        out = self.attn(x, positions, kv_cache, layer, attn_mask)
+        return self.hook_attn_out(dropout(out, self.attn_out_dropout, self.training, self.impl))
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        return self.hook_mlp_out(dropout(self.mlp(x), self.mlp_out_dropout, self.training, self.impl))
 
 
 class TransformerLM(nn.Module):
@@ -78,8 +86,11 @@ class TransformerLM(nn.Module):
             rotary = RotaryPositions.from_config(c)
         self.hook_embed, self.hook_pos_embed = HookPoint(), HookPoint()
         self.blocks = nn.ModuleList(Block(c, rotary) for _ in range(c.n_layers))
-        self.ln_final = make_norm(c.norm, c.d_model, c.norm_eps, c.bias, c.impl) if c.final_norm else None
+        self.ln_final = (make_norm(c.norm, c.d_model, c.norm_eps, c.site_bias("norm"), c.impl, c.norm_unbiased_std)
+                         if c.final_norm else None)
         self.unembed = None if c.tie_embeddings else Linear(c.d_model, c.vocab_size, bias=False)
+        # A bias on the logits (TransformerLens's b_U), kept apart from `unembed` so a tied model can have one too.
+        self.unembed_bias = nn.Parameter(torch.zeros(c.vocab_size)) if c.unembed_bias else None
         init_weights(self, c)
 
     def forward(
@@ -114,18 +125,23 @@ class TransformerLM(nn.Module):
             x = x * math.sqrt(c.d_model)
         if self.pos_embed is not None:
             x = x + self.hook_pos_embed(self.pos_embed(positions))  # broadcast over batch
-        x = dropout(x, c.dropout, self.training, c.impl)
+        x = dropout(x, c.site_dropout("embed"), self.training, c.impl)
         for layer, block in enumerate(self.blocks):
             x = block(x, positions, kv_cache, layer, attn_mask)
         if kv_cache is not None:
             kv_cache.advance(seq)
         if last_logits_only:
             x = x[:, -1:]
-        if self.ln_final is not None:
-            x = self.ln_final(x)
+        return self.logits(x)
+
+    def logits(self, resid: Float[Tensor, "*any d_model"]) -> Float[Tensor, "*any vocab"]:
+        """Final norm and unembedding of residual-stream vectors (also what the logit lens reads)."""
+        x = self.ln_final(resid) if self.ln_final is not None else resid
         if self.unembed is None:  # tied: the embedding table read backwards
-            return x @ self.embed.weight.T  # (batch, out_seq, vocab)
-        return self.unembed(x)  # (batch, out_seq, vocab)
+            logits = x @ self.embed.weight.T
+        else:
+            logits = self.unembed(x)  # a Linear, or an Int8Linear once quantized
+        return logits if self.unembed_bias is None else logits + self.unembed_bias
 
     def check_tokens(self, tokens: Tensor) -> None:
         if not isinstance(tokens, Tensor) or tokens.dim() != 2:
@@ -160,34 +176,71 @@ class TransformerLM(nn.Module):
         for name, p in self.named_parameters():
             parts = name.split(".")
             key = f"{parts[0]}.*.{parts[2]}" if parts[0] == "blocks" else parts[0]
+            key = "unembed" if key == "unembed_bias" else key  # the logits' bias belongs to the unembedding
             counts[key] += p.numel()
         return dict(counts)
 
 
+def _fan_slices(name: str, module: Linear, config: ModelConfig) -> list[slice]:
+    """Row ranges of `module.weight` that are separate matrices in the maths.
+
+    The fused q/k/v projection is three matrices (Q, K, V) stacked; fan-based schemes (Xavier,
+    truncated normal) must see each one's own fan-out, not the stack's.
+    """
+    if name.endswith("attn.qkv"):
+        d_q, d_kv = config.n_heads * config.d_head, config.n_kv_heads * config.d_head
+        return [slice(0, d_q), slice(d_q, d_q + d_kv), slice(d_q + d_kv, d_q + 2 * d_kv)]
+    return [slice(0, module.weight.shape[0])]
+
+
+@torch.no_grad()
 def init_weights(model: TransformerLM, config: ModelConfig) -> None:
-    """Initialise every weight by the config's scheme (norms start at scale 1, shift 0)."""
+    """Initialise every weight by the config's scheme (norms start at scale 1, shift 0).
+
+    gpt2: normal(init_std), residual output projections / sqrt(2 n_layers) if init_residual_scaling;
+    truncated_normal (CS336): std sqrt(2 / (fan_in + fan_out)) cut at 3 std, embeddings std 1;
+    xavier: Xavier-uniform matrices; torch: what nn.Linear / nn.Embedding start with.
+    """
+    c = config
     for name, module in model.named_modules():
         if isinstance(module, Linear):
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
             w = module.weight
-            if config.init == "gpt2":
-                std = config.init_std
+            d_in = w.shape[1]
+            if module.bias is not None:
+                if c.init == "torch":  # nn.Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+                    nn.init.uniform_(module.bias, -d_in ** -0.5, d_in ** -0.5)
+                else:
+                    nn.init.zeros_(module.bias)
+            if c.init == "gpt2":
+                std = c.init_std
                 # Residual outputs add up over 2 per layer; scaling keeps the stream's variance flat.
-                if name.endswith(("attn.out", "mlp.down")):
-                    std /= math.sqrt(2 * config.n_layers)
+                if c.init_residual_scaling and name.endswith(("attn.out", "mlp.down")):
+                    std /= math.sqrt(2 * c.n_layers)
                 nn.init.normal_(w, mean=0.0, std=std)
-            elif config.init == "truncated_normal":
-                d_out, d_in = w.shape
-                std = math.sqrt(2.0 / (d_in + d_out))
-                nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            elif c.init == "torch":
+                nn.init.kaiming_uniform_(w, a=math.sqrt(5))  # nn.Linear's reset_parameters
             else:
-                nn.init.xavier_uniform_(w)
+                for rows in _fan_slices(name, module, c):
+                    part = w[rows]  # a view: initialising it initialises those rows of w
+                    d_out = part.shape[0]
+                    if c.init == "truncated_normal":
+                        std = math.sqrt(2.0 / (d_in + d_out))
+                        nn.init.trunc_normal_(part, mean=0.0, std=std, a=-3 * std, b=3 * std)
+                    else:
+                        nn.init.xavier_uniform_(part)
         elif isinstance(module, (Embedding, LearnedPositions)):
-            if config.init == "gpt2":
-                nn.init.normal_(module.weight, mean=0.0, std=config.init_std)
-            elif config.init == "truncated_normal":
+            if c.init == "gpt2":
+                nn.init.normal_(module.weight, mean=0.0, std=c.init_std)
+            elif c.init == "truncated_normal":
                 nn.init.trunc_normal_(module.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
+            elif c.init == "torch":
+                nn.init.normal_(module.weight, mean=0.0, std=1.0)  # nn.Embedding's default
             else:
                 # Scaled embeddings (x sqrt(d_model)) need rows of norm ~1 to start at unit scale.
-                nn.init.normal_(module.weight, mean=0.0, std=config.d_model ** -0.5)
+                nn.init.normal_(module.weight, mean=0.0, std=c.d_model ** -0.5)
+    if model.unembed_bias is not None:
+        d_in = c.d_model
+        if c.init == "torch":  # as nn.Linear(d_model, vocab) would start its bias
+            nn.init.uniform_(model.unembed_bias, -d_in ** -0.5, d_in ** -0.5)
+        else:
+            nn.init.zeros_(model.unembed_bias)
