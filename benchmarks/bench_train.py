@@ -4,7 +4,7 @@ Every variant runs the same full training step (batch sampling, forward, loss, b
 AdamW, zero_grad). Variants are interleaved round by round, so a noisy neighbour slows all of them
 alike; we report the median step time over all timed steps and the ratio to the reference.
 
-    PYTHONPATH=src python benchmarks/bench_train.py                       # shakespeare-char-cpu table
+    PYTHONPATH=src python benchmarks/bench_train.py                       # shakespeare-char-cpu-nanogpt table (GPT-2 shape, equal maths)
     PYTHONPATH=src python benchmarks/bench_train.py --preset shakespeare-char --batch-size 8 --steps 3
     PYTHONPATH=src python benchmarks/bench_train.py --matmul-only
     PYTHONPATH=src python benchmarks/bench_train.py --profile             # top ops of one glasslm step
@@ -199,7 +199,7 @@ def _shakespeare(data_dir: str | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="shakespeare-char-cpu")
+    parser.add_argument("--preset", default="shakespeare-char-cpu-nanogpt")
     parser.add_argument("--variants", default="ref-fp32,fast-fp32,readable-fp32,ref-bf16,fast-bf16,readable-bf16,llama-fp32,llama-bf16")
     parser.add_argument("--batch-size", type=int, default=12)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant per round")

@@ -101,7 +101,9 @@ def test_torchrun_cli_trains_and_resumes(tmp_path):
     corpus.write_text("all the world's a stage, and all the men and women merely players\n" * 100)
     common = ["--data", str(corpus), "--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--context-length", "16",
               "--eval-interval", "5", "--eval-iters", "2", "--log-interval", "1", "--progress", "false",
-              "--sample-tokens", "0", "--lr-decay-steps", "20", "--warmup-steps", "2"]
+              "--sample-tokens", "0", "--lr-decay-steps", "20", "--warmup-steps", "2",
+              # The default recipe's Muon: in float32, as bf16 would turn the all-reduce's rounding into 1e-4 differences.
+              "--muon-ns-dtype", "float32"]
     output = torchrun([*common, "--batch-size", "3", "--max-steps", "10", "--out", str(tmp_path / "ddp")])
     assert output.count("done: val loss") == 1, "only rank 0 prints"
     assert "2 processes" in output

@@ -162,7 +162,7 @@ def test_sentencepiece_tokenizer_model(tmp_path, shakespeare_text, monkeypatch):
 @torch.no_grad()
 def test_exported_char_model_has_its_tokenizer_and_no_special_ids(tmp_path, shakespeare_text):
     tokenizer = CharTokenizer.from_text(shakespeare_text)
-    model = TransformerLM(get_preset("shakespeare-char-cpu", n_layers=1, vocab_size=tokenizer.vocab_size)).eval()
+    model = TransformerLM(get_preset("shakespeare-char-cpu-nanogpt", n_layers=1, vocab_size=tokenizer.vocab_size)).eval()
     out = export_hf(model, tmp_path / "hf", tokenizer, {"data": "tinyshakespeare", "step": 5000, "val_loss": 1.4697},
                     zero_biases=True)
     auto = AutoTokenizer.from_pretrained(out)
@@ -192,7 +192,7 @@ def test_exported_llama_names_the_trained_bpe_end_of_text(tmp_path, shakespeare_
 
 ROUND_TRIP = {
     "gpt2-biases": dict(preset="gpt2-small", n_layers=1, d_model=32, n_heads=4, context_length=32),
-    "char-bias-free": dict(preset="shakespeare-char-cpu", n_layers=1),
+    "char-bias-free": dict(preset="shakespeare-char-cpu-nanogpt", n_layers=1),
     "llama": dict(preset="llama-tiny", n_layers=1),
     "llama-biases": dict(preset="llama-tiny", n_layers=1, bias=True),
     "qwen2-like": dict(preset="llama-tiny", n_layers=1, attn_qkv_bias=True, d_head=24, tie_embeddings=True),

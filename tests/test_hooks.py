@@ -12,7 +12,7 @@ from glasslm.config import get_preset
 from glasslm.hooks import hook_names, logit_lens, run_with_cache, run_with_hooks, unembed
 from glasslm.model import TransformerLM
 
-PRESETS = ["shakespeare-char-cpu", "llama-tiny"]
+PRESETS = ["shakespeare-char-cpu-nanogpt", "shakespeare-char-cpu", "llama-tiny"]
 
 
 def small_model(preset: str, impl: str = "fast") -> TransformerLM:

@@ -148,7 +148,7 @@ def test_sharded_safetensors_and_pytorch_bin(tmp_path):
 
 @torch.no_grad()
 def test_bias_free_gpt2_shaped_model_exports_only_with_explicit_zero_biases(tmp_path):
-    model = TransformerLM(get_preset("shakespeare-char-cpu", n_layers=2)).eval()
+    model = TransformerLM(get_preset("shakespeare-char-cpu-nanogpt", n_layers=2)).eval()
     with pytest.raises(UnsupportedModelError, match="GPT-2 always has biases.*zero-biases"):
         export_hf(model, tmp_path / "refused")
     exported = export_hf(model, tmp_path / "hf", zero_biases=True)
@@ -240,9 +240,9 @@ def test_export_outside_both_families_is_refused(tmp_path):
 
 def test_export_refuses_post_norm_and_gqa_gpt2(tmp_path):
     with pytest.raises(UnsupportedModelError, match="post-norm"):
-        export_hf(TransformerLM(get_preset("shakespeare-char-cpu", n_layers=1, norm_placement="post")), tmp_path)
+        export_hf(TransformerLM(get_preset("shakespeare-char-cpu-nanogpt", n_layers=1, norm_placement="post")), tmp_path)
     with pytest.raises(UnsupportedModelError, match="grouped-query"):
-        export_hf(TransformerLM(get_preset("shakespeare-char-cpu", n_layers=1, n_kv_heads=2)), tmp_path)
+        export_hf(TransformerLM(get_preset("shakespeare-char-cpu-nanogpt", n_layers=1, n_kv_heads=2)), tmp_path)
 
 
 # --- one loader for both kinds of directory --------------------------------------------------------

@@ -9,7 +9,9 @@ from torch import nn
 
 from glasslm.config import get_preset
 from glasslm.model import TransformerLM
-from glasslm.optim import AdamW, Muon, clip_grad_norm, cosine_schedule, make_optimizer, muon_param_groups
+from glasslm.optim import (
+    AdamW, Muon, clip_grad_norm, cosine_schedule, make_optimizer, muon_param_groups, newton_schulz,
+)
 from glasslm.train import TrainConfig
 
 
@@ -160,3 +162,24 @@ def test_cosine_schedule_boundaries_follow_the_closed_form():
     assert cosine_schedule(end, lr, min_lr, warmup, end) == pytest.approx(min_lr)
     assert cosine_schedule(end + 50, lr, min_lr, warmup, end) == min_lr
     assert cosine_schedule(0, lr, min_lr, 0, end) == lr  # no warmup: the cosine starts at the peak
+
+
+def test_batched_newton_schulz_equals_one_matrix_at_a_time():
+    g = torch.Generator().manual_seed(7)
+    stack = torch.randn(3, 12, 5, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        batched = newton_schulz(stack, dtype=dtype).float()
+        single = torch.stack([newton_schulz(m, dtype=dtype).float() for m in stack])
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: different kernels round differently
+        torch.testing.assert_close(batched, single, atol=tol, rtol=0)
+
+
+def test_fast_muon_batches_same_shaped_matrices_and_stays_close_to_readable():
+    shapes = ((16, 8), (16, 8), (8, 16), (8,))
+    readable, fast = _params(8, shapes), _params(8, shapes)
+
+    def groups(ps):
+        return [dict(params=ps[:3]), dict(params=ps[3:], use_muon=False)]
+    _run(readable, Muon(groups(readable), lr=0.02, ns_dtype="float32"), 100)
+    _run(fast, Muon(groups(fast), lr=0.02, ns_dtype="float32", fused=True), 100)
+    assert max((a - b).abs().max().item() for a, b in zip(readable, fast)) <= 1e-4

@@ -175,7 +175,8 @@ def test_checkpoints_of_the_previous_version_load_and_resume(tmp_path, capsys):
     chars = "".join(sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")))  # 52 characters
     text.write_text((chars + "\n")[:52] * 60)
     run = tmp_path / "run"
-    assert main(["train", "--data", str(text), "--out", str(run), "--max-steps", "4", "--eval-interval", "2",
+    assert main(["train", "--preset", "shakespeare-char-cpu-nanogpt", "--data", str(text), "--out", str(run),
+                 "--max-steps", "4", "--eval-interval", "2",
                  "--eval-iters", "1", "--n-layers", "1", "--d-model", "16", "--n-heads", "2", "--context-length",
                  "16", "--batch-size", "2", "--no-progress", "--sample-tokens", "0"]) == 0
     ckpt = run / "ckpt-000004"

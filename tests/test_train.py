@@ -57,7 +57,7 @@ def test_lr_schedule_midpoint_and_known_values():
 # ----- optimizer -----
 
 def test_weight_decay_only_on_matrices_unless_embeddings_asked_for():
-    model = TransformerLM(get_preset("shakespeare-char-cpu", **TINY, bias=True))
+    model = TransformerLM(get_preset("shakespeare-char-cpu-nanogpt", **TINY, bias=True))
     names = {id(p): n for n, p in model.named_parameters()}
     opt = make_optimizer(model, cfg(weight_decay=0.1))
     decayed = {names[id(p)] for p in opt.param_groups[0]["params"]}

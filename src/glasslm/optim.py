@@ -99,9 +99,9 @@ class AdamW(torch.optim.Optimizer):
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: steepest slope at 0 that still settles
 
 
-def newton_schulz(matrix: Float[Tensor, "rows cols"], steps: int = 5,
+def newton_schulz(matrix: Float[Tensor, "*batch rows cols"], steps: int = 5,
                   coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = 1e-7,
-                  dtype: torch.dtype = torch.bfloat16) -> Float[Tensor, "rows cols"]:
+                  dtype: torch.dtype = torch.bfloat16) -> Float[Tensor, "*batch rows cols"]:
     """Approximately the nearest semi-orthogonal matrix to `matrix` (U V^T of its SVD U S V^T).
 
     Each step maps X to a X + b (X X^T) X + c (X X^T)^2 X, a polynomial that pushes every singular
@@ -109,6 +109,7 @@ def newton_schulz(matrix: Float[Tensor, "rows cols"], steps: int = 5,
     singular values in [0, 1], where the iteration works. It runs on the short side (X X^T is
     rows x rows, so transpose a tall matrix) and in `dtype` (bfloat16 as torch and modded-nanogpt
     do: the result is only approximately orthogonal anyway, singular values land in ~[0.7, 1.2]).
+    A stack of same-shaped matrices (batch, rows, cols) is done in one batched matmul per product.
 
     >>> q = newton_schulz(torch.randn(4, 16, generator=torch.Generator().manual_seed(0)), dtype=torch.float32)
     >>> bool(torch.linalg.svdvals(q).sub(1).abs().max() < 0.35)
@@ -116,15 +117,16 @@ def newton_schulz(matrix: Float[Tensor, "rows cols"], steps: int = 5,
     """
     a, b, c = coefficients
     x = matrix.to(dtype)
-    tall = matrix.size(0) > matrix.size(1)
+    tall = matrix.size(-2) > matrix.size(-1)
     if tall:
-        x = x.T
-    x = x.div_(x.norm().clamp(min=eps))
+        x = x.mT
+    x = x.div_(x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
+    add_product = torch.addmm if x.dim() == 2 else torch.baddbmm  # beta * m + alpha * (p @ q), one kernel
     for _ in range(steps):
-        gram = x @ x.T  # (short, short)
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b * gram + c * gram @ gram
-        x = torch.addmm(x, poly, x, beta=a)  # a * x + poly @ x
-    return x.T if tall else x
+        gram = x @ x.mT  # (short, short)
+        poly = add_product(gram, gram, gram, beta=b, alpha=c)  # b * gram + c * gram @ gram
+        x = add_product(x, poly, x, beta=a)  # a * x + poly @ x
+    return x.mT if tall else x
 
 
 class Muon(torch.optim.Optimizer):
@@ -199,13 +201,21 @@ class Muon(torch.optim.Optimizer):
         param.mul_(1 - group["lr"] * group["weight_decay"])
         param.add_(ortho, alpha=-group["lr"] * math.sqrt(max(1.0, rows / cols)))
 
+    def _batched_muon(self, params: list[Tensor], group: dict[str, Any]) -> None:
+        """`_muon_update` for several same-shaped matrices at once (the fast path)."""
+        momentum, grads = group["momentum"], [p.grad for p in params]
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        updates = torch.stack([g.lerp(b, momentum) for g, b in zip(grads, bufs)] if group["nesterov"] else bufs)
+        ortho = newton_schulz(updates, group["ns_steps"], NS_COEFFICIENTS, group["ns_eps"],
+                              getattr(torch, group["ns_dtype"]))
+        rows, cols = params[0].shape
+        torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+        torch._foreach_add_(params, list(ortho.to(params[0].dtype).unbind(0)), alpha=-group["lr"] * math.sqrt(max(1.0, rows / cols)))
+
     def _fused_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
         """The same update through torch's kernels (same state names, so checkpoints interchange)."""
         if not params:
-            return
-        if group["use_muon"] and group["ns_dtype"] != "bfloat16":  # torch's Newton–Schulz is bf16 only
-            for p in params:
-                self._muon_update(p, group)
             return
         for p in params:  # state as torch keeps it (the readable path makes the same on first use)
             if not self.state[p]:
@@ -218,10 +228,20 @@ class Muon(torch.optim.Optimizer):
         if group["use_muon"]:
             from torch.optim._muon import muon
 
-            muon(params, [p.grad for p in params], [s["momentum_buffer"] for s in states], lr=group["lr"],
-                 weight_decay=group["weight_decay"], momentum=group["momentum"], nesterov=group["nesterov"],
-                 ns_coefficients=NS_COEFFICIENTS, ns_steps=group["ns_steps"], eps=group["ns_eps"],
-                 adjust_lr_fn=None, has_complex=False)
+            by_shape: dict[tuple[int, ...], list[Tensor]] = {}
+            for p in params:
+                by_shape.setdefault(tuple(p.shape), []).append(p)
+            for same in by_shape.values():
+                if len(same) > 1:  # one batched Newton–Schulz for all matrices of a shape: far fewer small matmuls
+                    self._batched_muon(same, group)
+                    continue
+                if group["ns_dtype"] != "bfloat16":  # torch's Newton–Schulz is bf16 only
+                    self._muon_update(same[0], group)
+                    continue
+                muon(same, [p.grad for p in same], [self.state[p]["momentum_buffer"] for p in same],
+                     lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
+                     nesterov=group["nesterov"], ns_coefficients=NS_COEFFICIENTS, ns_steps=group["ns_steps"],
+                     eps=group["ns_eps"], adjust_lr_fn=None, has_complex=False)
         else:
             from torch.optim.adamw import adamw
 
