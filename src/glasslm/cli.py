@@ -270,6 +270,43 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_runtime_options(p: argparse.ArgumentParser, quantize: bool = True) -> None:
+    """--threads, --dtype and (for inference) --quantize, the same on every command that computes."""
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads (0: automatic: 1 for models under 20M parameters, which decode fastest on one "
+                        "thread, else one per core)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                   help="weights' dtype (default float32; auto: bfloat16 on CUDA and on CPUs with bf16 units)")
+    if quantize:
+        p.add_argument("--quantize", default="none", choices=["none", "int8"],
+                       help="weight-only int8 for the Linear layers (a quarter of fp32's bytes; default: none)")
+
+
+def _prepare_model(model: Any, args: argparse.Namespace, decoding: bool = False) -> Any:
+    """Apply --threads, --dtype and --quantize to a loaded model; threads are set here, in the CLI only."""
+    import torch
+
+    from .runtime import decode_threads, default_dtype, warn_if_slow_dtype
+
+    device = next(model.parameters()).device.type
+    dtype = default_dtype(device) if args.dtype == "auto" else args.dtype
+    warn_if_slow_dtype(dtype, device)
+    if device == "cpu":
+        threads = args.threads or (decode_threads(model.num_parameters()) if decoding else 0)
+        if threads:
+            torch.set_num_threads(threads)
+    model = model.to(getattr(torch, dtype)).eval()
+    if getattr(args, "quantize", "none") == "int8":
+        from .quantize import quantize_int8
+
+        quantize_int8(model)
+    elif decoding:
+        from .generate import optimize_for_decoding
+
+        optimize_for_decoding(model)
+    return model
+
+
 DEVICE_HELP = "auto (the best available: cuda, else mps, else cpu), cpu, cuda, cuda:N or mps (default: auto)"
 
 
@@ -295,7 +332,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
     import torch
 
-    from .generate import TextStreamer, generate_tokens, optimize_for_decoding
+    from .generate import TextStreamer, generate_tokens
     from .interop import load_model
 
     config = GenerationConfig(**given_options(args, GenerationConfig))  # its defaults are the command's
@@ -303,8 +340,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
     model, tokenizer = load_model(args.checkpoint, device=_device(args.device))
     if tokenizer is None:
         raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
-    model = model.to(getattr(torch, args.dtype)).eval()
-    optimize_for_decoding(model)
+    model = _prepare_model(model, args, decoding=True)
 
     def respond(prompt: str, echo: bool) -> None:
         # An empty prompt starts from a newline, the most neutral context a text model knows.
@@ -369,7 +405,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from .interop import load_model
 
     model, tokenizer = load_model(args.checkpoint, device=_device(args.device))  # glasslm or HF directory
-    model = model.to(getattr(torch, args.dtype))
+    model = _prepare_model(model, args)
     # The split rule is training's: prepared datasets hold it in their files, text files are cut
     # by data.split_offset (validation from the first line start at or after 90% of the bytes).
     if is_prepared(args.data):
@@ -493,6 +529,10 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     from .inspection import draw_attention, draw_logit_lens
     from .interop import load_model
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.checkpoint, device=_device(args.device))
     if args.what == "attention":
         path = draw_attention(model, tokenizer, args.prompt, args.layer, args.head, args.out)
@@ -502,9 +542,6 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    import torch
-
-    from .generate import optimize_for_decoding
     from .interop import load_model
 
     try:
@@ -512,15 +549,29 @@ def cmd_serve(args: argparse.Namespace) -> None:
         import fastapi, uvicorn  # noqa: F401
     except ImportError:
         raise RuntimeError("serving needs fastapi and uvicorn: pip install fastapi uvicorn") from None
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.checkpoint, device=args.device)
     if tokenizer is None:
         raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
-    model = optimize_for_decoding(model.to(getattr(torch, args.dtype)).eval())
+    model = _prepare_model(model, args, decoding=True)
     name = args.name or Path(args.checkpoint).resolve().name
     serve(model, tokenizer, args.host, args.port, name, args.max_batch, args.max_queue, args.max_tokens_limit,
           args.grace, args.log_level)
+
+
+def cmd_quantize(args: argparse.Namespace) -> None:
+    from .checkpoint import save_checkpoint
+    from .interop import load_model
+    from .quantize import quantize_int8
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise ValueError(f"{out} is not empty; pass --overwrite to replace it")
+    model, tokenizer = load_model(args.checkpoint, device="cpu")
+    before = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    quantize_int8(model)
+    after = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    save_checkpoint(out, model, tokenizer, {"quantization": args.method, "quantized_from": str(args.checkpoint)})
+    print(f"wrote {out}: {args.method} weights, {after / 1e6:.1f} MB (was {before / 1e6:.1f} MB)")
 
 
 def cmd_train_tokenizer(args: argparse.Namespace) -> None:
@@ -599,8 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep the model loaded and answer each line of stdin until EOF (default: off)")
     add_options(p, GenerationConfig, "sampling", skip={"logprobs", "pad_token"},
                 aliases={"stop_strings": ["--stop"], "stop_tokens": ["--stop-token"]})
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weights' dtype for decoding (default: float32)")
+    _add_runtime_options(p)
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.set_defaults(func=cmd_sample)
 
@@ -619,7 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=_positive_int, default=None, help="score at most N tokens (from the split's start)")
     p.add_argument("--max-chars", type=_positive_int, default=None, help="score only the first N characters")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _add_runtime_options(p)
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.set_defaults(func=cmd_eval)
 
@@ -663,6 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--prompt", required=True)
         q.add_argument("--out", required=True, help="PNG file to write")
         q.add_argument("--device", default="auto", help=DEVICE_HELP)
+        q.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default, one per core)")
         if name == "attention":
             q.add_argument("--layer", type=int, required=True)
             q.add_argument("--head", type=int, required=True)
@@ -678,13 +729,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens a request may ask for")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _add_runtime_options(p)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads for the model (0: torch's default, one per core); small models on a busy CPU "
-                        "decode fastest with 1")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("quantize", help="write a weight-only int8 copy of a checkpoint (for generate/eval/serve)")
+    p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or run directory, or Hugging Face model directory")
+    p.add_argument("--out", required=True, help="directory for the quantized checkpoint")
+    p.add_argument("--method", default="int8", choices=["int8"], help="per-channel weight-only int8 (default)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (else refused)")
+    p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("train-tokenizer", help="train a byte-level BPE vocabulary on text files")
     p.add_argument("inputs", nargs="+", help="UTF-8 text files or dataset names")
