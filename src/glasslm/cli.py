@@ -10,6 +10,7 @@
     glasslm info --preset gpt2-small --context-length 1024
     glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2
     glasslm convert --to-hf --checkpoint runs/gpt2 --out runs/exported-gpt2
+    glasslm convert --from nanogpt --checkpoint out/ckpt.pt --out runs/nano
     glasslm inspect attention --checkpoint runs/shakespeare --prompt "ROMEO:" --layer 0 --head 1 --out runs/attn.png
     glasslm inspect logit-lens --checkpoint runs/shakespeare --prompt "ROMEO:" --out runs/lens.png
 """
@@ -27,6 +28,7 @@ from typing import Any
 
 from . import __version__
 from .config import PRESETS, ModelConfig, get_preset, get_recipe
+from .formats import FORMATS
 from .generate import GenerationConfig
 from .schema import ArgumentParser, HelpFormatter, add_options, checked, did_you_mean, given_options, read_settings_file
 from .train import TrainConfig
@@ -494,7 +496,17 @@ def cmd_convert(args: argparse.Namespace) -> None:
     from .data import check_output_dir
     from .interop import checkpoint_summary, export_hf, import_hf, hf_tokenizer, load_model
 
-    if args.from_hf:
+    if args.from_format:
+        from .formats import load_foreign
+
+        if not args.checkpoint:
+            raise ValueError(f"--from {args.from_format} needs --checkpoint FILE (the file that code saved)")
+        check_output_dir(args.out, args.overwrite, inputs=[args.checkpoint], what="checkpoint")
+        given = {"n_heads": args.n_heads, "context_length": args.context_length}
+        model = load_foreign(args.checkpoint, args.from_format, **{k: v for k, v in given.items() if v is not None})
+        save_checkpoint(args.out, model, None, {"converted_from": f"{args.from_format}:{args.checkpoint}"})
+        print(f"{args.checkpoint} ({args.from_format}) -> {args.out} ({model.num_parameters():,} parameters)")
+    elif args.from_hf:
         check_output_dir(args.out, args.overwrite, inputs=[args.from_hf], what="checkpoint")
         model = import_hf(args.from_hf, context_length=args.context_length)
         tokenizer = hf_tokenizer(args.from_hf)
@@ -676,10 +688,16 @@ def build_parser() -> argparse.ArgumentParser:
     direction.add_argument("--from-hf", metavar="DIR",
                            help="an HF GPT-2 / Llama / Mistral / Qwen2 directory, or a hub name in the local HF cache")
     direction.add_argument("--to-hf", action="store_true", help="export --checkpoint as an HF directory")
-    p.add_argument("--checkpoint", help="glasslm checkpoint to export (with --to-hf)")
+    direction.add_argument("--from", dest="from_format", choices=list(FORMATS),
+                           help="import the --checkpoint file another codebase saved (nanoGPT ckpt.pt, a "
+                                "TransformerLens/ARENA, CS336 or seed 001/002/004 state dict); no pickled code runs")
+    p.add_argument("--checkpoint", help="glasslm checkpoint to export (with --to-hf), or the file to import (with --from)")
+    p.add_argument("--n-heads", type=_positive_int, default=None,
+                   help="--from cs336/seed001/seed002: the number of heads (their files do not record it)")
     p.add_argument("--out", required=True, help="where to write the converted model")
     p.add_argument("--context-length", type=_positive_int, default=None,
-                   help="Llama only: context length to use instead of max_position_embeddings")
+                   help="Llama: context length to use instead of max_position_embeddings; --from cs336: the "
+                        "context length (default: the cs336-lm preset's)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (else refused)")
     p.add_argument("--zero-biases", action="store_true",
                    help="--to-hf of a bias-free GPT-2-shaped model: write exact zero biases (HF GPT-2 always has "
