@@ -273,13 +273,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def _add_runtime_options(p: argparse.ArgumentParser, quantize: bool = True) -> None:
     """--threads, --dtype and (for inference) --quantize, the same on every command that computes."""
     p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads (0: automatic: 1 for models under 20M parameters, which decode fastest on one "
-                        "thread, else one per core)")
+                   help="CPU threads; 0 is automatic: 1 for models under 20M parameters, which decode fastest on "
+                        "one thread, else one per core (default: 0)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
-                   help="weights' dtype (default float32; auto: bfloat16 on CUDA and on CPUs with bf16 units)")
+                   help="weights' dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units (default: float32)")
     if quantize:
         p.add_argument("--quantize", default="none", choices=["none", "int8"],
-                       help="weight-only int8 for the Linear layers (a quarter of fp32's bytes; default: none)")
+                       help="weight-only int8 for the Linear layers, a quarter of fp32's bytes (default: none)")
 
 
 def _prepare_model(model: Any, args: argparse.Namespace, decoding: bool = False) -> Any:
@@ -713,7 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--prompt", required=True)
         q.add_argument("--out", required=True, help="PNG file to write")
         q.add_argument("--device", default="auto", help=DEVICE_HELP)
-        q.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default, one per core)")
+        q.add_argument("--threads", type=int, default=0, help="CPU threads; 0 leaves torch's choice (default: 0)")
         if name == "attention":
             q.add_argument("--layer", type=int, required=True)
             q.add_argument("--head", type=int, required=True)
