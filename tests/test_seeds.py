@@ -212,3 +212,35 @@ def test_convert_from_the_command_line(tmp_path, capsys):
     assert main(["convert", "--from", "cs336", "--checkpoint", str(tmp_path / "cs336.pt"), "--out",
                  str(tmp_path / "b")]) != 0
     assert "pass n_heads (--n-heads)" in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
+def test_recompute_window_is_seed_004s_autocomplete(tmp_path):
+    """Past the context, window="recompute" re-runs the last context_length tokens every step."""
+    torch.manual_seed(0)
+    seed = sm.randomize_(sm.Seed004Model(vocab_size=65, block_size=8, embeds_size=20, num_heads=2, num_layers=2))
+    torch.save(seed.state_dict(), tmp_path / "tiny.pt")
+    ours = load_foreign(tmp_path / "tiny.pt", "seed004")
+    prompt = [3, 1, 4, 1, 5]
+    expected = seed.eval().autocomplete_greedy(torch.tensor([prompt]), 20)[0, len(prompt):].tolist()
+    got = generate(ours, [prompt], max_new_tokens=20, temperature=0, window="recompute")[0].tokens
+    assert got == expected
+    # The default cache-refill window is a different (cheaper) approximation past the context.
+    refill = generate(ours, [prompt], max_new_tokens=20, temperature=0)[0].tokens
+    assert refill[:4] == expected[:4]  # identical while everything fits in the context
+
+
+def test_readme_seed_table_is_true():
+    """Each row of the README's seed table: the preset exists, has that count, and that recipe status."""
+    from glasslm.config import PRESETS
+    from glasslm.formats import FORMATS
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    rows = [line.split("|")[1:-1] for line in readme.splitlines() if line.startswith("| 00")]
+    assert [r[0].split()[0] for r in rows] == ["000", "001", "002", "003", "004"]
+    for _seed, preset, count, recipe, fmt in rows:
+        name, fmt = preset.strip().strip("`"), fmt.strip().strip("`")
+        with torch.device("meta"):
+            params = TransformerLM(get_preset(name)).num_parameters()
+        assert f"{params:,}" == count.split()[0], (name, params)
+        assert ("refused" in recipe) == (PRESETS[name].recipe is None), name
+        assert FORMATS[fmt].preset == name
