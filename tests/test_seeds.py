@@ -99,6 +99,15 @@ def test_init_statistics_follow_each_seed():
     ref3 = sm.CS336LM(500, 512, 1, 16, 1344)
     q = cs.blocks[0].attn.qkv.weight[:512]
     assert q.std().item() == pytest.approx(ref3.layers[0].attn.q_proj.weight.std().item(), rel=0.05)
+    # seed 002: Xavier-uniform on every matrix, the embedding table and the projection included.
+    aiayn = TransformerLM(get_preset("aiayn-decoder-prenorm", vocab_size=500, n_layers=1))
+    ref2 = sm.Seed002Decoder(500, 16, 512, 1, 8, 2048)
+    for mine, theirs in ((aiayn.embed.weight, ref2.word_embedding.embedding.weight),
+                         (aiayn.unembed.weight, ref2.projection_layer.proj.weight),
+                         (aiayn.blocks[0].attn.qkv.weight[:512], ref2.decoder.layers[0].self_attention_block.w_q.weight),
+                         (aiayn.blocks[0].mlp.up.weight, ref2.decoder.layers[0].feed_forward_block.linear_1.weight)):
+        assert mine.std().item() == pytest.approx(theirs.std().item(), rel=0.05)
+        assert mine.abs().max() <= theirs.abs().max() * 1.01  # the same uniform bound
     # seed 000: every weight normal(0.02), the output projections included.
     arena = TransformerLM(get_preset("arena-gpt2", vocab_size=500, n_layers=2))
     assert arena.blocks[0].attn.out.weight.std().item() == pytest.approx(0.02, rel=0.05)

@@ -235,6 +235,8 @@ def init_weights(model: TransformerLM, config: ModelConfig) -> None:
                 nn.init.trunc_normal_(module.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
             elif c.init == "torch":
                 nn.init.normal_(module.weight, mean=0.0, std=1.0)  # nn.Embedding's default
+            elif c.xavier_embeddings:  # every matrix alike, as "xavier_uniform_ on all p.dim() > 1" does
+                nn.init.xavier_uniform_(module.weight)
             else:
                 # Scaled embeddings (x sqrt(d_model)) need rows of norm ~1 to start at unit scale.
                 nn.init.normal_(module.weight, mean=0.0, std=c.d_model ** -0.5)
