@@ -16,7 +16,7 @@ install_import_hook(_SHAPE_CHECKED, "beartype.beartype")
 
 # Long training loops call the same modules thousands of times with the same shapes; checking them
 # there doubled those files' time and checks nothing the component tests do not.
-_LOOP_TEST_FILES = {"test_learning", "test_train", "test_checkpoint"}
+_LOOP_TEST_FILES = {"test_learning", "test_train", "test_checkpoint", "test_quantize"}
 
 
 @contextlib.contextmanager

@@ -76,19 +76,26 @@ def materialize_buffers(model: TransformerLM, device: torch.device | str) -> Non
 def model_from_state_dict(
     config: ModelConfig, tensors: dict[str, Callable[[], torch.Tensor]] | dict[str, torch.Tensor],
     device: torch.device | str = "cpu", dtype: torch.dtype | None = None, source: str = "weights",
+    quantization: str | None = None,
 ) -> TransformerLM:
     """Build a model by assigning tensors (or zero-argument functions making them) into a meta model.
 
     Names every missing or unexpected tensor, and every shape mismatch with both shapes.
+    `quantization` ("int8") gives the model the quantized layers the tensors were saved from.
     """
     model = empty_model(config)
+    if quantization is not None:
+        from .quantize import quantized_structure
+
+        quantized_structure(model, quantization)
     expected = model.state_dict()
     _check_names(expected, tensors, source)
     loaded: dict[str, torch.Tensor] = {}
     for name, make in tensors.items():
         tensor = make() if callable(make) else make
         _check_shape(name, tensor, expected[name], source)
-        loaded[name] = tensor.to(device=device, dtype=dtype or tensor.dtype)
+        keep_dtype = dtype is None or not tensor.is_floating_point()  # int8 weights stay int8
+        loaded[name] = tensor.to(device=device, dtype=tensor.dtype if keep_dtype else dtype)
     model.load_state_dict(loaded, assign=True)
     materialize_buffers(model, device)
     return model.eval()

@@ -134,13 +134,15 @@ def load_checkpoint(
     weights_path = path / WEIGHTS_FILE
     if not weights_path.is_file():
         raise FileNotFoundError(f"{weights_path} is missing: not a glasslm checkpoint?")
+    meta_path = path / META_FILE
+    meta = read_json(meta_path) if meta_path.is_file() else {}
     # Built on the meta device and assigned the loaded tensors: no random init, no second copy.
-    model = model_from_state_dict(config, read_safetensors(weights_path, device), device, source=str(weights_path))
+    # A checkpoint written by `glasslm quantize` names its method in meta.json.
+    model = model_from_state_dict(config, read_safetensors(weights_path, device), device, source=str(weights_path),
+                                  quantization=meta.get("quantization") if isinstance(meta, dict) else None)
     tokenizer = None
     if any((path / name).exists() for name in ("tokenizer.json", "glasslm_tokenizer.json", "tokenizer.model")):
         tokenizer = load_tokenizer(path)
-    meta_path = path / META_FILE
-    meta = read_json(meta_path) if meta_path.is_file() else {}
     return model, tokenizer, meta
 
 
@@ -148,14 +150,16 @@ def read_safetensors(path: Path, device: torch.device | str = "cpu") -> dict[str
     """Tensors of a safetensors file, or an error naming the file and what is wrong with it."""
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: incomplete checkpoint?")
-    with open(path, "rb") as f:
-        head = f.read(2)
-    if head[:1] == b"\x80" or head == b"PK":  # pickle protocol 2+ / torch.save zip archive
-        raise ValueError(f"{path} is a pickle/torch.save file, not safetensors; glasslm never unpickles "
-                         "checkpoint files (unpickling can run arbitrary code)")
     try:
         return load_file(path, device=str(device))
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        # Diagnosed only after safetensors refused it: a valid file starts with its header's length,
+        # whose first byte may be 0x80 as well (this check ran first once and refused such a file).
+        with open(path, "rb") as f:
+            head = f.read(2)
+        if (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")) or head == b"PK":
+            raise ValueError(f"{path} is a pickle/torch.save file, not safetensors; glasslm never unpickles "
+                             "checkpoint files (unpickling can run arbitrary code)") from None
         raise ValueError(f"{path} is not a readable safetensors file ({err}); truncated or corrupt?") from None
 
 

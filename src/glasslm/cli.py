@@ -10,6 +10,7 @@
     glasslm info --preset gpt2-small --context-length 1024
     glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2
     glasslm convert --to-hf --checkpoint runs/gpt2 --out runs/exported-gpt2
+    glasslm convert --from nanogpt --checkpoint out/ckpt.pt --out runs/nano
     glasslm inspect attention --checkpoint runs/shakespeare --prompt "ROMEO:" --layer 0 --head 1 --out runs/attn.png
     glasslm inspect logit-lens --checkpoint runs/shakespeare --prompt "ROMEO:" --out runs/lens.png
 """
@@ -27,6 +28,7 @@ from typing import Any
 
 from . import __version__
 from .config import PRESETS, ModelConfig, get_preset, get_recipe
+from .formats import FORMATS
 from .generate import GenerationConfig
 from .schema import ArgumentParser, HelpFormatter, add_options, checked, did_you_mean, given_options, read_settings_file
 from .train import TrainConfig
@@ -268,6 +270,43 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_runtime_options(p: argparse.ArgumentParser, quantize: bool = True) -> None:
+    """--threads, --dtype and (for inference) --quantize, the same on every command that computes."""
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads; 0 is automatic: 1 for models under 20M parameters, which decode fastest on "
+                        "one thread, else one per core (default: 0)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                   help="weights' dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units (default: float32)")
+    if quantize:
+        p.add_argument("--quantize", default="none", choices=["none", "int8"],
+                       help="weight-only int8 for the Linear layers, a quarter of fp32's bytes (default: none)")
+
+
+def _prepare_model(model: Any, args: argparse.Namespace, decoding: bool = False) -> Any:
+    """Apply --threads, --dtype and --quantize to a loaded model; threads are set here, in the CLI only."""
+    import torch
+
+    from .runtime import decode_threads, default_dtype, warn_if_slow_dtype
+
+    device = next(model.parameters()).device.type
+    dtype = default_dtype(device) if args.dtype == "auto" else args.dtype
+    warn_if_slow_dtype(dtype, device)
+    if device == "cpu":
+        threads = args.threads or (decode_threads(model.num_parameters()) if decoding else 0)
+        if threads:
+            torch.set_num_threads(threads)
+    model = model.to(getattr(torch, dtype)).eval()
+    if getattr(args, "quantize", "none") == "int8":
+        from .quantize import quantize_int8
+
+        quantize_int8(model)
+    elif decoding:
+        from .generate import optimize_for_decoding
+
+        optimize_for_decoding(model)
+    return model
+
+
 DEVICE_HELP = "auto (the best available: cuda, else mps, else cpu), cpu, cuda, cuda:N or mps (default: auto)"
 
 
@@ -293,7 +332,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
     import torch
 
-    from .generate import TextStreamer, generate_tokens, optimize_for_decoding
+    from .generate import TextStreamer, generate_tokens
     from .interop import load_model
 
     config = GenerationConfig(**given_options(args, GenerationConfig))  # its defaults are the command's
@@ -301,8 +340,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
     model, tokenizer = load_model(args.checkpoint, device=_device(args.device))
     if tokenizer is None:
         raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
-    model = model.to(getattr(torch, args.dtype)).eval()
-    optimize_for_decoding(model)
+    model = _prepare_model(model, args, decoding=True)
 
     def respond(prompt: str, echo: bool) -> None:
         # An empty prompt starts from a newline, the most neutral context a text model knows.
@@ -367,7 +405,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from .interop import load_model
 
     model, tokenizer = load_model(args.checkpoint, device=_device(args.device))  # glasslm or HF directory
-    model = model.to(getattr(torch, args.dtype))
+    model = _prepare_model(model, args)
     # The split rule is training's: prepared datasets hold it in their files, text files are cut
     # by data.split_offset (validation from the first line start at or after 90% of the bytes).
     if is_prepared(args.data):
@@ -458,7 +496,17 @@ def cmd_convert(args: argparse.Namespace) -> None:
     from .data import check_output_dir
     from .interop import checkpoint_summary, export_hf, import_hf, hf_tokenizer, load_model
 
-    if args.from_hf:
+    if args.from_format:
+        from .formats import load_foreign
+
+        if not args.checkpoint:
+            raise ValueError(f"--from {args.from_format} needs --checkpoint FILE (the file that code saved)")
+        check_output_dir(args.out, args.overwrite, inputs=[args.checkpoint], what="checkpoint")
+        given = {"n_heads": args.n_heads, "context_length": args.context_length}
+        model = load_foreign(args.checkpoint, args.from_format, **{k: v for k, v in given.items() if v is not None})
+        save_checkpoint(args.out, model, None, {"converted_from": f"{args.from_format}:{args.checkpoint}"})
+        print(f"{args.checkpoint} ({args.from_format}) -> {args.out} ({model.num_parameters():,} parameters)")
+    elif args.from_hf:
         check_output_dir(args.out, args.overwrite, inputs=[args.from_hf], what="checkpoint")
         model = import_hf(args.from_hf, context_length=args.context_length)
         tokenizer = hf_tokenizer(args.from_hf)
@@ -481,6 +529,10 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     from .inspection import draw_attention, draw_logit_lens
     from .interop import load_model
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.checkpoint, device=_device(args.device))
     if args.what == "attention":
         path = draw_attention(model, tokenizer, args.prompt, args.layer, args.head, args.out)
@@ -490,9 +542,6 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    import torch
-
-    from .generate import optimize_for_decoding
     from .interop import load_model
 
     try:
@@ -500,15 +549,29 @@ def cmd_serve(args: argparse.Namespace) -> None:
         import fastapi, uvicorn  # noqa: F401
     except ImportError:
         raise RuntimeError("serving needs fastapi and uvicorn: pip install fastapi uvicorn") from None
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.checkpoint, device=args.device)
     if tokenizer is None:
         raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
-    model = optimize_for_decoding(model.to(getattr(torch, args.dtype)).eval())
+    model = _prepare_model(model, args, decoding=True)
     name = args.name or Path(args.checkpoint).resolve().name
     serve(model, tokenizer, args.host, args.port, name, args.max_batch, args.max_queue, args.max_tokens_limit,
           args.grace, args.log_level)
+
+
+def cmd_quantize(args: argparse.Namespace) -> None:
+    from .checkpoint import save_checkpoint
+    from .interop import load_model
+    from .quantize import quantize_int8
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise ValueError(f"{out} is not empty; pass --overwrite to replace it")
+    model, tokenizer = load_model(args.checkpoint, device="cpu")
+    before = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    quantize_int8(model)
+    after = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    save_checkpoint(out, model, tokenizer, {"quantization": args.method, "quantized_from": str(args.checkpoint)})
+    print(f"wrote {out}: {args.method} weights, {after / 1e6:.1f} MB (was {before / 1e6:.1f} MB)")
 
 
 def cmd_train_tokenizer(args: argparse.Namespace) -> None:
@@ -587,8 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep the model loaded and answer each line of stdin until EOF (default: off)")
     add_options(p, GenerationConfig, "sampling", skip={"logprobs", "pad_token"},
                 aliases={"stop_strings": ["--stop"], "stop_tokens": ["--stop-token"]})
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weights' dtype for decoding (default: float32)")
+    _add_runtime_options(p)
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.set_defaults(func=cmd_sample)
 
@@ -607,7 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=_positive_int, default=None, help="score at most N tokens (from the split's start)")
     p.add_argument("--max-chars", type=_positive_int, default=None, help="score only the first N characters")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _add_runtime_options(p)
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.set_defaults(func=cmd_eval)
 
@@ -626,10 +688,16 @@ def build_parser() -> argparse.ArgumentParser:
     direction.add_argument("--from-hf", metavar="DIR",
                            help="an HF GPT-2 / Llama / Mistral / Qwen2 directory, or a hub name in the local HF cache")
     direction.add_argument("--to-hf", action="store_true", help="export --checkpoint as an HF directory")
-    p.add_argument("--checkpoint", help="glasslm checkpoint to export (with --to-hf)")
+    direction.add_argument("--from", dest="from_format", choices=list(FORMATS),
+                           help="import the --checkpoint file another codebase saved (nanoGPT ckpt.pt, a "
+                                "TransformerLens/ARENA, CS336 or seed 001/002/004 state dict); no pickled code runs")
+    p.add_argument("--checkpoint", help="glasslm checkpoint to export (with --to-hf), or the file to import (with --from)")
+    p.add_argument("--n-heads", type=_positive_int, default=None,
+                   help="--from cs336/seed001/seed002: the number of heads (their files do not record it)")
     p.add_argument("--out", required=True, help="where to write the converted model")
     p.add_argument("--context-length", type=_positive_int, default=None,
-                   help="Llama only: context length to use instead of max_position_embeddings")
+                   help="Llama: context length to use instead of max_position_embeddings; --from cs336: the "
+                        "context length (default: the cs336-lm preset's)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (else refused)")
     p.add_argument("--zero-biases", action="store_true",
                    help="--to-hf of a bias-free GPT-2-shaped model: write exact zero biases (HF GPT-2 always has "
@@ -645,6 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--prompt", required=True)
         q.add_argument("--out", required=True, help="PNG file to write")
         q.add_argument("--device", default="auto", help=DEVICE_HELP)
+        q.add_argument("--threads", type=int, default=0, help="CPU threads; 0 leaves torch's choice (default: 0)")
         if name == "attention":
             q.add_argument("--layer", type=int, required=True)
             q.add_argument("--head", type=int, required=True)
@@ -660,13 +729,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens a request may ask for")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _add_runtime_options(p)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads for the model (0: torch's default, one per core); small models on a busy CPU "
-                        "decode fastest with 1")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("quantize", help="write a weight-only int8 copy of a checkpoint (for generate/eval/serve)")
+    p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or run directory, or Hugging Face model directory")
+    p.add_argument("--out", required=True, help="directory for the quantized checkpoint")
+    p.add_argument("--method", default="int8", choices=["int8"], help="per-channel weight-only int8 (default)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (else refused)")
+    p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("train-tokenizer", help="train a byte-level BPE vocabulary on text files")
     p.add_argument("inputs", nargs="+", help="UTF-8 text files or dataset names")

@@ -84,6 +84,7 @@ class ModelConfig:
     dropout: float = 0.0  # on embeddings, attention probabilities and residual outputs (sites left at None)
     init: Init = "gpt2"  # weight initialisation scheme (torch: PyTorch's own nn.Linear/nn.Embedding defaults)
     init_residual_scaling: bool = True  # gpt2 init: divide the std of residual output projections by sqrt(2 n_layers)
+    xavier_embeddings: bool = False  # xavier init: embedding tables Xavier-uniform too (seed 002), not normal(d_model^-0.5)
     init_std: float = 0.02  # standard deviation of the normal initialisations
     impl: AttentionImpl = "fast"  # fast: PyTorch's fused kernels; readable: every step in plain tensor ops
     d_head: int | None = None  # per-head size; None means d_model // n_heads (Qwen2/Gemma may differ)
@@ -139,6 +140,8 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not 0.0 <= value < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {value}")
+        if self.xavier_embeddings and self.init != "xavier":
+            raise ValueError("xavier_embeddings only applies to init='xavier'")
         if self.norm_unbiased_std and self.norm != "layernorm":
             raise ValueError("norm_unbiased_std is a LayerNorm variant; it needs norm='layernorm'")
         if self.attn_scale is not None and not self.attn_scale > 0:
@@ -320,7 +323,7 @@ PRESETS: dict[str, Preset] = {
                     positional="sinusoidal", norm="layernorm", norm_unbiased_std=True, norm_eps=1e-6, activation="relu",
                     norm_placement="pre", final_norm=True, attn_qkv_bias=False, attn_out_bias=False, mlp_bias=True,
                     norm_bias=True, tie_embeddings=False, unembed_bias=True, scale_embeddings=True, dropout=0.1,
-                    mlp_hidden_dropout=0.1, init="xavier"),
+                    mlp_hidden_dropout=0.1, init="xavier", xavier_embeddings=True),
         recipe=None,
         about="seed 002, a decoder-only 'Attention Is All You Need' model: sqrt(d_model)-scaled embeddings, "
               "sinusoidal positions, pre-norm with its own LayerNorm (unbiased std + eps), a final norm, bias-free "

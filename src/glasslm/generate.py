@@ -28,7 +28,7 @@ import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -64,6 +64,7 @@ class GenerationConfig:
     stop_strings: Sequence[str] = ()  # stop before any of these texts (cut from the output)
     logprobs: bool = False  # also return log p(token) under the model's unmodified distribution
     window_keep: int | None = None  # tokens kept when the context slides; default context_length // 2
+    window: Literal["refill", "recompute"] = "refill"  # past the context: refill now and then, or recompute on the last context_length every step
     pad_token: int = 0  # fills the left of shorter prompts; masked out, so any valid id works
 
     def __post_init__(self) -> None:
@@ -81,6 +82,8 @@ class GenerationConfig:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.window not in ("refill", "recompute"):
+            raise ValueError(f"window must be 'refill' or 'recompute', got {self.window!r}")
         if any(s == "" for s in self.stop_strings):
             raise ValueError("stop strings must not be empty")
         self.stop_tokens = tuple(int(t) for t in self.stop_tokens)
@@ -257,6 +260,9 @@ def decode_steps(
     padding, so it decodes as it would alone. When a row reaches the context length its window
     slides: the cache is refilled with its last `window_keep` tokens (default context_length // 2),
     so the cost of re-running them is paid once every context_length - window_keep tokens.
+    With `window="recompute"` the row is instead re-run on its last context_length tokens at every
+    step past the context (as seed 004's `autocomplete` crops and recomputes): each prediction sees
+    a full context, at the cost of a full forward pass per token.
     """
     config = config or GenerationConfig()
     if len(prompts) == 0:
@@ -267,6 +273,8 @@ def decode_steps(
     keep = config.window_keep or max(1, context // 2)
     if not 1 <= keep < context:
         raise ValueError(f"window_keep must be in [1, context_length={context}), got {keep}")
+    if config.window == "recompute":
+        keep = context  # slide by one token: every step re-runs the last context_length tokens
     device = model.embed.weight.device
     vocab = model.config.vocab_size
     batch = len(prompts)

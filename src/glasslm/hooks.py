@@ -136,6 +136,4 @@ def logit_lens(
 
 def unembed(model: nn.Module, resid: Float[Tensor, "... d_model"]) -> Float[Tensor, "... vocab"]:
     """Apply the model's final norm (if any) and unembedding to residual-stream vectors."""
-    x = model.ln_final(resid) if model.ln_final is not None else resid
-    weight = model.embed.weight if model.unembed is None else model.unembed.weight
-    return x @ weight.T
+    return model.logits(resid)

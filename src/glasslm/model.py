@@ -132,10 +132,15 @@ class TransformerLM(nn.Module):
             kv_cache.advance(seq)
         if last_logits_only:
             x = x[:, -1:]
-        if self.ln_final is not None:
-            x = self.ln_final(x)
-        weight = self.embed.weight if self.unembed is None else self.unembed.weight
-        logits = x @ weight.T  # (batch, out_seq, vocab)
+        return self.logits(x)
+
+    def logits(self, resid: Float[Tensor, "*any d_model"]) -> Float[Tensor, "*any vocab"]:
+        """Final norm and unembedding of residual-stream vectors (also what the logit lens reads)."""
+        x = self.ln_final(resid) if self.ln_final is not None else resid
+        if self.unembed is None:  # tied: the embedding table read backwards
+            logits = x @ self.embed.weight.T
+        else:
+            logits = self.unembed(x)  # a Linear, or an Int8Linear once quantized
         return logits if self.unembed_bias is None else logits + self.unembed_bias
 
     def check_tokens(self, tokens: Tensor) -> None:
@@ -230,6 +235,8 @@ def init_weights(model: TransformerLM, config: ModelConfig) -> None:
                 nn.init.trunc_normal_(module.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
             elif c.init == "torch":
                 nn.init.normal_(module.weight, mean=0.0, std=1.0)  # nn.Embedding's default
+            elif c.xavier_embeddings:  # every matrix alike, as "xavier_uniform_ on all p.dim() > 1" does
+                nn.init.xavier_uniform_(module.weight)
             else:
                 # Scaled embeddings (x sqrt(d_model)) need rows of norm ~1 to start at unit scale.
                 nn.init.normal_(module.weight, mean=0.0, std=c.d_model ** -0.5)
