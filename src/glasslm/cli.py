@@ -667,7 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime_options(p)
     p.add_argument("--draft", default=None,
                    help="a small checkpoint with the same vocabulary for speculative decoding; output stays the "
-                        "model's own greedy tokens (needs --temperature 0; default: none)")
+                        "model's own greedy tokens, needs --temperature 0 (default: none)")
     p.add_argument("--lookahead", type=_positive_int, default=4,
                    help="tokens the draft proposes per target pass (default: 4)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
