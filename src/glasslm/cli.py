@@ -334,6 +334,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
     from .generate import TextStreamer, generate_tokens
     from .interop import load_model
+    from .speculative import SpeculativeStats, speculative_tokens
 
     config = GenerationConfig(**given_options(args, GenerationConfig))  # its defaults are the command's
     # A glasslm checkpoint or a Hugging Face GPT-2/Llama directory.
@@ -341,6 +342,12 @@ def cmd_sample(args: argparse.Namespace) -> None:
     if tokenizer is None:
         raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
     model = _prepare_model(model, args, decoding=True)
+    draft = None
+    if args.draft:
+        if config.temperature != 0:
+            raise ValueError("--draft (speculative decoding) is greedy here: add --temperature 0")
+        draft, _ = load_model(args.draft, device=_device(args.device))
+        draft = _prepare_model(draft, args, decoding=True)
 
     def respond(prompt: str, echo: bool) -> None:
         # An empty prompt starts from a newline, the most neutral context a text model knows.
@@ -352,7 +359,11 @@ def cmd_sample(args: argparse.Namespace) -> None:
         streamer = TextStreamer(tokenizer, config.stop_strings)
         start = time.perf_counter()
         n_tokens = 0
-        for token in generate_tokens(model, prompt_ids, config=config):
+        stats = SpeculativeStats()
+        tokens = (generate_tokens(model, prompt_ids, config=config) if draft is None else
+                  speculative_tokens(model, draft, prompt_ids, config.max_new_tokens, args.lookahead,
+                                     config.stop_tokens or (), stats))
+        for token in tokens:
             n_tokens += 1
             sys.stdout.write(streamer.push(token))
             sys.stdout.flush()
@@ -361,8 +372,11 @@ def cmd_sample(args: argparse.Namespace) -> None:
         sys.stdout.write(streamer.finish() + "\n")
         sys.stdout.flush()
         seconds = time.perf_counter() - start
+        speculation = "" if draft is None else (
+            f", draft accepted {stats.acceptance_rate:.0%} of proposals, "
+            f"{stats.tokens_per_target_pass:.2f} tokens per target pass")
         print(f"[{n_tokens} tokens in {seconds:.2f} s: {n_tokens / max(seconds, 1e-9):.1f} tokens/s, "
-              f"prompt {len(prompt_ids)} tokens]", file=sys.stderr)
+              f"prompt {len(prompt_ids)} tokens{speculation}]", file=sys.stderr)
 
     if not args.interactive:
         respond(_read_prompt(args), echo=True)
@@ -651,6 +665,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, GenerationConfig, "sampling", skip={"logprobs", "pad_token"},
                 aliases={"stop_strings": ["--stop"], "stop_tokens": ["--stop-token"]})
     _add_runtime_options(p)
+    p.add_argument("--draft", default=None,
+                   help="a small checkpoint with the same vocabulary for speculative decoding; output stays the "
+                        "model's own greedy tokens, needs --temperature 0 (default: none)")
+    p.add_argument("--lookahead", type=_positive_int, default=4,
+                   help="tokens the draft proposes per target pass (default: 4)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.set_defaults(func=cmd_sample)
 
