@@ -42,6 +42,8 @@ FAMILIES = {
     # Mistral: every query sees its last 6 keys only, shorter than the 24-token test sequences.
     "mistral-sliding-window": lambda: MistralConfig(**_llama(sliding_window=6, head_dim=12)),
     "llama-attention-and-mlp-bias": lambda: LlamaConfig(**_llama(attention_bias=True, mlp_bias=True)),
+    # Per-site bias switches (issue 9) let attention and MLP biases differ.
+    "llama-attention-bias-only": lambda: LlamaConfig(**_llama(attention_bias=True, mlp_bias=False)),
     # SmolLM-135M's shape scaled down: tied, 9 query heads sharing 3 key/value heads, head 64 -> 8.
     "smollm-shape": lambda: LlamaConfig(**_llama(hidden_size=72, num_attention_heads=9, num_key_value_heads=3,
                                                  intermediate_size=192, tie_word_embeddings=True)),
@@ -136,7 +138,6 @@ def test_what_remains_unsupported_is_named(tmp_path):
 
     cases = {
         "yarn": ({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
-        "half-bias": ({"model_type": "llama", "attention_bias": True, "mlp_bias": False}, "attention_bias=True and mlp_bias=False"),
         "qwen2-mixed-window": ({"model_type": "qwen2", "num_hidden_layers": 4, "use_sliding_window": True,
                                 "max_window_layers": 2, "sliding_window": 8}, "some layers only"),
         "gelu-llama": ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act 'gelu'"),
