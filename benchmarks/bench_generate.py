@@ -23,6 +23,8 @@ import torch
 from glasslm.config import get_preset
 from glasslm.generate import GenerationConfig, generate, generate_tokens, onednn_disabled, optimize_for_decoding
 from glasslm.model import TransformerLM
+from glasslm.quantize import quantize_int8
+from glasslm.runtime import cpu_flags
 
 
 def hf_gpt2(seed: int = 0):
@@ -64,6 +66,18 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def memory_bandwidth_gb_s(megabytes: int = 512, repeats: int = 5) -> float:
+    """A streaming read of a buffer much larger than the caches: the bound one-token decoding hits."""
+    data = torch.ones(megabytes * 2**20 // 4)
+    data.sum()  # touch every page once before timing
+    seconds = statistics.median(timed(lambda: data.sum()) for _ in range(repeats))
+    return data.numel() * 4 / seconds / 1e9
+
+
+def weight_megabytes(model) -> float:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
@@ -77,7 +91,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print("command:", " ".join([sys.executable, *sys.argv]))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {n_new} new tokens, "
-          f"median of {repeats} repeats\n")
+          f"median of {repeats} repeats")
+    flags = cpu_flags()
+    shown = sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2", "avx_vnni", "fma")))
+    print(f"CPU flags: {' '.join(shown) or 'unknown'}")
+    bandwidth = memory_bandwidth_gb_s()
+    print(f"memory bandwidth (streaming sum, {torch.get_num_threads()} threads): {bandwidth:.1f} GB/s\n")
 
     hf = hf_gpt2()
     ours = glasslm_from_hf(hf)
@@ -90,6 +109,8 @@ def main() -> None:
     assert diff < 1e-4, f"logits differ by {diff}"
     optimize_for_decoding(ours)  # a layout change only: checked again below through greedy tokens
     ours_bf16 = glasslm_from_hf(hf).to(torch.bfloat16)
+    ours_int8 = glasslm_from_hf(hf)
+    quantize_int8(ours_int8)
     greedy = GenerationConfig(max_new_tokens=n_new, temperature=0.0)
 
     def run_hf(tokens):
@@ -107,26 +128,38 @@ def main() -> None:
     bf16_tokens = run_ours(ours_bf16, prompt)[0]
     agree = next((i for i, (a, b) in enumerate(zip(bf16_tokens, hf_tokens)) if a != b), n_new)
     print(f"check: max |logit diff| {diff:.2e}; greedy tokens identical for {n_new} tokens (fp32); "
-          f"bf16 agrees for the first {agree}\n")
+          f"bf16 agrees for the first {agree}")
+    int8_tokens = run_ours(ours_int8, prompt)[0]
+    agree8 = next((i for i, (a, b) in enumerate(zip(int8_tokens, hf_tokens)) if a != b), n_new)
+    print(f"int8 agrees for the first {agree8} (random weights make near-ties common; quality is tested on a "
+          "trained model in tests/test_quantize.py)\n")
 
     cases = {
         ("transformers fp32", 1): lambda: run_hf(prompt),
         ("glasslm fp32", 1): lambda: run_ours(ours, prompt),
         ("glasslm bf16", 1): lambda: run_ours(ours_bf16, prompt),
+        ("glasslm int8", 1): lambda: run_ours(ours_int8, prompt),
         ("transformers fp32", 8): lambda: run_hf(prompt8),
         ("glasslm fp32", 8): lambda: run_ours(ours, prompt8),
         ("glasslm bf16", 8): lambda: run_ours(ours_bf16, prompt8),
+        ("glasslm int8", 8): lambda: run_ours(ours_int8, prompt8),
     }
+    megabytes = {"transformers fp32": weight_megabytes(hf), "glasslm fp32": weight_megabytes(ours),
+                 "glasslm bf16": weight_megabytes(ours_bf16), "glasslm int8": weight_megabytes(ours_int8)}
     times: dict = {case: [] for case in cases}
     for _ in range(repeats):  # interleaved: each repeat runs every case once
         for case, fn in cases.items():
             times[case].append(timed(fn))
-    print(f"| {'generation (16-token prompt, greedy)':<38} | batch | tokens/s | vs transformers |")
-    print(f"|{'-' * 40}|-------|----------|-----------------|")
+    # "GB/s read": weights streamed per second at batch 1 (each token reads every weight once), to
+    # hold against the measured bandwidth above.
+    print(f"| {'generation (16-token prompt, greedy)':<38} | batch | tokens/s | vs transformers | weights MB | GB/s read |")
+    print(f"|{'-' * 40}|-------|----------|-----------------|------------|-----------|")
     for (name, batch), ts in times.items():
         rate = batch * n_new / statistics.median(ts)
         base = batch * n_new / statistics.median(times[("transformers fp32", batch)])
-        print(f"| {name:<38} | {batch:>5} | {rate:>8.1f} | {rate / base:>14.2f}x |")
+        read = megabytes[name] * rate / batch / 1e3
+        print(f"| {name:<38} | {batch:>5} | {rate:>8.1f} | {rate / base:>14.2f}x | {megabytes[name]:>10.0f} | "
+              f"{read:>9.1f} |")
 
     # Prefill of a long prompt and per-token decode time at several positions, with and without cache.
     long_prompt = torch.randint(0, 50257, (1, 1024), generator=generator)

@@ -273,13 +273,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def _add_runtime_options(p: argparse.ArgumentParser, quantize: bool = True) -> None:
     """--threads, --dtype and (for inference) --quantize, the same on every command that computes."""
     p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads (0: automatic: 1 for models under 20M parameters, which decode fastest on one "
-                        "thread, else one per core)")
+                   help="CPU threads; 0 is automatic: 1 for models under 20M parameters, which decode fastest on "
+                        "one thread, else one per core (default: 0)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
-                   help="weights' dtype (default float32; auto: bfloat16 on CUDA and on CPUs with bf16 units)")
+                   help="weights' dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units (default: float32)")
     if quantize:
         p.add_argument("--quantize", default="none", choices=["none", "int8"],
-                       help="weight-only int8 for the Linear layers (a quarter of fp32's bytes; default: none)")
+                       help="weight-only int8 for the Linear layers, a quarter of fp32's bytes (default: none)")
 
 
 def _prepare_model(model: Any, args: argparse.Namespace, decoding: bool = False) -> Any:
@@ -334,6 +334,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
     from .generate import TextStreamer, generate_tokens
     from .interop import load_model
+    from .speculative import SpeculativeStats, speculative_tokens
 
     config = GenerationConfig(**given_options(args, GenerationConfig))  # its defaults are the command's
     # A glasslm checkpoint or a Hugging Face GPT-2/Llama directory.
@@ -341,6 +342,12 @@ def cmd_sample(args: argparse.Namespace) -> None:
     if tokenizer is None:
         raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
     model = _prepare_model(model, args, decoding=True)
+    draft = None
+    if args.draft:
+        if config.temperature != 0:
+            raise ValueError("--draft (speculative decoding) is greedy here: add --temperature 0")
+        draft, _ = load_model(args.draft, device=_device(args.device))
+        draft = _prepare_model(draft, args, decoding=True)
 
     def respond(prompt: str, echo: bool) -> None:
         # An empty prompt starts from a newline, the most neutral context a text model knows.
@@ -352,7 +359,11 @@ def cmd_sample(args: argparse.Namespace) -> None:
         streamer = TextStreamer(tokenizer, config.stop_strings)
         start = time.perf_counter()
         n_tokens = 0
-        for token in generate_tokens(model, prompt_ids, config=config):
+        stats = SpeculativeStats()
+        tokens = (generate_tokens(model, prompt_ids, config=config) if draft is None else
+                  speculative_tokens(model, draft, prompt_ids, config.max_new_tokens, args.lookahead,
+                                     config.stop_tokens or (), stats))
+        for token in tokens:
             n_tokens += 1
             sys.stdout.write(streamer.push(token))
             sys.stdout.flush()
@@ -361,8 +372,11 @@ def cmd_sample(args: argparse.Namespace) -> None:
         sys.stdout.write(streamer.finish() + "\n")
         sys.stdout.flush()
         seconds = time.perf_counter() - start
+        speculation = "" if draft is None else (
+            f", draft accepted {stats.acceptance_rate:.0%} of proposals, "
+            f"{stats.tokens_per_target_pass:.2f} tokens per target pass")
         print(f"[{n_tokens} tokens in {seconds:.2f} s: {n_tokens / max(seconds, 1e-9):.1f} tokens/s, "
-              f"prompt {len(prompt_ids)} tokens]", file=sys.stderr)
+              f"prompt {len(prompt_ids)} tokens{speculation}]", file=sys.stderr)
 
     if not args.interactive:
         respond(_read_prompt(args), echo=True)
@@ -651,6 +665,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, GenerationConfig, "sampling", skip={"logprobs", "pad_token"},
                 aliases={"stop_strings": ["--stop"], "stop_tokens": ["--stop-token"]})
     _add_runtime_options(p)
+    p.add_argument("--draft", default=None,
+                   help="a small checkpoint with the same vocabulary for speculative decoding; output stays the "
+                        "model's own greedy tokens, needs --temperature 0 (default: none)")
+    p.add_argument("--lookahead", type=_positive_int, default=4,
+                   help="tokens the draft proposes per target pass (default: 4)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.set_defaults(func=cmd_sample)
 
@@ -713,7 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--prompt", required=True)
         q.add_argument("--out", required=True, help="PNG file to write")
         q.add_argument("--device", default="auto", help=DEVICE_HELP)
-        q.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default, one per core)")
+        q.add_argument("--threads", type=int, default=0, help="CPU threads; 0 leaves torch's choice (default: 0)")
         if name == "attention":
             q.add_argument("--layer", type=int, required=True)
             q.add_argument("--head", type=int, required=True)
