@@ -138,6 +138,8 @@ def test_what_remains_unsupported_is_named(tmp_path):
 
     cases = {
         "yarn": ({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
+        # (Llama with attention_bias=True, mlp_bias=False is supported since ModelConfig has per-site bias
+        # switches: the "llama-attention-bias-only" family above checks its logits against HF.)
         "qwen2-mixed-window": ({"model_type": "qwen2", "num_hidden_layers": 4, "use_sliding_window": True,
                                 "max_window_layers": 2, "sliding_window": 8}, "some layers only"),
         "gelu-llama": ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act 'gelu'"),
