@@ -75,7 +75,16 @@ def memory_bandwidth_gb_s(megabytes: int = 512, repeats: int = 5) -> float:
 
 
 def weight_megabytes(model) -> float:
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 1e6
+    """Weights streamed per decoded token: all of them, except a token table that is only looked up
+    (the int8 model keeps the fp32 embedding for lookups and streams its int8 unembedding copy)."""
+    # Tied tensors appear under two names (HF's wte and lm_head): count each storage once; HF's
+    # old causal-mask buffers are not weights.
+    unique = {t.data_ptr(): t for name, t in model.state_dict().items() if not name.endswith(("attn.bias", "masked_bias"))
+              or t.is_floating_point() and t.dim() == 1}
+    total = sum(t.numel() * t.element_size() for t in unique.values())
+    if isinstance(model, TransformerLM) and model.config.tie_embeddings and model.unembed is not None:
+        total -= model.embed.weight.numel() * model.embed.weight.element_size()
+    return total / 1e6
 
 
 def main() -> None:
@@ -152,13 +161,13 @@ def main() -> None:
             times[case].append(timed(fn))
     # "GB/s read": weights streamed per second at batch 1 (each token reads every weight once), to
     # hold against the measured bandwidth above.
-    print(f"| {'generation (16-token prompt, greedy)':<38} | batch | tokens/s | vs transformers | weights MB | GB/s read |")
-    print(f"|{'-' * 40}|-------|----------|-----------------|------------|-----------|")
+    print(f"| {'generation (16-token prompt, greedy)':<38} | batch | tokens/s | vs transformers | MB read/token | GB/s read |")
+    print(f"|{'-' * 40}|-------|----------|-----------------|---------------|-----------|")
     for (name, batch), ts in times.items():
         rate = batch * n_new / statistics.median(ts)
         base = batch * n_new / statistics.median(times[("transformers fp32", batch)])
         read = megabytes[name] * rate / batch / 1e3
-        print(f"| {name:<38} | {batch:>5} | {rate:>8.1f} | {rate / base:>14.2f}x | {megabytes[name]:>10.0f} | "
+        print(f"| {name:<38} | {batch:>5} | {rate:>8.1f} | {rate / base:>14.2f}x | {megabytes[name]:>13.0f} | "
               f"{read:>9.1f} |")
 
     # Prefill of a long prompt and per-token decode time at several positions, with and without cache.
