@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from glasslm import generate as gen
+from glasslm import streaming
 from glasslm.checkpoint import save_checkpoint
 from glasslm.cli import main
 from glasslm.config import get_preset
@@ -184,7 +184,7 @@ class ByteTokenizer:
 def test_streamed_text_never_shows_half_a_character(monkeypatch):
     text = "héllo wörld — ☃ done"
     tokens = ByteTokenizer().encode(text)
-    monkeypatch.setattr(gen, "generate_tokens", lambda model, prompt, config: iter(tokens))
+    monkeypatch.setattr(streaming, "generate_tokens", lambda model, prompt, config: iter(tokens))
     pieces = list(stream_text(None, ByteTokenizer(), "x", max_new_tokens=len(tokens)))
     assert "".join(pieces) == text
     assert all("\ufffd" not in piece for piece in pieces)

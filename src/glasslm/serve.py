@@ -42,7 +42,9 @@ from typing import Any
 import torch
 
 from .explore import attention, logit_lens, next_token, token_loss, token_texts
-from .generate import TextStreamer, _Window, sample_next
+from .decoding import _Window
+from .sampling import sample_next
+from .streaming import TextStreamer
 from .model import TransformerLM
 
 log = logging.getLogger("glasslm.serve")

@@ -1,0 +1,155 @@
+"""Sampling controls: the settings of a generation and how one token is picked from logits.
+
+Every way of picking a token is a small function on a (batch, vocab) logits tensor, applied in
+this order (as Hugging Face does): repetition penalty, temperature, top-k, top-p, min-p, then
+argmax (temperature 0) or a draw from the softmax. Stop strings are matched here too, since both
+the decoding loop and the text streamer need the same rule.
+
+Example:
+    >>> import torch
+    >>> logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    >>> filter_logits(logits, top_k=2)
+    tensor([[2., 1., -inf, -inf]])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass
+class GenerationConfig:
+    """How to pick tokens and when to stop. The defaults sample from the model's own distribution.
+
+    temperature 0 means greedy (argmax); top_k, top_p and min_p are then ignored.
+    Stop tokens are not part of the output; stop strings cut the text just before them.
+    """
+
+    max_new_tokens: int = 256  # tokens to generate (fewer if a stop token or string comes first)
+    temperature: float = 1.0  # divides the logits: < 1 sharpens, > 1 flattens; 0: greedy (argmax)
+    top_k: int | None = None  # keep the k most likely tokens (and any tied with the k-th); None or 0: all
+    top_p: float | None = None  # keep the smallest most-likely set with mass >= top_p; None: all
+    min_p: float | None = None  # keep tokens with probability >= min_p * the top probability; None: all
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output
+    seed: int | None = None  # makes sampling reproducible; None: a fresh draw each time
+    stop_tokens: Sequence[int] = ()  # stop at any of these token ids (not part of the output)
+    stop_strings: Sequence[str] = ()  # stop before any of these texts (cut from the output)
+    logprobs: bool = False  # also return log p(token) under the model's unmodified distribution
+    window_keep: int | None = None  # tokens kept when the context slides; default context_length // 2
+    window: Literal["refill", "recompute"] = "refill"  # past the context: refill now and then, or recompute on the last context_length every step
+    pad_token: int = 0  # fills the left of shorter prompts; masked out, so any valid id works
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0 or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k == 0:  # 0 has always meant "off" on the command line, as in transformers
+            self.top_k = None
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 (or 0 for off), got {self.top_k}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.window not in ("refill", "recompute"):
+            raise ValueError(f"window must be 'refill' or 'recompute', got {self.window!r}")
+        if any(s == "" for s in self.stop_strings):
+            raise ValueError("stop strings must not be empty")
+        self.stop_tokens = tuple(int(t) for t in self.stop_tokens)
+        self.stop_strings = tuple(self.stop_strings)
+
+    def replace(self, **changes: Any) -> "GenerationConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def make_config(config: GenerationConfig | None = None, **controls: Any) -> GenerationConfig:
+    """`config` (or the defaults) with keyword overrides, e.g. make_config(temperature=0)."""
+    config = config or GenerationConfig()
+    return config.replace(**controls) if controls else config
+
+
+# --- choosing a token ----------------------------------------------------------------------------
+
+def apply_repetition_penalty(
+    logits: Float[Tensor, "batch vocab"], seen: Bool[Tensor, "batch vocab"], penalty: float
+) -> Float[Tensor, "batch vocab"]:
+    """Make already-seen tokens less likely (CTRL, Keskar et al. 2019, as Hugging Face applies it):
+    a positive logit is divided by the penalty, a negative one multiplied, so both move down.
+
+    >>> apply_repetition_penalty(torch.tensor([[2.0, -2.0, 1.0]]), torch.tensor([[True, True, False]]), 2.0)
+    tensor([[ 1., -4.,  1.]])
+    """
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def filter_logits(
+    logits: Float[Tensor, "batch vocab"], top_k: int | None = None, top_p: float | None = None,
+    min_p: float | None = None,
+) -> Float[Tensor, "batch vocab"]:
+    """Set to -inf every logit outside the top-k, top-p and min-p sets, applied in that order,
+    each to the (renormalized) distribution the previous one left.
+
+    Ties are kept together: a token as likely as the last one kept is kept too, so the result never
+    depends on how a sort happened to order equal values.
+
+    >>> filter_logits(torch.tensor([[3.0, 2.0, 2.0, 1.0]]), top_k=2)
+    tensor([[3., 2., 2., -inf]])
+    """
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (batch, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        probs = torch.softmax(logits.float(), dim=-1)
+        sorted_probs = probs.sort(dim=-1, descending=True).values
+        # The smallest prefix with mass >= top_p ends at the first token whose cumulative mass
+        # reaches top_p; every token at least as likely as that one stays.
+        cumulative = sorted_probs.cumsum(dim=-1)
+        last_kept = (cumulative < top_p).sum(dim=-1, keepdim=True).clamp_max(logits.shape[-1] - 1)
+        threshold = sorted_probs.gather(-1, last_kept)  # (batch, 1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if min_p is not None and min_p > 0.0:
+        probs = torch.softmax(logits.float(), dim=-1)
+        threshold = min_p * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample_next(
+    logits: Float[Tensor, "batch vocab"], temperature: float = 1.0, top_k: int | None = None,
+    top_p: float | None = None, generator: torch.Generator | None = None, min_p: float | None = None,
+) -> Int[Tensor, "batch"]:
+    """Pick one token id per row: argmax when temperature == 0, else sample the filtered softmax.
+
+    >>> sample_next(torch.tensor([[0.0, 5.0, 1.0]]), temperature=0.0)
+    tensor([1])
+    """
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = filter_logits(logits.float() / temperature, top_k, top_p, min_p)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def find_stop(text: str, stop_strings: Sequence[str]) -> int:
+    """Index where the earliest stop string starts in `text`, or -1."""
+    hits = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
+    return min(hits) if hits else -1
