@@ -96,7 +96,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .checkpoint import load_config, read_json, resolve_checkpoint
     from .accounting import parameter_count
     from .data import load_training_data
-    from .distributed import init_distributed, resolve_device, shutdown_distributed
+    from .distributed import barrier, init_distributed, resolve_device, shutdown_distributed
     from .generate import generate_tokens
     from .tokenizers import get_tokenizer, load_tokenizer
     from .rundir import check_run_dir
@@ -186,6 +186,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                 if ctx.is_main else []
             result = train(model_cfg, train_cfg, train_tokens, val_tokens, run_dir=out, resume=resume_dir,
                            tokenizer=tokenizer, meta=meta, dist_ctx=ctx, loggers=loggers)
+            # Every process reaches the end before any tears its connections down: once, under load, a
+            # rank aborted at exit ("terminate called without an active exception") after a good FSDP
+            # run; a peer closing the gloo pair early is the likely cause this rules out.
+            barrier(ctx)
     finally:
         shutdown_distributed()
     if result.stopped_by_signal is not None:
