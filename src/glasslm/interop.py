@@ -458,12 +458,12 @@ def _shard_files(directory: Path, index_name: str) -> list[Path]:
 # An import plan maps each of our tensor names to (the HF tensors it is made from, how to make it).
 # Keeping the HF names explicit lets import report missing and unexpected tensors by name.
 
-Plan = dict[str, tuple[tuple[str, ...], Callable[..., Tensor]]]
+# One table per family maps each glasslm tensor to the HF tensors it is made of, with the conversion
+# each way: (HF names, to_ours(*hf_tensors) -> ours, to_hf(ours) -> hf_tensors). Import reads it left
+# to right, export right to left, so the two can never disagree about a name or a layout.
+Plan = dict[str, tuple[tuple[str, ...], Callable[..., Tensor], Callable[[Tensor], tuple[Tensor, ...]]]]
+SAME = (lambda t: t, lambda t: (t,))
 _GPT2_BIAS = re.compile(r"\.(ln_\d|ln_f|c_attn|c_proj|c_fc)\.bias$")  # not the old attn.bias mask buffers
-
-
-def _same(t: Tensor) -> Tensor:
-    return t
 
 
 def _conv1d_to_linear(t: Tensor) -> Tensor:
@@ -471,48 +471,48 @@ def _conv1d_to_linear(t: Tensor) -> Tensor:
     return t.t().contiguous()
 
 
-def _gpt2_plan(config: ModelConfig, hf_names: set[str]) -> tuple[Plan, set[str]]:
-    """The import plan for HF GPT-2 tensors, plus HF names that may be present and are not needed.
+CONV1D = (_conv1d_to_linear, lambda t: (t.t(),))
 
-    Biases the config does not have (a glasslm export of a bias-free model holds zeros there) are
-    "not needed"; `import_hf` checks that they are zero.
+
+def _gpt2_plan(config: ModelConfig, prefix: str = "transformer.") -> tuple[Plan, set[str]]:
+    """The GPT-2 table, plus the HF bias names this config has no tensor for.
+
+    HF GPT-2 always has those biases: import accepts them when they are zero (a glasslm export of a
+    bias-free model), export writes zeros there when asked (`zero_biases`). `prefix` is
+    "transformer." for GPT2LMHeadModel files, "" for the bare GPT2Model (and the original hub gpt2).
     """
-    # GPT2LMHeadModel saves "transformer.h.0...", the bare GPT2Model (and the original hub gpt2) "h.0...".
-    p = "transformer." if any(n.startswith("transformer.") for n in hf_names) else ""
+    p = prefix
     flags = _bias_flags(config)
-    plan: Plan = {"embed.weight": ((p + "wte.weight",), _same), "pos_embed.weight": ((p + "wpe.weight",), _same)}
-    zero_biases: set[str] = set()
+    plan: Plan = {"embed.weight": ((p + "wte.weight",), *SAME), "pos_embed.weight": ((p + "wpe.weight",), *SAME)}
+    absent_biases: set[str] = set()
 
     def add_bias(ours: str, hf: str, on: bool) -> None:
         if on:
-            plan[ours] = ((hf,), _same)
+            plan[ours] = ((hf,), *SAME)
         else:
-            zero_biases.add(hf)
+            absent_biases.add(hf)
 
     for i in range(config.n_layers):
         hf, ours = f"{p}h.{i}.", f"blocks.{i}."
         for hf_ln, our_ln in (("ln_1", "ln1"), ("ln_2", "ln2")):
-            plan[ours + our_ln + ".weight"] = ((hf + hf_ln + ".weight",), _same)
+            plan[ours + our_ln + ".weight"] = ((hf + hf_ln + ".weight",), *SAME)
             add_bias(ours + our_ln + ".bias", hf + hf_ln + ".bias", flags["norm"])
         for hf_lin, our_lin, site in (("attn.c_attn", "attn.qkv", "qkv"), ("attn.c_proj", "attn.out", "out"),
                                       ("mlp.c_fc", "mlp.up", "mlp"), ("mlp.c_proj", "mlp.down", "mlp")):
             # c_attn's output is [q | k | v], the same order as our fused qkv.
-            plan[ours + our_lin + ".weight"] = ((hf + hf_lin + ".weight",), _conv1d_to_linear)
+            plan[ours + our_lin + ".weight"] = ((hf + hf_lin + ".weight",), *CONV1D)
             add_bias(ours + our_lin + ".bias", hf + hf_lin + ".bias", flags[site])
-    plan["ln_final.weight"] = ((p + "ln_f.weight",), _same)
+    plan["ln_final.weight"] = ((p + "ln_f.weight",), *SAME)
     add_bias("ln_final.bias", p + "ln_f.bias", flags["norm"])
     if not config.tie_embeddings:
-        plan["unembed.weight"] = (("lm_head.weight",), _same)
-    # Old checkpoints saved the causal mask as buffers attn.bias / attn.masked_bias; a tied model may
-    # also carry a copy of wte as lm_head.weight (transformers ties it to wte anyway).
-    ignorable = {n for n in hf_names if re.fullmatch(rf"{re.escape(p)}h\.\d+\.attn\.(bias|masked_bias)", n)}
-    if config.tie_embeddings:
-        ignorable.add("lm_head.weight")
-    return plan, ignorable | (zero_biases & hf_names)
+        plan["unembed.weight"] = (("lm_head.weight",), *SAME)
+    return plan, absent_biases
 
 
-def _llama_plan(config: ModelConfig, hf_names: set[str]) -> tuple[Plan, set[str]]:
-    """The import plan for HF Llama / Mistral / Qwen2 tensors, plus HF names that are not needed."""
+def _llama_plan(config: ModelConfig) -> tuple[Plan, set[str]]:
+    """The Llama / Mistral / Qwen2 table (every bias it lacks is simply absent in HF too)."""
+    sizes = [config.n_heads * config.d_head, config.n_kv_heads * config.d_head, config.n_kv_heads * config.d_head]
+
     def fused_qkv(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # Biases are permuted like the rows they belong to; a trailing axis makes them 2-D for that.
         squeeze = q.dim() == 1
@@ -523,29 +523,30 @@ def _llama_plan(config: ModelConfig, hf_names: set[str]) -> tuple[Plan, set[str]
         fused = torch.cat([q, k, v], dim=0)  # our fused layout: [q | k | v]
         return fused[:, 0] if squeeze else fused
 
+    def split_qkv(fused: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        squeeze = fused.dim() == 1
+        q, k, v = (fused[:, None] if squeeze else fused).split(sizes, dim=0)
+        q, k = adjacent_pairs_to_hf_rows(q, config.n_heads), adjacent_pairs_to_hf_rows(k, config.n_kv_heads)
+        return tuple(t[:, 0] if squeeze else t for t in (q, k, v))
+
     flags = _bias_flags(config)
-    plan: Plan = {"embed.weight": (("model.embed_tokens.weight",), _same)}
+    plan: Plan = {"embed.weight": (("model.embed_tokens.weight",), *SAME)}
     for i in range(config.n_layers):
         hf, ours = f"model.layers.{i}.", f"blocks.{i}."
-        plan[ours + "ln1.weight"] = ((hf + "input_layernorm.weight",), _same)
-        plan[ours + "attn.qkv.weight"] = (tuple(hf + f"self_attn.{x}_proj.weight" for x in "qkv"), fused_qkv)
-        if flags["qkv"]:
-            plan[ours + "attn.qkv.bias"] = (tuple(hf + f"self_attn.{x}_proj.bias" for x in "qkv"), fused_qkv)
-        plan[ours + "attn.out.weight"] = ((hf + "self_attn.o_proj.weight",), _same)
-        if flags["out"]:
-            plan[ours + "attn.out.bias"] = ((hf + "self_attn.o_proj.bias",), _same)
-        plan[ours + "ln2.weight"] = ((hf + "post_attention_layernorm.weight",), _same)
+        plan[ours + "ln1.weight"] = ((hf + "input_layernorm.weight",), *SAME)
+        for kind in ("weight", "bias") if flags["qkv"] else ("weight",):
+            plan[ours + f"attn.qkv.{kind}"] = (tuple(hf + f"self_attn.{x}_proj.{kind}" for x in "qkv"),
+                                                fused_qkv, split_qkv)
+        for kind in ("weight", "bias") if flags["out"] else ("weight",):
+            plan[ours + f"attn.out.{kind}"] = ((hf + f"self_attn.o_proj.{kind}",), *SAME)
+        plan[ours + "ln2.weight"] = ((hf + "post_attention_layernorm.weight",), *SAME)
         for proj in ("gate", "up", "down"):
-            plan[ours + f"mlp.{proj}.weight"] = ((hf + f"mlp.{proj}_proj.weight",), _same)
-            if flags["mlp"]:
-                plan[ours + f"mlp.{proj}.bias"] = ((hf + f"mlp.{proj}_proj.bias",), _same)
-    plan["ln_final.weight"] = (("model.norm.weight",), _same)
+            for kind in ("weight", "bias") if flags["mlp"] else ("weight",):
+                plan[ours + f"mlp.{proj}.{kind}"] = ((hf + f"mlp.{proj}_proj.{kind}",), *SAME)
+    plan["ln_final.weight"] = (("model.norm.weight",), *SAME)
     if not config.tie_embeddings:
-        plan["unembed.weight"] = (("lm_head.weight",), _same)
-    ignorable = {n for n in hf_names if n.endswith("rotary_emb.inv_freq")}  # recomputed from the config
-    if config.tie_embeddings:
-        ignorable.add("lm_head.weight")
-    return plan, ignorable
+        plan["unembed.weight"] = (("lm_head.weight",), *SAME)
+    return plan, set()
 
 
 # --- building models without a second copy of the weights ---------------------------------------
@@ -576,8 +577,18 @@ def import_hf(
     config, family = config_from_hf(read_hf_config(directory), context_length)
     source = TensorSource.from_directory(directory)
     names = source.names()
-    plan, ignorable = (_gpt2_plan if family == "gpt2" else _llama_plan)(config, names)
-    needed = {hf_name for hf_names, _ in plan.values() for hf_name in hf_names}
+    if family == "gpt2":
+        # GPT2LMHeadModel saves "transformer.h.0...", the bare GPT2Model (and the original hub gpt2) "h.0...".
+        plan, absent = _gpt2_plan(config, "transformer." if any(n.startswith("transformer.") for n in names) else "")
+        # Old checkpoints saved the causal mask as buffers attn.bias / attn.masked_bias.
+        ignorable = {n for n in names if re.fullmatch(r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)", n)}
+        ignorable |= absent & names
+    else:
+        plan, _ = _llama_plan(config)
+        ignorable = {n for n in names if n.endswith("rotary_emb.inv_freq")}  # recomputed from the config
+    if config.tie_embeddings:
+        ignorable.add("lm_head.weight")  # a tied model may carry a copy of the embedding; transformers re-ties it
+    needed = {hf_name for hf_names, _, _ in plan.values() for hf_name in hf_names}
     missing, unexpected = sorted(needed - names), sorted(names - needed - ignorable)
     if missing or unexpected:
         raise ValueError(
@@ -589,68 +600,33 @@ def import_hf(
             raise ValueError(
                 f"{source.source}: {name} is not zero, but config.json's {GLASSLM_KEY!r} entry says the model "
                 f"has no biases there; remove that entry to import the biases")
-    makers = {ours: (lambda hf_names=hf_names, convert=convert: convert(*map(source.get, hf_names)))
-              for ours, (hf_names, convert) in plan.items()}
+    makers = {ours: (lambda hf_names=hf_names, to_ours=to_ours: to_ours(*map(source.get, hf_names)))
+              for ours, (hf_names, to_ours, _) in plan.items()}
     return model_from_state_dict(config, makers, device, dtype, source.source)
 
 
 def hf_state_dict(model: TransformerLM, zero_biases: bool = False) -> dict[str, Tensor]:
-    """The model's weights under HF names and layouts (the inverse of the import mapping).
+    """The model's weights under HF names and layouts: the import table read right to left.
 
     `zero_biases` fills the biases a bias-free GPT-2-shaped model lacks with zeros (HF GPT-2
     always has them); without it such a model is refused.
     """
     c, family = model.config, family_of(model.config)
     ours = {name: t.detach() for name, t in model.state_dict().items()}
-    out: dict[str, Tensor] = {}
     if family == "gpt2":
         if not all(_bias_flags(c).values()) and not zero_biases:
             config_to_hf(c)  # raises the explanation
-        ref = ours["embed.weight"]
-
-        def bias(name: str, size: int) -> Tensor:
-            return ours.get(name, torch.zeros(size, dtype=ref.dtype, device=ref.device))
-
-        p = "transformer."
-        out[p + "wte.weight"] = ours["embed.weight"]
-        out[p + "wpe.weight"] = ours["pos_embed.weight"]
-        for i in range(c.n_layers):
-            hf, b = f"{p}h.{i}.", f"blocks.{i}."
-            for hf_ln, our_ln in (("ln_1", "ln1"), ("ln_2", "ln2")):
-                out[hf + hf_ln + ".weight"] = ours[b + our_ln + ".weight"]
-                out[hf + hf_ln + ".bias"] = bias(b + our_ln + ".bias", c.d_model)
-            for hf_lin, our_lin in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.out"),
-                                    ("mlp.c_fc", "mlp.up"), ("mlp.c_proj", "mlp.down")):
-                weight = ours[b + our_lin + ".weight"]
-                out[hf + hf_lin + ".weight"] = weight.t()  # Conv1D layout (d_in, d_out)
-                out[hf + hf_lin + ".bias"] = bias(b + our_lin + ".bias", weight.shape[0])
-        out[p + "ln_f.weight"] = ours["ln_final.weight"]
-        out[p + "ln_f.bias"] = bias("ln_final.bias", c.d_model)
+        plan, absent = _gpt2_plan(c)
     else:
-        out["model.embed_tokens.weight"] = ours["embed.weight"]
-        sizes = [c.n_heads * c.d_head, c.n_kv_heads * c.d_head, c.n_kv_heads * c.d_head]
-        for i in range(c.n_layers):
-            hf, b = f"model.layers.{i}.", f"blocks.{i}."
-            out[hf + "input_layernorm.weight"] = ours[b + "ln1.weight"]
-            for kind in ("weight", "bias"):
-                if b + f"attn.qkv.{kind}" not in ours:
-                    continue
-                fused = ours[b + f"attn.qkv.{kind}"]
-                q, k, v = (fused[:, None] if kind == "bias" else fused).split(sizes, dim=0)
-                q, k = adjacent_pairs_to_hf_rows(q, c.n_heads), adjacent_pairs_to_hf_rows(k, c.n_kv_heads)
-                for name, t in (("q", q), ("k", k), ("v", v)):
-                    out[hf + f"self_attn.{name}_proj.{kind}"] = t[:, 0] if kind == "bias" else t
-            for kind in ("weight", "bias"):
-                if b + f"attn.out.{kind}" in ours:
-                    out[hf + f"self_attn.o_proj.{kind}"] = ours[b + f"attn.out.{kind}"]
-                for proj in ("gate", "up", "down"):
-                    if b + f"mlp.{proj}.{kind}" in ours:
-                        out[hf + f"mlp.{proj}_proj.{kind}"] = ours[b + f"mlp.{proj}.{kind}"]
-            out[hf + "post_attention_layernorm.weight"] = ours[b + "ln2.weight"]
-        out["model.norm.weight"] = ours["ln_final.weight"]
-    if not c.tie_embeddings:
-        # A tied model saves only the embedding; transformers re-ties lm_head to it on load.
-        out["lm_head.weight"] = ours["unembed.weight"]
+        plan, absent = _llama_plan(c)
+    out: dict[str, Tensor] = {}
+    for name, (hf_names, _, to_hf) in plan.items():
+        out.update(zip(hf_names, to_hf(ours[name])))
+    for hf_bias in absent:
+        # A bias has one entry per output feature: the last axis of its Conv1D weight, or the norm's size.
+        weight = out[hf_bias.removesuffix("bias") + "weight"]
+        out[hf_bias] = torch.zeros(weight.shape[-1], dtype=weight.dtype, device=weight.device)
+    # A tied model saves only the embedding; transformers re-ties lm_head to it on load.
     return out
 
 
