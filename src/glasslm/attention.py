@@ -118,6 +118,31 @@ class KVCache:
         self.length = 0
 
 
+class StaticKVCache(KVCache):
+    """The same per-layer buffers, addressed by a position tensor instead of a Python cursor.
+
+    `update_at` writes keys and values at the slots `positions` names (`index_copy_`) and returns the
+    whole buffers, so every decoding step has the same shapes and no Python number that changes per
+    step: a compiled decoder (`torch.compile`, as gpt-fast and litgpt do it) is traced once and
+    reused. Attention then spans all max_length slots, masked to the slots at or before each query's
+    position, which costs a little more per step than the growing view `KVCache` returns.
+
+    Example:
+        >>> cache = StaticKVCache(n_layers=1, batch=1, n_kv_heads=2, max_length=8, d_head=4)
+        >>> k, v = cache.update_at(0, torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), torch.arange(3))
+        >>> k.shape, int(k.sum())
+        (torch.Size([1, 2, 8, 4]), 24)
+    """
+
+    def update_at(
+        self, layer: int, k: Float[Tensor, "batch kv_heads seq d_head"], v: Float[Tensor, "batch kv_heads seq d_head"],
+        positions: Int[Tensor, "seq"],
+    ) -> tuple[Float[Tensor, "batch kv_heads max_length d_head"], Float[Tensor, "batch kv_heads max_length d_head"]]:
+        self.keys[layer].index_copy_(2, positions, k.to(self.keys[layer].dtype))
+        self.values[layer].index_copy_(2, positions, v.to(self.values[layer].dtype))
+        return self.keys[layer], self.values[layer]
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention with a causal mask and optional grouped-query heads.
 
@@ -164,20 +189,32 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
-        if kv_cache is not None:
+        static = isinstance(kv_cache, StaticKVCache)
+        if static:
+            if positions.dim() != 1 or attn_mask is not None:
+                raise ValueError("a StaticKVCache takes one (seq,) positions tensor for every row, and no attn_mask")
+            k, v = kv_cache.update_at(layer, k, v, positions)  # (batch, kv_heads, max_length, d_head)
+            q = q.to(k.dtype)
+        elif kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)  # (batch, kv_heads, cached + seq, d_head)
             # A cache kept in a wider dtype than the activations (float32 for bf16 weights on CPU,
             # where bf16 attention kernels are slow) sets the dtype attention is computed in.
             q = q.to(k.dtype)
 
         mask = None
-        if attn_mask is not None:
+        if static:
+            # Slot j holds position j: a query at position p sees slots 0..p (later slots are stale or empty).
+            slots = torch.arange(k.shape[2], device=x.device)
+            mask = slots[None, :] <= positions[:, None]  # (seq, max_length)
+            if self.sliding_window is not None:
+                mask = mask & (slots[None, :] > positions[:, None] - self.sliding_window)
+        elif attn_mask is not None:
             mask = attn_mask[:, None]  # (batch, 1, q_seq, k_seq): same mask for every head
         elif kv_cache is not None and seq > 1 and k.shape[2] > seq:
             mask = causal_mask(seq, k.shape[2], device=x.device)
         # Otherwise the mask is plain causal (no cache, or prefill into an empty cache), or not
         # needed at all (one new query may see every cached key).
-        if self.sliding_window is not None and k.shape[2] > self.sliding_window:
+        if self.sliding_window is not None and k.shape[2] > self.sliding_window and not static:
             window = sliding_window_mask(seq, k.shape[2], self.sliding_window, device=x.device)
             mask = window if mask is None else mask & window
         plain_causal = mask is None and k.shape[2] == seq and seq > 1

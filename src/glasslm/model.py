@@ -17,7 +17,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
-from .attention import CausalSelfAttention, KVCache
+from .attention import CausalSelfAttention, KVCache, StaticKVCache
 from .config import ModelConfig
 from .layers import MLP, Embedding, HookPoint, Linear, SwiGLU, dropout, make_norm
 from .positions import LearnedPositions, RotaryPositions, SinusoidalPositions
@@ -112,13 +112,19 @@ class TransformerLM(nn.Module):
         c = self.config
         self.check_tokens(tokens)
         seq = tokens.shape[1]
-        start = kv_cache.length if kv_cache is not None else 0
-        if positions is None:
-            positions = torch.arange(start, start + seq, device=tokens.device)
-        if start + seq > c.context_length and c.positional != "none":
-            raise ValueError(
-                f"sequence of {start + seq} tokens is longer than the context length {c.context_length}"
-            )
+        static = isinstance(kv_cache, StaticKVCache)
+        if static:
+            # Compile-friendly decoding: the caller names the slots; no Python cursor moves per step.
+            if positions is None:
+                raise ValueError("with a StaticKVCache, pass positions (the slots these tokens occupy)")
+        else:
+            start = kv_cache.length if kv_cache is not None else 0
+            if positions is None:
+                positions = torch.arange(start, start + seq, device=tokens.device)
+            if start + seq > c.context_length and c.positional != "none":
+                raise ValueError(
+                    f"sequence of {start + seq} tokens is longer than the context length {c.context_length}"
+                )
 
         x = self.hook_embed(self.embed(tokens))  # (batch, seq, d_model)
         if c.scale_embeddings:
@@ -128,7 +134,7 @@ class TransformerLM(nn.Module):
         x = dropout(x, c.site_dropout("embed"), self.training, c.impl)
         for layer, block in enumerate(self.blocks):
             x = block(x, positions, kv_cache, layer, attn_mask)
-        if kv_cache is not None:
+        if kv_cache is not None and not static:
             kv_cache.advance(seq)
         if last_logits_only:
             x = x[:, -1:]
@@ -167,6 +173,13 @@ class TransformerLM(nn.Module):
         ref = self.embed.weight
         return KVCache(c.n_layers, batch, c.n_kv_heads, max_length or c.context_length, c.d_head,
                        device=device or ref.device, dtype=dtype or ref.dtype)
+
+    def new_static_kv_cache(self, batch: int, max_length: int | None = None,
+                            device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> StaticKVCache:
+        """Position-addressed buffers for compiled decoding (see `attention.StaticKVCache`)."""
+        c, ref = self.config, self.embed.weight
+        return StaticKVCache(c.n_layers, batch, c.n_kv_heads, max_length or c.context_length, c.d_head,
+                             device=device or ref.device, dtype=dtype or ref.dtype)
 
     def num_parameters(self, by_component: bool = False) -> int | dict[str, int]:
         """Count parameters once each (a tied unembedding shares the embedding's)."""
