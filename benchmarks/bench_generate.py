@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from glasslm.config import get_preset
+from glasslm.core.config import get_preset
 from glasslm.generate import GenerationConfig, generate, generate_tokens, onednn_disabled, optimize_for_decoding
-from glasslm.model import TransformerLM
+from glasslm.core.model import TransformerLM
 from glasslm.quantize import quantize_int8
 from glasslm.runtime import cpu_flags
 

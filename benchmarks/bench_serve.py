@@ -38,8 +38,8 @@ PROMPTS = ["ROMEO:\n", "First Citizen:\nBefore we proceed", "KING HENRY:\nOnce m
 def random_checkpoint(directory: Path) -> Path:
     """shakespeare-char-cpu with random weights and the tinyshakespeare characters (or a fixed set)."""
     from glasslm.checkpoint import save_checkpoint
-    from glasslm.config import get_preset
-    from glasslm.model import TransformerLM
+    from glasslm.core.config import get_preset
+    from glasslm.core.model import TransformerLM
     from glasslm.tokenizers import CharTokenizer
 
     text_path = Path(os.environ.get("GLASSLM_DATA_DIR", "")) / "tinyshakespeare.txt"

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glasslm.config import get_preset
+from glasslm.core.config import get_preset
 from glasslm.data import get_batch
-from glasslm.model import TransformerLM
+from glasslm.core.model import TransformerLM
 from glasslm.train import TrainConfig, forward_backward, make_optimizer
 
 

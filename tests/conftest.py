@@ -10,7 +10,7 @@ from jaxtyping import install_import_hook
 # The jaxtyping annotations on the readable core are checked (dtype kind, rank and named-dimension
 # consistency within a call) on every call made by the tests, so a false shape annotation fails here
 # instead of misleading a reader. This must run before glasslm's modules are first imported.
-_SHAPE_CHECKED = ["glasslm.layers", "glasslm.positions", "glasslm.attention", "glasslm.model"]
+_SHAPE_CHECKED = ["glasslm.core.layers", "glasslm.core.positions", "glasslm.core.attention", "glasslm.core.model"]
 install_import_hook(_SHAPE_CHECKED, "beartype.beartype")
 
 

@@ -12,7 +12,7 @@ from glasslm.accounting import (
     training_flops_per_token,
 )
 from glasslm.cli import main
-from glasslm.config import get_preset
+from glasslm.core.config import get_preset
 
 GPT2_VOCAB = 50257
 

@@ -40,9 +40,9 @@ def assets(tmp_path_factory) -> Path:
     Llama directory (hf/): everything the cases damage or point at."""
     import torch
 
-    from glasslm.config import get_preset
+    from glasslm.core.config import get_preset
     from glasslm.interop import export_hf
-    from glasslm.model import TransformerLM
+    from glasslm.core.model import TransformerLM
 
     root = tmp_path_factory.mktemp("assets")
     (root / "text.txt").write_text(TEXT)

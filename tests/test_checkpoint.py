@@ -18,7 +18,7 @@ from glasslm.checkpoint import (
     load_checkpoint, load_optimizer_state, optimizer_state_from_files, optimizer_state_to_files,
     prune_checkpoints, resolve_checkpoint, write_pointer,
 )
-from glasslm.config import get_preset
+from glasslm.core.config import get_preset
 from glasslm.loggers import read_metrics
 from glasslm.tokenizers import CharTokenizer
 from glasslm.train import TrainConfig, train
@@ -278,7 +278,7 @@ def test_replacing_a_checkpoint_never_leaves_the_name_empty(tmp_path, monkeypatc
 
 
 def TransformerLM_tiny():
-    from glasslm.model import TransformerLM
+    from glasslm.core.model import TransformerLM
 
     return TransformerLM(get_preset("shakespeare-char-cpu", **TINY))
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glasslm.config import get_preset
-from glasslm.model import TransformerLM
+from glasslm.core.config import get_preset
+from glasslm.core.model import TransformerLM
 
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-small"])

@@ -1,6 +1,6 @@
 import pytest
 
-from glasslm.config import PRESETS, ModelConfig, get_preset
+from glasslm.core.config import PRESETS, ModelConfig, get_preset
 
 
 @pytest.mark.parametrize(
@@ -63,7 +63,7 @@ def test_dict_round_trip(name):
 
 
 def test_one_registry_holds_model_and_recipe_of_every_preset():
-    from glasslm.config import get_recipe
+    from glasslm.core.config import get_recipe
     from glasslm.train import TrainConfig
 
     for name, preset in PRESETS.items():
@@ -79,7 +79,7 @@ def test_one_registry_holds_model_and_recipe_of_every_preset():
 
 @pytest.mark.parametrize("name", ["llama3-8b", "gpt2-xl", "vaswani-decoder"])
 def test_presets_without_a_recipe_are_refused_not_trained_with_defaults(name):
-    from glasslm.config import get_recipe
+    from glasslm.core.config import get_recipe
 
     assert PRESETS[name].recipe is None
     with pytest.raises(ValueError, match="has no training recipe"):

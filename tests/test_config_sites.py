@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from glasslm.config import ModelConfig, get_preset
-from glasslm.layers import LayerNorm
-from glasslm.model import TransformerLM
+from glasslm.core.config import ModelConfig, get_preset
+from glasslm.core.layers import LayerNorm
+from glasslm.core.model import TransformerLM
 
 SMALL = dict(vocab_size=61, context_length=16, d_model=24, n_layers=2, n_heads=3)
 

@@ -18,9 +18,9 @@ from torch import nn
 
 from glasslm.bpe import train_bpe
 from glasslm.data import get_batch
-from glasslm.layers import cross_entropy
+from glasslm.core.layers import cross_entropy
 from glasslm.optim import AdamW, clip_grad_norm, cosine_schedule
-from glasslm.positions import RotaryPositions
+from glasslm.core.positions import RotaryPositions
 from glasslm.state import load_checkpoint, save_checkpoint
 from glasslm.tokenizers import BPETokenizer
 

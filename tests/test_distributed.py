@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from glasslm.config import get_preset
+from glasslm.core.config import get_preset
 from glasslm.loggers import read_metrics
 from glasslm.train import TrainConfig, train
 

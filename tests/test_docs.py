@@ -8,7 +8,8 @@ import pytest
 
 import glasslm
 
-MODULES = sorted(m.name for m in pkgutil.iter_modules(glasslm.__path__, "glasslm.") if m.name != "glasslm.__main__")
+# walk_packages: the core's modules live in the glasslm.core subpackage.
+MODULES = sorted(m.name for m in pkgutil.walk_packages(glasslm.__path__, "glasslm.") if m.name != "glasslm.__main__")
 
 
 @pytest.mark.parametrize("name", MODULES)

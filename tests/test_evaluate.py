@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from glasslm.checkpoint import save_checkpoint
 from glasslm.cli import main
-from glasslm.config import get_preset
+from glasslm.core.config import get_preset
 from glasslm.evaluate import evaluate_text, evaluate_tokens, sliding_windows
-from glasslm.model import TransformerLM
+from glasslm.core.model import TransformerLM
 from glasslm.tokenizers import CharTokenizer
 
 TEXT = "to be, or not to be, that is the question: whether 'tis nobler in the mind to suffer\n" * 3

@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 
 from glasslm import explore
-from glasslm.config import get_preset
+from glasslm.core.config import get_preset
 from glasslm.evaluate import evaluate_tokens
 from glasslm.hooks import logit_lens as hooks_logit_lens
 from glasslm.hooks import run_with_cache
-from glasslm.model import TransformerLM
+from glasslm.core.model import TransformerLM
 from glasslm.tokenizers import CharTokenizer
 
 TEXT = "the cat sat on the mat"

@@ -13,12 +13,12 @@ import torch
 from glasslm import streaming
 from glasslm.checkpoint import save_checkpoint
 from glasslm.cli import main
-from glasslm.config import get_preset
+from glasslm.core.config import get_preset
 from glasslm.generate import (
     GenerationConfig, TextStreamer, apply_repetition_penalty, decode_steps, filter_logits, generate,
     generate_text, generate_tokens, optimize_for_decoding, sample_next, settled_length, stream_text,
 )
-from glasslm.model import TransformerLM
+from glasslm.core.model import TransformerLM
 from glasslm.tokenizers import CharTokenizer
 
 CONTEXT = 16

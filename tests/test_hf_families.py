@@ -111,8 +111,8 @@ def test_family_logits_greedy_tokens_and_round_trip(family, tmp_path):
 def test_llama3_frequencies_match_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from glasslm.config import ModelConfig
-    from glasslm.positions import RotaryPositions
+    from glasslm.core.config import ModelConfig
+    from glasslm.core.positions import RotaryPositions
 
     hf_config = FAMILIES["llama3-rope-scaling"]()
     hf_freq, scale = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")

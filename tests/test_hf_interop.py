@@ -17,9 +17,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 
-from glasslm.config import get_preset  # noqa: E402
+from glasslm.core.config import get_preset  # noqa: E402
 from glasslm.interop import export_hf, import_hf, load_model  # noqa: E402
-from glasslm.model import TransformerLM  # noqa: E402
+from glasslm.core.model import TransformerLM  # noqa: E402
 from glasslm.tokenizers import (  # noqa: E402
     CharTokenizer, HFTokenizer, gpt2_tokenizer, load_tokenizer, read_hf_tokenizer, save_hf_tokenizer,
     special_token_ids, train_tokenizer_from_text,

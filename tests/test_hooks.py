@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from glasslm.config import get_preset
+from glasslm.core.config import get_preset
 from glasslm.hooks import hook_names, logit_lens, run_with_cache, run_with_hooks, unembed
-from glasslm.model import TransformerLM
+from glasslm.core.model import TransformerLM
 
 PRESETS = ["shakespeare-char-cpu-nanogpt", "shakespeare-char-cpu", "llama-tiny"]
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from glasslm.checkpoint import save_checkpoint
-from glasslm.config import get_preset
-from glasslm.model import TransformerLM
+from glasslm.core.config import get_preset
+from glasslm.core.model import TransformerLM
 from glasslm.tokenizers import CharTokenizer
 
 

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from glasslm.checkpoint import save_checkpoint  # noqa: E402
-from glasslm.config import get_preset  # noqa: E402
+from glasslm.core.config import get_preset  # noqa: E402
 from glasslm.generate import generate_tokens  # noqa: E402
 from glasslm.interop import (  # noqa: E402
     UnsupportedModelError,
@@ -28,7 +28,7 @@ from glasslm.interop import (  # noqa: E402
     import_hf,
     load_model,
 )
-from glasslm.model import TransformerLM  # noqa: E402
+from glasslm.core.model import TransformerLM  # noqa: E402
 
 VOCAB = 101
 

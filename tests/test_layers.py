@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from glasslm.attention import CausalSelfAttention, causal_mask, scaled_dot_product_attention, softmax
-from glasslm.layers import (
+from glasslm.core.attention import CausalSelfAttention, causal_mask, scaled_dot_product_attention, softmax
+from glasslm.core.layers import (
     MLP, Embedding, LayerNorm, Linear, RMSNorm, SwiGLU, activation, cross_entropy, dropout, gelu, gelu_tanh,
     relu, silu,
 )
-from glasslm.positions import RotaryPositions, sinusoidal_table
+from glasslm.core.positions import RotaryPositions, sinusoidal_table
 
 IMPLS = ["readable", "fast"]
 

@@ -2,10 +2,10 @@
 
 import torch
 
-from glasslm.config import get_preset
+from glasslm.core.config import get_preset
 from glasslm.data import train_val_split
-from glasslm.layers import cross_entropy
-from glasslm.model import TransformerLM
+from glasslm.core.layers import cross_entropy
+from glasslm.core.model import TransformerLM
 from glasslm.tokenizers import CharTokenizer
 from glasslm.train import TrainConfig, evaluate, train
 

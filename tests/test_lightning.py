@@ -5,7 +5,7 @@ import torch
 
 lightning = pytest.importorskip("lightning")
 
-from glasslm.config import get_preset  # noqa: E402
+from glasslm.core.config import get_preset  # noqa: E402
 from glasslm.lightning import GlassLMModule, token_loader  # noqa: E402
 from glasslm.train import TrainConfig, lr_at  # noqa: E402
 

@@ -6,8 +6,8 @@ import jaxtyping
 import pytest
 import torch
 
-from glasslm.config import PRESETS, ModelConfig, get_preset
-from glasslm.model import TransformerLM
+from glasslm.core.config import PRESETS, ModelConfig, get_preset
+from glasslm.core.model import TransformerLM
 
 # Small members of each family, quick to run on 2 cores.
 FAMILIES = {

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from glasslm.config import get_preset
-from glasslm.model import TransformerLM
+from glasslm.core.config import get_preset
+from glasslm.core.model import TransformerLM
 from glasslm.optim import (
     AdamW, Muon, clip_grad_norm, cosine_schedule, make_optimizer, muon_param_groups, newton_schulz,
 )

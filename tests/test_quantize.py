@@ -12,11 +12,11 @@ import torch.nn.functional as F
 
 from glasslm.checkpoint import load_checkpoint, save_checkpoint
 from glasslm.cli import main
-from glasslm.config import get_preset
+from glasslm.core.config import get_preset
 from glasslm.data import get_batch
 from glasslm.evaluate import evaluate_tokens
 from glasslm.generate import generate_tokens
-from glasslm.model import TransformerLM
+from glasslm.core.model import TransformerLM
 from glasslm.quantize import Int8Linear, int8_per_channel, quantize_int8
 from glasslm.tokenizers import CharTokenizer
 

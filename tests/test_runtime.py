@@ -36,8 +36,8 @@ def test_cli_draft_gives_the_same_text_and_reports_acceptance(tmp_path, capsys):
 
     from glasslm.checkpoint import save_checkpoint
     from glasslm.cli import main
-    from glasslm.config import get_preset
-    from glasslm.model import TransformerLM
+    from glasslm.core.config import get_preset
+    from glasslm.core.model import TransformerLM
     from glasslm.tokenizers import CharTokenizer
 
     tokenizer = CharTokenizer.from_text("abcdefgh ROMEO:\n")

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from glasslm.cli import RunConfig, build_parser, load_config_file, main
-from glasslm.config import ModelConfig
+from glasslm.core.config import ModelConfig
 from glasslm.generate import GenerationConfig
 from glasslm.schema import field_docs, given_options
 from glasslm.train import TrainConfig
@@ -135,7 +135,7 @@ def test_generate_defaults_are_generation_configs():
 def test_lightning_and_train_follow_one_learning_rate_schedule(tmp_path):
     import torch
 
-    from glasslm.config import get_preset
+    from glasslm.core.config import get_preset
     from glasslm.loggers import read_metrics
     from glasslm.train import scheduled_lr, train
 

@@ -17,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import seed_models as sm  # noqa: E402
 
-from glasslm.config import get_preset, get_recipe  # noqa: E402
+from glasslm.core.config import get_preset, get_recipe  # noqa: E402
 from glasslm.formats import FormatError, load_foreign  # noqa: E402
 from glasslm.generate import generate  # noqa: E402
-from glasslm.model import TransformerLM  # noqa: E402
+from glasslm.core.model import TransformerLM  # noqa: E402
 
 
 def _reference_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
@@ -240,7 +240,7 @@ def test_recompute_window_is_seed_004s_autocomplete(tmp_path):
 
 def test_readme_seed_table_is_true():
     """Each row of the README's seed table: the preset exists, has that count, and that recipe status."""
-    from glasslm.config import PRESETS
+    from glasslm.core.config import PRESETS
     from glasslm.formats import FORMATS
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()

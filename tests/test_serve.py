@@ -22,9 +22,9 @@ pytest.importorskip("uvicorn")
 
 from glasslm import explore  # noqa: E402
 from glasslm.checkpoint import save_checkpoint  # noqa: E402
-from glasslm.config import get_preset  # noqa: E402
+from glasslm.core.config import get_preset  # noqa: E402
 from glasslm.generate import GenerationConfig, generate  # noqa: E402
-from glasslm.model import TransformerLM  # noqa: E402
+from glasslm.core.model import TransformerLM  # noqa: E402
 from glasslm.serve import create_app, serving_in_thread  # noqa: E402
 from glasslm.tokenizers import CharTokenizer  # noqa: E402
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from glasslm.config import get_preset
-from glasslm.model import TransformerLM
+from glasslm.core.config import get_preset
+from glasslm.core.model import TransformerLM
 from glasslm.train import TrainConfig, train
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glasslm.config import get_preset
+from glasslm.core.config import get_preset
 from glasslm.generate import generate_tokens
-from glasslm.model import TransformerLM
+from glasslm.core.model import TransformerLM
 from glasslm.speculative import SpeculativeStats, speculative_tokens
 
 

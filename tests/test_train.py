@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import glasslm.train as train_module
-from glasslm.config import get_preset
+from glasslm.core.config import get_preset
 from glasslm.loggers import read_metrics
-from glasslm.model import TransformerLM
+from glasslm.core.model import TransformerLM
 from glasslm.train import TrainConfig, evaluate, forward_backward, lr_at, make_optimizer, train
 
 TINY = dict(vocab_size=16, n_layers=2, d_model=32, n_heads=2, context_length=16)

@@ -13,18 +13,25 @@ Example:
     5000
 """
 
+import importlib as _importlib
+import sys as _sys
 from importlib import metadata as _metadata
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import PRESETS, ModelConfig, Preset, get_preset, get_recipe
+from .core.config import PRESETS, ModelConfig, Preset, get_preset, get_recipe
 from .generate import GenerationConfig, generate_text, generate_tokens, stream_text
 from .interop import export_hf, import_hf, load_model
-from .model import TransformerLM
+from .core.model import TransformerLM
 from .tokenizers import get_tokenizer, load_tokenizer
 # `glasslm.train` and `glasslm.generate` stay the modules (re-binding them to functions here would hide
 # the modules from `import glasslm.train as m`); the training entry point is exported as `train_model`.
 from .train import TrainConfig, TrainResult
 from .train import train as train_model
+
+# The core moved into glasslm.core; scripts written against the old flat paths
+# (`from glasslm.config import get_preset`) keep working through these aliases.
+for _name in ("config", "layers", "positions", "attention", "model"):
+    _sys.modules[f"{__name__}.{_name}"] = _importlib.import_module(f".core.{_name}", __name__)
 
 try:
     __version__ = _metadata.version("glasslm")

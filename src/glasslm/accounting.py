@@ -15,7 +15,7 @@ Conventions (the same as the tables in Kaplan et al. 2020 and Hoffmann et al. 20
   to both activations and weights, each about as costly as the forward (hence the familiar 6·N).
 
 Example:
-    >>> from glasslm.config import get_preset
+    >>> from glasslm.core.config import get_preset
     >>> cfg = get_preset("gpt2-small")
     >>> parameter_count(cfg)
     124439808
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 
 from .build import empty_model
-from .config import ModelConfig
-from .layers import Linear
+from .core.config import ModelConfig
+from .core.layers import Linear
 
 ATTENTION_MIXING = "attention q·kᵀ and pattern·v"
 

@@ -7,7 +7,7 @@ device. Checkpoint files (checkpoint.py), Hugging Face directories (interop.py) 
 huge configs (accounting.py) all build models this way.
 
 Example:
-    >>> from glasslm.config import get_preset
+    >>> from glasslm.core.config import get_preset
     >>> empty_model(get_preset("gpt2-xl")).num_parameters()  # no memory spent
     1557611200
 """
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from .config import ModelConfig
-from .model import TransformerLM
-from .positions import RotaryPositions, SinusoidalPositions
+from .core.config import ModelConfig
+from .core.model import TransformerLM
+from .core.positions import RotaryPositions, SinusoidalPositions
 
 
 def load_weights(model: TransformerLM, weights: dict[str, torch.Tensor], source: str = "weights") -> None:

@@ -12,8 +12,8 @@ and two pointer files, each holding the name of one checkpoint directory:
 
 Example:
     >>> import tempfile
-    >>> from glasslm.config import get_preset
-    >>> from glasslm.model import TransformerLM
+    >>> from glasslm.core.config import get_preset
+    >>> from glasslm.core.model import TransformerLM
     >>> from glasslm.tokenizers import CharTokenizer
     >>> model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=3))
     >>> path = save_checkpoint(tempfile.mkdtemp() + "/ckpt", model, CharTokenizer.from_text("abc"))
@@ -36,8 +36,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .build import model_from_state_dict
-from .config import ModelConfig
-from .model import TransformerLM
+from .core.config import ModelConfig
+from .core.model import TransformerLM
 from .tokenizers import load_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"

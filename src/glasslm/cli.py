@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .config import PRESETS, ModelConfig, get_preset, get_recipe
+from .core.config import PRESETS, ModelConfig, get_preset, get_recipe
 from .formats import FORMATS
 from .generate import GenerationConfig
 from .schema import ArgumentParser, HelpFormatter, add_options, checked, did_you_mean, given_options, read_settings_file

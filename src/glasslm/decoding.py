@@ -7,8 +7,8 @@ position. Prompts of different lengths are left-padded with per-row positions, s
 generating it alone.
 
 Example:
-    >>> from glasslm.config import get_preset
-    >>> from glasslm.model import TransformerLM
+    >>> from glasslm.core.config import get_preset
+    >>> from glasslm.core.model import TransformerLM
     >>> model = TransformerLM(get_preset("llama-tiny")).eval()
     >>> len(list(generate_tokens(model, [1, 2, 3], max_new_tokens=4, temperature=0.0)))
     4
@@ -25,8 +25,8 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from .layers import Linear
-from .model import TransformerLM
+from .core.layers import Linear
+from .core.model import TransformerLM
 from .sampling import GenerationConfig, Tokenizer, apply_repetition_penalty, find_stop, make_config, sample_next
 
 

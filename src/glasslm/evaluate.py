@@ -10,8 +10,8 @@ longer than context_length + 1 tokens is a single forward pass, whatever the str
 
 Example:
     >>> import torch
-    >>> from glasslm.config import get_preset
-    >>> from glasslm.model import TransformerLM
+    >>> from glasslm.core.config import get_preset
+    >>> from glasslm.core.model import TransformerLM
     >>> from glasslm.tokenizers import CharTokenizer
     >>> tok = CharTokenizer.from_text("abcd")
     >>> model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=4, n_layers=1))
@@ -34,7 +34,7 @@ from jaxtyping import Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .model import TransformerLM
+from .core.model import TransformerLM
 
 
 def sliding_windows(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:

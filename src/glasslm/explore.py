@@ -8,8 +8,8 @@ glasslm's own tools: `inspection.attention_pattern` and `inspection.logit_lens_t
 computes.
 
 Example:
-    >>> from glasslm.config import get_preset
-    >>> from glasslm.model import TransformerLM
+    >>> from glasslm.core.config import get_preset
+    >>> from glasslm.core.model import TransformerLM
     >>> from glasslm.tokenizers import CharTokenizer
     >>> tok = CharTokenizer.from_text("abc")
     >>> model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=3, n_layers=2)).eval()
@@ -33,7 +33,7 @@ from torch import Tensor
 from .evaluate import sliding_windows
 from .generate import filter_logits
 from .inspection import attention_pattern, logit_lens_top
-from .model import TransformerLM
+from .core.model import TransformerLM
 
 
 def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .config import ModelConfig, get_preset
-from .model import TransformerLM
+from .core.config import ModelConfig, get_preset
+from .core.model import TransformerLM
 
 StateDict = dict[str, Tensor]
 

@@ -10,8 +10,8 @@ place to import them from:
   `generate_text`).
 
 Example:
-    >>> from glasslm.config import get_preset
-    >>> from glasslm.model import TransformerLM
+    >>> from glasslm.core.config import get_preset
+    >>> from glasslm.core.model import TransformerLM
     >>> model = TransformerLM(get_preset("llama-tiny")).eval()
     >>> out = list(generate_tokens(model, [1, 2, 3], max_new_tokens=4, temperature=0.0))
     >>> len(out)

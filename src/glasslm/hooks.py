@@ -11,8 +11,8 @@ fused kernel unless you ask for the attention scores or pattern.
 
 Example:
     >>> import torch
-    >>> from glasslm.config import get_preset
-    >>> from glasslm.model import TransformerLM
+    >>> from glasslm.core.config import get_preset
+    >>> from glasslm.core.model import TransformerLM
     >>> model = TransformerLM(get_preset("llama-tiny")).eval()
     >>> tokens = torch.tensor([[1, 2, 3, 4]])
     >>> logits, cache = run_with_cache(model, tokens, names_filter=["blocks.0.attn.hook_pattern"])
@@ -36,7 +36,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from .layers import HookPoint
+from .core.layers import HookPoint
 
 HookFn = Callable[[Tensor, str], Tensor | None]
 NamesFilter = None | str | Sequence[str] | Callable[[str], bool]

@@ -8,8 +8,8 @@ no global pyplot state is touched.
 
 Example:
     >>> import torch
-    >>> from glasslm.config import get_preset
-    >>> from glasslm.model import TransformerLM
+    >>> from glasslm.core.config import get_preset
+    >>> from glasslm.core.model import TransformerLM
     >>> model = TransformerLM(get_preset("llama-tiny")).eval()
     >>> attention_pattern(model, torch.tensor([[5, 6, 7]]), layer=0).shape  # (heads, query, key)
     torch.Size([8, 3, 3])
@@ -30,7 +30,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .hooks import logit_lens, run_with_cache
-from .model import TransformerLM
+from .core.model import TransformerLM
 
 
 @torch.no_grad()

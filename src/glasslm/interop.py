@@ -11,8 +11,8 @@ real device by `materialize_buffers`.
 
 Example:
     >>> import tempfile
-    >>> from glasslm.config import get_preset
-    >>> from glasslm.model import TransformerLM
+    >>> from glasslm.core.config import get_preset
+    >>> from glasslm.core.model import TransformerLM
     >>> model = TransformerLM(get_preset("llama-tiny"))
     >>> out = export_hf(model, tempfile.mkdtemp())
     >>> back = import_hf(out)
@@ -35,10 +35,10 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .config import ModelConfig
+from .core.config import ModelConfig
 from .build import model_from_state_dict
 from .checkpoint import read_json
-from .model import TransformerLM
+from .core.model import TransformerLM
 
 Family = Literal["gpt2", "llama", "mistral", "qwen2"]
 

@@ -12,7 +12,7 @@ and loggers. Importing this module raises ImportError when lightning is not inst
 
 Example (two steps on a toy corpus):
     >>> import lightning, torch
-    >>> from glasslm.config import get_preset
+    >>> from glasslm.core.config import get_preset
     >>> from glasslm.lightning import GlassLMModule, token_loader
     >>> from glasslm.train import TrainConfig
     >>> module = GlassLMModule(get_preset("shakespeare-char-cpu", vocab_size=4, n_layers=1, context_length=8),
@@ -35,10 +35,10 @@ from jaxtyping import Int
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .config import ModelConfig
+from .core.config import ModelConfig
 from .data import get_batch
-from .layers import cross_entropy
-from .model import TransformerLM
+from .core.layers import cross_entropy
+from .core.model import TransformerLM
 from .train import TrainConfig, make_optimizer, scheduled_lr
 
 

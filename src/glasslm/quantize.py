@@ -17,8 +17,8 @@ bfloat16 activations here, so the fast path rounds `x` to bf16 on the way in.
 
 Example:
     >>> import torch
-    >>> from glasslm.config import get_preset
-    >>> from glasslm.model import TransformerLM
+    >>> from glasslm.core.config import get_preset
+    >>> from glasslm.core.model import TransformerLM
     >>> model = TransformerLM(get_preset("llama-tiny")).eval()
     >>> tokens = torch.randint(0, 512, (1, 8))
     >>> reference = model(tokens)
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from .layers import Linear
+from .core.layers import Linear
 
 METHODS = ("int8",)
 # torch 2.13's CPU kernel returns garbage, or crashes, when d_in is not a multiple of 32 (seen with

@@ -14,7 +14,7 @@ comment lines just above it:
                       # the cosine then decays it to min_lr
 
 Example:
-    >>> from glasslm.config import ModelConfig
+    >>> from glasslm.core.config import ModelConfig
     >>> checked(ModelConfig, {"n_layers": 2, "rope_theta": 500000}, "run.toml [model]")
     {'n_layers': 2, 'rope_theta': 500000.0}
     >>> checked(ModelConfig, {"n_layer": 2}, "run.toml [model]")

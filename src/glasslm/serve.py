@@ -16,8 +16,8 @@ The explorer's JSON endpoints (/api/next-token, /api/token-loss, /api/attention,
 worker holds during a step, so hooks never see a decode step's activations.
 
 Example (the app without a network socket; `uvicorn.run(app)` would serve it):
-    >>> from glasslm.config import get_preset
-    >>> from glasslm.model import TransformerLM
+    >>> from glasslm.core.config import get_preset
+    >>> from glasslm.core.model import TransformerLM
     >>> from glasslm.tokenizers import CharTokenizer
     >>> tok = CharTokenizer.from_text("abc\\n")
     >>> app = create_app(TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=4, n_layers=1)).eval(), tok)
@@ -45,7 +45,7 @@ from .explore import attention, logit_lens, next_token, token_loss, token_texts
 from .decoding import _Window
 from .sampling import sample_next
 from .streaming import TextStreamer
-from .model import TransformerLM
+from .core.model import TransformerLM
 
 log = logging.getLogger("glasslm.serve")
 STATIC_DIR = Path(__file__).parent / "static"

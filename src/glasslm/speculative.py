@@ -12,9 +12,9 @@ overwritten by the next round.
 
 Example:
     >>> import torch
-    >>> from glasslm.config import get_preset
+    >>> from glasslm.core.config import get_preset
     >>> from glasslm.generate import generate_tokens
-    >>> from glasslm.model import TransformerLM
+    >>> from glasslm.core.model import TransformerLM
     >>> _ = torch.manual_seed(0)
     >>> target = TransformerLM(get_preset("llama-tiny")).eval()
     >>> draft = TransformerLM(get_preset("llama-tiny", n_layers=1)).eval()
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import TransformerLM
+from .core.model import TransformerLM
 
 
 @dataclass

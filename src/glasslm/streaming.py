@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .decoding import generate_tokens
-from .model import TransformerLM
+from .core.model import TransformerLM
 from .sampling import GenerationConfig, Tokenizer, find_stop, make_config
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
@@ -107,7 +107,7 @@ def generate_text(
 ) -> str:
     """The generated continuation of `prompt` as one string (without the prompt).
 
-    >>> from glasslm.config import get_preset
+    >>> from glasslm.core.config import get_preset
     >>> from glasslm.tokenizers import CharTokenizer
     >>> tok = CharTokenizer.from_text("abc")
     >>> model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=3, n_layers=1)).eval()

@@ -3,7 +3,7 @@ periodic validation, checkpoints that resume exactly, and data parallelism.
 
 Example (a few steps on a toy corpus):
     >>> import torch
-    >>> from glasslm.config import get_preset
+    >>> from glasslm.core.config import get_preset
     >>> from glasslm.train import TrainConfig, train
     >>> cfg = get_preset("shakespeare-char-cpu", vocab_size=4, n_layers=1, context_length=8)
     >>> tokens = torch.randint(0, 4, (1000,))
@@ -47,13 +47,13 @@ from .checkpoint import (
     optimizer_state_to_files, prune_checkpoints, read_pointer, read_safetensors,
     remove_stale_staging, resolve_checkpoint, save_checkpoint, write_pointer,
 )
-from .config import ModelConfig
+from .core.config import ModelConfig
 from .data import get_batch
 from .distributed import DistributedContext, all_reduce_mean, any_process, barrier, resolve_device
-from .layers import cross_entropy
+from .core.layers import cross_entropy
 from .optim import clip_grad_norm, cosine_schedule, make_optimizer
 from .loggers import METRICS_FILE, JSONLLogger, MetricsLogger
-from .model import TransformerLM
+from .core.model import TransformerLM
 from .rundir import RunDirError, claim_run_dir
 from .schema import checked
 from .trainer_state import (

@@ -5,7 +5,7 @@ positions, norm, activation, MLP shape, norm placement, biases and tying — eac
 `PRESETS` is the one registry of names: each holds a model and its training recipe (or none).
 
 Example:
-    >>> from glasslm.config import ModelConfig, get_preset
+    >>> from glasslm.core.config import ModelConfig, get_preset
     >>> cfg = get_preset("gpt2-small")
     >>> cfg.d_head
     64
@@ -23,10 +23,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .schema import checked, did_you_mean
+from ..schema import checked, did_you_mean
 
 if TYPE_CHECKING:
-    from .train import TrainConfig
+    from ..train import TrainConfig
 
 Positional = Literal["learned", "sinusoidal", "rope", "none"]
 Norm = Literal["layernorm", "rmsnorm"]
@@ -378,7 +378,7 @@ def get_recipe(name: str, **overrides: Any) -> "TrainConfig":
     ...
     ValueError: preset 'llama3-8b' has no training recipe (...); pick one: recipe 'default' (...) or a preset's: ...
     """
-    from .train import TrainConfig  # train.py imports this module, so import it late
+    from ..train import TrainConfig  # train.py imports this module, so import it late
 
     if name == DEFAULT_RECIPE:
         recipe: dict[str, Any] = {}

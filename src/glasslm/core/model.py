@@ -2,7 +2,7 @@
 
 Example:
     >>> import torch
-    >>> from glasslm.config import get_preset
+    >>> from glasslm.core.config import get_preset
     >>> model = TransformerLM(get_preset("llama-tiny"))
     >>> model(torch.zeros(2, 5, dtype=torch.long)).shape
     torch.Size([2, 5, 512])
