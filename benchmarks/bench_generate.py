@@ -77,10 +77,8 @@ def memory_bandwidth_gb_s(megabytes: int = 512, repeats: int = 5) -> float:
 def weight_megabytes(model) -> float:
     """Weights streamed per decoded token: all of them, except a token table that is only looked up
     (the int8 model keeps the fp32 embedding for lookups and streams its int8 unembedding copy)."""
-    # Tied tensors appear under two names (HF's wte and lm_head): count each storage once; HF's
-    # old causal-mask buffers are not weights.
-    unique = {t.data_ptr(): t for name, t in model.state_dict().items() if not name.endswith(("attn.bias", "masked_bias"))
-              or t.is_floating_point() and t.dim() == 1}
+    # Tied tensors appear under two names (HF's wte and lm_head): count each storage once.
+    unique = {t.data_ptr(): t for t in model.state_dict().values()}
     total = sum(t.numel() * t.element_size() for t in unique.values())
     if isinstance(model, TransformerLM) and model.config.tie_embeddings and model.unembed is not None:
         total -= model.embed.weight.numel() * model.embed.weight.element_size()

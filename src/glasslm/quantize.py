@@ -121,11 +121,3 @@ def quantized_structure(model: nn.Module, method: str) -> None:
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose from {', '.join(METHODS)}")
     quantize_int8(model)
-
-
-def check_method(method: str | None) -> str | None:
-    if method in (None, "", "none"):
-        return None
-    if method not in METHODS:
-        raise ValueError(f"unknown quantization {method!r}; choose from none, {', '.join(METHODS)}")
-    return method
