@@ -582,6 +582,11 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     from .quantize import quantize_int8
 
     out = Path(args.out)
+    if Path(args.checkpoint).exists() and out.resolve() == Path(args.checkpoint).resolve():
+        raise ValueError(f"--out {out} is the checkpoint itself; write the int8 copy elsewhere (the fp32 "
+                         "weights would be replaced)")
+    if out.is_file():
+        raise ValueError(f"--out {out} is a file, not a directory")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise ValueError(f"{out} is not empty; pass --overwrite to replace it")
     model, tokenizer = load_model(args.checkpoint, device="cpu")
