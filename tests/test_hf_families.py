@@ -1,11 +1,13 @@
 """More Hugging Face families, each from a tiny random config: Llama 3 rope scaling, Qwen2
 (q/k/v biases, head_dim != d_model / n_heads), Mistral (sliding-window attention), Llama with
-biases, and the SmolLM / TinyLlama shapes. Logits within 1e-5, 20 greedy tokens equal (full
-forward and KV-cached), export -> import -> export byte-identical. Nothing is downloaded.
+biases, and the SmolLM / TinyLlama shapes. Logits within twice HF's own float32 rounding
+(~1e-5), 20 greedy tokens equal (full forward and KV-cached), export -> import -> export
+byte-identical. Nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -55,8 +57,18 @@ FAMILIES = {
 
 # HF computes Llama 3's scaled rotary frequencies in float32 (relative error ~3e-7, checked in
 # test_llama3_frequencies_match_transformers); glasslm computes them in float64. With these random
-# weights that rounding alone moves logits by ~1.7e-5; with HF's float32 table they agree to ~6e-6.
+# weights that rounding alone moves logits by ~1.7e-5, three times HF's own float32 rounding
+# (~6e-6); with HF's float32 table they agree to ~6e-6.
 ATOL = {"llama3-rope-scaling": 3e-5}
+
+
+def float32_rounding(hf_model, tokens) -> float:
+    """How far HF's own float32 logits are from the same model run in float64: the rounding this
+    computation has on this CPU. Two correct float32 implementations differ by at most about twice
+    this; a fixed 1e-5 was exceeded (1.03e-5) by a correct import on an Intel CPU whose kernels
+    round differently, where HF's own error was 1.6e-5."""
+    high = copy.deepcopy(hf_model).double()
+    return (hf_model(tokens).logits.double() - high(tokens).logits).abs().max().item()
 
 
 def random_model(config):
@@ -92,7 +104,9 @@ def test_family_logits_greedy_tokens_and_round_trip(family, tmp_path):
         tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
         expected = hf_model(tokens).logits
         assert expected.abs().max() > 1.0
-        torch.testing.assert_close(model(tokens), expected, atol=ATOL.get(family, 1e-5), rtol=0)
+        atol = ATOL.get(family, 2 * float32_rounding(hf_model, tokens))
+        assert atol < 1e-5 * expected.abs().max(), "HF's float32 logits should be within ~100 ulps of float64"
+        torch.testing.assert_close(model(tokens), expected, atol=atol, rtol=0)
     prompt = tokens[:1, :4]
     hf_tokens = hf_model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None,
                                   pad_token_id=0)[0, 4:].tolist()
