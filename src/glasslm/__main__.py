@@ -1,7 +1,5 @@
 """`python -m glasslm ...` is the `glasslm` command."""
 
-import sys
+from .cli import run
 
-from .cli import main
-
-sys.exit(main())
+run()

@@ -24,7 +24,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import __version__
 from .core.config import PRESETS, ModelConfig, get_preset, get_recipe
@@ -839,5 +839,12 @@ def main(argv: list[str] | None = None) -> int:
     return code or 0
 
 
+def run() -> NoReturn:
+    """The `glasslm` executable: `main` on the command line's arguments, its status the exit code."""
+    from .distributed import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

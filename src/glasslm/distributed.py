@@ -14,7 +14,9 @@ Example (no torchrun variables set, so a single process):
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -77,6 +79,10 @@ def resolve_device(device: str = "auto") -> str:
     return name
 
 
+# Set when this process joins a process group of two or more (see exit_process).
+_joined_group = False
+
+
 def init_distributed(device: str = "auto") -> DistributedContext:
     """Join the process group torchrun set up (if any) and pick this process's device.
 
@@ -94,12 +100,32 @@ def init_distributed(device: str = "auto") -> DistributedContext:
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+    global _joined_group
+    _joined_group = True
     return DistributedContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with `code`; a process that joined a group skips interpreter teardown.
+
+    DDP keeps its process group alive past `destroy_process_group` (its gloo worker threads were
+    still running after destroy and a garbage collection in torch 2.13), so the group was torn
+    down during interpreter finalization, racing those threads: about one torchrun worker in
+    fifteen, on a loaded 2-core machine, died there with SIGABRT ("terminate called without an
+    active exception") after a complete, checkpointed run. Everything the run writes is closed
+    by then, so such a process flushes its output and leaves at once with `os._exit`, as
+    multiprocessing's children always do.
+    """
+    if not _joined_group:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def all_reduce_mean(tensor: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:
