@@ -31,12 +31,37 @@ def test_every_setting_has_a_doc(cls):
     assert [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)] == []
 
 
-@pytest.mark.parametrize("command", ["train", "generate", "info"])
-def test_every_option_shows_a_description_and_default(command):
-    for action in _subparser(command)._actions:
-        if action.option_strings and action.help != argparse.SUPPRESS and "-h" not in action.option_strings:
-            if not action.required:
-                assert action.help and "(default: " in action.help, action.option_strings
+def _all_commands() -> list[tuple[str, argparse.ArgumentParser]]:
+    """Every (sub)command's parser, `inspect attention` and `inspect logit-lens` included."""
+    found, todo = [], [("glasslm", build_parser())]
+    while todo:
+        name, parser = todo.pop()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub_name, sub in action.choices.items():
+                    if sub not in [p for _, p in found]:
+                        found.append((f"{name} {sub_name}", sub))
+                        todo.append((f"{name} {sub_name}", sub))
+    return found
+
+
+def test_every_option_of_every_command_shows_a_description_and_default():
+    commands = _all_commands()
+    assert {"glasslm train", "glasslm eval", "glasslm serve", "glasslm inspect attention"} <= {n for n, _ in commands}
+    missing = []
+    for name, parser in commands:
+        # One of a required group of alternatives (convert --from-hf | --to-hf | --from) has no default.
+        chosen = {a for g in parser._mutually_exclusive_groups if g.required for a in g._group_actions}
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._SubParsersAction):
+                continue
+            if "-h" in action.option_strings:
+                continue
+            if not action.help:
+                missing.append(f"{name} {action.dest}: no description")
+            elif action.option_strings and not action.required and action not in chosen and "(default: " not in action.help:
+                missing.append(f"{name} {'/'.join(action.option_strings)}: no default shown")
+    assert missing == []
 
 
 def test_help_text_is_the_field_comment_with_its_default():

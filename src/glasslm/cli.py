@@ -312,6 +312,7 @@ def _prepare_model(model: Any, args: argparse.Namespace, decoding: bool = False)
 
 
 DEVICE_HELP = "auto (the best available: cuda, else mps, else cpu), cpu, cuda, cuda:N or mps (default: auto)"
+DATA_DIR_HELP = "where datasets are kept (default: $GLASSLM_DATA_DIR, else ~/.cache/glasslm)"
 
 
 def _device(name: str) -> str:
@@ -567,7 +568,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         import fastapi, uvicorn  # noqa: F401
     except ImportError:
         raise RuntimeError("serving needs fastapi and uvicorn: pip install fastapi uvicorn") from None
-    model, tokenizer = load_model(args.checkpoint, device=args.device)
+    model, tokenizer = load_model(args.checkpoint, device=_device(args.device))
     if tokenizer is None:
         raise ValueError(f"{args.checkpoint} holds no tokenizer, so text cannot be encoded")
     model = _prepare_model(model, args, decoding=True)
@@ -660,7 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plot", help="PNG of train/val loss against steps and tokens of a run")
     p.add_argument("run_dir", help="run directory holding metrics.jsonl")
-    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/loss.png)")
+    p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/loss.png)")
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("sample", aliases=["generate"], help="write text from a trained checkpoint (streamed)")
@@ -686,17 +687,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or run directory, or Hugging Face model directory")
     p.add_argument("--data", required=True,
                    help="dataset name, path to a UTF-8 text file, or a directory made by `glasslm prepare`")
-    p.add_argument("--data-dir", default=None, help="where datasets are kept (default $GLASSLM_DATA_DIR or ~/.cache/glasslm)")
+    p.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
     p.add_argument("--split", default="val", choices=["val", "train", "all"],
-                   help="which part to score, split as in training (default val: the text training did not see)")
+                   help="which part to score, split as in training (default: val, the text training did not see)")
     p.add_argument("--val-fraction", type=float, default=0.1,
-                   help="text files: validation starts at the first line start at or after 1 - this of the bytes")
+                   help="text files: validation starts at the first line start at or after 1 - this of the bytes (default: 0.1)")
     p.add_argument("--stride", type=_positive_int, default=None,
                    help="tokens between window starts (default: the context length, i.e. chunks)")
-    p.add_argument("--batch-size", type=_positive_int, default=8)
-    p.add_argument("--max-tokens", type=_positive_int, default=None, help="score at most N tokens (from the split's start)")
-    p.add_argument("--max-chars", type=_positive_int, default=None, help="score only the first N characters")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="windows scored per forward pass (default: 8)")
+    p.add_argument("--max-tokens", type=_positive_int, default=None, help="score at most N tokens (from the split's start) (default: the whole split)")
+    p.add_argument("--max-chars", type=_positive_int, default=None, help="score only the first N characters (default: all)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (default: a bar on stderr)")
     _add_runtime_options(p)
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.set_defaults(func=cmd_eval)
@@ -719,17 +720,17 @@ def build_parser() -> argparse.ArgumentParser:
     direction.add_argument("--from", dest="from_format", choices=list(FORMATS),
                            help="import the --checkpoint file another codebase saved (nanoGPT ckpt.pt, a "
                                 "TransformerLens/ARENA, CS336 or seed 001/002/004 state dict); no pickled code runs")
-    p.add_argument("--checkpoint", help="glasslm checkpoint to export (with --to-hf), or the file to import (with --from)")
+    p.add_argument("--checkpoint", help="glasslm checkpoint to export (with --to-hf), or the file to import (with --from) (default: none)")
     p.add_argument("--n-heads", type=_positive_int, default=None,
-                   help="--from cs336/seed001/seed002: the number of heads (their files do not record it)")
+                   help="--from cs336/seed001/seed002: the number of heads (their files do not record it) (default: none)")
     p.add_argument("--out", required=True, help="where to write the converted model")
     p.add_argument("--context-length", type=_positive_int, default=None,
                    help="Llama: context length to use instead of max_position_embeddings; --from cs336: the "
                         "context length (default: the cs336-lm preset's)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (else refused)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: refused)")
     p.add_argument("--zero-biases", action="store_true",
                    help="--to-hf of a bias-free GPT-2-shaped model: write exact zero biases (HF GPT-2 always has "
-                        "biases); glasslm re-imports it bias-free")
+                        "biases); glasslm re-imports it bias-free (default: off, refused for a bias-free model)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", help="draw attention patterns or the logit lens (PNG)")
@@ -738,63 +739,67 @@ def build_parser() -> argparse.ArgumentParser:
                             ("logit-lens", "top next token read from every layer, as a grid")):
         q = what.add_parser(name, help=help_text)
         q.add_argument("--checkpoint", required=True, help="glasslm checkpoint or Hugging Face model directory")
-        q.add_argument("--prompt", required=True)
+        q.add_argument("--prompt", required=True, help="the text to run through the model")
         q.add_argument("--out", required=True, help="PNG file to write")
         q.add_argument("--device", default="auto", help=DEVICE_HELP)
         q.add_argument("--threads", type=int, default=0, help="CPU threads; 0 leaves torch's choice (default: 0)")
         if name == "attention":
-            q.add_argument("--layer", type=int, required=True)
-            q.add_argument("--head", type=int, required=True)
+            q.add_argument("--layer", type=int, required=True, help="layer index, from 0")
+            q.add_argument("--head", type=int, required=True, help="head index within the layer, from 0")
         q.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("serve", help="OpenAI-compatible completions server and the explorer page (needs fastapi, uvicorn)")
     p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or run directory, or Hugging Face model directory")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (default: 8000)")
     p.add_argument("--name", default=None, help="model name in the API (default: the checkpoint directory's name)")
-    p.add_argument("--max-batch", type=int, default=32, help="requests decoded together; 1 serves one at a time")
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get HTTP 429")
-    p.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens a request may ask for")
+    p.add_argument("--max-batch", type=int, default=32, help="requests decoded together; 1 serves one at a time (default: 32)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get HTTP 429 (default: 64)")
+    p.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens a request may ask for (default: 2048)")
     p.add_argument("--grace", type=float, default=10.0,
-                   help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+                   help="seconds in-flight requests get to finish after SIGTERM before they are aborted (default: 10)")
     _add_runtime_options(p)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log detail; info logs one line per request (default: info)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("quantize", help="write a weight-only int8 copy of a checkpoint (for generate/eval/serve)")
     p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or run directory, or Hugging Face model directory")
     p.add_argument("--out", required=True, help="directory for the quantized checkpoint")
-    p.add_argument("--method", default="int8", choices=["int8"], help="per-channel weight-only int8 (default)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (else refused)")
+    p.add_argument("--method", default="int8", choices=["int8"], help="per-channel weight-only int8 (default: int8)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: refused)")
     p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("train-tokenizer", help="train a byte-level BPE vocabulary on text files")
     p.add_argument("inputs", nargs="+", help="UTF-8 text files or dataset names")
-    p.add_argument("--vocab-size", type=_positive_int, required=True)
-    p.add_argument("--special-tokens", nargs="*", default=["<|endoftext|>"])
+    p.add_argument("--vocab-size", type=_positive_int, required=True,
+                   help="tokens in the vocabulary: 256 bytes + merges + special tokens")
+    p.add_argument("--special-tokens", nargs="*", default=["<|endoftext|>"],
+                   help="strings kept whole, never merged or split (default: <|endoftext|>)")
     p.add_argument("--out", required=True, help="directory for vocab.json + merges.txt")
     p.add_argument("--workers", type=int, default=None, help="pre-tokenizing processes (default: all cores)")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out (else refused)")
+    p.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out (default: refused)")
     p.set_defaults(func=cmd_train_tokenizer)
 
     p = sub.add_parser("fetch", help="put known datasets into the data directory (download, or copy with --from)")
     p.add_argument("names", nargs="*", help="dataset names (default: all known)")
     p.add_argument("--from", dest="source", default=None, metavar="DIR",
-                   help="copy from this local folder instead of downloading (sha256 still checked)")
-    p.add_argument("--data-dir", default=None, help="where datasets are kept (default $GLASSLM_DATA_DIR or ~/.cache/glasslm)")
+                   help="copy from this local folder instead of downloading (sha256 still checked) (default: download)")
+    p.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
     p.set_defaults(func=cmd_fetch)
 
     p = sub.add_parser("prepare", help="tokenize text files into train.bin / val.bin for training")
     p.add_argument("inputs", nargs="+", help="UTF-8 text files or dataset names")
-    p.add_argument("--tokenizer", default="char", help="char, gpt2, or a saved tokenizer directory")
+    p.add_argument("--tokenizer", default="char", help="char, gpt2, or a saved tokenizer directory (default: char)")
     p.add_argument("--out", required=True, help="dataset directory to write")
     p.add_argument("--val-fraction", type=float, default=0.1,
-                   help="the last fraction of each file (from a line start) becomes validation data")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--overwrite", action="store_true", help="delete what --out holds first (else a non-empty --out is refused)")
-    p.add_argument("--quiet", action="store_true")
+                   help="the last fraction of each file (from a line start) becomes validation data (default: 0.1)")
+    p.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete what --out holds first (default: a non-empty --out is refused)")
+    p.add_argument("--quiet", action="store_true", help="no progress output (default: progress on stderr)")
     p.set_defaults(func=cmd_prepare)
     return parser
 
