@@ -225,8 +225,15 @@ def test_the_package_exposes_its_main_names():
 
     import glasslm
 
+    # The names the issue and the README promise, spelled out so that dropping one from __all__ fails.
+    promised = {"TransformerLM", "ModelConfig", "TrainConfig", "GenerationConfig", "get_preset", "get_recipe",
+                "load_model", "load_checkpoint", "save_checkpoint", "generate_text", "generate_tokens",
+                "stream_text", "train_model", "get_tokenizer", "load_tokenizer", "import_hf", "export_hf",
+                "__version__"}
+    assert promised <= set(glasslm.__all__)
     for name in glasslm.__all__:
         assert getattr(glasslm, name) is not None
+    assert glasslm.TransformerLM.__module__ == "glasslm.core.model" and callable(glasslm.load_model)
     assert glasslm.__version__ and glasslm.ModelConfig is ModelConfig and glasslm.TrainConfig is TrainConfig
     # `glasslm.train` stays the module (the trainer is `train_model`); submodules stay importable.
     assert importlib.import_module("glasslm.train") is glasslm.train and glasslm.train.TrainConfig is TrainConfig

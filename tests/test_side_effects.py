@@ -92,3 +92,38 @@ def test_out_of_range_ids_on_cpu_are_still_a_clear_error():
     model = TransformerLM(get_preset("llama-tiny", n_layers=1))
     with pytest.raises(ValueError, match="token id 512 is outside the vocabulary"):
         model(torch.tensor([[1, 512]]))
+
+
+def test_check_tokens_reads_nothing_back_from_an_accelerator():
+    # On a meta tensor any read-back raises; check_tokens must validate shape and dtype without one.
+    model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=8, n_layers=1, d_model=16, n_heads=2,
+                                     context_length=8))
+    model.check_tokens(torch.empty(2, 3, dtype=torch.long, device="meta"))
+    with pytest.raises(ValueError, match="2-D"):
+        model.check_tokens(torch.empty(3, dtype=torch.long, device="meta"))
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # on the CPU the ids are checked
+        model.check_tokens(torch.tensor([[0, 8]]))
+
+
+@pytest.mark.parametrize("log_interval", [5, 20])
+def test_training_syncs_with_the_host_per_log_record_not_per_step(monkeypatch, log_interval):
+    """Losses stay on the device between metrics records: read-backs grow with records, not steps."""
+    reads = []
+    for method in ("item", "tolist"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _original=original, _method=method, **kwargs):
+            reads.append(_method)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    cfg = get_preset("shakespeare-char-cpu", vocab_size=8, n_layers=1, d_model=16, n_heads=2, context_length=8)
+    steps = 40
+    train(cfg, TrainConfig(max_steps=steps, batch_size=2, eval_iters=1, eval_interval=0, log_interval=log_interval,
+                           warmup_steps=2, progress=False),
+          torch.randint(0, 8, (200,), generator=torch.Generator().manual_seed(0)))
+    records = steps // log_interval
+    # Each record reads its window once (losses and gradient norms); the one evaluation at the end
+    # and the end-of-run summary add a few more. A per-step read-back would give at least 40.
+    assert len(reads) <= 2 * records + 4, reads
+    assert len(reads) < steps
