@@ -25,6 +25,7 @@ from glasslm.generate import GenerationConfig, generate, generate_tokens, onednn
 from glasslm.core.model import TransformerLM
 from glasslm.quantize import quantize_int8
 from glasslm.runtime import cpu_flags
+from glasslm.speculative import SpeculativeStats, speculative_tokens
 
 
 def hf_gpt2(seed: int = 0):
@@ -34,12 +35,13 @@ def hf_gpt2(seed: int = 0):
     return GPT2LMHeadModel(GPT2Config()).eval()
 
 
-def glasslm_from_hf(hf) -> TransformerLM:
+def glasslm_from_hf(hf, n_layers: int = 12) -> TransformerLM:
     """Copy HF GPT-2 weights into glasslm's gpt2-small (private to this benchmark; interop lives elsewhere).
 
     GPT-2's Conv1D stores weights (d_in, d_out); glasslm's Linear stores (d_out, d_in) like torch.
+    With `n_layers` below 12, only the first blocks are kept (an early-exit draft model).
     """
-    model = TransformerLM(get_preset("gpt2-small")).eval()
+    model = TransformerLM(get_preset("gpt2-small", n_layers=n_layers)).eval()
     theirs = hf.state_dict()
     pairs = {"embed.weight": "transformer.wte.weight", "pos_embed.weight": "transformer.wpe.weight",
              "ln_final.weight": "transformer.ln_f.weight", "ln_final.bias": "transformer.ln_f.bias"}
@@ -91,6 +93,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--draft-layers", type=int, default=2, help="layers of the early-exit draft (default: 2)")
+    parser.add_argument("--lookahead", type=int, default=4, help="tokens the draft proposes per pass (default: 4)")
     args = parser.parse_args()
     n_new = args.new_tokens or (64 if args.quick else 256)
     repeats = args.repeats or (3 if args.quick else 5)
@@ -139,13 +143,29 @@ def main() -> None:
     int8_tokens = run_ours(ours_int8, prompt)[0]
     agree8 = next((i for i, (a, b) in enumerate(zip(int8_tokens, hf_tokens)) if a != b), n_new)
     print(f"int8 agrees for the first {agree8} (random weights make near-ties common; quality is tested on a "
-          "trained model in tests/test_quantize.py)\n")
+          "trained model in tests/test_quantize.py)")
+    # Speculative decoding needs a draft that often agrees with the target. With random weights no
+    # separately built model does, so the draft is the target cut after its first blocks (same
+    # embeddings, final norm and unembedding: an early exit), quantized to int8 to make it cheap.
+    draft = glasslm_from_hf(hf, n_layers=args.draft_layers)
+    quantize_int8(draft)
+    stats = SpeculativeStats()
+
+    def run_speculative():
+        return [list(speculative_tokens(ours, draft, prompt[0].tolist(), n_new, lookahead=args.lookahead,
+                                        stats=stats))]
+
+    assert run_speculative()[0] == hf_tokens, "speculative decoding changed the greedy tokens"
+    print(f"speculative: draft = first {args.draft_layers} of 12 layers in int8, lookahead {args.lookahead}: "
+          f"same greedy tokens; {stats.acceptance_rate:.0%} of proposals accepted, "
+          f"{stats.tokens_per_target_pass:.2f} tokens per target pass\n")
 
     cases = {
         ("transformers fp32", 1): lambda: run_hf(prompt),
         ("glasslm fp32", 1): lambda: run_ours(ours, prompt),
         ("glasslm bf16", 1): lambda: run_ours(ours_bf16, prompt),
         ("glasslm int8", 1): lambda: run_ours(ours_int8, prompt),
+        ("glasslm fp32 + int8 draft", 1): run_speculative,
         ("transformers fp32", 8): lambda: run_hf(prompt8),
         ("glasslm fp32", 8): lambda: run_ours(ours, prompt8),
         ("glasslm bf16", 8): lambda: run_ours(ours_bf16, prompt8),
@@ -153,6 +173,10 @@ def main() -> None:
     }
     megabytes = {"transformers fp32": weight_megabytes(hf), "glasslm fp32": weight_megabytes(ours),
                  "glasslm bf16": weight_megabytes(ours_bf16), "glasslm int8": weight_megabytes(ours_int8)}
+    # Per token, speculation reads the target once per pass and the draft once per proposal.
+    passes_per_token = 1 / stats.tokens_per_target_pass
+    megabytes["glasslm fp32 + int8 draft"] = passes_per_token * (
+        megabytes["glasslm fp32"] + args.lookahead * weight_megabytes(draft))
     times: dict = {case: [] for case in cases}
     for _ in range(repeats):  # interleaved: each repeat runs every case once
         for case, fn in cases.items():
