@@ -84,12 +84,15 @@ class RotaryPositions(nn.Module):
     Pairs are adjacent features (x[2i], x[2i+1]), as in the paper and Meta's original Llama code.
     (Hugging Face's Llama instead pairs x[i] with x[i + d_head/2]; interop permutes weights.)
     `llama3` holds (factor, low_freq_factor, high_freq_factor, original_context) to apply
-    `llama3_scaled_frequencies`; None means plain RoPE.
+    `llama3_scaled_frequencies`; None means plain RoPE. `impl="fast"` computes the same rotation as
+    one complex multiplication per pair (about 3x faster forward + backward on CPU than the written-out
+    form, whose strided half-tensors are slow to multiply); "readable" writes it out.
     """
 
     def __init__(self, context_length: int, d_head: int, theta: float = 10000.0,
-                 llama3: tuple[float, float, float, int] | None = None):
+                 llama3: tuple[float, float, float, int] | None = None, impl: str = "readable"):
         super().__init__()
+        self.impl = impl
         inv_freq = theta ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)  # (d_head/2,)
         if llama3 is not None:
             inv_freq = llama3_scaled_frequencies(inv_freq, *llama3)
@@ -104,7 +107,7 @@ class RotaryPositions(nn.Module):
         llama3 = None
         if c.rope_scaling == "llama3":
             llama3 = (c.rope_factor, c.rope_low_freq_factor, c.rope_high_freq_factor, c.rope_original_context)
-        return cls(c.context_length, c.d_head, c.rope_theta, llama3)
+        return cls(c.context_length, c.d_head, c.rope_theta, llama3, impl=c.impl)
 
     def forward(
         self, x: Float[Tensor, "*batch seq d_head"], positions: Int[Tensor, "seq"] | Int[Tensor, "*leading seq"]
@@ -132,6 +135,13 @@ class RotaryPositions(nn.Module):
             shape = (*positions.shape[:-1], *([1] * missing), positions.shape[-1], cos.shape[-1])
             cos, sin = cos.reshape(shape), sin.reshape(shape)
         pairs = upcast(x).unflatten(-1, (-1, 2))  # (batch, heads, seq, d_head/2, 2)
+        if self.impl == "fast" and not torch.compiler.is_compiling():
+            # Pair (first, second) as the complex number first + i·second: multiplying by
+            # cos + i·sin is the same 2-D rotation. view_as_complex needs even strides and offset.
+            if pairs.stride(-1) != 1 or pairs.storage_offset() % 2 or any(s % 2 for s in pairs.stride()[:-1]):
+                pairs = pairs.contiguous()
+            rotation = torch.complex(cos.to(pairs.dtype), sin.to(pairs.dtype))
+            return torch.view_as_real(torch.view_as_complex(pairs) * rotation).flatten(-2).to(x.dtype)
         first, second = pairs[..., 0], pairs[..., 1]
         # 2-D rotation of each (first, second) pair by its angle.
         rotated = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1)
