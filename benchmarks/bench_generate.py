@@ -23,7 +23,7 @@ import torch
 from glasslm.core.config import get_preset
 from glasslm.generate import GenerationConfig, generate, generate_tokens, onednn_disabled, optimize_for_decoding
 from glasslm.core.model import TransformerLM
-from glasslm.quantize import quantize_int8
+from glasslm.quantize import quantize, quantize_int8
 from glasslm.runtime import cpu_flags
 from glasslm.speculative import SpeculativeStats, speculative_tokens
 
@@ -122,6 +122,8 @@ def main() -> None:
     ours_bf16 = glasslm_from_hf(hf).to(torch.bfloat16)
     ours_int8 = glasslm_from_hf(hf)
     quantize_int8(ours_int8)
+    ours_int4 = glasslm_from_hf(hf)
+    quantize(ours_int4, "int4")
     greedy = GenerationConfig(max_new_tokens=n_new, temperature=0.0)
 
     def run_hf(tokens):
@@ -142,8 +144,10 @@ def main() -> None:
           f"bf16 agrees for the first {agree}")
     int8_tokens = run_ours(ours_int8, prompt)[0]
     agree8 = next((i for i, (a, b) in enumerate(zip(int8_tokens, hf_tokens)) if a != b), n_new)
-    print(f"int8 agrees for the first {agree8} (random weights make near-ties common; quality is tested on a "
-          "trained model in tests/test_quantize.py)")
+    int4_tokens = run_ours(ours_int4, prompt)[0]
+    agree4 = next((i for i, (a, b) in enumerate(zip(int4_tokens, hf_tokens)) if a != b), n_new)
+    print(f"int8 agrees for the first {agree8}, int4 for the first {agree4} (random weights make near-ties "
+          "common; quality is tested on a trained model in tests/test_quantize.py)")
     # Speculative decoding needs a draft that often agrees with the target. With random weights no
     # separately built model does, so the draft is the target cut after its first blocks (same
     # embeddings, final norm and unembedding: an early exit), quantized to int8 to make it cheap.
@@ -165,14 +169,17 @@ def main() -> None:
         ("glasslm fp32", 1): lambda: run_ours(ours, prompt),
         ("glasslm bf16", 1): lambda: run_ours(ours_bf16, prompt),
         ("glasslm int8", 1): lambda: run_ours(ours_int8, prompt),
+        ("glasslm int4", 1): lambda: run_ours(ours_int4, prompt),
         ("glasslm fp32 + int8 draft", 1): run_speculative,
         ("transformers fp32", 8): lambda: run_hf(prompt8),
         ("glasslm fp32", 8): lambda: run_ours(ours, prompt8),
         ("glasslm bf16", 8): lambda: run_ours(ours_bf16, prompt8),
         ("glasslm int8", 8): lambda: run_ours(ours_int8, prompt8),
+        ("glasslm int4", 8): lambda: run_ours(ours_int4, prompt8),
     }
     megabytes = {"transformers fp32": weight_megabytes(hf), "glasslm fp32": weight_megabytes(ours),
-                 "glasslm bf16": weight_megabytes(ours_bf16), "glasslm int8": weight_megabytes(ours_int8)}
+                 "glasslm bf16": weight_megabytes(ours_bf16), "glasslm int8": weight_megabytes(ours_int8),
+                 "glasslm int4": weight_megabytes(ours_int4)}
     # Per token, speculation reads the target once per pass and the draft once per proposal.
     passes_per_token = 1 / stats.tokens_per_target_pass
     megabytes["glasslm fp32 + int8 draft"] = passes_per_token * (

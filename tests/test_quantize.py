@@ -1,4 +1,4 @@
-"""Weight-only int8: the rounding bound, fast kernel == readable path, quality on a trained model, files."""
+"""Weight-only int8 and int4: rounding bounds, fast kernel == readable path, quality on a trained model, files."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from glasslm.data import get_batch
 from glasslm.evaluate import evaluate_tokens
 from glasslm.generate import generate_tokens
 from glasslm.core.model import TransformerLM
-from glasslm.quantize import Int8Linear, int8_per_channel, quantize_int8
+from glasslm.quantize import (Int4Linear, Int8Linear, int4_groupwise, int8_per_channel, pack_nibbles, quantize,
+                              quantize_int8, unpack_nibbles)
 from glasslm.tokenizers import CharTokenizer
 
 
@@ -45,6 +46,38 @@ def test_fast_kernel_matches_the_readable_path_and_the_dequantized_matmul(d_in):
     assert fast(x).shape == (3, 5, 96)
 
 
+def test_int4_rounding_error_is_at_most_half_a_step_per_group():
+    weight = torch.randn(48, 256) * torch.logspace(-3, 1, 48)[:, None]
+    weight[5] = 0.0  # a constant group must not divide by zero
+    weight[7, :64] = 3.0
+    q, scales, zeros = int4_groupwise(weight, 64)
+    assert q.dtype == torch.uint8 and q.max() <= 15 and scales.shape == zeros.shape == (48, 4)
+    groups = weight.reshape(48, 4, 64)
+    restored = (q.reshape(48, 4, 64).float() - 8) * scales.float()[..., None] + zeros.float()[..., None]
+    # Round to nearest of 16 levels: ≤ half a step, plus the bf16 rounding of the zero point itself.
+    slack = scales.float()[..., None] / 2 + zeros.float().abs()[..., None] * 2**-8 + 1e-6
+    assert torch.all((restored - groups).abs() <= slack)
+    assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)  # two levels per byte, losslessly
+
+
+@pytest.mark.parametrize("d_in, d_out", [(128, 96), (96, 65), (40, 96)])  # 65 rows: padded for the kernel;
+def test_int4_fast_kernel_matches_the_readable_path(d_in, d_out):     # d_in 40: groups of 8, readable only
+    torch.manual_seed(0)
+    weight, bias = torch.randn(d_out, d_in) * 0.05, torch.randn(d_out)
+    fast = Int4Linear.from_weight(weight, bias, impl="fast")
+    readable = Int4Linear.from_weight(weight, bias, impl="readable")
+    assert fast.group_size == {128: 64, 96: 32, 40: 8}[d_in]
+    x = torch.randn(3, 5, d_in)
+    reference = F.linear(x, fast.dequantized_weight(), bias)
+    assert torch.allclose(readable(x), reference, atol=1e-5)
+    # The kernel rounds activations to bfloat16 (8 bits of mantissa): relative error ~2^-8 per product.
+    assert torch.allclose(fast(x), reference, atol=3e-2 * reference.abs().max().item())
+    assert fast(x).shape == (3, 5, d_out)
+    # New weights loaded into the layer are re-packed for the kernel, not served from the old packing.
+    fast.load_state_dict(Int4Linear.from_weight(-weight, bias).state_dict())
+    assert torch.allclose(fast(x), F.linear(x, fast.dequantized_weight(), bias), atol=3e-2 * reference.abs().max().item())
+
+
 @pytest.fixture(scope="module")
 def trained(shakespeare_text):
     """A small char model trained for a few seconds: quantization must keep what it learned."""
@@ -67,7 +100,10 @@ def trained(shakespeare_text):
     return model.eval(), tokenizer, ids[split:split + 4097]
 
 
-def test_int8_keeps_perplexity_within_one_percent_and_greedy_tokens(trained):
+# int8: the issue's bounds. int4 rounds each weight 16x more coarsely; gpt-fast and llama.cpp users
+# accept a few percent of perplexity for it, so its bound is 3% and 90% of greedy choices.
+@pytest.mark.parametrize("method, max_perplexity_change, min_same_choice", [("int8", 0.01, 0.95), ("int4", 0.03, 0.90)])
+def test_quantized_model_keeps_perplexity_and_greedy_tokens(trained, method, max_perplexity_change, min_same_choice):
     model, tokenizer, val = trained
     with torch.no_grad():
         fp32 = evaluate_tokens(model, val.tolist())
@@ -75,18 +111,19 @@ def test_int8_keeps_perplexity_within_one_percent_and_greedy_tokens(trained):
         greedy = torch.tensor([prompt + list(generate_tokens(model, prompt, max_new_tokens=256, temperature=0.0))])
         fp32_choices = model(greedy)[0, -257:-1].argmax(-1)  # the choice at each of the 256 steps
         quantized = copy.deepcopy(model)
-        quantize_int8(quantized)
-        int8 = evaluate_tokens(quantized, val.tolist())
-        int8_choices = quantized(greedy)[0, -257:-1].argmax(-1)  # same prefixes, int8 weights
+        quantize(quantized, method)
+        scored = evaluate_tokens(quantized, val.tolist())
+        choices = quantized(greedy)[0, -257:-1].argmax(-1)  # same prefixes, quantized weights
     counts = np.bincount(val, minlength=model.config.vocab_size)
     probs = counts[counts > 0] / counts.sum()
     unigram = float(-(probs * np.log(probs)).sum())  # the loss of knowing only character frequencies
     assert fp32["loss"] < unigram - 0.5, "the fixture did not learn enough for this comparison to mean anything"
-    perplexity_ratio = math.exp(int8["loss"]) / math.exp(fp32["loss"])
-    assert abs(perplexity_ratio - 1) < 0.01, perplexity_ratio
-    # At each of the 256 steps, with the same prefix, the int8 model picks the fp32 model's token.
-    same = (fp32_choices == int8_choices).float().mean().item()
-    assert same >= 0.95, same
+    perplexity_ratio = math.exp(scored["loss"]) / math.exp(fp32["loss"])
+    # At each of the 256 steps, with the same prefix, the quantized model picks the fp32 model's token.
+    same = (fp32_choices == choices).float().mean().item()
+    print(f"{method}: perplexity ratio {perplexity_ratio:.5f}, same greedy choice at {same:.3f} of 256 steps")
+    assert abs(perplexity_ratio - 1) < max_perplexity_change, perplexity_ratio
+    assert same >= min_same_choice, same
 
 
 def test_quantized_checkpoint_round_trips_and_loads_from_the_cli(trained, tmp_path, capsys):
@@ -110,3 +147,22 @@ def test_quantized_checkpoint_round_trips_and_loads_from_the_cli(trained, tmp_pa
     assert main(["generate", "--checkpoint", str(tmp_path / "int8"), "--prompt", "ROMEO:", "--max-new-tokens", "5",
                  "--temperature", "0"]) in (0, None)
     assert capsys.readouterr().out.startswith("ROMEO:")
+
+
+def test_int4_checkpoint_round_trips_and_generates_from_the_cli(trained, tmp_path, capsys):
+    model, tokenizer, _ = trained
+    source = save_checkpoint(tmp_path / "fp32", model, tokenizer)
+    assert main(["quantize", "--checkpoint", str(source), "--out", str(tmp_path / "int4"), "--method", "int4"]) == 0
+    assert "int4 weights" in capsys.readouterr().out
+    loaded, _, meta = load_checkpoint(tmp_path / "int4")
+    assert meta["quantization"] == "int4"
+    assert any(isinstance(m, Int4Linear) for m in loaded.modules())
+    expected = TransformerLM(model.config)
+    expected.load_state_dict(model.state_dict())
+    quantize(expected.eval(), "int4")
+    tokens = torch.tensor([tokenizer.encode("To be, or not")])
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), expected(tokens))  # the same int4 weights, read back exactly
+    for argv in (["--checkpoint", str(tmp_path / "int4")], ["--checkpoint", str(source), "--quantize", "int4"]):
+        assert main(["generate", *argv, "--prompt", "ROMEO:", "--max-new-tokens", "5", "--temperature", "0"]) in (0, None)
+        assert capsys.readouterr().out.startswith("ROMEO:")

@@ -81,7 +81,7 @@ def model_from_state_dict(
     """Build a model by assigning tensors (or zero-argument functions making them) into a meta model.
 
     Names every missing or unexpected tensor, and every shape mismatch with both shapes.
-    `quantization` ("int8") gives the model the quantized layers the tensors were saved from.
+    `quantization` ("int8" or "int4") gives the model the quantized layers the tensors were saved from.
     """
     model = empty_model(config)
     if quantization is not None:

@@ -282,8 +282,9 @@ def _add_runtime_options(p: argparse.ArgumentParser, quantize: bool = True) -> N
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                    help="weights' dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units (default: float32)")
     if quantize:
-        p.add_argument("--quantize", default="none", choices=["none", "int8"],
-                       help="weight-only int8 for the Linear layers, a quarter of fp32's bytes (default: none)")
+        p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                       help="weight-only int8 (a quarter of fp32's bytes) or int4 (an eighth, in groups of 64 "
+                            "inputs with their own scale) for the Linear layers (default: none)")
 
 
 def _prepare_model(model: Any, args: argparse.Namespace, decoding: bool = False) -> Any:
@@ -300,10 +301,10 @@ def _prepare_model(model: Any, args: argparse.Namespace, decoding: bool = False)
         if threads:
             torch.set_num_threads(threads)
     model = model.to(getattr(torch, dtype)).eval()
-    if getattr(args, "quantize", "none") == "int8":
-        from .quantize import quantize_int8
+    if getattr(args, "quantize", "none") != "none":
+        from .quantize import quantize
 
-        quantize_int8(model)
+        quantize(model, args.quantize)
     elif decoding:
         from .generate import optimize_for_decoding
 
@@ -580,11 +581,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_quantize(args: argparse.Namespace) -> None:
     from .checkpoint import save_checkpoint
     from .interop import load_model
-    from .quantize import quantize_int8
+    from .quantize import quantize
 
     out = Path(args.out)
     if Path(args.checkpoint).exists() and out.resolve() == Path(args.checkpoint).resolve():
-        raise ValueError(f"--out {out} is the checkpoint itself; write the int8 copy elsewhere (the fp32 "
+        raise ValueError(f"--out {out} is the checkpoint itself; write the quantized copy elsewhere (the fp32 "
                          "weights would be replaced)")
     if out.is_file():
         raise ValueError(f"--out {out} is a file, not a directory")
@@ -592,7 +593,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         raise ValueError(f"{out} is not empty; pass --overwrite to replace it")
     model, tokenizer = load_model(args.checkpoint, device="cpu")
     before = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    quantize_int8(model)
+    quantize(model, args.method)
     after = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     save_checkpoint(out, model, tokenizer, {"quantization": args.method, "quantized_from": str(args.checkpoint)})
     print(f"wrote {out}: {args.method} weights, {after / 1e6:.1f} MB (was {before / 1e6:.1f} MB)")
@@ -764,10 +765,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="server log detail; info logs one line per request (default: info)")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("quantize", help="write a weight-only int8 copy of a checkpoint (for generate/eval/serve)")
+    p = sub.add_parser("quantize", help="write a weight-only int8 or int4 copy of a checkpoint (for generate/eval/serve)")
     p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or run directory, or Hugging Face model directory")
     p.add_argument("--out", required=True, help="directory for the quantized checkpoint")
-    p.add_argument("--method", default="int8", choices=["int8"], help="per-channel weight-only int8 (default: int8)")
+    p.add_argument("--method", default="int8", choices=["int8", "int4"],
+                   help="int8: one scale per output channel; int4: a scale and zero per group of 64 inputs "
+                        "(default: int8)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: refused)")
     p.set_defaults(func=cmd_quantize)
 
