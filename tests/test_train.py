@@ -225,8 +225,10 @@ def test_optional_loggers_tensorboard(tmp_path):
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 RUN_ARGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--context-length", "16", "--batch-size", "4",
@@ -333,6 +335,35 @@ def test_two_writers_on_one_run_directory_are_refused(cli_run, tmp_path):
         pass
     with RunLock(run):
         pass
+
+
+def test_a_second_glasslm_train_on_a_running_run_is_refused(cli_run, tmp_path):
+    """Two real processes: the second, even with --overwrite, is refused while the first trains on."""
+    corpus, _ = cli_run
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([sys.executable, "-m", "glasslm.cli", "train", *RUN_ARGS, "--data", str(corpus),
+                              "--max-steps", "100000", "--out", str(run)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
+        for extra in (["--overwrite"], []):
+            error = one_line_error(glasslm("train", *RUN_ARGS, "--data", str(corpus), "--max-steps", "2",
+                                           "--out", str(run), *extra))
+            assert f"in use by another training process (pid {first.pid})" in error
+        error = one_line_error(glasslm("train", "--resume", str(run), "--max-steps", "5"))
+        assert f"in use by another training process (pid {first.pid})" in error
+        assert first.poll() is None  # the first run never noticed
+    finally:
+        first.send_signal(signal.SIGTERM)
+        _, stderr = first.communicate(timeout=60)
+    assert first.returncode == 128 + signal.SIGTERM, stderr
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))  # one writer's records only: nothing interleaved or repeated
+    assert glasslm("train", "--resume", str(run), "--max-steps", str(steps[-1] + 2)).returncode == 0  # lock released
 
 
 def test_default_device_is_the_best_available(monkeypatch):
