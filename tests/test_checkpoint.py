@@ -3,6 +3,7 @@ pointer files and pruning, and clear refusals of corrupt or foreign files."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
@@ -308,6 +309,53 @@ def test_full_disk_names_the_surviving_checkpoint_and_leaves_nothing_behind(tmp_
     assert "\n" not in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "ckpt-000005", "latest", "metrics.jsonl"]
     assert resolve_checkpoint(tmp_path, prefer=("latest",)).name == "ckpt-000005"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 600 KB tmpfs: room for one checkpoint of the CLI_ARGS model (~350 KB), not two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI and these machines run as root)")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"this machine does not allow mounting a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_really_full_disk_stops_training_with_one_line_and_keeps_the_last_checkpoint(corpus, small_disk):
+    out = small_disk / "run"
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "glasslm.cli", "train", *CLI_ARGS, "--max-steps", "40",
+                           "--eval-interval", "0", "--log-interval", "7", "--data", str(corpus), "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    stdout, stderr = proc.stdout, proc.stderr
+    assert proc.returncode == 1, stdout + stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert lines[0].startswith(f"glasslm train: error: could not write {out / 'ckpt-0000'}")
+    assert "No space left on device; the previous checkpoint" in lines[0]
+    kept = lines[0].split("the previous checkpoint ")[1].split(" is intact")[0]
+    assert resolve_checkpoint(out, prefer=("latest",)) == Path(kept)
+    load_checkpoint(kept)  # that checkpoint loads: a complete one
+    assert json.loads((Path(kept) / "trainer_state.json").read_text())["step"] > 0
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
+
+
+def test_prepare_onto_a_really_full_disk_is_one_line_and_leaves_nothing(small_disk, tmp_path):
+    big = tmp_path / "big.txt"
+    big.write_text("the quick brown fox jumps over the lazy dog\n" * 40_000)  # ~3.5 MB of uint16 tokens
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "glasslm.cli", "prepare", str(big), "--out", str(small_disk / "data"),
+                           "--quiet"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert "no space left" in done.stderr.lower() and "removed the partial dataset" in done.stderr
+    assert list(small_disk.iterdir()) == []
 
 
 def test_full_disk_in_the_command_line_is_one_line(corpus, tmp_path):

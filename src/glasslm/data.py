@@ -277,7 +277,9 @@ def _write_tokens(ids: Iterator[int], path: Path, dtype: np.dtype, vocab_size: i
 def _flush(block: np.ndarray, f: Any, dtype: np.dtype, vocab_size: int) -> int:
     if len(block) and (block.min() < 0 or block.max() >= vocab_size):
         raise ValueError(f"tokenizer produced an id outside [0, {vocab_size})")
-    block.astype(dtype).tofile(f)
+    # f.write, not ndarray.tofile: on a full disk tofile reports a bare short write ("65536 requested
+    # and 43008 written") with no errno, where a file write raises ENOSPC, which prepare explains.
+    f.write(np.ascontiguousarray(block, dtype=dtype).data)
     return len(block)
 
 
