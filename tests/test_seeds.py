@@ -223,6 +223,45 @@ def test_convert_from_the_command_line(tmp_path, capsys):
     assert "pass n_heads (--n-heads)" in capsys.readouterr().err and not (tmp_path / "b").exists()
 
 
+def _saved_the_foreign_way(fmt: str, path: Path) -> tuple[torch.nn.Module, int, list[str]]:
+    """(foreign model, vocab, extra convert flags), saved as that codebase saves it."""
+    torch.manual_seed(0)
+    if fmt == "nanogpt":
+        args = dict(n_layer=2, n_head=4, n_embd=48, block_size=32, bias=True, vocab_size=97, dropout=0.0)
+        model = sm.randomize_(sm.NanoGPT(**args))
+        torch.save({"model": {f"_orig_mod.{k}": v for k, v in model.state_dict().items()}, "model_args": args,
+                    "iter_num": 10}, path)
+        return model, 97, []
+    if fmt == "transformerlens":
+        model = sm.randomize_(sm.Seed000GPT(97, 32, 48, 2, 4))
+        torch.save(model.state_dict(), path)
+        return model, 97, []
+    if fmt == "seed001":
+        model = sm.randomize_(sm.Seed001GPT(65, 32, 48, 2, 4))
+        torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, path)
+        return model, 65, ["--n-heads", "4"]
+    if fmt == "seed002":
+        model = sm.randomize_(sm.Seed002Decoder(89, 40, 48, 2, 4, 96))
+        torch.save(model.state_dict(), path)
+        return model, 89, ["--n-heads", "4"]
+    model = sm.randomize_(sm.Seed004Model(vocab_size=65, block_size=32, embeds_size=45, num_heads=5, num_layers=2))
+    torch.save(model.state_dict(), path)
+    return model, 65, []
+
+
+@pytest.mark.parametrize("fmt", ["nanogpt", "transformerlens", "seed001", "seed002", "seed004"])
+def test_every_format_converts_from_the_command_line(tmp_path, capsys, fmt):
+    from glasslm.cli import main
+    from glasslm.interop import load_model
+
+    foreign, vocab, flags = _saved_the_foreign_way(fmt, tmp_path / "saved.pt")
+    assert main(["convert", "--from", fmt, "--checkpoint", str(tmp_path / "saved.pt"), *flags,
+                 "--out", str(tmp_path / "run")]) in (0, None)
+    assert "-> " in capsys.readouterr().out
+    model, _ = load_model(tmp_path / "run")  # a glasslm checkpoint now, read back from disk
+    assert _compare(foreign, model.eval(), vocab) < 1e-5
+
+
 def test_recompute_window_is_seed_004s_autocomplete(tmp_path):
     """Past the context, window="recompute" re-runs the last context_length tokens every step."""
     torch.manual_seed(0)
