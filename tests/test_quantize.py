@@ -166,3 +166,17 @@ def test_int4_checkpoint_round_trips_and_generates_from_the_cli(trained, tmp_pat
     for argv in (["--checkpoint", str(tmp_path / "int4")], ["--checkpoint", str(source), "--quantize", "int4"]):
         assert main(["generate", *argv, "--prompt", "ROMEO:", "--max-new-tokens", "5", "--temperature", "0"]) in (0, None)
         assert capsys.readouterr().out.startswith("ROMEO:")
+
+
+def test_eval_quantize_flags_score_close_to_fp32(trained, tmp_path, capsys):
+    model, tokenizer, val = trained
+    source = save_checkpoint(tmp_path / "fp32", model, tokenizer)
+    text = tmp_path / "val.txt"
+    text.write_text(tokenizer.decode(val.tolist()[:2000]), encoding="utf-8")
+    losses = {}
+    for method in ("none", "int8", "int4"):
+        assert main(["eval", "--checkpoint", str(source), "--data", str(text), "--split", "all", "--quiet",
+                     "--quantize", method]) in (0, None)
+        out = capsys.readouterr().out
+        losses[method] = float(out.split("loss ")[1].split()[0])
+    assert abs(losses["int8"] - losses["none"]) < 0.01 and abs(losses["int4"] - losses["none"]) < 0.03, losses
