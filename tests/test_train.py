@@ -363,7 +363,11 @@ def test_a_second_glasslm_train_on_a_running_run_is_refused(cli_run, tmp_path):
     assert first.returncode == 128 + signal.SIGTERM, stderr
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps))  # one writer's records only: nothing interleaved or repeated
-    assert glasslm("train", "--resume", str(run), "--max-steps", str(steps[-1] + 2)).returncode == 0  # lock released
+    from glasslm.checkpoint import resolve_checkpoint
+
+    at = json.loads((resolve_checkpoint(run, prefer=("latest",)) / "trainer_state.json").read_text())["step"]
+    resumed = glasslm("train", "--resume", str(run), "--max-steps", str(at + 2))
+    assert resumed.returncode == 0, resumed.stderr  # the lock was released with the first process
 
 
 def test_default_device_is_the_best_available(monkeypatch):
