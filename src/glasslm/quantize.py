@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,6 @@ from torch import Tensor, nn
 
 from .core.layers import Linear
 
-METHODS = ("int8", "int4")
 # torch 2.13's CPU kernel returns garbage, or crashes, when d_in is not a multiple of 32 (seen with
 # d_in 40, 56, 100, 344; every multiple of 32 tried was right): such layers take the readable path.
 _KERNEL_D_IN_MULTIPLE = 32
@@ -145,19 +145,18 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
 class Int4Linear(nn.Module):
     """A Linear whose weight is stored as 4-bit levels with a bf16 scale and zero per group of inputs."""
 
-    def __init__(self, d_in: int, d_out: int, bias: bool = True, impl: str = "fast", group_size: int | None = None):
+    def __init__(self, d_in: int, d_out: int, bias: bool = True, impl: str = "fast"):
         super().__init__()
         if d_in % 2:
             raise ValueError(f"int4 packs two weights per byte; d_in {d_in} is odd")
         self.d_in, self.d_out, self.impl = d_in, d_out, impl
-        self.group_size = group_size or int4_group_size(d_in)
+        self.group_size = int4_group_size(d_in)
         groups = d_in // self.group_size
         self.register_buffer("weight_int4", torch.zeros(d_out, d_in // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.ones(d_out, groups, dtype=torch.bfloat16))
         self.register_buffer("zeros", torch.zeros(d_out, groups, dtype=torch.bfloat16))
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
-        self._kernel: tuple[Tensor, Tensor] | None = None
-        self._kernel_key: tuple = ()
+        self._kernel: tuple[Tensor, Tensor] | None = None  # the kernel's layout, made on first use
 
     @classmethod
     def from_weight(cls, weight: Tensor, bias: Tensor | None, impl: str = "fast") -> "Int4Linear":
@@ -184,23 +183,29 @@ class Int4Linear(nn.Module):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._kernel = None  # new weights: re-pack them for the kernel on the next call
+        super()._load_from_state_dict(*args, **kwargs)
+
     def _kernel_operands(self) -> tuple[Tensor, Tensor]:
         """The weight in the kernel's own packed layout, and (groups, d_out, 2) scales and zeros; made
         once. The kernel needs d_out in multiples of 16: extra rows are zero, and cut from the output."""
-        # Keyed on the stored tensors, so that loading new weights into the layer re-packs them.
-        key = tuple((t.data_ptr(), t._version) for t in (self.weight_int4, self.scales, self.zeros))
-        if self._kernel is None or self._kernel_key != key:
+        if self._kernel is None or self._kernel[0].device != self.weight_int4.device:
             padded = -self.d_out % 16
             q = F.pad(unpack_nibbles(self.weight_int4).to(torch.int32), (0, 0, 0, padded))
             scales, zeros = (F.pad(t, (0, 0, 0, padded)) for t in (self.scales, self.zeros))
             weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             scales_and_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).to(torch.bfloat16)
-            self._kernel, self._kernel_key = (weight, scales_and_zeros.contiguous()), key
+            self._kernel = weight, scales_and_zeros.contiguous()
         return self._kernel
 
     def extra_repr(self) -> str:
         return (f"d_in={self.d_in}, d_out={self.d_out}, group_size={self.group_size}, bias={self.bias is not None}, "
                 f"impl={self.impl}")
+
+
+LAYERS = {"int8": Int8Linear, "int4": Int4Linear}
+METHODS = tuple(LAYERS)
 
 
 def quantize(model: nn.Module, method: str = "int8", impl: str | None = None) -> None:
@@ -212,7 +217,7 @@ def quantize(model: nn.Module, method: str = "int8", impl: str | None = None) ->
     """
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose from {', '.join(METHODS)}")
-    layer_cls = Int8Linear if method == "int8" else Int4Linear
+    layer_cls = LAYERS[method]
     config = getattr(model, "config", None)
     impl = impl or getattr(config, "impl", "fast")
     for parent in list(model.modules()):
@@ -226,11 +231,6 @@ def quantize(model: nn.Module, method: str = "int8", impl: str | None = None) ->
 def quantize_int8(model: nn.Module, impl: str | None = None) -> None:
     """`quantize(model, "int8")`: every Linear (and a tied unembedding's copy) as an `Int8Linear`."""
     quantize(model, "int8", impl)
-
-
-def quantize_int4(model: nn.Module, impl: str | None = None) -> None:
-    """`quantize(model, "int4")`: every Linear (and a tied unembedding's copy) as an `Int4Linear`."""
-    quantize(model, "int4", impl)
 
 
 def quantized_structure(model: nn.Module, method: str) -> None:
