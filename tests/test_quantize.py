@@ -15,7 +15,6 @@ from glasslm.cli import main
 from glasslm.core.config import get_preset
 from glasslm.data import get_batch
 from glasslm.evaluate import evaluate_tokens
-from glasslm.generate import generate_tokens
 from glasslm.core.model import TransformerLM
 from glasslm.quantize import (Int4Linear, Int8Linear, int4_groupwise, int8_per_channel, pack_nibbles, quantize,
                               quantize_int8, unpack_nibbles)
@@ -101,25 +100,29 @@ def trained(shakespeare_text):
 
 
 # int8: the bounds. int4 rounds each weight 16x more coarsely; gpt-fast and llama.cpp users
-# accept a few percent of perplexity for it, so its bound is 3% and 90% of greedy choices.
-@pytest.mark.parametrize("method, max_perplexity_change, min_same_choice", [("int8", 0.01, 0.95), ("int4", 0.03, 0.90)])
+# accept a few percent of perplexity for it, so its bounds are 3% and 85% of greedy choices.
+# The greedy choices are compared at 256 consecutive prefixes of held-out text. This fixture's
+# training is not bit-reproducible from run to run (nor across CPUs), and on the model's own greedy
+# continuation, which falls into loops whose top two choices nearly tie, agreement ranged 0.92-1.00
+# for int8 and 0.66-1.00 for int4 over retrainings. On held-out text, over 12 runs of this test on
+# an Intel Xeon: int8 0.980-1.000 (perplexity x0.999-1.002), int4 0.895-0.957 (x0.993-1.017).
+@pytest.mark.parametrize("method, max_perplexity_change, min_same_choice", [("int8", 0.01, 0.95), ("int4", 0.03, 0.85)])
 def test_quantized_model_keeps_perplexity_and_greedy_tokens(trained, method, max_perplexity_change, min_same_choice):
     model, tokenizer, val = trained
     with torch.no_grad():
         fp32 = evaluate_tokens(model, val.tolist())
-        prompt = tokenizer.encode("ROMEO:\n")
-        greedy = torch.tensor([prompt + list(generate_tokens(model, prompt, max_new_tokens=256, temperature=0.0))])
-        fp32_choices = model(greedy)[0, -257:-1].argmax(-1)  # the choice at each of the 256 steps
+        text = torch.tensor([val[:256].tolist()])
+        fp32_choices = model(text)[0].argmax(-1)  # the greedy choice after each of 256 prefixes
         quantized = copy.deepcopy(model)
         quantize(quantized, method)
         scored = evaluate_tokens(quantized, val.tolist())
-        choices = quantized(greedy)[0, -257:-1].argmax(-1)  # same prefixes, quantized weights
+        choices = quantized(text)[0].argmax(-1)  # same prefixes, quantized weights
     counts = np.bincount(val, minlength=model.config.vocab_size)
     probs = counts[counts > 0] / counts.sum()
     unigram = float(-(probs * np.log(probs)).sum())  # the loss of knowing only character frequencies
     assert fp32["loss"] < unigram - 0.5, "the fixture did not learn enough for this comparison to mean anything"
     perplexity_ratio = math.exp(scored["loss"]) / math.exp(fp32["loss"])
-    # At each of the 256 steps, with the same prefix, the quantized model picks the fp32 model's token.
+    # After each of the 256 prefixes the quantized model picks the fp32 model's next token.
     same = (fp32_choices == choices).float().mean().item()
     print(f"{method}: perplexity ratio {perplexity_ratio:.5f}, same greedy choice at {same:.3f} of 256 steps")
     assert abs(perplexity_ratio - 1) < max_perplexity_change, perplexity_ratio
