@@ -20,12 +20,12 @@ import time
 
 import torch
 
-from glasslm.core.config import get_preset
-from glasslm.generate import GenerationConfig, generate, generate_tokens, onednn_disabled, optimize_for_decoding
+from glasslm.presets import get_preset
+from glasslm.generation import GenerationConfig, generate, generate_tokens, onednn_disabled, optimize_for_decoding
 from glasslm.core.model import TransformerLM
-from glasslm.quantize import quantize, quantize_int8
+from glasslm.transforms.quantize import quantize, quantize_int8
 from glasslm.runtime import cpu_flags
-from glasslm.speculative import SpeculativeStats, speculative_tokens
+from glasslm.generation.speculative import SpeculativeStats, speculative_tokens
 
 
 def hf_gpt2(seed: int = 0):
@@ -147,7 +147,7 @@ def main() -> None:
     int4_tokens = run_ours(ours_int4, prompt)[0]
     agree4 = next((i for i, (a, b) in enumerate(zip(int4_tokens, hf_tokens)) if a != b), n_new)
     print(f"int8 agrees for the first {agree8}, int4 for the first {agree4} (random weights make near-ties "
-          "common; quality is tested on a trained model in tests/test_quantize.py)")
+          "common; quality is tested on a trained model in tests/transforms/test_quantize.py)")
     # Speculative decoding needs a draft that often agrees with the target. With random weights no
     # separately built model does, so the draft is the target cut after its first blocks (same
     # embeddings, final norm and unembedding: an early exit), quantized to int8 to make it cheap.

@@ -37,8 +37,8 @@ PROMPTS = ["ROMEO:\n", "First Citizen:\nBefore we proceed", "KING HENRY:\nOnce m
 
 def random_checkpoint(directory: Path) -> Path:
     """shakespeare-char-cpu with random weights and the tinyshakespeare characters (or a fixed set)."""
-    from glasslm.checkpoint import save_checkpoint
-    from glasslm.core.config import get_preset
+    from glasslm.io.checkpoint import save_checkpoint
+    from glasslm.presets import get_preset
     from glasslm.core.model import TransformerLM
     from glasslm.tokenizers import CharTokenizer
 
@@ -133,8 +133,8 @@ async def engine_load(checkpoint: Path, clients: int, max_batch: int, duration: 
     """The same load on the batching engine in this process, without HTTP: what batching itself buys."""
     import torch
 
-    from glasslm.interop import load_model
-    from glasslm.serve import Engine, Job, Sampling
+    from glasslm.hf.interop import load_model
+    from glasslm.serving.server import Engine, Job, Sampling
 
     torch.set_num_threads(threads)
     model, tokenizer = load_model(checkpoint)

@@ -34,11 +34,13 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import RefGPT, _shakespeare, ref_optimizer  # noqa: E402  (the inline nanoGPT reference)
 
-from glasslm.core.config import get_preset, get_recipe  # noqa: E402
+from glasslm.presets import get_preset
+from glasslm.training.config import get_recipe# noqa: E402
 from glasslm.data import get_batch  # noqa: E402
 from glasslm.core.model import TransformerLM  # noqa: E402
-from glasslm.optim import clip_grad_norm, make_optimizer  # noqa: E402
-from glasslm.train import TrainConfig, apply_schedule, forward_backward  # noqa: E402
+from glasslm.training.optim import clip_grad_norm, make_optimizer  # noqa: E402
+from glasslm.training.config import TrainConfig
+from glasslm.training.loop import apply_schedule, forward_backward# noqa: E402
 
 
 @dataclass

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from glasslm import bpe
+from glasslm.tokenizers import trainer as bpe
 from glasslm.tokenizers import gpt2_tokenizer
 
 EOT = "<|endoftext|>"

@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glasslm.core.config import get_preset
+from glasslm.presets import get_preset
 from glasslm.data import get_batch
 from glasslm.core.model import TransformerLM
-from glasslm.train import TrainConfig, forward_backward, make_optimizer
+from glasslm.training.config import TrainConfig
+from glasslm.training.loop import forward_backward, make_optimizer
 
 
 # ----- the reference: nanoGPT's model, written out minimally with standard torch modules -----

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from glasslm.core.config import get_preset
+from glasslm.presets import get_preset
 from glasslm.core.model import TransformerLM
-from glasslm.train import TrainConfig, train
+from glasslm.training.config import TrainConfig
+from glasslm.training.loop import train
 
 
 def test_train_leaves_global_generators_and_thread_count_alone():
@@ -43,7 +44,7 @@ def test_training_is_still_seeded():
 
 def test_plot_keeps_matplotlib_backend_and_pyplot_state(tmp_path):
     matplotlib = pytest.importorskip("matplotlib")
-    from glasslm.plot import plot_run
+    from glasslm.training.plot import plot_run
 
     rows = [{"step": s, "tokens": 8 * s, "train_loss": 4 / s, "val_loss": 4.1 / s} for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -61,7 +62,7 @@ def test_plot_keeps_matplotlib_backend_and_pyplot_state(tmp_path):
 
 
 def test_wandb_logger_sets_no_environment_variable(tmp_path, monkeypatch):
-    from glasslm.loggers import WandbLogger
+    from glasslm.training.loggers import WandbLogger
 
     calls = []
     fake = types.ModuleType("wandb")
@@ -76,7 +77,7 @@ def test_wandb_logger_sets_no_environment_variable(tmp_path, monkeypatch):
 
 
 def test_bf16_decoding_restores_the_onednn_switch():
-    from glasslm.generate import generate_tokens
+    from glasslm.generation import generate_tokens
 
     model = TransformerLM(get_preset("llama-tiny", n_layers=1)).to(torch.bfloat16).eval()
     for enabled in (True, False):

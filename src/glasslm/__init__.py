@@ -1,7 +1,7 @@
 """glasslm: a decoder-only transformer language model you can read line by line.
 
 The main names are here; each lives in its own module (see the README's "Where things are").
-`glasslm.train` is the training module; its entry point is exported as `glasslm.train_model`.
+The training entry point is exported as `glasslm.train_model`.
 
 Example:
     >>> import glasslm
@@ -13,25 +13,18 @@ Example:
     5000
 """
 
-import importlib as _importlib
-import sys as _sys
 from importlib import metadata as _metadata
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .core.config import PRESETS, ModelConfig, Preset, get_preset, get_recipe
-from .generate import GenerationConfig, generate_text, generate_tokens, stream_text
-from .interop import export_hf, import_hf, load_model
-from .core.model import TransformerLM
-from .tokenizers import get_tokenizer, load_tokenizer
-# `glasslm.train` and `glasslm.generate` stay the modules (re-binding them to functions here would hide
-# the modules from `import glasslm.train as m`); the training entry point is exported as `train_model`.
-from .train import TrainConfig, TrainResult
-from .train import train as train_model
-
-# The core moved into glasslm.core; scripts written against the old flat paths
-# (`from glasslm.config import get_preset`) keep working through these aliases.
-for _name in ("config", "layers", "positions", "attention", "model"):
-    _sys.modules[f"{__name__}.{_name}"] = _importlib.import_module(f".core.{_name}", __name__)
+from glasslm.core.config import ModelConfig
+from glasslm.core.model import TransformerLM
+from glasslm.generation import GenerationConfig, generate_text, generate_tokens, stream_text
+from glasslm.hf.interop import export_hf, import_hf, load_model
+from glasslm.io.checkpoint import load_checkpoint, save_checkpoint
+from glasslm.presets import PRESETS, Preset, get_preset
+from glasslm.tokenizers import get_tokenizer, load_tokenizer
+from glasslm.training.config import TrainConfig, get_recipe
+from glasslm.training.loop import TrainResult
+from glasslm.training.loop import train as train_model
 
 try:
     __version__ = _metadata.version("glasslm")

@@ -1,5 +1,5 @@
 """`python -m glasslm ...` is the `glasslm` command."""
 
-from .cli import run
+from glasslm.cli import run
 
 run()

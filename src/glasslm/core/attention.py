@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
-from .layers import HookPoint, Linear, dropout, upcast
-from .positions import RotaryPositions
+from glasslm.core.layers import HookPoint, Linear, dropout, upcast
+from glasslm.core.positions import RotaryPositions
 
 
 def softmax(x: Float[Tensor, "..."], dim: int = -1) -> Float[Tensor, "..."]:

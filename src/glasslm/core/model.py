@@ -2,7 +2,7 @@
 
 Example:
     >>> import torch
-    >>> from glasslm.core.config import get_preset
+    >>> from glasslm.presets import get_preset
     >>> model = TransformerLM(get_preset("llama-tiny"))
     >>> model(torch.zeros(2, 5, dtype=torch.long)).shape
     torch.Size([2, 5, 512])
@@ -17,10 +17,10 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
-from .attention import CausalSelfAttention, KVCache, StaticKVCache
-from .config import ModelConfig
-from .layers import MLP, Embedding, HookPoint, Linear, SwiGLU, dropout, make_norm
-from .positions import LearnedPositions, RotaryPositions, SinusoidalPositions
+from glasslm.core.attention import CausalSelfAttention, KVCache, StaticKVCache
+from glasslm.core.config import ModelConfig
+from glasslm.core.layers import MLP, Embedding, HookPoint, Linear, SwiGLU, dropout, make_norm
+from glasslm.core.positions import LearnedPositions, RotaryPositions, SinusoidalPositions
 
 
 class Block(nn.Module):

@@ -18,7 +18,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from .layers import upcast
+from glasslm.core.layers import upcast
 
 
 class LearnedPositions(nn.Module):

@@ -1,0 +1,283 @@
+"""The decoding loop: prefill once into a KV cache, then one token per step, for ragged batches.
+
+Prefill runs the whole prompt through the model once, filling the key/value cache. Decode feeds
+only the newest token, attending to the cached keys and values, picks the next token from the last
+logits (glasslm.generation.sampling), and repeats: each step costs one pass over the weights, whatever the
+position. Prompts of different lengths are left-padded with per-row positions, so each row equals
+generating it alone.
+
+Example:
+    >>> from glasslm.presets import get_preset
+    >>> from glasslm.core.model import TransformerLM
+    >>> model = TransformerLM(get_preset("llama-tiny")).eval()
+    >>> len(list(generate_tokens(model, [1, 2, 3], max_new_tokens=4, temperature=0.0)))
+    4
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from glasslm.core.layers import Linear
+from glasslm.core.model import TransformerLM
+from glasslm.generation.sampling import GenerationConfig, Tokenizer, apply_repetition_penalty, find_stop, make_config, sample_next
+
+
+# --- the decoding loop ---------------------------------------------------------------------------
+
+@dataclass
+class Step:
+    """One decoding step for every row of the batch."""
+
+    tokens: Int[Tensor, "batch"]  # the token picked for each row
+    logits: Float[Tensor, "batch vocab"]  # the model's raw (float32) logits it was picked from
+    logprobs: Float[Tensor, "batch"] | None  # log p(token) under those raw logits, if asked for
+
+
+@contextlib.contextmanager
+def onednn_disabled(disable: bool = True) -> Iterator[None]:
+    """Within this block PyTorch's CPU matmuls skip oneDNN (mkldnn) and use ATen's own kernels."""
+    previous = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = previous and not disable
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = previous
+
+
+class _Window:
+    """The KV cache plus what batched decoding needs around it: left padding, per-row positions,
+    and which cache slots hold real tokens (rather than padding) for the attention mask."""
+
+    def __init__(self, model: TransformerLM, batch: int, max_length: int, pad_token: int):
+        self.model, self.pad_token = model, pad_token
+        self.device = model.embed.weight.device
+        # On CPU, keep keys and values in float32 even for bf16 weights: CPUs without bf16 matrix
+        # units run bf16 attention several times slower than float32 (the weights stay bf16).
+        weight = model.embed.weight
+        low_precision = weight.dtype in (torch.bfloat16, torch.float16)
+        cache_dtype = torch.float32 if weight.device.type == "cpu" and low_precision else None
+        self.cache = model.new_kv_cache(batch, max_length, dtype=cache_dtype)
+        # One-row bf16 decode steps are vector x matrix products, which PyTorch's own kernel runs
+        # about twice as fast as oneDNN's on CPU (measured; oneDNN wins for prefill and batches).
+        self.use_native_gemv = weight.device.type == "cpu" and low_precision and batch == 1
+        self.key_is_real: Bool[Tensor, "batch max_length"] | None = None  # None: no padding anywhere
+        self.next_position: Int[Tensor, "batch"] = torch.zeros(batch, dtype=torch.long, device=self.device)
+
+    @property
+    def full(self) -> bool:
+        return self.cache.length >= self.cache.max_length
+
+    def prefill(self, rows: Sequence[Sequence[int]]) -> Float[Tensor, "batch vocab"]:
+        """Empty the cache and run the rows (left-padded to one length) through the model."""
+        lengths = [len(r) for r in rows]
+        longest = max(lengths)
+        tokens = torch.tensor([[self.pad_token] * (longest - n) + list(r) for r, n in zip(rows, lengths)],
+                              dtype=torch.long, device=self.device)
+        self.next_position = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        self.cache.reset()
+        if min(lengths) == longest:  # no padding: the model's own causal path is exact and fastest
+            self.key_is_real = None
+            logits = self.model(tokens, kv_cache=self.cache, last_logits_only=True)
+            return logits[:, -1].float()
+        n_pad = torch.tensor([longest - n for n in lengths], device=self.device)[:, None]  # (batch, 1)
+        slots = torch.arange(self.cache.max_length, device=self.device)[None, :]  # (1, max_length)
+        self.key_is_real = slots >= n_pad  # pads sit left; later slots are real once written
+        # A real token at slot s of a row with p pads is that row's token number s - p.
+        positions = (slots[:, :longest] - n_pad).clamp_min(0)  # (batch, longest)
+        causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
+        mask = causal & self.key_is_real[:, None, :longest]  # (batch, query, key)
+        # A pad query would see no key at all. glasslm's softmax and PyTorch 2.13's CPU kernels
+        # return zeros for such a row, but some kernels (other versions, other devices) return NaN,
+        # which would leak into real rows through NaN keys and values (0 * NaN = NaN). Letting
+        # pads see themselves makes every row well defined on any kernel; real rows are unaffected.
+        mask |= torch.eye(longest, dtype=torch.bool, device=self.device)
+        logits = self.model(tokens, positions, self.cache, mask, last_logits_only=True)
+        return logits[:, -1].float()
+
+    def decode(self, tokens: Int[Tensor, "batch"]) -> Float[Tensor, "batch vocab"]:
+        """Feed one new token per row; its keys and values land in the next cache slot."""
+        positions = mask = None
+        if self.key_is_real is not None:
+            end = self.cache.length + 1
+            positions = self.next_position[:, None]  # (batch, 1)
+            mask = self.key_is_real[:, None, :end]  # (batch, 1, end): real keys, including this one
+        # One query may see every cached key, so without padding no mask is needed at all.
+        with onednn_disabled(self.use_native_gemv):
+            logits = self.model(tokens[:, None], positions, self.cache, mask)[:, -1].float()
+        self.next_position += 1  # only now: `positions` above is a view of this tensor
+        return logits
+
+
+def decode_steps(
+    model: TransformerLM, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None,
+) -> Iterator[Step]:
+    """The raw loop: yield one `Step` per new token for every row, config.max_new_tokens times.
+
+    Rows never stop here (callers decide when a row is done and ignore its later tokens). Prompts
+    of different lengths are left-padded; each row gets positions 0..n-1 and a mask hiding the
+    padding, so it decodes as it would alone. When a row reaches the context length its window
+    slides: the cache is refilled with its last `window_keep` tokens (default context_length // 2),
+    so the cost of re-running them is paid once every context_length - window_keep tokens.
+    With `window="recompute"` the row is instead re-run on its last context_length tokens at every
+    step past the context (as seed 004's `autocomplete` crops and recomputes): each prediction sees
+    a full context, at the cost of a full forward pass per token.
+    """
+    config = config or GenerationConfig()
+    if len(prompts) == 0:
+        raise ValueError("no prompts given")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must contain at least one token")
+    context = model.config.context_length
+    keep = config.window_keep or max(1, context // 2)
+    if not 1 <= keep < context:
+        raise ValueError(f"window_keep must be in [1, context_length={context}), got {keep}")
+    if config.window == "recompute":
+        keep = context  # slide by one token: every step re-runs the last context_length tokens
+    device = model.embed.weight.device
+    vocab = model.config.vocab_size
+    batch = len(prompts)
+    rows = [list(map(int, p)) for p in prompts]
+    for row in rows:
+        if min(row) < 0 or max(row) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    generator = torch.Generator(device=device).manual_seed(config.seed) if config.seed is not None else None
+    seen = None
+    if config.repetition_penalty != 1.0:
+        seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+        for i, row in enumerate(rows):
+            seen[i, row] = True
+
+    # The cache needs room for the longest prompt plus the new tokens, but never beyond the context.
+    longest = max(len(r) for r in rows)
+    window = _Window(model, batch, min(context, longest + config.max_new_tokens), config.pad_token)
+    with torch.inference_mode():
+        in_cache = [r[-context:] for r in rows]  # each row's tokens the cache holds (its window)
+        logits = window.prefill(in_cache)
+        for step in range(config.max_new_tokens):
+            scores = logits if seen is None else apply_repetition_penalty(logits, seen, config.repetition_penalty)
+            tokens = sample_next(scores, config.temperature, config.top_k, config.top_p, generator, config.min_p)
+            logprobs = None
+            if config.logprobs:
+                logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+            yield Step(tokens, logits, logprobs)
+            if step == config.max_new_tokens - 1:
+                break  # the next token's logits would never be used
+            for row, held, token in zip(rows, in_cache, tokens.tolist()):
+                row.append(token)
+                held.append(token)
+            if seen is not None:
+                seen[torch.arange(batch, device=device), tokens] = True
+            if window.full:
+                # A row whose own window reached the context slides to its last `keep` tokens; the
+                # others are re-run unchanged, dropping their padding. So each row slides exactly
+                # when it would alone, and batched rows match unbatched ones beyond the context too.
+                in_cache = [row[-keep:] if len(held) > context else held for row, held in zip(rows, in_cache)]
+                logits = window.prefill(in_cache)
+            else:
+                logits = window.decode(tokens)
+
+
+@dataclass
+class Generation:
+    """What one prompt produced. `text` is set when a tokenizer was given."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    text: str | None = None
+    finish_reason: str = "length"  # "length", "stop_token" or "stop_string"
+
+
+def generate(
+    model: TransformerLM, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None,
+    tokenizer: Tokenizer | None = None, **controls: Any,
+) -> list[Generation]:
+    """Generate for a batch of token prompts (of any lengths); each row stops on its own.
+
+    Stop strings need `tokenizer` (they are checked on the decoded text). Each row's result is the
+    same as generating it alone (greedy tokens identical, logits equal to float tolerance).
+    """
+    config = make_config(config, **controls)
+    if config.stop_strings and tokenizer is None:
+        raise ValueError("stop strings are matched on text, so they need a tokenizer")
+    results = [Generation(logprobs=[] if config.logprobs else None) for _ in prompts]
+    done = [False] * len(prompts)
+    stop_tokens = set(config.stop_tokens)
+    if config.max_new_tokens > 0:
+        for step in decode_steps(model, prompts, config):
+            step_logprobs = step.logprobs.tolist() if step.logprobs is not None else None
+            for i, token in enumerate(step.tokens.tolist()):
+                if done[i]:
+                    continue
+                if token in stop_tokens:
+                    done[i], results[i].finish_reason = True, "stop_token"
+                    continue
+                results[i].tokens.append(token)
+                if step_logprobs is not None:
+                    results[i].logprobs.append(step_logprobs[i])
+                if config.stop_strings and find_stop(tokenizer.decode(results[i].tokens), config.stop_strings) >= 0:
+                    done[i], results[i].finish_reason = True, "stop_string"
+            if all(done):
+                break
+    if tokenizer is not None:
+        for result in results:
+            text = tokenizer.decode(result.tokens)
+            cut = find_stop(text, config.stop_strings)
+            result.text = text if cut < 0 else text[:cut]
+    return results
+
+
+def generate_tokens(
+    model: TransformerLM, prompt: Sequence[int], max_new_tokens: int | None = None,
+    temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+    seed: int | None = None, stop_tokens: Sequence[int] = (), config: GenerationConfig | None = None,
+    **controls: Any,
+) -> Iterator[int]:
+    """Yield new token ids one at a time as they are produced (for streaming); stops before a stop token.
+
+    Keyword controls override `config`; see `GenerationConfig` for all of them.
+    """
+    given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    controls.update({k: v for k, v in given.items() if v is not None})
+    if stop_tokens:
+        controls["stop_tokens"] = stop_tokens
+    config = make_config(config, **controls)
+    stops = set(config.stop_tokens)
+    if config.max_new_tokens == 0:
+        return
+    for step in decode_steps(model, [prompt], config):
+        token = int(step.tokens[0])
+        if token in stops:
+            return
+        yield token
+
+
+# --- speed ---------------------------------------------------------------------------------------
+
+def optimize_for_decoding(model: TransformerLM) -> TransformerLM:
+    """Re-lay float32 matrices on CPU column-major ((d_in, d_out) in memory) for one-token steps.
+
+    Values, shapes and the parameters' identity are unchanged; only strides change, so training,
+    saving and loading work as before. Why: decoding one token multiplies a vector by every weight
+    matrix, which is bound by how fast memory streams the weights. For float32, MKL's
+    vector-matrix kernel streams an (in, out) layout about twice as fast as the (out, in) one on the
+    CPUs measured (see docs/generation.md). bfloat16 kernels prefer the usual layout: left alone.
+    """
+    for module in model.modules():
+        weights = []
+        if isinstance(module, Linear):
+            weights.append(module.weight)
+        if module is model.embed and model.unembed is None:
+            weights.append(module.weight)  # the tied unembedding: the largest matrix of all
+        for weight in weights:
+            if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.is_contiguous():
+                weight.data = weight.data.T.contiguous().T
+    return model

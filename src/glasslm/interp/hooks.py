@@ -1,0 +1,139 @@
+"""Read and edit activations inside a model, TransformerLens-style.
+
+Every interesting activation passes through a `HookPoint` (an identity module), and its name is
+its module path: `hook_embed`, `blocks.3.hook_resid_post`, `blocks.0.attn.hook_pattern`,
+`ln_final.hook_normalized`, ... (`hook_names(model)` lists them all).
+
+`run_with_cache` runs the model once and returns the activations you asked for; `run_with_hooks`
+runs it with functions that may replace activations (ablations, patching). Hooks exist only
+during the call, so an unhooked model pays nothing: no copies are made and attention keeps its
+fused kernel unless you ask for the attention scores or pattern.
+
+Example:
+    >>> import torch
+    >>> from glasslm.presets import get_preset
+    >>> from glasslm.core.model import TransformerLM
+    >>> model = TransformerLM(get_preset("llama-tiny")).eval()
+    >>> tokens = torch.tensor([[1, 2, 3, 4]])
+    >>> logits, cache = run_with_cache(model, tokens, names_filter=["blocks.0.attn.hook_pattern"])
+    >>> cache["blocks.0.attn.hook_pattern"].shape  # (batch, heads, query, key)
+    torch.Size([1, 8, 4, 4])
+    >>> def zero_head_0(z, hook_name):
+    ...     z = z.clone()
+    ...     z[:, :, 0] = 0.0
+    ...     return z
+    >>> ablated = run_with_hooks(model, tokens, fwd_hooks=[("blocks.0.attn.hook_z", zero_head_0)])
+    >>> bool((ablated != logits).any())
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from glasslm.core.layers import HookPoint
+
+HookFn = Callable[[Tensor, str], Tensor | None]
+NamesFilter = None | str | Sequence[str] | Callable[[str], bool]
+
+
+def hook_points(model: nn.Module) -> dict[str, HookPoint]:
+    """Every HookPoint in the model by name (its module path)."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, HookPoint)}
+
+
+def hook_names(model: nn.Module) -> list[str]:
+    """The names that `run_with_cache` and `run_with_hooks` accept, in forward order."""
+    return list(hook_points(model))
+
+
+def _select(points: dict[str, HookPoint], names_filter: NamesFilter) -> list[str]:
+    if names_filter is None:
+        return list(points)
+    if callable(names_filter):
+        return [name for name in points if names_filter(name)]
+    wanted = [names_filter] if isinstance(names_filter, str) else list(names_filter)
+    unknown = [name for name in wanted if name not in points]
+    if unknown:
+        raise KeyError(f"no hook point named {unknown}; see glasslm.interp.hooks.hook_names(model)")
+    return wanted
+
+
+@contextmanager
+def hooks(model: nn.Module, fwd_hooks: Sequence[tuple[str | Callable[[str], bool], HookFn]]) -> Iterator[None]:
+    """Attach `(name or name-predicate, fn)` forward hooks for the duration of a `with` block.
+
+    `fn(activation, hook_name)` may return a tensor to replace the activation, or None to keep it.
+    Hooks are removed on leaving the block, also when the forward pass raised.
+    """
+    points = hook_points(model)
+    handles = []
+    try:
+        for name_or_filter, fn in fwd_hooks:
+            for name in _select(points, name_or_filter):
+                # Bind name now: a closure over the loop variable would see only the last name.
+                def forward_hook(module, inputs, output, fn=fn, name=name):
+                    return fn(output, name)
+                handles.append(points[name].register_forward_hook(forward_hook))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def run_with_hooks(
+    model: nn.Module, tokens: Int[Tensor, "batch seq"], fwd_hooks: Sequence[tuple[str | Callable[[str], bool], HookFn]],
+    **forward_kwargs,
+) -> Float[Tensor, "batch seq vocab"]:
+    """Logits of `model(tokens)` with `fwd_hooks` attached for this one call."""
+    with hooks(model, fwd_hooks):
+        return model(tokens, **forward_kwargs)
+
+
+def run_with_cache(
+    model: nn.Module, tokens: Int[Tensor, "batch seq"], names_filter: NamesFilter = None,
+    fwd_hooks: Sequence[tuple[str | Callable[[str], bool], HookFn]] = (), **forward_kwargs,
+) -> tuple[Float[Tensor, "batch seq vocab"], dict[str, Tensor]]:
+    """(logits, {hook name: activation}) for the activations chosen by `names_filter`.
+
+    `names_filter` is None (every hook point — note this includes the attention pattern, so the
+    readable attention path runs), a name, a list of names, or a predicate on names. Cached
+    tensors are detached views, not copies. `fwd_hooks` run first, so the cache sees their edits.
+
+    Ask only for what you need: naming `hook_attn_scores` or `hook_pattern` makes that layer use
+    the step-by-step attention (the fused kernel never forms the pattern).
+    """
+    cache: dict[str, Tensor] = {}
+
+    def store(activation: Tensor, name: str) -> None:
+        cache[name] = activation.detach()
+
+    names = _select(hook_points(model), names_filter)
+    with hooks(model, [*fwd_hooks, *((name, store) for name in names)]):
+        logits = model(tokens, **forward_kwargs)
+    return logits, cache
+
+
+@torch.no_grad()
+def logit_lens(
+    model: nn.Module, tokens: Int[Tensor, "batch seq"]
+) -> Float[Tensor, "layers batch seq vocab"]:
+    """Log-probabilities from decoding each block's output directly: unembed(ln_final(resid_post)).
+
+    The last layer's row equals the model's own log-softmax(logits).
+    """
+    names = [f"blocks.{i}.hook_resid_post" for i in range(len(model.blocks))]
+    _, cache = run_with_cache(model, tokens, names_filter=names)
+    resid = torch.stack([cache[name] for name in names])  # (layers, batch, seq, d_model)
+    logits = unembed(model, resid)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def unembed(model: nn.Module, resid: Float[Tensor, "... d_model"]) -> Float[Tensor, "... vocab"]:
+    """Apply the model's final norm (if any) and unembedding to residual-stream vectors."""
+    return model.logits(resid)

@@ -1,0 +1,101 @@
+"""Building a model and putting weights into it, without random init or a second copy.
+
+A model for loaded weights is built on the `meta` device (every shape, no storage), the tensors are
+assigned into it after their names and shapes are checked, and the buffers that checkpoints do not
+hold (rotary cos/sin, the sinusoidal table: functions of the config alone) are computed on the target
+device. Checkpoint files (checkpoint.py), Hugging Face directories (interop.py) and the accounting of
+huge configs (accounting.py) all build models this way.
+
+Example:
+    >>> from glasslm.presets import get_preset
+    >>> empty_model(get_preset("gpt2-xl")).num_parameters()  # no memory spent
+    1557611200
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from glasslm.core.config import ModelConfig
+from glasslm.core.model import TransformerLM
+from glasslm.core.positions import RotaryPositions, SinusoidalPositions
+
+
+def load_weights(model: TransformerLM, weights: dict[str, torch.Tensor], source: str = "weights") -> None:
+    """Copy `weights` into an existing `model`, naming any missing, unexpected or mis-shaped tensor."""
+    expected = model.state_dict()
+    _check_names(expected, weights, source)
+    for name, tensor in weights.items():
+        _check_shape(name, tensor, expected[name], source)
+    model.load_state_dict(weights)
+
+
+def _check_names(expected: dict[str, Any], given: dict[str, Any], source: str) -> None:
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(set(given) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{source} does not match the model: missing tensors {missing}, unexpected tensors {unexpected}")
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: torch.Tensor, source: str) -> None:
+    if tensor.shape != expected.shape:
+        raise ValueError(
+            f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(expected.shape)}"
+        )
+
+
+def empty_model(config: ModelConfig) -> TransformerLM:
+    """A TransformerLM on the `meta` device: every shape, no storage, no time spent initialising."""
+    with torch.device("meta"):
+        return TransformerLM(config)
+
+
+def materialize_buffers(model: TransformerLM, device: torch.device | str) -> None:
+    """Compute the non-persistent buffers (not in checkpoints) on `device` after a meta build.
+
+    Rotary cos/sin and the sinusoidal table are functions of the config alone, so they are
+    rebuilt rather than loaded. A shared rotary module (one per model) is rebuilt once.
+    """
+    c = model.config
+    for module in model.modules():
+        if isinstance(module, RotaryPositions):
+            with torch.device(device):
+                fresh = RotaryPositions.from_config(c)
+            module.cos, module.sin = fresh.cos, fresh.sin
+        elif isinstance(module, SinusoidalPositions):
+            with torch.device(device):
+                module.table = SinusoidalPositions(c.context_length, c.d_model).table
+    leftover = [name for name, b in model.named_buffers() if b.is_meta]
+    if leftover:
+        raise RuntimeError(f"buffers still on the meta device after loading: {leftover}")
+
+
+def model_from_state_dict(
+    config: ModelConfig, tensors: dict[str, Callable[[], torch.Tensor]] | dict[str, torch.Tensor],
+    device: torch.device | str = "cpu", dtype: torch.dtype | None = None, source: str = "weights",
+    quantization: str | None = None,
+) -> TransformerLM:
+    """Build a model by assigning tensors (or zero-argument functions making them) into a meta model.
+
+    Names every missing or unexpected tensor, and every shape mismatch with both shapes.
+    `quantization` ("int8" or "int4") gives the model the quantized layers the tensors were saved from.
+    """
+    model = empty_model(config)
+    if quantization is not None:
+        from glasslm.transforms.quantize import quantized_structure
+
+        quantized_structure(model, quantization)
+    expected = model.state_dict()
+    _check_names(expected, tensors, source)
+    loaded: dict[str, torch.Tensor] = {}
+    for name, make in tensors.items():
+        tensor = make() if callable(make) else make
+        _check_shape(name, tensor, expected[name], source)
+        keep_dtype = dtype is None or not tensor.is_floating_point()  # int8 weights stay int8
+        loaded[name] = tensor.to(device=device, dtype=tensor.dtype if keep_dtype else dtype)
+    model.load_state_dict(loaded, assign=True)
+    materialize_buffers(model, device)
+    return model.eval()

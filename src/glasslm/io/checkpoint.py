@@ -1,0 +1,318 @@
+"""Checkpoints as plain files: safetensors weights, JSON config, the tokenizer's own files.
+
+Nothing here unpickles: a checkpoint from anywhere can be opened safely. Writing goes to a
+temporary directory that is renamed into place, so a killed process never leaves half a checkpoint.
+
+A training checkpoint adds two more files: `optimizer.safetensors` (AdamW's moment tensors) and
+`trainer_state.json` + `trainer_state.safetensors` (step, best validation loss, RNG states, the
+batch sampler's generator state, the training config). A run directory holds several checkpoints
+and two pointer files, each holding the name of one checkpoint directory:
+
+    runs/x/ckpt-000500/   runs/x/ckpt-001000/   runs/x/latest   runs/x/best   runs/x/metrics.jsonl
+
+Example:
+    >>> import tempfile
+    >>> from glasslm.presets import get_preset
+    >>> from glasslm.core.model import TransformerLM
+    >>> from glasslm.tokenizers import CharTokenizer
+    >>> model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=3))
+    >>> path = save_checkpoint(tempfile.mkdtemp() + "/ckpt", model, CharTokenizer.from_text("abc"))
+    >>> load_checkpoint(path)[0].num_parameters() == model.num_parameters()
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from glasslm.io.build import model_from_state_dict
+from glasslm.core.config import ModelConfig
+from glasslm.core.model import TransformerLM
+from glasslm.tokenizers import load_tokenizer
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+META_FILE = "meta.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+OPTIMIZER_JSON = "optimizer.json"
+POINTER_NAMES = ("latest", "best")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint or pointer could not be written (full disk, no permission); nothing half-written
+    was left behind and what was there before is untouched."""
+
+
+def _write_failure(what: Path, err: Exception) -> CheckpointWriteError:
+    if isinstance(err, OSError) and err.strerror:
+        reason = err.strerror
+    else:  # safetensors wraps the OS error: 'Error while serializing: IoError(Os { ..., message: "..." })'
+        text = str(err)
+        found = re.search(r'message: "([^"]+)"', text)
+        reason = found.group(1) if found else re.sub(r"^(Error while serializing: )?(I/O error: )?|\s*\(os error \d+\)$", "", text)
+    return CheckpointWriteError(f"could not write {what}: {reason}")
+
+
+def save_checkpoint(
+    directory: str | os.PathLike, model: TransformerLM, tokenizer: Any | None = None,
+    meta: dict[str, Any] | None = None, *,
+    extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
+    extra_json: dict[str, Any] | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write model weights, config, tokenizer and a small JSON of metadata to `directory`, atomically.
+
+    `extra_tensors` maps file names (e.g. "optimizer.safetensors") to tensors and `extra_json`
+    maps file names to JSON-able objects; both land in the same atomic rename. `state_dict`
+    replaces `model.state_dict()` (a sharded model gathers its full weights first).
+    """
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        weights = state_dict if state_dict is not None else model.state_dict()
+        weights = {name: t.detach().contiguous().cpu() for name, t in weights.items()}
+        save_file(weights, staging / WEIGHTS_FILE, metadata={"format": "pt", "library": "glasslm"})
+        (staging / CONFIG_FILE).write_text(model.config.to_json())
+        if tokenizer is not None:
+            tokenizer.save(staging)
+        (staging / META_FILE).write_text(json.dumps(meta or {}, indent=2))
+        for name, tensors in (extra_tensors or {}).items():
+            save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, staging / name)
+        for name, obj in (extra_json or {}).items():
+            (staging / name).write_text(json.dumps(obj, indent=1))
+        _fsync_directory(staging)
+        _swap_into_place(staging, target)
+    except (OSError, SafetensorError) as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise _write_failure(target, err) from err
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _fsync_directory(path: Path) -> None:
+    """Flush the files of `path` to disk so a power cut after the rename cannot leave empty files."""
+    for child in path.iterdir():
+        with open(child, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def _swap_into_place(staging: Path, target: Path) -> None:
+    """Replace `target` by `staging`; at every instant one complete copy exists on disk."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+    try:
+        os.replace(staging, target)
+    except BaseException:
+        if old is not None:  # put the previous copy back rather than leave nothing at `target`
+            os.replace(old, target)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(
+    directory: str | os.PathLike, device: torch.device | str = "cpu"
+) -> tuple[TransformerLM, Any | None, dict[str, Any]]:
+    """(model, tokenizer or None, meta) from a directory written by `save_checkpoint`."""
+    path = resolve_checkpoint(directory)
+    config = load_config(path / CONFIG_FILE)
+    weights_path = path / WEIGHTS_FILE
+    if not weights_path.is_file():
+        raise FileNotFoundError(f"{weights_path} is missing: not a glasslm checkpoint?")
+    meta_path = path / META_FILE
+    meta = read_json(meta_path) if meta_path.is_file() else {}
+    # Built on the meta device and assigned the loaded tensors: no random init, no second copy.
+    # A checkpoint written by `glasslm quantize` names its method in meta.json.
+    model = model_from_state_dict(config, read_safetensors(weights_path, device), device, source=str(weights_path),
+                                  quantization=meta.get("quantization") if isinstance(meta, dict) else None)
+    tokenizer = None
+    if any((path / name).exists() for name in ("tokenizer.json", "glasslm_tokenizer.json", "tokenizer.model")):
+        tokenizer = load_tokenizer(path)
+    return model, tokenizer, meta
+
+
+def read_safetensors(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file, or an error naming the file and what is wrong with it."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: incomplete checkpoint?")
+    try:
+        return load_file(path, device=str(device))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        # Diagnosed only after safetensors refused it: a valid file starts with its header's length,
+        # whose first byte may be 0x80 as well (this check ran first once and refused such a file).
+        with open(path, "rb") as f:
+            head = f.read(2)
+        if (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")) or head == b"PK":
+            raise ValueError(f"{path} is a pickle/torch.save file, not safetensors; glasslm never unpickles "
+                             "checkpoint files (unpickling can run arbitrary code)") from None
+        raise ValueError(f"{path} is not a readable safetensors file ({err}); truncated or corrupt?") from None
+
+
+def read_json(path: Path) -> Any:
+    """Parsed JSON of `path`, or an error naming the file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: incomplete checkpoint?")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); truncated or corrupt?") from None
+
+
+# ----- optimizer state as safetensors + JSON (no pickle) -----
+
+def optimizer_state_to_files(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split `optimizer.state_dict()` into tensors (for safetensors) and everything else (for JSON).
+
+    >>> import torch
+    >>> p = torch.nn.Parameter(torch.ones(2))
+    >>> opt = torch.optim.AdamW([p]); p.grad = torch.ones(2); opt.step()
+    >>> tensors, scalars = optimizer_state_to_files(opt.state_dict())
+    >>> sorted(tensors)
+    ['state.0.exp_avg', 'state.0.exp_avg_sq', 'state.0.step']
+    >>> back = optimizer_state_from_files(tensors, scalars)
+    >>> torch.equal(back["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    True
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for param_id, param_state in state["state"].items():
+        for key, value in param_state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{param_id}.{key}"] = value
+            else:
+                scalars.setdefault(str(param_id), {})[key] = value
+    return tensors, {"param_groups": state["param_groups"], "scalar_state": scalars}
+
+
+def optimizer_state_from_files(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of `optimizer_state_to_files`: a dict for `optimizer.load_state_dict`."""
+    state: dict[int, dict[str, Any]] = {}
+    for name, tensor in tensors.items():
+        if not name.startswith("state."):
+            raise ValueError(f"unexpected optimizer tensor {name!r}")
+        # Parameters are numbered (plain state dicts) or named with dots (sharded state dicts);
+        # the state key itself ("exp_avg") never has a dot.
+        param_id, key = name[len("state."):].rsplit(".", 1)
+        state.setdefault(_param_key(param_id), {})[key] = tensor
+    for param_id, values in scalars.get("scalar_state", {}).items():
+        state.setdefault(_param_key(param_id), {}).update(values)
+    groups = []
+    for group in scalars["param_groups"]:
+        group = dict(group)
+        if isinstance(group.get("betas"), list):  # JSON has no tuples; AdamW expects one
+            group["betas"] = tuple(group["betas"])
+        groups.append(group)
+    return {"state": state, "param_groups": groups}
+
+
+def _param_key(text: str) -> int | str:
+    return int(text) if text.isdigit() else text
+
+
+def load_optimizer_state(directory: str | os.PathLike) -> dict[str, Any]:
+    """The optimizer state dict stored in a training checkpoint."""
+    path = Path(directory)
+    scalars = read_json(path / OPTIMIZER_JSON)
+    if not isinstance(scalars, dict) or "param_groups" not in scalars:
+        raise ValueError(f"{path / OPTIMIZER_JSON} does not hold optimizer param_groups")
+    return optimizer_state_from_files(read_safetensors(path / OPTIMIZER_FILE), scalars)
+
+
+# ----- run directories: numbered checkpoints, `latest` and `best` pointers, pruning -----
+
+def checkpoint_name(step: int) -> str:
+    return f"ckpt-{step:06d}"
+
+
+def write_pointer(run_dir: str | os.PathLike, pointer: str, checkpoint_dir_name: str) -> None:
+    """Atomically make `run_dir/pointer` (latest or best) name a checkpoint directory."""
+    run_dir = Path(run_dir)
+    tmp = run_dir / f".{pointer}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(checkpoint_dir_name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, run_dir / pointer)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise _write_failure(run_dir / pointer, err) from err
+
+
+def read_pointer(run_dir: str | os.PathLike, pointer: str) -> Path | None:
+    path = Path(run_dir) / pointer
+    if not path.is_file():
+        return None
+    name = path.read_text().strip()
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"{path} should hold a checkpoint directory name, got {name!r}")
+    return Path(run_dir) / name
+
+
+def resolve_checkpoint(path: str | os.PathLike, prefer: tuple[str, ...] = ("best", "latest")) -> Path:
+    """A checkpoint directory from a checkpoint directory, a pointer file, or a run directory.
+
+    A run directory resolves through its pointer files in the order of `prefer`: sampling
+    wants the best weights, resuming wants the latest.
+    """
+    path = Path(path)
+    if path.is_file() and path.name in POINTER_NAMES:
+        target = read_pointer(path.parent, path.name)
+        assert target is not None
+        return target
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    if (path / CONFIG_FILE).exists() or (path / WEIGHTS_FILE).exists():
+        return path
+    for pointer in prefer:
+        target = read_pointer(path, pointer)
+        if target is not None:
+            if not target.is_dir():
+                raise FileNotFoundError(f"{path / pointer} names {target.name}, which does not exist")
+            return target
+    raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory with {' or '.join(prefer)} pointers")
+
+
+def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` numbered checkpoints, never one a pointer names."""
+    run_dir = Path(run_dir)
+    protected = {read_pointer(run_dir, p) for p in POINTER_NAMES} - {None}
+    numbered = sorted(p for p in run_dir.glob("ckpt-*") if p.is_dir())
+    doomed = [p for p in numbered[:-keep_last] if p not in protected] if keep_last > 0 else []
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def remove_stale_staging(run_dir: str | os.PathLike) -> None:
+    """Remove half-written checkpoints a killed process left behind (never renamed into place)."""
+    for pattern in (".ckpt-*.tmp-*", ".ckpt-*.old-*", ".latest.tmp-*", ".best.tmp-*"):
+        for path in Path(run_dir).glob(pattern):
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def load_config(path: Path) -> ModelConfig:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: not a glasslm checkpoint?")
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a glasslm model config")
+    try:
+        return ModelConfig.from_dict(data)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path} is not a glasslm model config: {err}") from None

@@ -1,0 +1,178 @@
+"""Who may write a run directory: refusing to train over an existing run, and one writer at a time.
+
+A run directory (checkpoints, `latest`/`best` pointers, metrics.jsonl) is the record of a run, so
+training into one that already holds files is refused unless the caller resumes it or asks for
+`overwrite` (which removes glasslm's own files there and nothing else). While a run trains, it
+holds an exclusive lock (`flock` on `.lock` in the directory) so a second `glasslm train` on the
+same directory is refused instead of interleaving metrics and racing on checkpoint renames. The
+lock belongs to the open file, so the kernel releases it when the process ends, however it ends.
+
+Example:
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> run = Path(tempfile.mkdtemp()) / "run"
+    >>> with RunLock(run):
+    ...     check_run_dir(run, resuming=False)   # only the lock file so far: counts as empty
+    ...     (run / "metrics.jsonl").write_text("")
+    0
+    >>> check_run_dir(run, resuming=False)
+    Traceback (most recent call last):
+    ...
+    glasslm.training.rundir.RunDirError: run directory ... is not empty (metrics.jsonl); continue that run with --resume ..., or replace it with --overwrite
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+LOCK_FILE = ".lock"
+# What a training run writes into its directory; --overwrite removes these and nothing else.
+RUN_FILES = ("latest", "best", "metrics.jsonl", "loss.png", "tensorboard", "wandb")
+RUN_PATTERNS = ("ckpt-*", ".ckpt-*", ".latest.tmp-*", ".best.tmp-*")
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used as asked (not empty, locked, not a directory)."""
+
+
+def _contents(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE)
+
+
+def check_run_dir(run_dir: str | os.PathLike, resuming: bool, overwrite: bool = False) -> None:
+    """Refuse a `run_dir` that is a file, or that already holds files when neither resuming nor
+    overwriting. Reads only: nothing on disk changes, whatever the verdict."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"run directory {run_dir} is a file, not a directory")
+    for parent in run_dir.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise RunDirError(f"run directory {run_dir} cannot be created: {parent} is a file")
+            break
+    if not run_dir.is_dir():
+        return
+    _refuse_if_locked(run_dir)
+    if resuming or overwrite:
+        return
+    contents = _contents(run_dir)
+    if contents:
+        shown = ", ".join(contents[:3]) + (", ..." if len(contents) > 3 else "")
+        raise RunDirError(f"run directory {run_dir} is not empty ({shown}); continue that run with "
+                          f"--resume {run_dir}, or replace it with --overwrite")
+
+
+def _refuse_if_locked(run_dir: Path) -> None:
+    """Probe the lock without creating or changing anything (the lock file opened read-only)."""
+    path = run_dir / LOCK_FILE
+    if not path.is_file() or run_dir.resolve() in RunLock._held:
+        return
+    with open(path) as file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = file.read().strip() or "unknown"
+            raise RunDirError(f"{run_dir} is in use by another training process (pid {holder}); "
+                              "wait for it to finish or use another --out") from None
+        fcntl.flock(file, fcntl.LOCK_UN)
+
+
+@contextmanager
+def claim_run_dir(run_dir: str | os.PathLike, resume_from: str | os.PathLike | None = None,
+                  overwrite: bool = False) -> Iterator[Path]:
+    """Check `run_dir` may be written, lock it for the duration, and clear it if `overwrite`.
+
+    Resuming exempts the directory from the not-empty rule only when it is the resumed
+    checkpoint's own run directory; resuming *into* another run's directory still needs
+    `overwrite`. A claim this process already holds is simply re-entered.
+    """
+    run_dir = Path(run_dir)
+    if run_dir.is_dir() and run_dir.resolve() in RunLock._held:
+        with RunLock(run_dir):
+            yield run_dir
+        return
+    resuming_here = False
+    if resume_from is not None:
+        checkpoint = Path(resume_from).resolve()
+        resuming_here = run_dir.resolve() in (checkpoint, checkpoint.parent)
+    if overwrite and resuming_here:
+        raise RunDirError(f"--overwrite would delete {run_dir}, the run being resumed; drop --overwrite "
+                          "(or resume into another --out)")
+    check_run_dir(run_dir, resuming=resuming_here, overwrite=overwrite)
+    with RunLock(run_dir):
+        if overwrite:
+            clear_run(run_dir)
+        yield run_dir
+
+
+def clear_run(run_dir: str | os.PathLike) -> list[str]:
+    """Remove what a previous run wrote into `run_dir` (checkpoints, pointers, metrics, plots,
+    logger folders); other files stay. Returns the names removed."""
+    run_dir = Path(run_dir)
+    doomed = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+    for pattern in RUN_PATTERNS:
+        doomed += sorted(run_dir.glob(pattern))
+    for path in doomed:
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    return [p.name for p in doomed]
+
+
+class RunLock:
+    """An exclusive, non-blocking lock on a run directory (created if missing) for one writer.
+
+    Re-entrant within a process: the CLI takes it before creating loggers and `train` takes it
+    again; the inner one is a no-op.
+    """
+
+    _held: dict[Path, int] = {}  # resolved run directory -> how many holders in this process
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.run_dir = Path(run_dir)
+        self._file = None
+        self._key: Path | None = None
+
+    def __enter__(self) -> "RunLock":
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RunDirError(f"cannot create run directory {self.run_dir}: {err.strerror}") from None
+        self._key = self.run_dir.resolve()
+        if self._key in RunLock._held:
+            RunLock._held[self._key] += 1
+            return self
+        path = self.run_dir / LOCK_FILE
+        try:
+            file = open(path, "a+")
+        except OSError as err:
+            raise RunDirError(f"cannot write to run directory {self.run_dir}: {err.strerror}") from None
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            file.seek(0)
+            holder = file.read().strip() or "unknown"
+            file.close()
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunDirError(f"{self.run_dir} is in use by another training process (pid {holder}); "
+                                  "wait for it to finish or use another --out") from None
+            raise
+        file.seek(0)
+        file.truncate()
+        file.write(f"{os.getpid()}\n")
+        file.flush()
+        self._file = file
+        RunLock._held[self._key] = 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._key is not None
+        RunLock._held[self._key] -= 1
+        if RunLock._held[self._key] == 0:
+            del RunLock._held[self._key]
+            if self._file is not None:
+                self._file.close()  # closing the file releases the flock

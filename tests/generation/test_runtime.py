@@ -1,0 +1,58 @@
+"""What the CLI decides from the machine: bf16 units, the slow-dtype warning, decode threads."""
+
+from __future__ import annotations
+
+import pytest
+
+from glasslm import runtime
+
+
+@pytest.mark.parametrize("flags, has_bf16", [
+    ({"avx512f", "avx512_vnni"}, False),   # Intel Xeon without bf16 units
+    ({"avx512f", "avx512_bf16"}, True),    # AMD Zen 4
+    ({"amx_bf16", "amx_tile"}, True),      # Sapphire Rapids
+])
+def test_bf16_units_and_the_default_dtype_follow_the_cpu_flags(monkeypatch, capsys, flags, has_bf16):
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset(flags))
+    assert runtime.cpu_has_bf16() is has_bf16
+    assert runtime.default_dtype("cpu") == ("bfloat16" if has_bf16 else "float32")
+    assert runtime.default_dtype("cuda:0") == "bfloat16"
+    runtime.warn_if_slow_dtype("bfloat16", "cpu")
+    warning = capsys.readouterr().err
+    assert ("no bfloat16 units" in warning) is (not has_bf16)
+    runtime.warn_if_slow_dtype("float32", "cpu")
+    assert capsys.readouterr().err == ""
+
+
+def test_small_models_decode_on_one_thread_large_ones_on_every_core():
+    below = runtime.ONE_THREAD_BELOW_PARAMETERS
+    assert runtime.decode_threads(below - 1, cores=16) == 1
+    assert runtime.decode_threads(below, cores=16) == 16
+    assert runtime.decode_threads(124_439_808) >= 1
+
+
+def test_cli_draft_gives_the_same_text_and_reports_acceptance(tmp_path, capsys):
+    import torch
+
+    from glasslm.io.checkpoint import save_checkpoint
+    from glasslm.cli import main
+    from glasslm.presets import get_preset
+    from glasslm.core.model import TransformerLM
+    from glasslm.tokenizers import CharTokenizer
+
+    tokenizer = CharTokenizer.from_text("abcdefgh ROMEO:\n")
+    torch.manual_seed(0)
+    target = TransformerLM(get_preset("llama-tiny", vocab_size=tokenizer.vocab_size, init_std=0.2))
+    draft = TransformerLM(get_preset("llama-tiny", vocab_size=tokenizer.vocab_size, n_layers=1, init_std=0.2))
+    save_checkpoint(tmp_path / "target", target, tokenizer)
+    save_checkpoint(tmp_path / "draft", draft, tokenizer)
+    common = ["generate", "--checkpoint", str(tmp_path / "target"), "--prompt", "ROMEO:", "--max-new-tokens", "30",
+              "--temperature", "0", "--threads", "1"]
+    main(common)
+    alone = capsys.readouterr().out
+    main(common + ["--draft", str(tmp_path / "draft"), "--lookahead", "3"])
+    captured = capsys.readouterr()
+    assert captured.out == alone
+    assert "draft accepted" in captured.err
+    assert main(common[:-4] + ["--temperature", "0.8", "--draft", str(tmp_path / "draft")]) not in (0, None)
+    assert "add --temperature 0" in capsys.readouterr().err

@@ -1,0 +1,375 @@
+"""Checkpoints: exact resume (in process and after SIGKILL/SIGTERM of a real `glasslm train`),
+pointer files and pruning, and clear refusals of corrupt or foreign files."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from glasslm.io.checkpoint import (
+    load_checkpoint, load_optimizer_state, optimizer_state_from_files, optimizer_state_to_files,
+    prune_checkpoints, resolve_checkpoint, write_pointer,
+)
+from glasslm.presets import get_preset
+from glasslm.training.loggers import read_metrics
+from glasslm.tokenizers import CharTokenizer
+from glasslm.training.config import TrainConfig
+from glasslm.training.loop import train
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+TINY = dict(vocab_size=16, n_layers=1, d_model=32, n_heads=2, context_length=16)
+
+
+def tiny_tokens(n: int = 4000) -> torch.Tensor:
+    return torch.randint(0, 16, (n,), generator=torch.Generator().manual_seed(0))
+
+
+def tiny_cfg(**kw) -> TrainConfig:
+    base = dict(max_steps=24, lr_decay_steps=24, batch_size=4, warmup_steps=4, eval_interval=8, eval_iters=2, log_interval=1,
+                progress=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_optimizer_state_round_trip_is_exact():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), betas=(0.9, 0.95), fused=True)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    tensors, scalars = optimizer_state_to_files(opt.state_dict())
+    back = optimizer_state_from_files(tensors, scalars)
+    fresh = torch.optim.AdamW(model.parameters(), fused=True)
+    fresh.load_state_dict(back)
+    assert fresh.param_groups[0]["betas"] == (0.9, 0.95)
+    for a, b in zip(opt.state.values(), fresh.state.values()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(a[key], b[key])
+
+
+@pytest.mark.parametrize("optimizer,impl", [("adamw", "fast"), ("muon", "fast"), ("muon", "readable")])
+def test_resume_in_process_continues_bit_for_bit(tmp_path, optimizer, impl):
+    tokens = tiny_tokens()
+    # dropout exercises the torch RNG
+    model_cfg = get_preset("shakespeare-char-cpu", **TINY, dropout=0.1, impl=impl)
+    full = train(model_cfg, tiny_cfg(optimizer=optimizer), tokens[:3500], tokens[3500:], run_dir=tmp_path / "full")
+    first = train(model_cfg, tiny_cfg(max_steps=10, optimizer=optimizer), tokens[:3500], tokens[3500:],
+                  run_dir=tmp_path / "part")
+    assert first.step == 10
+    # Same schedule as the full run: lr_decay_steps pins the cosine to 24 steps in both halves.
+    second = train(model_cfg, tiny_cfg(optimizer=optimizer), tokens[:3500], tokens[3500:], run_dir=tmp_path / "part",
+                   resume=tmp_path / "part")
+    assert first.train_losses + second.train_losses == full.train_losses
+    assert second.val_losses == [v for v in full.val_losses if v[0] > 10]
+    a, b = read_metrics(tmp_path / "full/metrics.jsonl"), read_metrics(tmp_path / "part/metrics.jsonl")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 25))
+    assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
+
+
+def test_pointers_keep_last_and_best(tmp_path):
+    tokens = tiny_tokens()
+    cfg = tiny_cfg(max_steps=20, eval_interval=5, checkpoint_interval=2, keep_last=2)
+    result = train(get_preset("shakespeare-char-cpu", **TINY), cfg, tokens[:3500], tokens[3500:], run_dir=tmp_path)
+    best_step = min(result.val_losses, key=lambda v: v[1])[0]
+    kept = sorted(p.name for p in tmp_path.glob("ckpt-*"))
+    assert kept[-2:] == ["ckpt-000018", "ckpt-000020"]
+    assert f"ckpt-{best_step:06d}" in kept and len(kept) <= 3
+    assert (tmp_path / "latest").read_text().strip() == "ckpt-000020"
+    assert resolve_checkpoint(tmp_path, prefer=("best",)).name == f"ckpt-{best_step:06d}"
+    model, tokenizer, meta = load_checkpoint(tmp_path / "latest")
+    assert meta["step"] == 20 and tokenizer is None
+    assert load_optimizer_state(tmp_path / "ckpt-000020")["param_groups"][0]["betas"] == (0.9, 0.99)
+    # A pointer is replaced atomically and never names a missing directory silently.
+    write_pointer(tmp_path, "latest", "ckpt-999999")
+    with pytest.raises(FileNotFoundError, match="ckpt-999999"):
+        resolve_checkpoint(tmp_path, prefer=("latest",))
+    assert prune_checkpoints(tmp_path, keep_last=0) == []
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("run")
+    tokens = tiny_tokens()
+    train(get_preset("shakespeare-char-cpu", **TINY), tiny_cfg(max_steps=4, eval_interval=0), tokens[:3500],
+          tokens[3500:], run_dir=run, tokenizer=CharTokenizer.from_text("abcdefghijklmnop"))
+    return resolve_checkpoint(run, prefer=("latest",))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "pickle", "torch_save"])
+@pytest.mark.parametrize("filename", ["model.safetensors", "optimizer.safetensors"])
+def test_corrupt_or_foreign_files_are_refused_by_name(saved_checkpoint, tmp_path, damage, filename):
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved_checkpoint, ckpt)
+    path = ckpt / filename
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif damage == "garbage":
+        path.write_bytes(os.urandom(1000))
+    elif damage == "pickle":
+        path.write_bytes(pickle.dumps({"weight": [1.0, 2.0]}))
+    else:
+        torch.save({"weight": torch.ones(2)}, path)
+    with pytest.raises(ValueError, match=filename) as err:
+        load_checkpoint(ckpt) if filename == "model.safetensors" else load_optimizer_state(ckpt)
+    if damage in ("pickle", "torch_save"):
+        assert "never unpickles" in str(err.value)
+
+
+def test_damaged_json_and_missing_files_are_named(saved_checkpoint, tmp_path):
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved_checkpoint, ckpt)
+    (ckpt / "trainer_state.json").write_text('{"step": 4, "best_')
+    tokens = tiny_tokens()
+    with pytest.raises(ValueError, match="trainer_state.json"):
+        train(get_preset("shakespeare-char-cpu", **TINY), tiny_cfg(max_steps=6), tokens[:3500], resume=ckpt)
+    (ckpt / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_checkpoint(ckpt)
+
+
+# ----- real processes: `glasslm train` killed and resumed -----
+
+# Log and checkpoint intervals that do not align (issue 12): a checkpoint cuts a metrics window in
+# two, and the resumed run must still log the same averaged losses as the uninterrupted one.
+CLI_ARGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--context-length", "16", "--batch-size", "4",
+            "--max-steps", "400", "--warmup-steps", "10", "--eval-interval", "100", "--eval-iters", "2",
+            "--log-interval", "10", "--checkpoint-interval", "7", "--keep-last", "0", "--progress", "false",
+            "--sample-tokens", "0", "--dropout", "0.1"]
+
+
+def run_cli(args: list[str], **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "glasslm.cli", "train", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "\n"]
+    g = torch.Generator().manual_seed(0)
+    path.write_text(" ".join(words[i] for i in torch.randint(0, len(words), (6000,), generator=g).tolist()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("full")
+    proc = run_cli([*CLI_ARGS, "--data", str(corpus), "--out", str(out)])
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    return read_metrics(out / "metrics.jsonl")
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"run ended before {path} appeared: {proc.communicate()[0]}"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.005)
+
+
+def comparable(records: list[dict]) -> list[tuple]:
+    return [(r["step"], r.get("train_loss"), r.get("val_loss"), r.get("lr"), r.get("grad_norm")) for r in records]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_run_resumes_with_identical_losses(corpus, uninterrupted, tmp_path, sig):
+    out = tmp_path / "run"
+    proc = run_cli([*CLI_ARGS, "--data", str(corpus), "--out", str(out)])
+    wait_for(out / "ckpt-000042", proc)
+    proc.send_signal(sig)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM), output
+    stopped_at = int((out / "latest").read_text().strip().split("-")[1])
+    # SIGKILL may land after ckpt-000042 is renamed into place but before `latest` names it:
+    # then `latest` still names ckpt-000035, which is just as consistent a place to resume from.
+    assert 35 <= stopped_at < 400, "the run should be stopped midway"
+    if sig == signal.SIGTERM:
+        assert "interrupted after step" in output and f"ckpt-{stopped_at:06d}" in output
+        # SIGTERM checkpoints the step it stopped at (not just the last periodic one).
+        assert (out / f"ckpt-{stopped_at:06d}").is_dir()
+    resumed = run_cli(["--resume", str(out)])
+    output, _ = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, output
+    assert comparable(read_metrics(out / "metrics.jsonl")) == comparable(uninterrupted)
+
+
+# ----- a second Ctrl-C while saving, a full disk (issue 12) -----
+
+# Runs `glasslm train` in a real process whose safetensors writer is slowed (FAULT=slow:SECONDS) or
+# fails with ENOSPC from its Nth call on (FAULT=enospc:N), to hit the moments a test needs.
+FAULTY_CLI = """
+import errno, os, sys, time
+import glasslm.io.checkpoint as checkpoint
+kind, arg = os.environ["FAULT"].split(":")
+real, calls = checkpoint.save_file, [0]
+def faulty(*args, **kwargs):
+    calls[0] += 1
+    if kind == "slow":
+        time.sleep(float(arg))
+    elif calls[0] >= int(arg):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real(*args, **kwargs)
+checkpoint.save_file = faulty
+from glasslm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def run_faulty_cli(args: list[str], fault: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "FAULT": fault}
+    return subprocess.Popen([sys.executable, "-c", FAULTY_CLI, "train", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_while_saving_waits_for_a_complete_checkpoint(corpus, tmp_path):
+    out = tmp_path / "run"
+    args = [*CLI_ARGS, "--checkpoint-interval", "0", "--eval-interval", "0", "--max-steps", "100000", "--log-interval",
+            "1", "--data", str(corpus), "--out", str(out)]
+    proc = run_faulty_cli(args, "slow:0.5")  # each of the 3 safetensors files of a checkpoint takes 0.5 s
+    wait_for(out / "metrics.jsonl", proc)
+    while not (out / "metrics.jsonl").stat().st_size:  # a step is done: the loop's signal handler is in place
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 60
+    while not list(out.glob(".ckpt-*.tmp-*")):  # the checkpoint of the stop step is being staged
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert "stopping as soon as it is complete" in stderr
+    latest = resolve_checkpoint(out, prefer=("latest",))
+    model, _, meta = load_checkpoint(latest)
+    assert f"saved {latest}" in stdout and proc.returncode in (130, 128 + signal.SIGINT)
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name or ".old" in p.name]
+
+
+def test_replacing_a_checkpoint_never_leaves_the_name_empty(tmp_path, monkeypatch):
+    from glasslm.io.checkpoint import save_checkpoint
+
+    model = TransformerLM_tiny()
+    target = save_checkpoint(tmp_path / "ckpt-000010", model, meta={"version": 1})
+    real_replace, calls = os.replace, []
+
+    def interrupted(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # the old copy is moved aside; a Ctrl-C lands before the new one moves in
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(target, model, meta={"version": 2})
+    monkeypatch.undo()
+    assert load_checkpoint(target)[2] == {"version": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000010"]
+
+
+def TransformerLM_tiny():
+    from glasslm.core.model import TransformerLM
+
+    return TransformerLM(get_preset("shakespeare-char-cpu", **TINY))
+
+
+@pytest.mark.parametrize("error", ["oserror", "safetensors"])
+def test_full_disk_names_the_surviving_checkpoint_and_leaves_nothing_behind(tmp_path, monkeypatch, error):
+    import errno
+
+    import glasslm.io.checkpoint as checkpoint
+    from safetensors import SafetensorError
+
+    real, calls = checkpoint.save_file, []
+
+    def full_disk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:  # the first checkpoint (3 safetensors files) fits, the next does not
+            raise (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if error == "oserror"
+                   else SafetensorError("Error while serializing: No space left on device (os error 28)"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_file", full_disk)
+    tokens = tiny_tokens()
+    with pytest.raises(RuntimeError, match=r"could not write .*ckpt-000010: No space left on device.*"
+                                           r"previous checkpoint .*ckpt-000005 is intact") as err:
+        train(get_preset("shakespeare-char-cpu", **TINY), tiny_cfg(max_steps=12, eval_interval=0, checkpoint_interval=5),
+              tokens, run_dir=tmp_path)
+    assert "\n" not in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "ckpt-000005", "latest", "metrics.jsonl"]
+    assert resolve_checkpoint(tmp_path, prefer=("latest",)).name == "ckpt-000005"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 600 KB tmpfs: room for one checkpoint of the CLI_ARGS model (~350 KB), not two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI and these machines run as root)")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"this machine does not allow mounting a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.slow
+def test_a_really_full_disk_stops_training_with_one_line_and_keeps_the_last_checkpoint(corpus, small_disk):
+    out = small_disk / "run"
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "glasslm.cli", "train", *CLI_ARGS, "--max-steps", "40",
+                           "--eval-interval", "0", "--log-interval", "7", "--data", str(corpus), "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    stdout, stderr = proc.stdout, proc.stderr
+    assert proc.returncode == 1, stdout + stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert lines[0].startswith(f"glasslm train: error: could not write {out / 'ckpt-0000'}")
+    assert "No space left on device; the previous checkpoint" in lines[0]
+    kept = lines[0].split("the previous checkpoint ")[1].split(" is intact")[0]
+    assert resolve_checkpoint(out, prefer=("latest",)) == Path(kept)
+    load_checkpoint(kept)  # that checkpoint loads: a complete one
+    assert json.loads((Path(kept) / "trainer_state.json").read_text())["step"] > 0
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
+
+
+@pytest.mark.slow
+def test_prepare_onto_a_really_full_disk_is_one_line_and_leaves_nothing(small_disk, tmp_path):
+    big = tmp_path / "big.txt"
+    big.write_text("the quick brown fox jumps over the lazy dog\n" * 40_000)  # ~3.5 MB of uint16 tokens
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "glasslm.cli", "prepare", str(big), "--out", str(small_disk / "data"),
+                           "--quiet"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert "no space left" in done.stderr.lower() and "removed the partial dataset" in done.stderr
+    assert list(small_disk.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_full_disk_in_the_command_line_is_one_line(corpus, tmp_path):
+    out = tmp_path / "run"
+    args = [*CLI_ARGS, "--max-steps", "20", "--eval-interval", "0", "--data", str(corpus), "--out", str(out)]
+    proc = run_faulty_cli(args, "enospc:4")  # ckpt-000007 is written, ckpt-000014 finds the disk full
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stdout + stderr
+    assert stderr.strip() == (f"glasslm train: error: could not write {out / 'ckpt-000014'}: No space left on device; "
+                              f"the previous checkpoint {out / 'ckpt-000007'} is intact and `latest` still names it")
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name]

@@ -1,0 +1,36 @@
+"""Checkpoints written by glasslm 0.1.0 (tests/fixtures/v0_1_0, made before the package redesign)
+keep loading, with the logits that release computed, and a run saved by it resumes."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from glasslm.hf.interop import load_model
+from glasslm.cli import main
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "v0_1_0"
+EXPECTED = load_file(FIXTURES / "expected_logits.safetensors")
+
+
+@pytest.mark.parametrize("name", ["char-run-step3", "char-int8", "char-int4"])
+def test_a_0_1_0_checkpoint_gives_the_logits_it_gave(name):
+    model, _ = load_model(FIXTURES / name)
+    with torch.no_grad():
+        logits = model(EXPECTED["ids"]).float()
+    # The same kernels on the same weights: only the CPU kind's own float rounding may differ.
+    torch.testing.assert_close(logits, EXPECTED[name.replace("-", "_")], rtol=1e-5, atol=1e-5)
+
+
+def test_a_0_1_0_training_checkpoint_resumes(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(FIXTURES / "char-run-step3", run / "ckpt-000003")
+    (run / "latest").write_text("ckpt-000003\n")
+    text = tmp_path / "text.txt"
+    # The fixture's characters came from Shakespeare's first 3,000 characters; use only those.
+    text.write_text("First Citizen: Before we proceed any further, hear me speak.\n" * 40)
+    assert main(["train", "--resume", str(run), "--data", str(text), "--max-steps", "5", "--threads", "1"]) == 0
+    assert (run / "ckpt-000005" / "model.safetensors").is_file()

@@ -1,0 +1,151 @@
+"""The explorer page in a real browser: Playwright driving headless Chromium against a real server.
+
+The browser is the system's Chromium (Debian's `chromium` package; .ci/run installs it), or the
+one in $GLASSLM_CHROMIUM; Playwright's own browser download is not needed. Every request goes to
+127.0.0.1. Set GLASSLM_SCREENSHOT=path to keep a screenshot of the page outside the tmp dir.
+"""
+
+import json
+import os
+import shutil
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (the test extra)")
+
+from glasslm.io.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from glasslm.presets import get_preset# noqa: E402
+from glasslm.generation import GenerationConfig, generate  # noqa: E402
+from glasslm.core.model import TransformerLM  # noqa: E402
+from glasslm.serving.config import ServeConfig  # noqa: E402
+from glasslm.serving.server import create_app, serving_in_thread  # noqa: E402
+from glasslm.tokenizers import CharTokenizer  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the long runs: `pytest -m "not slow"` leaves them out
+
+CHARS = "\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+def find_chromium() -> str | None:
+    for candidate in (os.environ.get("GLASSLM_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+        if candidate and (path := shutil.which(candidate)):
+            return path
+    return None
+
+
+@pytest.fixture(scope="module")
+def page_and_server(tmp_path_factory):
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("no Chromium binary found (apt-get install chromium, or set GLASSLM_CHROMIUM)")
+    tok = CharTokenizer(list(CHARS))
+    torch.manual_seed(0)
+    config = get_preset("shakespeare-char-cpu", vocab_size=tok.vocab_size, n_layers=2, d_model=32, n_heads=4,
+                        context_length=64)
+    path = save_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", TransformerLM(config), tok)
+    model, tok, _ = load_checkpoint(path)
+    model.eval()
+    app = create_app(model, tok, ServeConfig(name="tiny"))
+    with serving_in_thread(app) as url, sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1300, "height": 1000})
+        outside = []  # every request must stay on this machine
+        page.on("request", lambda r: None if r.url.startswith(url) else outside.append(r.url))
+        page.goto(url + "/")
+        page.wait_for_selector("body[data-ready=true]")
+        yield page, url, model, tok, app.state.engine
+        assert outside == []
+        browser.close()
+
+
+def api(url: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def test_generation_streams_tokens_into_the_page(page_and_server, tmp_path):
+    page, url, model, tok, engine = page_and_server
+    page.fill("#prompt", "ROMEO:")
+    page.fill("#max-tokens", "40")
+    page.fill("#seed", "3")
+    # Hold the server's worker at its 5th step: the page must already show the tokens sent so far.
+    gate, steps, feed = threading.Event(), [], engine._feed
+    def paused_feed(tokens):
+        steps.append(1)
+        if len(steps) == 5:
+            gate.wait(60)
+        return feed(tokens)
+    engine._feed = paused_feed
+    try:
+        page.click("#generate")
+        page.wait_for_function("document.querySelectorAll('#output .tok.gen').length >= 4")
+        assert page.locator("#output .tok.gen").count() < 40
+        assert page.get_attribute("#output", "data-done") is None and page.is_enabled("#stop")
+    finally:
+        gate.set()
+        engine._feed = feed
+    page.wait_for_selector("#output[data-done=true]", timeout=60_000)
+    spans = page.locator("#output .tok.gen")
+    ids = [int(i) for i in spans.evaluate_all("els => els.map(e => e.dataset.id)")]
+    # Seeded sampling at the page's default temperature 0.8: what the library generates alone.
+    expected = generate(model, [tok.encode("ROMEO:")], GenerationConfig(max_new_tokens=40, temperature=0.8, seed=3))
+    assert ids == expected[0].tokens
+    assert "40 tokens" in page.inner_text("#gen-status") and "finish: length" in page.inner_text("#gen-status")
+
+    # The last token is selected: the bars show /api/next-token for its context, and follow the controls.
+    page.wait_for_selector("#next-token-bars .bar-row[data-adjusted]")
+    context = tok.encode("ROMEO:") + ids[:-1]
+    table = api(url, "/api/next-token", {"tokens": context[-64:], "k": 12, "temperature": 0.8})
+    shown = page.locator("#next-token-bars .bar-row").evaluate_all("els => els.map(e => Number(e.dataset.prob))")
+    assert shown == pytest.approx([row["prob"] for row in table["top"]], abs=1e-6)
+    page.locator("#temperature").fill("0")  # greedy: all mass on the top token, re-drawn live
+    page.wait_for_function("document.querySelector('#next-token-bars .bar-row').dataset.adjusted === '1'")
+    page.screenshot(path=tmp_path / "generate.png")
+
+
+def test_attention_heat_map_shows_the_apis_numbers(page_and_server, tmp_path):
+    page, url, model, tok, engine = page_and_server
+    text = "To be, or not to be"
+    page.fill("#inspect-text", text)
+    page.select_option("#layer", "1")
+    page.select_option("#head", "2")
+    page.click("#show-attention")
+    page.wait_for_selector("#attention-map svg[data-layer='1'][data-head='2']")
+    cells = page.locator("#attention-map rect.cell").evaluate_all(
+        "els => els.map(e => [Number(e.dataset.q), Number(e.dataset.k), Number(e.dataset.p)])")
+    pattern = api(url, "/api/attention", {"text": text, "layer": 1, "head": 2})["patterns"][0]
+    n = len(tok.encode(text))
+    assert len(cells) == n * n
+    for q, k, p in cells:
+        assert p == pytest.approx(pattern[q][k], abs=1e-7)
+    # The page's head 2 is the model's own head 2 (not, say, head 0 of the same layer).
+    other = api(url, "/api/attention", {"text": text, "layer": 1, "head": 0})["patterns"][0]
+    assert any(abs(p - other[q][k]) > 1e-4 for q, k, p in cells)
+
+    page.click("#show-lens")
+    page.wait_for_selector("#lens td[data-layer]")
+    lens = page.locator("#lens td[data-layer]").evaluate_all(
+        "els => els.map(e => [Number(e.dataset.layer), Number(e.dataset.pos), Number(e.dataset.id)])")
+    layers = api(url, "/api/logit-lens", {"text": text})["layers"]
+    assert len(lens) == len(layers) * n
+    assert all(layers[layer][pos]["id"] == token for layer, pos, token in lens)
+
+    page.fill("#loss-text", "First Citizen:\nBefore we proceed")
+    page.click("#score")
+    page.wait_for_selector("#loss-output .tok[data-loss]")
+    losses = page.locator("#loss-output .tok").evaluate_all("els => els.map(e => e.dataset.loss ?? null)")
+    expected = api(url, "/api/token-loss", {"text": "First Citizen:\nBefore we proceed"})["loss"]
+    assert losses[0] is None and [float(x) for x in losses[1:]] == pytest.approx(expected[1:], abs=1e-6)
+
+    shot = tmp_path / "explorer.png"
+    page.screenshot(path=shot, full_page=True)
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("GLASSLM_SCREENSHOT"):
+        shutil.copy(shot, Path(os.environ["GLASSLM_SCREENSHOT"]))
