@@ -17,10 +17,14 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
+import random
 import sys
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 # Measured with benchmarks/bench_generate.py --threads-sweep (see docs/generation.md): below about
 # this many parameters one thread decodes faster than two on the 2-core machines.
@@ -65,3 +69,33 @@ def decode_threads(n_parameters: int, cores: int | None = None) -> int:
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return 1 if n_parameters < ONE_THREAD_BELOW_PARAMETERS else max(1, cores)
+
+
+def keeps_global_rng(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run `fn` with torch's, Python's and NumPy's global generators put back afterwards.
+
+    Training and lm-eval seed them (dropout has no generator argument, so it draws from torch's),
+    but the caller's own random stream must not be reset by calling a library function.
+
+    Example:
+        >>> import torch
+        >>> before = torch.get_rng_state()
+        >>> keeps_global_rng(lambda: torch.manual_seed(0))()  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> torch.equal(torch.get_rng_state(), before)
+        True
+    """
+    import numpy as np
+    import torch
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=cuda):
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                random.setstate(python_state)
+                np.random.set_state(numpy_state)
+    return wrapper
