@@ -63,6 +63,24 @@ def int8_per_channel(weight: Float[Tensor, "d_out d_in"]) -> tuple[Tensor, Float
     return quantized, scales
 
 
+class _KernelWithInputGradient(torch.autograd.Function):
+    """A quantized layer's fast kernel forward; backward to the input through its dequantized weight.
+
+    The int8/int4 kernels have no derivative, and the quantized weights are frozen, so the only
+    gradient needed is the input's: what QLoRA needs to reach adapters in earlier layers.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, layer: nn.Module) -> Tensor:
+        ctx.layer = layer
+        with torch.no_grad():
+            return layer._kernel_forward(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor, None]:
+        return grad_y @ ctx.layer.dequantized_weight(grad_y.dtype), None   # (..., d_out) @ (d_out, d_in)
+
+
 class Int8Linear(nn.Module):
     """A Linear whose weight is stored as int8 with one float scale per output channel."""
 
@@ -87,17 +105,22 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
         if self.impl == "fast" and x.device.type == "cpu" and self.d_in % _KERNEL_D_IN_MULTIPLE == 0:
-            if self.weight_int8.data_ptr() % 64 or not self.weight_int8.is_contiguous():
-                # Tensors read from a safetensors file can start anywhere in it; the kernel's vector
-                # loads need the allocator's 64-byte alignment (an unaligned weight crashed it).
-                self.weight_int8 = self.weight_int8.contiguous().clone()
-            # The kernel wants 2-D bf16 input and scales of the same dtype: (rows, d_in) -> (rows, d_out).
-            rows = x.reshape(-1, self.d_in).to(torch.bfloat16)
-            y = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self._bf16_scales())
-            y = y.to(x.dtype).reshape(*x.shape[:-1], self.d_out)
-            return y if self.bias is None else y + self.bias.to(x.dtype)
+            if torch.is_grad_enabled() and x.requires_grad:
+                return _KernelWithInputGradient.apply(x, self)
+            return self._kernel_forward(x)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
+
+    def _kernel_forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
+        if self.weight_int8.data_ptr() % 64 or not self.weight_int8.is_contiguous():
+            # Tensors read from a safetensors file can start anywhere in it; the kernel's vector
+            # loads need the allocator's 64-byte alignment (an unaligned weight crashed it).
+            self.weight_int8 = self.weight_int8.contiguous().clone()
+        # The kernel wants 2-D bf16 input and scales of the same dtype: (rows, d_in) -> (rows, d_out).
+        rows = x.reshape(-1, self.d_in).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self._bf16_scales())
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.d_out)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def _bf16_scales(self) -> Tensor:
         # Cached: converting d_out scales on every call would be a small but needless copy per layer.
@@ -175,13 +198,18 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
         if self.impl == "fast" and x.device.type == "cpu" and self.group_size % 32 == 0:
-            weight, scales_and_zeros = self._kernel_operands()
-            rows = x.reshape(-1, self.d_in).to(torch.bfloat16)  # the kernel takes 2-D bf16 input
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, self.group_size, scales_and_zeros)
-            y = y[:, :self.d_out].to(x.dtype).reshape(*x.shape[:-1], self.d_out)  # drop the padding rows
-            return y if self.bias is None else y + self.bias.to(x.dtype)
+            if torch.is_grad_enabled() and x.requires_grad:
+                return _KernelWithInputGradient.apply(x, self)
+            return self._kernel_forward(x)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
+
+    def _kernel_forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
+        weight, scales_and_zeros = self._kernel_operands()
+        rows = x.reshape(-1, self.d_in).to(torch.bfloat16)  # the kernel takes 2-D bf16 input
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, self.group_size, scales_and_zeros)
+        y = y[:, :self.d_out].to(x.dtype).reshape(*x.shape[:-1], self.d_out)  # drop the padding rows
+        return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._kernel = None  # new weights: re-pack them for the kernel on the next call

@@ -1,0 +1,133 @@
+"""LoRA adapters against closed forms: W + (alpha/r) B A written into a plain copy of the model,
+the paper's init, exact merge/unmerge, fused q/k/v as separately adapted projections, and QLoRA
+gradients through a quantized base."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from glasslm.core.model import TransformerLM
+from glasslm.presets import get_preset
+from glasslm.transforms.lora import (
+    LoRAConfig, LoRALinear, add_lora, lora_layers, lora_state_dict, merge_lora, remove_lora, unmerge_lora,
+)
+from glasslm.transforms.quantize import quantize
+
+
+def _model(**overrides):
+    torch.manual_seed(0)
+    config = get_preset("llama-tiny", n_layers=2, vocab_size=97, context_length=32, **overrides)
+    return TransformerLM(config).eval()
+
+
+def _randomize_adapters(model, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            for b in layer.lora_b:
+                b.copy_(torch.randn(b.shape, generator=generator) * 0.1)
+
+
+IDS = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(5))
+ALL_SITES = ("q", "k", "v", "attn_out", "mlp_up", "mlp_gate", "mlp_down", "unembed")
+
+
+@pytest.mark.parametrize("sites", [("q", "v"), ("k",), ALL_SITES])
+def test_adapted_model_equals_the_base_with_the_update_written_into_its_weights(sites):
+    base = _model()
+    adapted = copy.deepcopy(base)
+    config = LoRAConfig(rank=4, alpha=8.0, sites=sites)
+    add_lora(adapted, config)
+    _randomize_adapters(adapted)
+    expected_weights = {name: p.detach().clone() for name, p in base.named_parameters()}
+    for name, layer in lora_layers(adapted).items():
+        for (start, end), a, b in zip(layer.row_blocks, layer.lora_a, layer.lora_b):
+            expected_weights[f"{name}.weight"][start:end] += (config.alpha / config.rank) * (b @ a).detach()
+    reference = _model()
+    reference.load_state_dict(expected_weights)
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(IDS), reference(IDS), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_qkv_adapts_only_the_projections_asked_for():
+    model = _model()
+    add_lora(model, LoRAConfig(rank=2, sites=("q", "v")))
+    _randomize_adapters(model)
+    layer = lora_layers(model)["blocks.0.attn.qkv"]
+    attn = model.blocks[0].attn
+    q_rows, kv_rows = attn.n_heads * attn.d_head, attn.n_kv_heads * attn.d_head
+    delta = layer.delta_weight()
+    assert delta[:q_rows].abs().sum() > 0 and delta[q_rows + kv_rows:].abs().sum() > 0
+    assert torch.equal(delta[q_rows:q_rows + kv_rows], torch.zeros(kv_rows, delta.shape[1]))
+
+
+def test_starts_equal_to_the_base_with_the_papers_init_and_only_adapters_train():
+    base = _model()
+    adapted = copy.deepcopy(base)
+    add_lora(adapted, LoRAConfig(rank=8, sites=ALL_SITES))
+    with torch.no_grad():
+        assert torch.equal(adapted(IDS), base(IDS))
+    trainable = {name for name, p in adapted.named_parameters() if p.requires_grad}
+    assert trainable == set(lora_state_dict(adapted)) and trainable
+    for layer in lora_layers(adapted).values():
+        bound = 1 / math.sqrt(layer.d_in)  # Kaiming-uniform with a = sqrt(5), nn.Linear's init
+        for a, b in zip(layer.lora_a, layer.lora_b):
+            assert a.abs().max() <= bound and a.std() > bound / math.sqrt(3) * 0.8
+            assert torch.equal(b, torch.zeros_like(b))
+
+
+def test_merge_is_the_same_model_and_unmerge_restores_the_exact_weights():
+    model = _model()
+    add_lora(model, LoRAConfig(rank=4, sites=ALL_SITES))
+    _randomize_adapters(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        unmerged_logits = model(IDS)
+        merge_lora(model)
+        torch.testing.assert_close(model(IDS), unmerged_logits, rtol=1e-5, atol=1e-5)
+        unmerge_lora(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    remove_lora(model)
+    assert not lora_layers(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS), unmerged_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_qlora_gradients_flow_through_the_quantized_base(method):
+    fast, readable = _model(), _model()
+    quantize(fast, method, impl="fast")
+    quantize(readable, method, impl="readable")  # plain autograd through the dequantized weight
+    for model in (fast, readable):
+        add_lora(model, LoRAConfig(rank=4, sites=("q", "v", "mlp_down")))
+        _randomize_adapters(model)
+        model.train()
+    readable.load_state_dict(lora_state_dict(fast), strict=False)  # the same adapters in both
+    grads = []
+    for model in (fast, readable):
+        logits = model(IDS)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), IDS.flatten()).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    first_layer = "blocks.0.attn.qkv.lora_a.0"
+    assert grads[0][first_layer].abs().sum() > 0  # reached the first layer through every later base
+    for name in grads[1]:  # the fast kernel rounds activations to bf16: the same direction and size
+        fast_grad, readable_grad = grads[0][name].flatten(), grads[1][name].flatten()
+        assert torch.nn.functional.cosine_similarity(fast_grad, readable_grad, dim=0) > 0.99, name
+        assert abs(fast_grad.norm() / readable_grad.norm() - 1) < 0.05, name
+
+
+def test_bad_configs_are_refused():
+    with pytest.raises(ValueError, match="unknown LoRA site"):
+        LoRAConfig(sites=("query",))
+    with pytest.raises(ValueError, match="rank"):
+        LoRAConfig(rank=0)
+    tied = TransformerLM(get_preset("shakespeare-char-cpu", n_layers=1))
+    with pytest.raises(ValueError, match="tied"):
+        add_lora(tied, LoRAConfig(sites=("unembed",)))
+    model = _model()
+    add_lora(model, LoRAConfig())
+    with pytest.raises(ValueError, match="already"):
+        add_lora(model, LoRAConfig())
+    assert isinstance(lora_layers(model)["blocks.0.attn.qkv"], LoRALinear)
