@@ -67,6 +67,22 @@ def test_family_of_asks_the_registry(name, monkeypatch):
         config_from_hf(HF_CONFIGS[name])
 
 
+def test_a_too_lenient_recogniser_does_not_claim_what_its_config_json_cannot_say(monkeypatch):
+    # As if ModelConfig grew a field GPT-2's fit_problems has never heard of: the round trip through
+    # GPT-2's config.json still refuses, so the next family (registered later) gets the config.
+    import dataclasses
+
+    from glasslm.hf.families import round_trip_problems
+    from glasslm.presets import get_preset
+
+    config = get_preset("llama-tiny")
+    lenient = dataclasses.replace(FAMILIES["gpt2"], fit_problems=lambda config: [])
+    monkeypatch.setitem(FAMILIES, "gpt2", lenient)
+    assert family_of(config) == "llama"
+    assert "config.json cannot say positional='rope'" in round_trip_problems(lenient, config)
+    assert round_trip_problems(FAMILIES["llama"], config.replace(dropout=0.1, impl="readable")) == []
+
+
 # --- a throwaway family: sinusoidal positions, which no HF family here has -----------------------
 
 def _toy_config_from_hf(hf, context_length):

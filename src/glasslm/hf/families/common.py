@@ -75,6 +75,29 @@ def block_shape_problems(config: ModelConfig) -> list[str]:
     return problems
 
 
+# Fields that say how a model is built or trained, not what its weights compute.
+_NOT_COMPUTED = ("init", "init_std", "init_residual_scaling", "xavier_embeddings", "impl")
+_ROPE_SCALING_FIELDS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context")
+
+
+def computed_fields(config: ModelConfig) -> dict[str, Any]:
+    """The config as what the model computes: training-only fields (dropouts, init, impl) left out,
+    fields that say one thing two ways by their meaning (bias sites, the attention score scale), and
+    rope settings only where they are used. Two configs with equal `computed_fields` load the same
+    weights and give the same logits.
+    """
+    c = config
+    out = {k: v for k, v in c.to_dict().items() if k not in _NOT_COMPUTED and "dropout" not in k}
+    for name in ("bias", *BIAS_FIELDS.values(), "attn_scale_by", "attn_scale"):
+        out.pop(name)
+    out.update(bias_sites=bias_flags(c), attn_score_scale=c.attn_score_scale)
+    unused = ("rope_theta", "rope_scaling", *_ROPE_SCALING_FIELDS) if c.positional != "rope" else \
+        _ROPE_SCALING_FIELDS if c.rope_scaling == "none" else ()
+    for name in unused:
+        out.pop(name)
+    return out
+
+
 _LLAMA3_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
 
 
