@@ -23,8 +23,8 @@ from glasslm.hf.families import family_reading
 from glasslm.hf.families.common import uniform_sliding_window
 from glasslm.hf.plan import SAME, WeightTable
 
-_ROTARY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64)
+_ROTARY = {"vocab_size": 61, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 
 # One HF config.json per built-in family, as a plain dict (what `config_from_hf` reads).
 HF_CONFIGS = {

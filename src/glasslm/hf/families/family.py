@@ -40,7 +40,7 @@ class HFFamily:
     config_from_hf: Callable[[dict[str, Any], int | None], ModelConfig]
     config_to_hf: Callable[[ModelConfig, bool], dict[str, Any]]
     fit_problems: Callable[[ModelConfig], list[str]]
-    weight_table: Callable[[ModelConfig, "set[str] | None"], WeightTable]
+    weight_table: Callable[[ModelConfig, set[str] | None], WeightTable]
     ignored_tensors: str = r"(?!)"  # matches nothing
     model_types: tuple[str, ...] = ()
 
