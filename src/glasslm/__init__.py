@@ -18,7 +18,7 @@ from importlib import metadata as _metadata
 from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
 from glasslm.generation import GenerationConfig, generate_text, generate_tokens, stream_text
-from glasslm.hf.interop import export_hf, import_hf, load_model
+from glasslm.hf import export_hf, import_hf, load_model
 from glasslm.io.checkpoint import load_checkpoint, save_checkpoint
 from glasslm.presets import PRESETS, Preset, get_preset
 from glasslm.tokenizers import get_tokenizer, load_tokenizer

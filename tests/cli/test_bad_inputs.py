@@ -41,7 +41,7 @@ def assets(tmp_path_factory) -> Path:
     import torch
 
     from glasslm.presets import get_preset
-    from glasslm.hf.interop import export_hf
+    from glasslm.hf import export_hf
     from glasslm.core.model import TransformerLM
 
     root = tmp_path_factory.mktemp("assets")

@@ -19,7 +19,7 @@ from transformers import (  # noqa: E402
 )
 
 from glasslm.generation import generate_tokens  # noqa: E402
-from glasslm.hf.interop import UnsupportedModelError, export_hf, import_hf  # noqa: E402
+from glasslm.hf import UnsupportedModelError, export_hf, import_hf  # noqa: E402
 
 VOCAB = 97
 

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 
 from glasslm.presets import get_preset# noqa: E402
-from glasslm.hf.interop import export_hf, import_hf, load_model  # noqa: E402
+from glasslm.hf import export_hf, import_hf, load_model  # noqa: E402
 from glasslm.core.model import TransformerLM  # noqa: E402
 from glasslm.tokenizers import (  # noqa: E402
     CharTokenizer, HFTokenizer, gpt2_tokenizer, load_tokenizer, read_hf_tokenizer, save_hf_tokenizer,

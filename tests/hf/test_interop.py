@@ -19,7 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from glasslm.io.checkpoint import save_checkpoint  # noqa: E402
 from glasslm.presets import get_preset# noqa: E402
 from glasslm.generation import generate_tokens  # noqa: E402
-from glasslm.hf.interop import (  # noqa: E402
+from glasslm.hf import (  # noqa: E402
     UnsupportedModelError,
     adjacent_pairs_to_hf_rows,
     config_from_hf,
@@ -302,7 +302,7 @@ def test_gpt2_checkpoint_without_prefix_and_with_old_mask_buffers(tmp_path):
 def test_hf_tokenizer_files_are_picked_up_and_exported(tmp_path, data_dir):
     from tokenizers import Tokenizer
 
-    from glasslm.hf.interop import hf_tokenizer, load_model
+    from glasslm.hf import hf_tokenizer, load_model
     from glasslm.tokenizers import gpt2_tokenizer
 
     assert hf_tokenizer(tmp_path) is None

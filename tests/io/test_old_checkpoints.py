@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glasslm.hf.interop import load_model
+from glasslm.hf import load_model
 from glasslm.cli import main
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "v0_1_0"

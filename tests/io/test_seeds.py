@@ -206,7 +206,7 @@ def test_bad_foreign_files_are_named(tmp_path):
 
 def test_convert_from_the_command_line(tmp_path, capsys):
     from glasslm.cli import main
-    from glasslm.hf.interop import load_model
+    from glasslm.hf import load_model
 
     torch.manual_seed(0)
     seed = sm.randomize_(sm.CS336LM(101, 64, 2, 4, 172)).eval()
@@ -253,7 +253,7 @@ def _saved_the_foreign_way(fmt: str, path: Path) -> tuple[torch.nn.Module, int, 
 @pytest.mark.parametrize("fmt", ["nanogpt", "transformerlens", "seed001", "seed002", "seed004"])
 def test_every_format_converts_from_the_command_line(tmp_path, capsys, fmt):
     from glasslm.cli import main
-    from glasslm.hf.interop import load_model
+    from glasslm.hf import load_model
 
     foreign, vocab, flags = _saved_the_foreign_way(fmt, tmp_path / "saved.pt")
     assert main(["convert", "--from", fmt, "--checkpoint", str(tmp_path / "saved.pt"), *flags,

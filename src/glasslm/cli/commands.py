@@ -223,7 +223,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _init_from_checkpoint(path: str, tokenizer_spec: str | None, data_dir: str | None) -> tuple[ModelConfig, Any]:
     """The config and tokenizer of the weights to fine-tune (`--init-from`); the data is encoded
     with that tokenizer, and a --tokenizer given as well must be the same vocabulary."""
-    from glasslm.hf.interop import checkpoint_config
+    from glasslm.hf import checkpoint_config
     from glasslm.tokenizers import get_tokenizer, same_vocabulary
 
     config, tokenizer, _ = checkpoint_config(path)
@@ -342,7 +342,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
     import torch
 
     from glasslm.generation import TextStreamer, generate_tokens
-    from glasslm.hf.interop import load_model
+    from glasslm.hf import load_model
     from glasslm.generation.speculative import SpeculativeStats, speculative_tokens
 
     config = GenerationConfig(**given_options(args, GenerationConfig))  # its defaults are the command's
@@ -425,7 +425,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     from glasslm.data import is_prepared, load_prepared, read_split, resolve_text
     from glasslm.evaluation.perplexity import evaluate_text
-    from glasslm.hf.interop import load_model
+    from glasslm.hf import load_model
 
     model, tokenizer = load_model(args.checkpoint, device=_device(args.device))  # glasslm or HF directory
     model = _prepare_model(model, args)
@@ -493,7 +493,7 @@ def cmd_info(args: argparse.Namespace) -> None:
 def _print_checkpoint_info(path: str) -> ModelConfig:
     """What `glasslm info --checkpoint` says before the cost table (kind, tokenizer, provenance);
     returns the checkpoint's config."""
-    from glasslm.hf.interop import checkpoint_config, family_of, is_hf_directory, resolve_model_path
+    from glasslm.hf import checkpoint_config, family_of, is_hf_directory, resolve_model_path
     from glasslm.tokenizers import special_token_ids
 
     config, tokenizer, summary = checkpoint_config(path)
@@ -517,7 +517,7 @@ def _print_checkpoint_info(path: str) -> ModelConfig:
 def cmd_convert(args: argparse.Namespace) -> None:
     from glasslm.io.checkpoint import save_checkpoint
     from glasslm.data import check_output_dir
-    from glasslm.hf.interop import checkpoint_summary, export_hf, import_hf, hf_tokenizer, load_model
+    from glasslm.hf import checkpoint_summary, export_hf, import_hf, hf_tokenizer, load_model
 
     if args.from_format:
         from glasslm.io.formats import load_foreign
@@ -550,7 +550,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> None:
     from glasslm.interp.inspection import draw_attention, draw_logit_lens
-    from glasslm.hf.interop import load_model
+    from glasslm.hf import load_model
 
     if args.threads:
         import torch
@@ -565,7 +565,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from glasslm.hf.interop import load_model
+    from glasslm.hf import load_model
 
     try:
         from glasslm.serving.server import serve
@@ -586,7 +586,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def cmd_quantize(args: argparse.Namespace) -> None:
     from glasslm.io.checkpoint import save_checkpoint
-    from glasslm.hf.interop import load_model
+    from glasslm.hf import load_model
     from glasslm.transforms.quantize import quantize
 
     out = Path(args.out)

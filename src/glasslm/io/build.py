@@ -3,7 +3,7 @@
 A model for loaded weights is built on the `meta` device (every shape, no storage), the tensors are
 assigned into it after their names and shapes are checked, and the buffers that checkpoints do not
 hold (rotary cos/sin, the sinusoidal table: functions of the config alone) are computed on the target
-device. Checkpoint files (checkpoint.py), Hugging Face directories (interop.py) and the accounting of
+device. Checkpoint files (checkpoint.py), Hugging Face directories (glasslm.hf) and the accounting of
 huge configs (accounting.py) all build models this way.
 
 Example:

@@ -384,7 +384,7 @@ class _Parts:
         torch.manual_seed(cfg.seed)  # every process builds identical initial weights
         model = model_config if isinstance(model_config, TransformerLM) else TransformerLM(model_config)
         if cfg.init_from and resume_dir is None and not isinstance(model_config, TransformerLM):
-            from glasslm.hf.interop import init_weights_from
+            from glasslm.hf import init_weights_from
 
             init_weights_from(model, cfg.init_from)
         model.to(device).train()

@@ -1,0 +1,158 @@
+"""Pieces several families share, kept once: per-site bias flags, the block shape every HF family
+here has, rotary (rope) config fields both ways, and sliding windows.
+
+Example:
+    >>> from glasslm.presets import get_preset
+    >>> bias_flags(get_preset("llama-tiny"))
+    {'qkv': False, 'out': False, 'mlp': False, 'norm': False}
+    >>> rope_from_hf({"rope_theta": 500000.0})
+    {'rope_theta': 500000.0}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from glasslm.core.config import ModelConfig
+from glasslm.hf.errors import UnsupportedModelError
+
+# ModelConfig's per-site bias switches (None: follow `bias`). Sites whose field ModelConfig does not
+# have (yet) always follow `bias`; `bias_flags` and `bias_fields` are the only readers and writers.
+BIAS_FIELDS = {"qkv": "attn_qkv_bias", "out": "attn_out_bias", "mlp": "mlp_bias", "norm": "norm_bias"}
+
+
+def bias_flags(config: ModelConfig) -> dict[str, bool]:
+    """Which parts of each block carry biases: q/k/v projections, attention output, MLP, norms."""
+    c = config
+    flags = {site: getattr(c, field, None) for site, field in BIAS_FIELDS.items()}
+    flags = {site: c.bias if on is None else bool(on) for site, on in flags.items()}
+    if c.norm != "layernorm":
+        flags["norm"] = False  # RMSNorm has no shift
+    return flags
+
+
+def bias_fields(flags: dict[str, bool]) -> dict[str, bool]:
+    """The ModelConfig fields that give these per-site biases (the inverse of `bias_flags`)."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    base = flags["out"]
+    fields = {"bias": base}
+    for site, on in flags.items():
+        if on != base:
+            if BIAS_FIELDS[site] not in known:
+                raise UnsupportedModelError(
+                    f"biases on the {site} site differ from the attention output's, and this ModelConfig "
+                    f"has no {BIAS_FIELDS[site]} field to say so")
+            fields[BIAS_FIELDS[site]] = on
+    return fields
+
+
+def missing_biases_refusal(architecture: str, missing: list[str]) -> UnsupportedModelError:
+    """The error for a model lacking biases its HF form always has, saying how to export it anyway."""
+    return UnsupportedModelError(
+        f"a {architecture}-shaped model without biases ({', '.join(missing)}) has no exact Hugging Face form: "
+        f"{architecture} always has biases. Export with zero biases (`--zero-biases`, "
+        "export_hf(zero_biases=True)): transformers then computes the same logits, and glasslm re-imports it "
+        "bias-free")
+
+
+def block_shape_problems(config: ModelConfig) -> list[str]:
+    """What no HF family here has: post-norm, no final norm, scaled embeddings, a logit bias, ..."""
+    c, problems = config, []
+    if c.norm_placement != "pre":
+        problems.append("post-norm blocks")
+    if not c.final_norm:
+        problems.append("no final norm")
+    if c.scale_embeddings:
+        problems.append("scaled embeddings")
+    if c.unembed_bias:
+        problems.append("a bias on the logits (unembed_bias)")
+    if c.norm_unbiased_std:
+        problems.append("LayerNorm by the unbiased std (norm_unbiased_std)")
+    if not math.isclose(c.attn_score_scale, c.d_head ** -0.5, rel_tol=1e-12):
+        problems.append(f"attention scores scaled by {c.attn_score_scale:g}, not 1/sqrt(d_head)")
+    return problems
+
+
+# Fields that say how a model is built or trained, not what its weights compute.
+_NOT_COMPUTED = ("init", "init_std", "init_residual_scaling", "xavier_embeddings", "impl")
+_ROPE_SCALING_FIELDS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context")
+
+
+def computed_fields(config: ModelConfig) -> dict[str, Any]:
+    """The config as what the model computes: training-only fields (dropouts, init, impl) left out,
+    fields that say one thing two ways by their meaning (bias sites, the attention score scale), and
+    rope settings only where they are used. Two configs with equal `computed_fields` load the same
+    weights and give the same logits.
+    """
+    c = config
+    out = {k: v for k, v in c.to_dict().items() if k not in _NOT_COMPUTED and "dropout" not in k}
+    for name in ("bias", *BIAS_FIELDS.values(), "attn_scale_by", "attn_scale"):
+        out.pop(name)
+    out.update(bias_sites=bias_flags(c), attn_score_scale=c.attn_score_scale)
+    unused = ("rope_theta", "rope_scaling", *_ROPE_SCALING_FIELDS) if c.positional != "rope" else \
+        _ROPE_SCALING_FIELDS if c.rope_scaling == "none" else ()
+    for name in unused:
+        out.pop(name)
+    return out
+
+
+_LLAMA3_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+
+
+def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta and scaling from either the transformers-5 `rope_parameters` or the older keys."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise UnsupportedModelError(f"cannot read rope parameters {params!r}")
+    if "full_attention" in params and isinstance(params["full_attention"], dict):
+        params = params["full_attention"]  # per-layer-type parameters (all layers are full attention)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    extra = set(params) - {"rope_type", "type", "rope_theta"} - (_LLAMA3_KEYS if rope_type == "llama3" else set())
+    if rope_type == "default":
+        if extra:
+            raise UnsupportedModelError(f"unsupported rope parameters {sorted(extra)} in {params}")
+        return {"rope_theta": theta}
+    if rope_type == "llama3":
+        if extra:
+            raise UnsupportedModelError(f"unsupported llama3 rope parameters {sorted(extra)}")
+        return {"rope_theta": theta, "rope_scaling": "llama3", "rope_factor": float(params["factor"]),
+                "rope_low_freq_factor": float(params["low_freq_factor"]),
+                "rope_high_freq_factor": float(params["high_freq_factor"]),
+                "rope_original_context": int(params["original_max_position_embeddings"])}
+    raise UnsupportedModelError(
+        f"rope scaling {rope_type!r} is not supported (plain rotary positions and Llama 3's 'llama3' are)"
+    )
+
+
+def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The config.json rope keys: transformers >= 5 reads rope_parameters, older versions rope_theta
+    (and rope_scaling)."""
+    c = config
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": c.rope_theta, "factor": c.rope_factor,
+                "low_freq_factor": c.rope_low_freq_factor, "high_freq_factor": c.rope_high_freq_factor,
+                "original_max_position_embeddings": c.rope_original_context}
+    out = {"rope_parameters": rope, "rope_theta": c.rope_theta}
+    if c.rope_scaling != "none":
+        out["rope_scaling"] = rope
+    return out
+
+
+def uniform_sliding_window(layer_types: list[str] | None, window: int | None, family: str) -> int | None:
+    """The window every layer uses (None: full attention everywhere); some layers only is refused.
+
+    `layer_types` lists "full_attention" / "sliding_attention" per layer (None: every layer uses
+    `window`, if any).
+    """
+    if not layer_types:
+        return window
+    if all(t == "full_attention" for t in layer_types):
+        return None
+    if all(t == "sliding_attention" for t in layer_types):
+        return window
+    raise UnsupportedModelError(
+        f"{family} with sliding-window attention on some layers only is not supported ({sorted(set(layer_types))})")

@@ -1,0 +1,119 @@
+"""One loader for any checkpoint, glasslm's own or Hugging Face's (a directory or a hub name in the
+local HF cache): the model, its tokenizer, its config alone, or what is known of its history.
+
+Example:
+    >>> import tempfile
+    >>> from glasslm.core.model import TransformerLM
+    >>> from glasslm.io.checkpoint import save_checkpoint
+    >>> from glasslm.presets import get_preset
+    >>> directory = tempfile.mkdtemp()
+    >>> _ = save_checkpoint(directory, TransformerLM(get_preset("llama-tiny")))
+    >>> model, tokenizer = load_model(directory)
+    >>> model.config == checkpoint_config(directory)[0], tokenizer is None
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from glasslm.core.config import ModelConfig
+from glasslm.core.model import TransformerLM
+from glasslm.hf.cache import resolve_model_path
+from glasslm.hf.convert import config_from_hf, import_hf
+from glasslm.hf.files import is_hf_directory, read_hf_config
+from glasslm.io.checkpoint import CONFIG_FILE, META_FILE, read_json
+from glasslm.tokenizers import BPE_DESCRIPTOR_FILE, SPM_FILE, TOKENIZER_FILE
+
+# Written by glasslm.training (a layer above, so not importable here) next to meta.json.
+TRAINER_STATE_FILE = "trainer_state.json"
+# Fields that may differ between pretrained weights and the model to fine-tune from them.
+TRAINING_ONLY_FIELDS = ("dropout", "impl", "init", "init_std")
+
+
+def hf_tokenizer(directory: str | os.PathLike) -> Any | None:
+    """The tokenizer of an HF model directory (tokenizer.json, tokenizer.model, or GPT-2's
+    vocab.json + merges.txt), or None if it has none."""
+    from glasslm.tokenizers import read_hf_tokenizer
+
+    return read_hf_tokenizer(resolve_model_path(directory))
+
+
+def load_model(
+    path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> tuple[TransformerLM, Any | None]:
+    """(model in eval mode, tokenizer or None) from a glasslm checkpoint, run directory, HF model
+    directory, or a hub name in the local HF cache.
+
+    Either way the weights are memory-mapped and assigned into a meta-device model, so loading a
+    large model needs about one copy of its weights in memory.
+    """
+    from glasslm.io.checkpoint import load_checkpoint
+
+    path = resolve_model_path(path)
+    if is_hf_directory(path):
+        return import_hf(path, device, dtype), hf_tokenizer(path)
+    model, tokenizer, _ = load_checkpoint(path, device)  # a run directory means its best (else latest)
+    return (model if dtype is None else model.to(dtype)), tokenizer
+
+
+def checkpoint_summary(path: str | os.PathLike) -> dict[str, Any]:
+    """What is known about how a checkpoint was made (for model cards and `glasslm info`):
+    data, steps, best validation loss, and where it was converted or fine-tuned from."""
+    from glasslm.io.checkpoint import resolve_checkpoint
+
+    path = resolve_model_path(path)
+    if is_hf_directory(path):
+        return {"converted_from": str(path)}
+    directory = resolve_checkpoint(path)
+    summary: dict[str, Any] = {}
+    for name in (META_FILE, TRAINER_STATE_FILE):
+        if (directory / name).is_file():
+            summary.update(read_json(directory / name))
+    out = {key: summary.get(key) for key in ("data", "converted_from", "step")}
+    out["init_from"] = (summary.get("train_config") or {}).get("init_from")
+    best = summary.get("best_val_loss")
+    out["val_loss"] = best if isinstance(best, (int, float)) and best != float("inf") else None
+    return out
+
+
+def init_weights_from(model: TransformerLM, path: str | os.PathLike) -> None:
+    """Copy the weights of a checkpoint / HF directory / cached hub name into `model` (fine-tuning).
+
+    The architectures must match except for training-only settings (dropout, attention impl)
+    and, for rotary models, the context length.
+    """
+    from glasslm.io.build import load_weights
+
+    source, _ = load_model(path)
+    if _comparable(source.config) != _comparable(model.config):
+        raise ValueError(f"{path} holds a different architecture than the model to train: {source.config} vs {model.config}")
+    load_weights(model, source.state_dict(), str(path))
+
+
+def _comparable(config: ModelConfig) -> dict[str, Any]:
+    """The fields that must agree between pretrained weights and the model to fine-tune."""
+    out = config.to_dict()
+    for name in TRAINING_ONLY_FIELDS:
+        out.pop(name)
+    if config.positional != "learned":
+        out.pop("context_length")  # rotary / sinusoidal tables are recomputed for any length
+    return out
+
+
+def checkpoint_config(path: str | os.PathLike) -> tuple[ModelConfig, Any | None, dict[str, Any]]:
+    """(config, tokenizer or None, summary) of any checkpoint without reading its weights."""
+    from glasslm.io.checkpoint import load_config, resolve_checkpoint
+    from glasslm.tokenizers import load_tokenizer
+
+    path = resolve_model_path(path)
+    if is_hf_directory(path):
+        return config_from_hf(read_hf_config(path))[0], hf_tokenizer(path), checkpoint_summary(path)
+    directory = resolve_checkpoint(path)
+    tokenizer = None
+    if any((directory / name).exists() for name in (TOKENIZER_FILE, BPE_DESCRIPTOR_FILE, SPM_FILE)):
+        tokenizer = load_tokenizer(directory)
+    return load_config(directory / CONFIG_FILE), tokenizer, checkpoint_summary(directory)
