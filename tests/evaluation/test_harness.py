@@ -13,7 +13,7 @@ pytest.importorskip("lm_eval")
 
 from glasslm.core.model import TransformerLM  # noqa: E402
 from glasslm.evaluation.harness import evaluate_tasks  # noqa: E402
-from glasslm.hf.interop import export_hf  # noqa: E402
+from glasslm.hf import export_hf  # noqa: E402
 from glasslm.presets import get_preset  # noqa: E402
 from glasslm.tokenizers import train_tokenizer_from_text  # noqa: E402
 
