@@ -35,10 +35,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from glasslm.io.build import model_from_state_dict
 from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
+from glasslm.io.build import model_from_state_dict
 from glasslm.tokenizers import load_tokenizer
+from glasslm.transforms import applied_transforms
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -46,6 +47,8 @@ META_FILE = "meta.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_JSON = "optimizer.json"
 POINTER_NAMES = ("latest", "best")
+TRANSFORMS_KEY = "transforms"  # meta.json: the transforms applied, [{"name": "int8", ...options}, ...]
+LEGACY_QUANTIZATION_KEY = "quantization"  # meta.json of glasslm 0.1.0's quantized checkpoints
 
 
 class CheckpointWriteError(RuntimeError):
@@ -74,8 +77,10 @@ def save_checkpoint(
 
     `extra_tensors` maps file names (e.g. "optimizer.safetensors") to tensors and `extra_json`
     maps file names to JSON-able objects; both land in the same atomic rename. `state_dict`
-    replaces `model.state_dict()` (a sharded model gathers its full weights first).
+    replaces `model.state_dict()` (a sharded model gathers its full weights first). The transforms
+    applied to `model` (int8 ...) are recorded in the metadata under "transforms", for loading.
     """
+    meta = _meta_with_transforms(model, meta)
     target = Path(directory)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -86,7 +91,7 @@ def save_checkpoint(
         (staging / CONFIG_FILE).write_text(model.config.to_json())
         if tokenizer is not None:
             tokenizer.save(staging)
-        (staging / META_FILE).write_text(json.dumps(meta or {}, indent=2))
+        (staging / META_FILE).write_text(json.dumps(meta, indent=2))
         for name, tensors in (extra_tensors or {}).items():
             save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, staging / name)
         for name, obj in (extra_json or {}).items():
@@ -100,6 +105,38 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def _meta_with_transforms(model: TransformerLM, meta: dict[str, Any] | None) -> dict[str, Any]:
+    """`meta` plus the model's transform record (absent where none was applied, as before transforms)."""
+    meta = dict(meta or {})
+    if TRANSFORMS_KEY in meta:
+        raise ValueError(f"meta[{TRANSFORMS_KEY!r}] is written from the model's applied transforms; do not pass it")
+    records = applied_transforms(model)
+    if records:
+        meta[TRANSFORMS_KEY] = records
+    return meta
+
+
+def recorded_transforms(meta: Any) -> list[dict[str, Any]]:
+    """The transforms a checkpoint's metadata says were applied, in order.
+
+    glasslm 0.1.0's `quantize` wrote its method alone, `"quantization": "int8"`; that reads as
+    `[{"name": "int8"}]`.
+
+    >>> recorded_transforms({"transforms": [{"name": "int4"}]}), recorded_transforms({"quantization": "int8"})
+    ([{'name': 'int4'}], [{'name': 'int8'}])
+    """
+    if not isinstance(meta, dict):
+        return []
+    if TRANSFORMS_KEY in meta:
+        records = meta[TRANSFORMS_KEY]
+        if not isinstance(records, list):
+            raise ValueError(f"{META_FILE}: {TRANSFORMS_KEY!r} should be a list of transforms, got {records!r}")
+        return records
+    if LEGACY_QUANTIZATION_KEY in meta:
+        return [{"name": meta[LEGACY_QUANTIZATION_KEY]}]
+    return []
 
 
 def _fsync_directory(path: Path) -> None:
@@ -136,10 +173,10 @@ def load_checkpoint(
         raise FileNotFoundError(f"{weights_path} is missing: not a glasslm checkpoint?")
     meta_path = path / META_FILE
     meta = read_json(meta_path) if meta_path.is_file() else {}
-    # Built on the meta device and assigned the loaded tensors: no random init, no second copy.
-    # A checkpoint written by `glasslm quantize` names its method in meta.json.
+    # Built on the meta device, given the recorded transforms' structure (int8 layers ...), and
+    # assigned the loaded tensors: no random init, no second copy.
     model = model_from_state_dict(config, read_safetensors(weights_path, device), device, source=str(weights_path),
-                                  quantization=meta.get("quantization") if isinstance(meta, dict) else None)
+                                  transforms=recorded_transforms(meta))
     tokenizer = None
     if any((path / name).exists() for name in ("tokenizer.json", "glasslm_tokenizer.json", "tokenizer.model")):
         tokenizer = load_tokenizer(path)
