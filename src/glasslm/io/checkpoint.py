@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
 from glasslm.io.build import model_from_state_dict
-from glasslm.tokenizers import load_tokenizer
+from glasslm.tokenizers import BPE_DESCRIPTOR_FILE, SPM_FILE, TOKENIZER_FILE, load_tokenizer
 from glasslm.transforms import applied_transforms
 
 WEIGHTS_FILE = "model.safetensors"
@@ -47,8 +47,13 @@ META_FILE = "meta.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_JSON = "optimizer.json"
 POINTER_NAMES = ("latest", "best")
+CHECKPOINT_PREFIX = "ckpt-"  # numbered checkpoints in a run directory: ckpt-000500
+# Files and directories being written are `.<name>.tmp-...`; a replaced checkpoint is briefly `.<name>.old-<pid>`.
+STAGING_MARK, REPLACED_MARK = ".tmp-", ".old-"
 TRANSFORMS_KEY = "transforms"  # meta.json: the transforms applied, [{"name": "int8", ...options}, ...]
 LEGACY_QUANTIZATION_KEY = "quantization"  # meta.json of glasslm 0.1.0's quantized checkpoints
+# Any one of these means the checkpoint holds a tokenizer (`load_tokenizer` tells which kind).
+TOKENIZER_FILES = (TOKENIZER_FILE, BPE_DESCRIPTOR_FILE, SPM_FILE)
 
 
 class CheckpointWriteError(RuntimeError):
@@ -83,7 +88,7 @@ def save_checkpoint(
     meta = _meta_with_transforms(model, meta)
     target = Path(directory)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{STAGING_MARK}", dir=target.parent))
     try:
         weights = state_dict if state_dict is not None else model.state_dict()
         weights = {name: t.detach().contiguous().cpu() for name, t in weights.items()}
@@ -150,7 +155,7 @@ def _swap_into_place(staging: Path, target: Path) -> None:
     """Replace `target` by `staging`; at every instant one complete copy exists on disk."""
     old = None
     if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        old = target.with_name(f".{target.name}{REPLACED_MARK}{os.getpid()}")
         os.replace(target, old)
     try:
         os.replace(staging, target)
@@ -178,7 +183,7 @@ def load_checkpoint(
     model = model_from_state_dict(config, read_safetensors(weights_path, device), device, source=str(weights_path),
                                   transforms=recorded_transforms(meta))
     tokenizer = None
-    if any((path / name).exists() for name in ("tokenizer.json", "glasslm_tokenizer.json", "tokenizer.model")):
+    if any((path / name).exists() for name in TOKENIZER_FILES):
         tokenizer = load_tokenizer(path)
     return model, tokenizer, meta
 
@@ -273,13 +278,13 @@ def load_optimizer_state(directory: str | os.PathLike) -> dict[str, Any]:
 # ----- run directories: numbered checkpoints, `latest` and `best` pointers, pruning -----
 
 def checkpoint_name(step: int) -> str:
-    return f"ckpt-{step:06d}"
+    return f"{CHECKPOINT_PREFIX}{step:06d}"
 
 
 def write_pointer(run_dir: str | os.PathLike, pointer: str, checkpoint_dir_name: str) -> None:
     """Atomically make `run_dir/pointer` (latest or best) name a checkpoint directory."""
     run_dir = Path(run_dir)
-    tmp = run_dir / f".{pointer}.tmp-{os.getpid()}"
+    tmp = run_dir / f".{pointer}{STAGING_MARK}{os.getpid()}"
     try:
         with open(tmp, "w") as f:
             f.write(checkpoint_dir_name + "\n")
@@ -329,7 +334,7 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
     """Delete all but the newest `keep_last` numbered checkpoints, never one a pointer names."""
     run_dir = Path(run_dir)
     protected = {read_pointer(run_dir, p) for p in POINTER_NAMES} - {None}
-    numbered = sorted(p for p in run_dir.glob("ckpt-*") if p.is_dir())
+    numbered = sorted(p for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
     doomed = [p for p in numbered[:-keep_last] if p not in protected] if keep_last > 0 else []
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
@@ -338,7 +343,8 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
 
 def remove_stale_staging(run_dir: str | os.PathLike) -> None:
     """Remove half-written checkpoints a killed process left behind (never renamed into place)."""
-    for pattern in (".ckpt-*.tmp-*", ".ckpt-*.old-*", ".latest.tmp-*", ".best.tmp-*"):
+    checkpoints = (f".{CHECKPOINT_PREFIX}*{STAGING_MARK}*", f".{CHECKPOINT_PREFIX}*{REPLACED_MARK}*")
+    for pattern in (*checkpoints, *(f".{pointer}{STAGING_MARK}*" for pointer in POINTER_NAMES)):
         for path in Path(run_dir).glob(pattern):
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
