@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from glasslm.core.model import TransformerLM
 from glasslm.io.checkpoint import (
-    load_checkpoint, load_optimizer_state, optimizer_state_from_files, optimizer_state_to_files,
-    prune_checkpoints, resolve_checkpoint, write_pointer,
+    checkpoint_name, load_checkpoint, load_optimizer_state, optimizer_state_from_files, optimizer_state_to_files,
+    prune_checkpoints, remove_stale_staging, resolve_checkpoint, save_checkpoint, write_pointer,
 )
 from glasslm.presets import get_preset
 from glasslm.training.loggers import read_metrics
@@ -373,3 +374,15 @@ def test_full_disk_in_the_command_line_is_one_line(corpus, tmp_path):
     assert stderr.strip() == (f"glasslm train: error: could not write {out / 'ckpt-000014'}: No space left on device; "
                               f"the previous checkpoint {out / 'ckpt-000007'} is intact and `latest` still names it")
     assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
+
+
+def test_remove_stale_staging_removes_only_what_a_killed_writer_left(tmp_path):
+    model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=3))
+    kept = save_checkpoint(tmp_path / checkpoint_name(3), model)
+    write_pointer(tmp_path, "latest", kept.name)
+    for leftover in (".ckpt-000005.tmp-x1y2", ".ckpt-000004.old-77"):  # a staging and a replaced checkpoint
+        (tmp_path / leftover).mkdir()
+    for leftover in (".latest.tmp-12", ".best.tmp-9", "notes.tmp-1"):  # pointer files being written; a user file
+        (tmp_path / leftover).write_text("x")
+    remove_stale_staging(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000003", "latest", "notes.tmp-1"]

@@ -9,7 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from glasslm.hf import load_model
+from glasslm.io.checkpoint import load_checkpoint, save_checkpoint
 from glasslm.cli import main
+from glasslm.transforms import applied_transforms
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "v0_1_0"
 EXPECTED = load_file(FIXTURES / "expected_logits.safetensors")
@@ -34,3 +36,16 @@ def test_a_0_1_0_training_checkpoint_resumes(tmp_path):
     text.write_text("First Citizen: Before we proceed any further, hear me speak.\n" * 40)
     assert main(["train", "--resume", str(run), "--data", str(text), "--max-steps", "5", "--threads", "1"]) == 0
     assert (run / "ckpt-000005" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_0_1_0_quantization_reads_as_a_transform_and_saves_in_the_new_form(method, tmp_path):
+    # 0.1.0 wrote meta.json {"quantization": "int8"}; it loads as the transform int8 was applied,
+    # and saving the model again records it under "transforms", which loads with the same logits.
+    model, tokenizer, meta = load_checkpoint(FIXTURES / f"char-{method}")
+    assert meta["quantization"] == method and "transforms" not in meta
+    assert applied_transforms(model) == [{"name": method}]
+    again, _, meta = load_checkpoint(save_checkpoint(tmp_path / "again", model, tokenizer))
+    assert meta == {"transforms": [{"name": method}]}
+    with torch.no_grad():
+        assert torch.equal(again(EXPECTED["ids"]), model(EXPECTED["ids"]))

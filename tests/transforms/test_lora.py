@@ -13,7 +13,7 @@ from glasslm.presets import get_preset
 from glasslm.transforms.lora import (
     LoRAConfig, LoRALinear, add_lora, lora_layers, lora_state_dict, merge_lora, remove_lora, unmerge_lora,
 )
-from glasslm.transforms.quantize import quantize
+from glasslm.transforms import apply_transform, applied_transforms
 
 
 def _model(**overrides):
@@ -97,9 +97,9 @@ def test_merge_is_the_same_model_and_unmerge_restores_the_exact_weights():
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_qlora_gradients_flow_through_the_quantized_base(method):
-    fast, readable = _model(), _model()
-    quantize(fast, method, impl="fast")
-    quantize(readable, method, impl="readable")  # plain autograd through the dequantized weight
+    fast, readable = _model(), _model(impl="readable")  # readable: plain autograd through the dequantized weight
+    apply_transform(fast, method)
+    apply_transform(readable, method)
     for model in (fast, readable):
         add_lora(model, LoRAConfig(rank=4, sites=("q", "v", "mlp_down")))
         _randomize_adapters(model)
@@ -131,3 +131,19 @@ def test_bad_configs_are_refused():
     with pytest.raises(ValueError, match="already"):
         add_lora(model, LoRAConfig())
     assert isinstance(lora_layers(model)["blocks.0.attn.qkv"], LoRALinear)
+
+
+def test_lora_is_a_registered_transform_recorded_after_quantization(tmp_path):
+    from glasslm.io.checkpoint import load_checkpoint, save_checkpoint
+
+    model = _model()
+    apply_transform(model, "int4")
+    apply_transform(model, "lora", LoRAConfig(rank=2, sites=("q", "mlp_down")))
+    _randomize_adapters(model)
+    assert applied_transforms(model) == [
+        {"name": "int4"}, {"name": "lora", "rank": 2, "alpha": 16.0, "dropout": 0.0, "sites": ("q", "mlp_down")}]
+    save_checkpoint(tmp_path / "ckpt", model)
+    loaded, _, _ = load_checkpoint(tmp_path / "ckpt")
+    assert [r["name"] for r in applied_transforms(loaded)] == ["int4", "lora"]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(IDS), model.eval()(IDS), rtol=0, atol=0)

@@ -16,8 +16,8 @@ from glasslm.presets import get_preset
 from glasslm.data import get_batch
 from glasslm.evaluation.perplexity import evaluate_tokens
 from glasslm.core.model import TransformerLM
-from glasslm.transforms.quantize import (Int4Linear, Int8Linear, int4_groupwise, int8_per_channel, pack_nibbles, quantize,
-                              quantize_int8, unpack_nibbles)
+from glasslm.transforms import apply_transform
+from glasslm.transforms.quantize import Int4Linear, Int8Linear, int4_groupwise, int8_per_channel, pack_nibbles, unpack_nibbles
 from glasslm.tokenizers import CharTokenizer
 
 
@@ -115,7 +115,7 @@ def test_quantized_model_keeps_perplexity_and_greedy_tokens(trained, method, max
         text = torch.tensor([val[:256].tolist()])
         fp32_choices = model(text)[0].argmax(-1)  # the greedy choice after each of 256 prefixes
         quantized = copy.deepcopy(model)
-        quantize(quantized, method)
+        apply_transform(quantized, method)
         scored = evaluate_tokens(quantized, val.tolist())
         choices = quantized(text)[0].argmax(-1)  # same prefixes, quantized weights
     counts = np.bincount(val, minlength=model.config.vocab_size)
@@ -139,11 +139,11 @@ def test_quantized_checkpoint_round_trips_and_loads_from_the_cli(trained, tmp_pa
     assert (source / "model.safetensors").read_bytes() == before  # the fp32 original is untouched
     assert main(["quantize", "--checkpoint", str(source), "--out", str(tmp_path / "int8")]) == 0
     loaded, _, meta = load_checkpoint(tmp_path / "int8")
-    assert meta["quantization"] == "int8"
+    assert meta["transforms"] == [{"name": "int8"}]
     assert any(isinstance(m, Int8Linear) for m in loaded.modules())
     expected = TransformerLM(model.config)
     expected.load_state_dict(model.state_dict())
-    quantize_int8(expected.eval())
+    apply_transform(expected.eval(), "int8")
     tokens = torch.tensor([tokenizer.encode("To be, or not")])
     with torch.no_grad():
         assert torch.equal(loaded(tokens), expected(tokens))  # the same int8 weights, read back exactly
@@ -159,11 +159,11 @@ def test_int4_checkpoint_round_trips_and_generates_from_the_cli(trained, tmp_pat
     assert main(["quantize", "--checkpoint", str(source), "--out", str(tmp_path / "int4"), "--method", "int4"]) == 0
     assert "int4 weights" in capsys.readouterr().out
     loaded, _, meta = load_checkpoint(tmp_path / "int4")
-    assert meta["quantization"] == "int4"
+    assert meta["transforms"] == [{"name": "int4"}]
     assert any(isinstance(m, Int4Linear) for m in loaded.modules())
     expected = TransformerLM(model.config)
     expected.load_state_dict(model.state_dict())
-    quantize(expected.eval(), "int4")
+    apply_transform(expected.eval(), "int4")
     tokens = torch.tensor([tokenizer.encode("To be, or not")])
     with torch.no_grad():
         assert torch.equal(loaded(tokens), expected(tokens))  # the same int4 weights, read back exactly

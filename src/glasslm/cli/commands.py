@@ -35,6 +35,7 @@ from glasslm.generation import GenerationConfig
 from glasslm.cli.options import ArgumentParser, HelpFormatter, add_options, given_options, read_settings_file
 from glasslm.core.fields import checked, did_you_mean
 from glasslm.training.config import TrainConfig
+from glasslm.transforms import transform_names
 
 
 @dataclass
@@ -285,7 +286,7 @@ def _add_runtime_options(p: argparse.ArgumentParser, quantize: bool = True) -> N
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                    help="weights' dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units (default: float32)")
     if quantize:
-        p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+        p.add_argument("--quantize", default="none", choices=["none", *transform_names("quantization")],
                        help="weight-only int8 (a quarter of fp32's bytes) or int4 (an eighth, in groups of 64 "
                             "inputs with their own scale) for the Linear layers (default: none)")
 
@@ -305,9 +306,9 @@ def _prepare_model(model: Any, args: argparse.Namespace, decoding: bool = False)
             torch.set_num_threads(threads)
     model = model.to(getattr(torch, dtype)).eval()
     if getattr(args, "quantize", "none") != "none":
-        from glasslm.transforms.quantize import quantize
+        from glasslm.transforms import apply_transform
 
-        quantize(model, args.quantize)
+        apply_transform(model, args.quantize)
     elif decoding:
         from glasslm.generation import optimize_for_decoding
 
@@ -587,7 +588,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_quantize(args: argparse.Namespace) -> None:
     from glasslm.io.checkpoint import save_checkpoint
     from glasslm.hf import load_model
-    from glasslm.transforms.quantize import quantize
+    from glasslm.transforms import apply_transform
 
     out = Path(args.out)
     if Path(args.checkpoint).exists() and out.resolve() == Path(args.checkpoint).resolve():
@@ -599,9 +600,9 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         raise ValueError(f"{out} is not empty; pass --overwrite to replace it")
     model, tokenizer = load_model(args.checkpoint, device="cpu")
     before = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    quantize(model, args.method)
+    apply_transform(model, args.method)  # recorded: the checkpoint's meta.json names it, loading re-applies it
     after = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    save_checkpoint(out, model, tokenizer, {"quantization": args.method, "quantized_from": str(args.checkpoint)})
+    save_checkpoint(out, model, tokenizer, {"quantized_from": str(args.checkpoint)})
     print(f"wrote {out}: {args.method} weights, {after / 1e6:.1f} MB (was {before / 1e6:.1f} MB)")
 
 
@@ -774,7 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quantize", help="write a weight-only int8 or int4 copy of a checkpoint (for generate/eval/serve)")
     p.add_argument("--checkpoint", required=True, help="glasslm checkpoint or run directory, or Hugging Face model directory")
     p.add_argument("--out", required=True, help="directory for the quantized checkpoint")
-    p.add_argument("--method", default="int8", choices=["int8", "int4"],
+    p.add_argument("--method", default="int8", choices=transform_names("quantization"),
                    help="int8: one scale per output channel; int4: a scale and zero per group of 64 inputs "
                         "(default: int8)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: refused)")

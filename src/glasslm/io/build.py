@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
 from glasslm.core.positions import RotaryPositions, SinusoidalPositions
+from glasslm.transforms import rebuild_transforms
 
 
 def load_weights(model: TransformerLM, weights: dict[str, torch.Tensor], source: str = "weights") -> None:
@@ -76,18 +77,16 @@ def materialize_buffers(model: TransformerLM, device: torch.device | str) -> Non
 def model_from_state_dict(
     config: ModelConfig, tensors: dict[str, Callable[[], torch.Tensor]] | dict[str, torch.Tensor],
     device: torch.device | str = "cpu", dtype: torch.dtype | None = None, source: str = "weights",
-    quantization: str | None = None,
+    transforms: Iterable[dict[str, Any]] = (),
 ) -> TransformerLM:
     """Build a model by assigning tensors (or zero-argument functions making them) into a meta model.
 
     Names every missing or unexpected tensor, and every shape mismatch with both shapes.
-    `quantization` ("int8" or "int4") gives the model the quantized layers the tensors were saved from.
+    `transforms` (records as `applied_transforms` gives them, e.g. `[{"name": "int8"}]`) give the
+    model the structure the tensors were saved from, and stay recorded on it.
     """
     model = empty_model(config)
-    if quantization is not None:
-        from glasslm.transforms.quantize import quantized_structure
-
-        quantized_structure(model, quantization)
+    rebuild_transforms(model, transforms, source)
     expected = model.state_dict()
     _check_names(expected, tensors, source)
     loaded: dict[str, torch.Tensor] = {}

@@ -35,10 +35,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from glasslm.io.build import model_from_state_dict
 from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
-from glasslm.tokenizers import load_tokenizer
+from glasslm.io.build import model_from_state_dict
+from glasslm.tokenizers import BPE_DESCRIPTOR_FILE, SPM_FILE, TOKENIZER_FILE, load_tokenizer
+from glasslm.transforms import applied_transforms
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -46,6 +47,13 @@ META_FILE = "meta.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_JSON = "optimizer.json"
 POINTER_NAMES = ("latest", "best")
+CHECKPOINT_PREFIX = "ckpt-"  # numbered checkpoints in a run directory: ckpt-000500
+# Files and directories being written are `.<name>.tmp-...`; a replaced checkpoint is briefly `.<name>.old-<pid>`.
+STAGING_MARK, REPLACED_MARK = ".tmp-", ".old-"
+TRANSFORMS_KEY = "transforms"  # meta.json: the transforms applied, [{"name": "int8", ...options}, ...]
+LEGACY_QUANTIZATION_KEY = "quantization"  # meta.json of glasslm 0.1.0's quantized checkpoints
+# Any one of these means the checkpoint holds a tokenizer (`load_tokenizer` tells which kind).
+TOKENIZER_FILES = (TOKENIZER_FILE, BPE_DESCRIPTOR_FILE, SPM_FILE)
 
 
 class CheckpointWriteError(RuntimeError):
@@ -74,11 +82,13 @@ def save_checkpoint(
 
     `extra_tensors` maps file names (e.g. "optimizer.safetensors") to tensors and `extra_json`
     maps file names to JSON-able objects; both land in the same atomic rename. `state_dict`
-    replaces `model.state_dict()` (a sharded model gathers its full weights first).
+    replaces `model.state_dict()` (a sharded model gathers its full weights first). The transforms
+    applied to `model` (int8 ...) are recorded in the metadata under "transforms", for loading.
     """
+    meta = _meta_with_transforms(model, meta)
     target = Path(directory)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{STAGING_MARK}", dir=target.parent))
     try:
         weights = state_dict if state_dict is not None else model.state_dict()
         weights = {name: t.detach().contiguous().cpu() for name, t in weights.items()}
@@ -86,7 +96,7 @@ def save_checkpoint(
         (staging / CONFIG_FILE).write_text(model.config.to_json())
         if tokenizer is not None:
             tokenizer.save(staging)
-        (staging / META_FILE).write_text(json.dumps(meta or {}, indent=2))
+        (staging / META_FILE).write_text(json.dumps(meta, indent=2))
         for name, tensors in (extra_tensors or {}).items():
             save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, staging / name)
         for name, obj in (extra_json or {}).items():
@@ -102,6 +112,38 @@ def save_checkpoint(
     return target
 
 
+def _meta_with_transforms(model: TransformerLM, meta: dict[str, Any] | None) -> dict[str, Any]:
+    """`meta` plus the model's transform record (absent where none was applied, as before transforms)."""
+    meta = dict(meta or {})
+    if TRANSFORMS_KEY in meta:
+        raise ValueError(f"meta[{TRANSFORMS_KEY!r}] is written from the model's applied transforms; do not pass it")
+    records = applied_transforms(model)
+    if records:
+        meta[TRANSFORMS_KEY] = records
+    return meta
+
+
+def recorded_transforms(meta: Any) -> list[dict[str, Any]]:
+    """The transforms a checkpoint's metadata says were applied, in order.
+
+    glasslm 0.1.0's `quantize` wrote its method alone, `"quantization": "int8"`; that reads as
+    `[{"name": "int8"}]`.
+
+    >>> recorded_transforms({"transforms": [{"name": "int4"}]}), recorded_transforms({"quantization": "int8"})
+    ([{'name': 'int4'}], [{'name': 'int8'}])
+    """
+    if not isinstance(meta, dict):
+        return []
+    if TRANSFORMS_KEY in meta:
+        records = meta[TRANSFORMS_KEY]
+        if not isinstance(records, list):
+            raise ValueError(f"{META_FILE}: {TRANSFORMS_KEY!r} should be a list of transforms, got {records!r}")
+        return records
+    if LEGACY_QUANTIZATION_KEY in meta:
+        return [{"name": meta[LEGACY_QUANTIZATION_KEY]}]
+    return []
+
+
 def _fsync_directory(path: Path) -> None:
     """Flush the files of `path` to disk so a power cut after the rename cannot leave empty files."""
     for child in path.iterdir():
@@ -113,7 +155,7 @@ def _swap_into_place(staging: Path, target: Path) -> None:
     """Replace `target` by `staging`; at every instant one complete copy exists on disk."""
     old = None
     if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        old = target.with_name(f".{target.name}{REPLACED_MARK}{os.getpid()}")
         os.replace(target, old)
     try:
         os.replace(staging, target)
@@ -136,12 +178,12 @@ def load_checkpoint(
         raise FileNotFoundError(f"{weights_path} is missing: not a glasslm checkpoint?")
     meta_path = path / META_FILE
     meta = read_json(meta_path) if meta_path.is_file() else {}
-    # Built on the meta device and assigned the loaded tensors: no random init, no second copy.
-    # A checkpoint written by `glasslm quantize` names its method in meta.json.
+    # Built on the meta device, given the recorded transforms' structure (int8 layers ...), and
+    # assigned the loaded tensors: no random init, no second copy.
     model = model_from_state_dict(config, read_safetensors(weights_path, device), device, source=str(weights_path),
-                                  quantization=meta.get("quantization") if isinstance(meta, dict) else None)
+                                  transforms=recorded_transforms(meta))
     tokenizer = None
-    if any((path / name).exists() for name in ("tokenizer.json", "glasslm_tokenizer.json", "tokenizer.model")):
+    if any((path / name).exists() for name in TOKENIZER_FILES):
         tokenizer = load_tokenizer(path)
     return model, tokenizer, meta
 
@@ -236,13 +278,13 @@ def load_optimizer_state(directory: str | os.PathLike) -> dict[str, Any]:
 # ----- run directories: numbered checkpoints, `latest` and `best` pointers, pruning -----
 
 def checkpoint_name(step: int) -> str:
-    return f"ckpt-{step:06d}"
+    return f"{CHECKPOINT_PREFIX}{step:06d}"
 
 
 def write_pointer(run_dir: str | os.PathLike, pointer: str, checkpoint_dir_name: str) -> None:
     """Atomically make `run_dir/pointer` (latest or best) name a checkpoint directory."""
     run_dir = Path(run_dir)
-    tmp = run_dir / f".{pointer}.tmp-{os.getpid()}"
+    tmp = run_dir / f".{pointer}{STAGING_MARK}{os.getpid()}"
     try:
         with open(tmp, "w") as f:
             f.write(checkpoint_dir_name + "\n")
@@ -292,7 +334,7 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
     """Delete all but the newest `keep_last` numbered checkpoints, never one a pointer names."""
     run_dir = Path(run_dir)
     protected = {read_pointer(run_dir, p) for p in POINTER_NAMES} - {None}
-    numbered = sorted(p for p in run_dir.glob("ckpt-*") if p.is_dir())
+    numbered = sorted(p for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
     doomed = [p for p in numbered[:-keep_last] if p not in protected] if keep_last > 0 else []
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
@@ -301,7 +343,8 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
 
 def remove_stale_staging(run_dir: str | os.PathLike) -> None:
     """Remove half-written checkpoints a killed process left behind (never renamed into place)."""
-    for pattern in (".ckpt-*.tmp-*", ".ckpt-*.old-*", ".latest.tmp-*", ".best.tmp-*"):
+    checkpoints = (f".{CHECKPOINT_PREFIX}*{STAGING_MARK}*", f".{CHECKPOINT_PREFIX}*{REPLACED_MARK}*")
+    for pattern in (*checkpoints, *(f".{pointer}{STAGING_MARK}*" for pointer in POINTER_NAMES)):
         for path in Path(run_dir).glob(pattern):
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 

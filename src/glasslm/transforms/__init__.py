@@ -1,0 +1,27 @@
+"""Model transforms: named in-place changes to a model (int8, int4 weights, LoRA adapters) that checkpoints record.
+
+`apply_transform(model, name)` applies one and records it on the model; `save_checkpoint` writes the
+record and `load_checkpoint` re-applies it to the empty model before loading the weights (see
+`registry`). A new transform is one module defining a `Transform` plus one `register_transform`
+line below.
+
+Example:
+    >>> from glasslm.presets import get_preset
+    >>> from glasslm.core.model import TransformerLM
+    >>> model = TransformerLM(get_preset("llama-tiny"))
+    >>> apply_transform(model, "int8")
+    >>> applied_transforms(model), transform_names()
+    ([{'name': 'int8'}], ('int8', 'int4', 'lora'))
+"""
+
+from glasslm.transforms.lora import LORA
+from glasslm.transforms.quantize import INT4, INT8
+from glasslm.transforms.registry import (TRANSFORMS, Transform, applied_transforms, apply_transform, get_transform,
+                                         rebuild_transforms, register_transform, transform_names)
+
+register_transform(INT8)
+register_transform(INT4)
+register_transform(LORA)
+
+__all__ = ["TRANSFORMS", "Transform", "applied_transforms", "apply_transform", "get_transform", "rebuild_transforms",
+           "register_transform", "transform_names"]

@@ -40,6 +40,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from glasslm.core.layers import Linear
+from glasslm.transforms.registry import Transform
 
 Site = Literal["q", "k", "v", "attn_out", "mlp_up", "mlp_gate", "mlp_down", "unembed"]
 SITES: tuple[str, ...] = Site.__args__  # type: ignore[attr-defined]
@@ -59,6 +60,7 @@ class LoRAConfig:
     sites: tuple[str, ...] = ("q", "v")  # any of q, k, v, attn_out, mlp_up, mlp_gate, mlp_down, unembed
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "sites", tuple(self.sites))  # JSON gives back a list
         if self.rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
         if not 0.0 <= self.dropout < 1.0:
@@ -179,6 +181,10 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> None:
         weight = base.weight if isinstance(base, Linear) else next(iter(base.buffers()))
         adapter = LoRALinear(base, _d_in(base), row_blocks, config).to(weight.device)
         setattr(parent, child_name, adapter)
+
+
+LORA = Transform("lora", add_lora, options=LoRAConfig, kind="adapter",
+                 summary="low-rank adapters W + (alpha/r) B A on chosen sites; the base is frozen")
 
 
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:

@@ -28,10 +28,11 @@ Example:
     >>> import torch
     >>> from glasslm.presets import get_preset
     >>> from glasslm.core.model import TransformerLM
+    >>> from glasslm.transforms import apply_transform
     >>> model = TransformerLM(get_preset("llama-tiny")).eval()
     >>> tokens = torch.randint(0, 512, (1, 8))
     >>> reference = model(tokens)
-    >>> quantize_int8(model)
+    >>> apply_transform(model, "int8")  # the registered transform: recorded, so checkpoints reload it
     >>> (model(tokens) - reference).abs().max().item() < 0.05
     True
 """
@@ -47,6 +48,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from glasslm.core.layers import Linear
+from glasslm.transforms.registry import Transform
 
 # torch 2.13's CPU kernel returns garbage, or crashes, when d_in is not a multiple of 32 (seen with
 # d_in 40, 56, 100, 344; every multiple of 32 tried was right): such layers take the readable path.
@@ -232,22 +234,19 @@ class Int4Linear(nn.Module):
                 f"impl={self.impl}")
 
 
-LAYERS = {"int8": Int8Linear, "int4": Int4Linear}
-METHODS = tuple(LAYERS)
-
-
-def quantize(model: nn.Module, method: str = "int8", impl: str | None = None) -> None:
-    """Replace every glasslm `Linear` inside `model` by an int8 or int4 layer, in place (for inference).
+def quantize_linears(model: nn.Module, layer_cls: type[Int8Linear] | type[Int4Linear]) -> None:
+    """Replace every glasslm `Linear` inside `model` by a `layer_cls` layer, in place (for inference).
 
     A tied unembedding (the token embedding's transpose) gets its own quantized copy as
     `model.unembed`, since it is the single largest matrix read per token; the embedding lookup
-    stays exact. `impl` defaults to the model config's `impl` ("fast" or "readable").
+    stays exact. The layers take the model config's `impl` ("fast" or "readable"). A model that
+    already holds quantized layers is refused: rounding rounded weights again only loses more.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown quantization {method!r}; choose from {', '.join(METHODS)}")
-    layer_cls = LAYERS[method]
+    already = {type(m).__name__ for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))}
+    if already:
+        raise ValueError(f"the model is already quantized ({', '.join(sorted(already))}); quantize a float model")
     config = getattr(model, "config", None)
-    impl = impl or getattr(config, "impl", "fast")
+    impl = getattr(config, "impl", "fast")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
@@ -256,11 +255,7 @@ def quantize(model: nn.Module, method: str = "int8", impl: str | None = None) ->
         model.unembed = layer_cls.from_weight(model.embed.weight, None, impl)
 
 
-def quantize_int8(model: nn.Module, impl: str | None = None) -> None:
-    """`quantize(model, "int8")`: every Linear (and a tied unembedding's copy) as an `Int8Linear`."""
-    quantize(model, "int8", impl)
-
-
-def quantized_structure(model: nn.Module, method: str) -> None:
-    """Give a (meta-device) model the module structure of a quantized checkpoint before loading it."""
-    quantize(model, method)
+INT8 = Transform("int8", lambda model, _: quantize_linears(model, Int8Linear), kind="quantization",
+                 summary="weight-only int8, one scale per output channel (a quarter of fp32's bytes)")
+INT4 = Transform("int4", lambda model, _: quantize_linears(model, Int4Linear), kind="quantization",
+                 summary="weight-only int4, a scale and zero per group of 64 inputs (an eighth of fp32's bytes)")
