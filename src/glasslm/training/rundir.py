@@ -29,7 +29,14 @@ import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from glasslm.core.config import ModelConfig
+from glasslm.io.checkpoint import load_config, read_json, resolve_checkpoint
+from glasslm.training.config import TrainConfig
+from glasslm.training.trainer_state import TRAINER_STATE_JSON
 
 LOCK_FILE = ".lock"
 # What a training run writes into its directory; --overwrite removes these and nothing else.
@@ -176,3 +183,28 @@ class RunLock:
             del RunLock._held[self._key]
             if self._file is not None:
                 self._file.close()  # closing the file releases the flock
+
+
+@dataclass
+class ResumedRun:
+    """What a checkpoint records about the run it continues (see `read_resumed_run`)."""
+
+    checkpoint: Path  # the checkpoint directory training continues from
+    meta: dict[str, Any]  # its meta.json: preset, data, val_fraction, ...
+    model_config: ModelConfig
+    train_config: TrainConfig  # the run's settings when the checkpoint was saved
+    saved_train_config: dict[str, Any]  # the same as saved (glasslm.training.loop.schedule_end reads it)
+
+
+def read_resumed_run(path: str | os.PathLike) -> ResumedRun:
+    """The checkpoint at `path` (a run directory resumes its latest) and the run it records."""
+    checkpoint = resolve_checkpoint(path, prefer=("latest",))
+    state = read_json(checkpoint / TRAINER_STATE_JSON)
+    missing = [k for k in ("step", "best_val_loss", "elapsed_s", "train_config")
+               if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(f"{checkpoint / TRAINER_STATE_JSON} lacks {', '.join(missing)}: not a complete "
+                         "training checkpoint, so it cannot be resumed")
+    saved = TrainConfig.from_dict(state["train_config"], f"{checkpoint / TRAINER_STATE_JSON}")
+    return ResumedRun(checkpoint, read_json(checkpoint / "meta.json"), load_config(checkpoint / "config.json"),
+                      saved, state["train_config"])
