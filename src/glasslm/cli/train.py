@@ -72,13 +72,15 @@ def train(options: TrainOptions, run: Annotated[dict[str, Any], RunConfig, RUN],
     import torch
 
     from glasslm.training.distributed import init_distributed, resolve_device, shutdown_distributed
-    from glasslm.training.rundir import check_run_dir
+    from glasslm.training.rundir import check_run_dir, holds_no_checkpoint
 
     plan = _plan(options, run, training, model)
     # Refused before any data is read: an unavailable device, an --out holding another run.
     resolve_device(plan.train.device)
     main_process = os.environ.get("RANK", "0") == "0"  # other torchrun processes may already see rank 0's files
     resuming_here = plan.resumed is not None and plan.out.resolve() == plan.resumed.checkpoint.parent.resolve()
+    fresh_start_over_leftovers = main_process and not resuming_here and not options.overwrite \
+        and holds_no_checkpoint(plan.out)
     if main_process:
         check_run_dir(plan.out, resuming=resuming_here, overwrite=options.overwrite)
     if plan.train.threads:
@@ -87,6 +89,9 @@ def train(options: TrainOptions, run: Annotated[dict[str, Any], RunConfig, RUN],
     data, model_cfg, label = _data_and_model(plan)
     ctx = init_distributed(plan.train.device)
     say = print if ctx.is_main else (lambda *a, **k: None)
+    if fresh_start_over_leftovers:
+        say(f"{plan.out} holds no checkpoint (its run stopped before the first save): starting it afresh, "
+            "its metrics.jsonl kept aside as metrics.jsonl.unfinished")
     _say_start(say, plan, data, model_cfg, label, ctx)
     try:
         result = _fit(plan, model_cfg, data, label, ctx, options.overwrite)
