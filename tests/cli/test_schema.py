@@ -264,3 +264,30 @@ def test_the_package_exposes_its_main_names():
     result = glasslm.train_model(glasslm.get_preset("shakespeare-char-cpu", vocab_size=4, n_layers=1, context_length=8),
                                  TrainConfig(max_steps=1, eval_iters=1, progress=False), torch.randint(0, 4, (50,)))
     assert isinstance(result, glasslm.TrainResult) and len(result.train_losses) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--checkpoint", "x", "--prompt", "a", "--interactive"], "not allowed with argument"),
+    (["convert", "--out", "o"], "one of the arguments --from-hf --to-hf --from is required"),
+    (["convert", "--to-hf", "--from-hf", "h", "--out", "o"], "not allowed with argument"),
+    (["eval", "--checkpoint", "x"], "the following arguments are required: --data"),
+    (["sample", "--checkpoint", "x", "--lookahead", "0"], "--lookahead: must be at least 1, got 0"),
+    (["train-tokenizer", "--vocab-size", "300", "--out", "o"], "required: INPUTS"),
+])
+def test_field_metadata_becomes_parse_rules(argv, message, capsys):
+    """Required fields, exclusive groups, minimums and positionals of the command dataclasses are
+    checked while parsing: exit 2 with argparse's one line, before anything is loaded."""
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and message in err and err.strip().splitlines()[-1].startswith("glasslm "), err
+
+
+def test_list_options_keep_their_spelling():
+    from glasslm.cli.train_tokenizer import TokenizerTrainingConfig
+
+    args = build_parser().parse_args(["train-tokenizer", "a.txt", "b.txt", "--vocab-size", "300", "--out", "o",
+                                      "--special-tokens", "<s>", "</s>"])
+    assert given_options(args, TokenizerTrainingConfig) == {"inputs": ["a.txt", "b.txt"], "vocab_size": 300,
+                                                            "special_tokens": ["<s>", "</s>"]}
+    assert TokenizerTrainingConfig(["a.txt"], 300).special_tokens == ["<|endoftext|>"]
