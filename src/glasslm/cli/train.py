@@ -91,7 +91,7 @@ def train(options: TrainOptions, run: Annotated[dict[str, Any], RunConfig, RUN],
     say = print if ctx.is_main else (lambda *a, **k: None)
     if fresh_start_over_leftovers:
         say(f"{plan.out} holds no checkpoint (its run stopped before the first save): starting it afresh, "
-            "its metrics.jsonl kept aside as metrics.jsonl.unfinished")
+            "its old metrics.jsonl kept aside (renamed metrics.jsonl.unfinished)")
     _say_start(say, plan, data, model_cfg, label, ctx)
     try:
         result = _fit(plan, model_cfg, data, label, ctx, options.overwrite)
