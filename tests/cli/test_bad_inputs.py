@@ -47,7 +47,7 @@ def assets(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("assets")
     (root / "text.txt").write_text(TEXT)
     assert main(["train", "--data", str(root / "text.txt"), "--out", str(root / "run"), "--max-steps", "2",
-                 "--eval-iters", "1", "--batch-size", "2", "--progress", "false", "--sample-tokens", "0", *TINY]) == 0
+                 "--eval-iters", "1", "--batch-size", "2", "--no-progress", "--sample-tokens", "0", *TINY]) == 0
     assert main(["prepare", str(root / "text.txt"), "--out", str(root / "ds"), "--quiet"]) == 0
     assert main(["train-tokenizer", str(root / "text.txt"), "--vocab-size", "270", "--out", str(root / "tok"),
                  "--workers", "1"]) == 0

@@ -9,14 +9,27 @@ import sys
 
 import pytest
 
-from glasslm.cli.commands import RunConfig, build_parser, load_config_file, main
+from glasslm.cli import build_parser, main
+from glasslm.cli.run_config import RunConfig, load_config_file
 from glasslm.core.config import ModelConfig
 from glasslm.generation import GenerationConfig
 from glasslm.cli.options import given_options
 from glasslm.core.fields import field_docs
 from glasslm.training.config import TrainConfig
 
-SCHEMA = [RunConfig, ModelConfig, TrainConfig, GenerationConfig]
+def _command_configs() -> list[type]:
+    """The dataclass of every parameter of every command's function."""
+    from glasslm.cli import COMMANDS
+
+    found, todo = [], list(COMMANDS)
+    while todo:
+        command = todo.pop()
+        todo += command.subcommands
+        found += [cls for _, cls, _, _ in (command.parameters() if command.run else []) if cls not in found]
+    return found
+
+
+SCHEMA = list(dict.fromkeys([RunConfig, ModelConfig, TrainConfig, GenerationConfig, *_command_configs()]))
 TINY_MODEL = '[model]\nn_layers = 1\nd_model = 16\nn_heads = 2\ncontext_length = 16\n'
 
 
@@ -72,12 +85,16 @@ def test_help_text_is_the_field_comment_with_its_default():
     assert "--fsdp, --no-fsdp" in text
 
 
-def test_booleans_are_real_flags_and_the_old_form_still_parses():
+def test_booleans_are_real_flags_that_take_no_value(capsys):
     parse = lambda *argv: given_options(build_parser().parse_args(["train", *argv]), TrainConfig)  # noqa: E731
     assert parse("--fsdp", "--no-progress", "--tensorboard") == {"fsdp": True, "progress": False, "tensorboard": True}
-    assert parse("--progress", "false", "--wandb", "true") == {"progress": False, "wandb": True}
+    assert parse("--no-wandb", "--wandb") == {"wandb": True}  # the last one wins
     assert parse() == {}  # nothing given overrides nothing
     assert parse("--lr-decay-steps", "none") == {"lr_decay_steps": None}
+    # `--progress false` (the form earlier versions needed) is gone: the value is an unknown argument.
+    with pytest.raises(SystemExit) as exit:
+        parse("--progress", "false")
+    assert exit.value.code == 2 and "unrecognized arguments: false" in capsys.readouterr().err
 
 
 def test_mistyped_option_suggests_the_right_one(capsys):
@@ -247,3 +264,30 @@ def test_the_package_exposes_its_main_names():
     result = glasslm.train_model(glasslm.get_preset("shakespeare-char-cpu", vocab_size=4, n_layers=1, context_length=8),
                                  TrainConfig(max_steps=1, eval_iters=1, progress=False), torch.randint(0, 4, (50,)))
     assert isinstance(result, glasslm.TrainResult) and len(result.train_losses) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--checkpoint", "x", "--prompt", "a", "--interactive"], "not allowed with argument"),
+    (["convert", "--out", "o"], "one of the arguments --from-hf --to-hf --from is required"),
+    (["convert", "--to-hf", "--from-hf", "h", "--out", "o"], "not allowed with argument"),
+    (["eval", "--checkpoint", "x"], "the following arguments are required: --data"),
+    (["sample", "--checkpoint", "x", "--lookahead", "0"], "--lookahead: must be at least 1, got 0"),
+    (["train-tokenizer", "--vocab-size", "300", "--out", "o"], "required: INPUTS"),
+])
+def test_field_metadata_becomes_parse_rules(argv, message, capsys):
+    """Required fields, exclusive groups, minimums and positionals of the command dataclasses are
+    checked while parsing: exit 2 with argparse's one line, before anything is loaded."""
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and message in err and err.strip().splitlines()[-1].startswith("glasslm "), err
+
+
+def test_list_options_keep_their_spelling():
+    from glasslm.cli.train_tokenizer import TokenizerTrainingConfig
+
+    args = build_parser().parse_args(["train-tokenizer", "a.txt", "b.txt", "--vocab-size", "300", "--out", "o",
+                                      "--special-tokens", "<s>", "</s>"])
+    assert given_options(args, TokenizerTrainingConfig) == {"inputs": ["a.txt", "b.txt"], "vocab_size": 300,
+                                                            "special_tokens": ["<s>", "</s>"]}
+    assert TokenizerTrainingConfig(["a.txt"], 300).special_tokens == ["<|endoftext|>"]

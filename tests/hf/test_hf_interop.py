@@ -315,7 +315,7 @@ def test_transformers_user_round_trip_end_to_end(tmp_path, shakespeare_text):
     (tmp_path / "text.txt").write_text(text)
     run_cli("train", "--init-from", user_dir, "--data", tmp_path / "text.txt", "--max-steps", "3",
             "--batch-size", "2", "--eval-interval", "0", "--eval-iters", "1", "--out", tmp_path / "run",
-            "--sample-tokens", "0", "--progress", "false")
+            "--sample-tokens", "0", "--no-progress")
     tuned, tuned_tokenizer = load_model(tmp_path / "run")
     assert not torch.equal(tuned.embed.weight, model.embed.weight)
     assert tuned_tokenizer.encode(sample) == ids

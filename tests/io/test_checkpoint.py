@@ -146,7 +146,7 @@ def test_damaged_json_and_missing_files_are_named(saved_checkpoint, tmp_path):
 # two, and the resumed run must still log the same averaged losses as the uninterrupted one.
 CLI_ARGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--context-length", "16", "--batch-size", "4",
             "--max-steps", "400", "--warmup-steps", "10", "--eval-interval", "100", "--eval-iters", "2",
-            "--log-interval", "10", "--checkpoint-interval", "7", "--keep-last", "0", "--progress", "false",
+            "--log-interval", "10", "--checkpoint-interval", "7", "--keep-last", "0", "--no-progress",
             "--sample-tokens", "0", "--dropout", "0.1"]
 
 

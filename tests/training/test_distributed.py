@@ -103,7 +103,7 @@ def test_torchrun_cli_trains_and_resumes(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("all the world's a stage, and all the men and women merely players\n" * 100)
     common = ["--data", str(corpus), "--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--context-length", "16",
-              "--eval-interval", "5", "--eval-iters", "2", "--log-interval", "1", "--progress", "false",
+              "--eval-interval", "5", "--eval-iters", "2", "--log-interval", "1", "--no-progress",
               "--sample-tokens", "0", "--lr-decay-steps", "20", "--warmup-steps", "2",
               # The default recipe's Muon: in float32, as bf16 would turn the all-reduce's rounding into 1e-4 differences.
               "--muon-ns-dtype", "float32"]
@@ -126,6 +126,6 @@ def test_fsdp_run_still_prints_its_sample(tmp_path):
     corpus.write_text("the quality of mercy is not strained\n" * 60)
     output = torchrun(["--data", str(corpus), "--n-layers", "1", "--d-model", "32", "--n-heads", "2",
                        "--context-length", "16", "--batch-size", "2", "--max-steps", "2", "--eval-iters", "1",
-                       "--progress", "false", "--fsdp", "--sample-tokens", "12", "--out", str(tmp_path / "fsdp")])
+                       "--no-progress", "--fsdp", "--sample-tokens", "12", "--out", str(tmp_path / "fsdp")])
     assert output.count("--- sample ---") == 1, output
     assert len(output.split("--- sample ---")[1].strip()) > 0

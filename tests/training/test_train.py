@@ -235,7 +235,7 @@ import time
 SRC = Path(__file__).resolve().parents[2] / "src"
 RUN_ARGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--context-length", "16", "--batch-size", "4",
             "--warmup-steps", "2", "--eval-interval", "10", "--eval-iters", "2", "--log-interval", "1",
-            "--progress", "false", "--sample-tokens", "0", "--threads", "1", "--lr", "1e-2", "--min-lr", "1e-3"]
+            "--no-progress", "--sample-tokens", "0", "--threads", "1", "--lr", "1e-2", "--min-lr", "1e-3"]
 
 
 def glasslm(*args: str) -> subprocess.CompletedProcess:

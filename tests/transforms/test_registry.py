@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from glasslm.cli.commands import build_parser
+from glasslm.cli import build_parser
 from glasslm.core.model import TransformerLM
 from glasslm.io.checkpoint import load_checkpoint, save_checkpoint
 from glasslm.presets import get_preset
@@ -166,9 +166,9 @@ def test_the_cli_quantize_choices_come_from_the_registry():
     try:
         assert transform_names("quantization") == ("int8", "int4", "test-int2")
         args = build_parser().parse_args(["quantize", "--checkpoint", "a", "--out", "b", "--method", "test-int2"])
-        assert args.method == "test-int2"
+        assert vars(args)["QuantizeConfig.method"] == "test-int2"
         args = build_parser().parse_args(["generate", "--checkpoint", "a", "--prompt", "x", "--quantize", "test-int2"])
-        assert args.quantize == "test-int2"
+        assert vars(args)["RuntimeOptions.quantize"] == "test-int2"
     finally:
         del TRANSFORMS["test-int2"]
     with pytest.raises(SystemExit):

@@ -1,5 +1,93 @@
-"""The `glasslm` command line: `glasslm --help` lists the commands."""
+"""The `glasslm` command line: one module per command, each a function of dataclass configs
+whose options are generated from those dataclasses (glasslm.cli.command). Adding a command is
+one new module and one line in COMMANDS.
 
-from glasslm.cli.commands import main, run
+    glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare
+    glasslm train --resume runs/shakespeare --max-steps 4000
+    torchrun --nproc_per_node=2 -m glasslm.cli train --batch-size 6 --out runs/ddp
+    glasslm plot runs/shakespeare
+    glasslm generate --checkpoint runs/shakespeare --prompt "ROMEO:" --max-new-tokens 300
+    glasslm eval --checkpoint runs/shakespeare --data tinyshakespeare
+    glasslm info --preset gpt2-small --context-length 1024
+    glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2
+    glasslm convert --to-hf --checkpoint runs/gpt2 --out runs/exported-gpt2
+    glasslm convert --from nanogpt --checkpoint out/ckpt.pt --out runs/nano
+    glasslm inspect attention --checkpoint runs/shakespeare --prompt "ROMEO:" --layer 0 --head 1 --out runs/attn.png
+    glasslm inspect logit-lens --checkpoint runs/shakespeare --prompt "ROMEO:" --out runs/lens.png
+"""
 
-__all__ = ["main", "run"]
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, NoReturn
+
+from glasslm.cli import (convert, evaluate, fetch, generate, info, inspection, plot, prepare, quantize, serve, train,
+                         train_tokenizer)
+from glasslm.cli.command import Command
+from glasslm.cli.command import build_parser as build_command_parser
+from glasslm.cli.common import Terminated
+
+COMMANDS: tuple[Command, ...] = (
+    train.COMMAND,
+    plot.COMMAND,
+    generate.COMMAND,
+    evaluate.COMMAND,
+    info.COMMAND,
+    convert.COMMAND,
+    inspection.COMMAND,
+    serve.COMMAND,
+    quantize.COMMAND,
+    train_tokenizer.COMMAND,
+    fetch.COMMAND,
+    prepare.COMMAND,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command in COMMANDS."""
+    return build_command_parser(COMMANDS, description=__doc__.split("\n\n")[0])
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _describe(err: BaseException) -> str:
+    """One line for the user: OS errors as "what: path", everything else as its message."""
+    if isinstance(err, OSError) and err.strerror:
+        where = f": {err.filename}" if err.filename else ""
+        return f"{err.strerror}{where}"
+    return " ".join(str(err).split("\n"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command. Every user-facing error goes through here once: a single line
+    `glasslm COMMAND: error: ...` on stderr and exit status 1, never a traceback."""
+    import signal
+    import threading
+
+    args = build_parser().parse_args(argv)
+    if args.command != "train" and threading.current_thread() is threading.main_thread():
+        # train saves a checkpoint on SIGTERM itself; other commands unwind like Ctrl-C, removing
+        # half-written output (prepare's .tmp files) on the way out.
+        signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        code = args.command_spec.invoke(args)
+    except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError, OSError) as err:
+        print(f"glasslm {args.command}: error: {_describe(err)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as err:
+        print(f"glasslm {args.command}: interrupted", file=sys.stderr)
+        return 128 + getattr(err, "signum", 2)
+    return code or 0
+
+
+def run() -> NoReturn:
+    """The `glasslm` executable: `main` on the command line's arguments, its status the exit code."""
+    from glasslm.training.distributed import exit_process
+
+    exit_process(main())
+
+
+__all__ = ["COMMANDS", "build_parser", "main", "run"]

@@ -17,21 +17,7 @@ from glasslm.core.fields import convert, did_you_mean, field_default, field_docs
 # ---------------------------------------------------------------- command-line options
 
 class Flag(argparse.BooleanOptionalAction):
-    """--name / --no-name. `--name false` (the form earlier versions needed) still works."""
-
-    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any):
-        super().__init__(option_strings, dest, **kwargs)
-        self.nargs = "?"
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        if values is None:
-            return super().__call__(parser, namespace, values, option_string)
-        if option_string is not None and option_string.startswith("--no-"):
-            raise argparse.ArgumentError(self, "takes no value")
-        try:
-            setattr(namespace, self.dest, convert(bool, values, from_text=True))
-        except ValueError as err:
-            raise argparse.ArgumentError(self, str(err)) from None
+    """--name / --no-name, and nothing else: a boolean option takes no value."""
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -74,46 +60,92 @@ def _option_text(value: Any) -> str:
     return str(value)
 
 
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """How a command shows one dataclass's options: `Annotated[SomeConfig, Group(...)]` on a
+    parameter of a command's function (see glasslm.cli.command)."""
+
+    title: str | None = None  # the help section's heading; none: the class docstring's first line
+    skip: frozenset[str] = frozenset()  # fields the command does not offer
+    aliases: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # field -> extra spellings
+
+
 def add_options(parser: argparse.ArgumentParser, cls: type, title: str, skip: collections.abc.Container[str] = (),
                 aliases: dict[str, list[str]] | None = None) -> None:
     """One --option per field of dataclass `cls`, with the field's comment and default as help.
 
     Options that are not given stay out of the parsed namespace (see `given_options`), so only
-    what the user typed overrides a preset, a recipe or a file.
+    what the user typed overrides a preset, a recipe or a file. A field without a default is a
+    required option. Field metadata may add `positional=True`, `minimum=N` (checked while
+    parsing), `exclusive="NAME"` (at most one of the fields sharing NAME may be given), `one_of="NAME"`
+    (exactly one of them must be given),
+    `option="--spelling"` (instead of the field's name), `metavar` and, for a list, `nargs="*"` (values
+    after one option instead of the option repeated).
     """
     group = parser.add_argument_group(title)
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    exclusive: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        hint = hints[f.name]
-        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint) \
-            if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
-        doc = docs.get(f.name, "").replace("%", "%%")
-        if typing.get_origin(base) in (collections.abc.Sequence, list, tuple):
-            doc += "; repeat the option for more"
-        help_text = f"{doc} (default: {_option_text(field_default(f))})".strip()
-        names = ["--" + f.name.replace("_", "-"), *(aliases or {}).get(f.name, [])]
-        kwargs: dict[str, Any] = dict(dest=f"{cls.__name__}.{f.name}", default=argparse.SUPPRESS, help=help_text)
-        if base is bool:
-            group.add_argument(*names, action=Flag, **kwargs)
-            continue
-        if typing.get_origin(base) in (collections.abc.Sequence, list, tuple):  # repeat the option
-            hint = typing.get_args(base)[0]
-            kwargs.update(action="append", metavar=hint.__name__.upper())
-        elif typing.get_origin(base) is typing.Literal:
-            kwargs.update(metavar="{" + ",".join(map(str, typing.get_args(base))) + "}")
-        else:
-            kwargs.update(metavar=base.__name__.upper())
-        group.add_argument(*names, type=_text_parser(hint), **kwargs)
+        target, key = group, f.metadata.get("exclusive", f.metadata.get("one_of"))
+        if key is not None:
+            if key not in exclusive:
+                exclusive[key] = group.add_mutually_exclusive_group(required="one_of" in f.metadata)
+            target = exclusive[key]
+        names, kwargs = _argument(cls.__name__, f, hints[f.name], docs.get(f.name, ""), (aliases or {}).get(f.name, []))
+        target.add_argument(*names, **kwargs)
 
 
-def _text_parser(hint: Any) -> Any:
+def _argument(prefix: str, f: dataclasses.Field, hint: Any, doc: str, aliases: list[str]) -> tuple[list, dict]:
+    """add_argument's names and keywords for one field."""
+    if "choices" in f.metadata:  # choices known only when the parser is built (registered transforms)
+        hint = typing.Literal[tuple(f.metadata["choices"]())]
+    base = next((a for a in typing.get_args(hint) if a is not type(None)), hint) \
+        if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
+    required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    listed = typing.get_origin(base) in (collections.abc.Sequence, list, tuple)
+    doc = doc.replace("%", "%%")
+    if listed and not f.metadata.get("positional") and "nargs" not in f.metadata:
+        doc += "; repeat the option for more"
+    help_text = doc if required else f"{doc} (default: {_option_text(field_default(f))})".strip()
+    kwargs: dict[str, Any] = dict(default=argparse.SUPPRESS, help=help_text)
+    if f.metadata.get("positional"):
+        names, kwargs["metavar"] = [f"{prefix}.{f.name}"], f.name.upper()
+        if listed:
+            kwargs["nargs"] = "+" if required else "*"
+    else:
+        names = [f.metadata.get("option", "--" + f.name.replace("_", "-")), *aliases]
+        kwargs.update(dest=f"{prefix}.{f.name}", required=required)
+    if base is bool:
+        # In a group of alternatives only the positive flag means anything (--no-to-hf is no choice).
+        alternative = "exclusive" in f.metadata or "one_of" in f.metadata
+        return names, kwargs | dict(action="store_true" if alternative else Flag)
+    if listed and (f.metadata.get("positional") or "nargs" in f.metadata):
+        hint = typing.get_args(base)[0]
+        kwargs.setdefault("nargs", f.metadata.get("nargs"))
+        kwargs.setdefault("metavar", hint.__name__.upper())
+    elif listed:  # repeat the option
+        hint = typing.get_args(base)[0]
+        kwargs.update(action="append", metavar=hint.__name__.upper())
+    elif typing.get_origin(base) is typing.Literal:
+        kwargs.update(metavar="{" + ",".join(map(str, typing.get_args(base))) + "}")
+    else:
+        kwargs.setdefault("metavar", base.__name__.upper())
+    if "metavar" in f.metadata:
+        kwargs["metavar"] = f.metadata["metavar"]
+    return names, kwargs | dict(type=_text_parser(hint, f.metadata.get("minimum")))
+
+
+def _text_parser(hint: Any, minimum: float | None = None) -> Any:
     def parse(text: str) -> Any:
         try:
-            return convert(hint, text, from_text=True)
+            value = convert(hint, text, from_text=True)
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
+        if minimum is not None and value is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
     return parse
 
 
@@ -121,7 +153,15 @@ def given_options(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The fields of `cls` given on the command line (by `add_options`'s options)."""
     prefix = cls.__name__ + "."
     values = {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix)}
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return {k: tuple(v) if isinstance(v, list) and _is_tuple(cls, k) else v for k, v in values.items()}
+
+
+def _is_tuple(cls: type, name: str) -> bool:
+    """Repeated options arrive as lists; a field typed as a tuple or Sequence stores a tuple."""
+    hint = typing.get_type_hints(cls)[name]
+    hint = next((a for a in typing.get_args(hint) if a is not type(None)), hint) \
+        if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
+    return typing.get_origin(hint) is not list
 
 
 # ---------------------------------------------------------------- files

@@ -8,7 +8,7 @@ conditioned on the prefix token, long documents are cut into the same rolling wi
 model exported to Hugging Face format scores the same through either route.
 
 `evaluate_tasks` runs named tasks (or task YAMLs under `include_path`) and returns lm-eval's
-results dictionary; `results_table` prints it. lm-eval is the optional extra `glasslm[eval]`.
+results dictionary; `results_table` prints it. lm-eval is optional: `pip install lm-eval` (the `eval` extra).
 
 Example (a local task over a file the example writes; standard tasks download their data from
 the hub):
@@ -51,7 +51,7 @@ try:
 except ImportError:  # the harness is an optional extra; `GlassLMEval` then explains how to get it
     TemplateLM = object  # type: ignore[assignment,misc]
 
-EVAL_EXTRA_HINT = "lm-evaluation-harness is not installed: pip install 'glasslm[eval]' (or pip install lm-eval)"
+EVAL_EXTRA_HINT = "lm-evaluation-harness is not installed: pip install lm-eval (in a glasslm checkout: pip install -e '.[eval]')"
 
 
 def _require_harness() -> None:

@@ -7,6 +7,10 @@ holds an exclusive lock (`flock` on `.lock` in the directory) so a second `glass
 same directory is refused instead of interleaving metrics and racing on checkpoint renames. The
 lock belongs to the open file, so the kernel releases it when the process ends, however it ends.
 
+A run stopped before its first checkpoint leaves a directory with nothing to resume (metrics.jsonl,
+the lock, maybe a half-written checkpoint's staging directory). Training into it starts afresh:
+the staging directories go and its metrics are kept aside as metrics.jsonl.unfinished.
+
 Example:
     >>> import tempfile
     >>> from pathlib import Path
@@ -15,10 +19,12 @@ Example:
     ...     check_run_dir(run, resuming=False)   # only the lock file so far: counts as empty
     ...     (run / "metrics.jsonl").write_text("")
     0
+    >>> check_run_dir(run, resuming=False)   # metrics but no checkpoint: nothing to resume, may start afresh
+    >>> (run / "ckpt-000010").mkdir()
     >>> check_run_dir(run, resuming=False)
     Traceback (most recent call last):
     ...
-    glasslm.training.rundir.RunDirError: run directory ... is not empty (metrics.jsonl); continue that run with --resume ..., or replace it with --overwrite
+    glasslm.training.rundir.RunDirError: run directory ... is not empty (ckpt-000010, metrics.jsonl); continue that run with --resume ..., or replace it with --overwrite
 """
 
 from __future__ import annotations
@@ -29,12 +35,22 @@ import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from glasslm.core.config import ModelConfig
+from glasslm.io.checkpoint import load_config, read_json, resolve_checkpoint
+from glasslm.training.config import TrainConfig
+from glasslm.training.loggers import METRICS_FILE
+from glasslm.training.trainer_state import TRAINER_STATE_JSON
 
 LOCK_FILE = ".lock"
+UNFINISHED_SUFFIX = ".unfinished"  # metrics.jsonl of a run stopped before its first checkpoint, kept aside
 # What a training run writes into its directory; --overwrite removes these and nothing else.
-RUN_FILES = ("latest", "best", "metrics.jsonl", "loss.png", "tensorboard", "wandb")
-RUN_PATTERNS = ("ckpt-*", ".ckpt-*", ".latest.tmp-*", ".best.tmp-*")
+RUN_FILES = ("latest", "best", METRICS_FILE, "loss.png", "tensorboard", "wandb")
+STAGING_PATTERNS = (".ckpt-*", ".latest.tmp-*", ".best.tmp-*")  # a checkpoint or pointer being written
+RUN_PATTERNS = ("ckpt-*", *STAGING_PATTERNS, METRICS_FILE + UNFINISHED_SUFFIX + "*")
 
 
 class RunDirError(ValueError):
@@ -62,10 +78,63 @@ def check_run_dir(run_dir: str | os.PathLike, resuming: bool, overwrite: bool = 
     if resuming or overwrite:
         return
     contents = _contents(run_dir)
-    if contents:
+    if contents and not holds_no_checkpoint(run_dir):
         shown = ", ".join(contents[:3]) + (", ..." if len(contents) > 3 else "")
-        raise RunDirError(f"run directory {run_dir} is not empty ({shown}); continue that run with "
-                          f"--resume {run_dir}, or replace it with --overwrite")
+        if _checkpoints_in(run_dir):
+            raise RunDirError(f"run directory {run_dir} is not empty ({shown}); continue that run with "
+                              f"--resume {run_dir}, or replace it with --overwrite")
+        raise RunDirError(f"run directory {run_dir} is not empty ({shown}) and holds no checkpoint to resume; "
+                          "use another --out, or --overwrite to remove glasslm's files there")
+
+
+def _checkpoints_in(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in run_dir.iterdir() if p.name in ("latest", "best") or p.name.startswith("ckpt-"))
+
+
+def holds_no_checkpoint(run_dir: str | os.PathLike) -> bool:
+    """Whether `run_dir` holds only what a run stopped before its first checkpoint leaves (metrics,
+    plots, logger folders, staging directories, the lock): nothing to resume, so a new run may
+    start there afresh (see `set_aside_unfinished`).
+
+    >>> import tempfile
+    >>> run = Path(tempfile.mkdtemp())
+    >>> (run / "metrics.jsonl").write_text("")
+    0
+    >>> holds_no_checkpoint(run), (run / ".ckpt-000010").mkdir(), holds_no_checkpoint(run)
+    (True, None, True)
+    >>> (run / "ckpt-000010").mkdir()
+    >>> holds_no_checkpoint(run)
+    False
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return False
+    leftovers = set(RUN_FILES) - {"latest", "best"}
+    names = _contents(run_dir)
+    return bool(names) and all(name in leftovers or _is_staging_or_aside(run_dir / name) for name in names)
+
+
+def _is_staging_or_aside(path: Path) -> bool:
+    return any(path.match(pattern) for pattern in (*STAGING_PATTERNS, METRICS_FILE + UNFINISHED_SUFFIX + "*"))
+
+
+def set_aside_unfinished(run_dir: str | os.PathLike) -> str | None:
+    """Make a directory that `holds_no_checkpoint` ready for a new run: remove the staging
+    directories and rename metrics.jsonl to metrics.jsonl.unfinished (-2, -3 ... if taken).
+    Returns the new name of the metrics file, if there was one."""
+    run_dir = Path(run_dir)
+    for pattern in STAGING_PATTERNS:
+        for path in run_dir.glob(pattern):
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    metrics = run_dir / METRICS_FILE
+    if not metrics.exists():
+        return None
+    aside, n = run_dir / (METRICS_FILE + UNFINISHED_SUFFIX), 1
+    while aside.exists():
+        n += 1
+        aside = run_dir / f"{METRICS_FILE}{UNFINISHED_SUFFIX}-{n}"
+    metrics.rename(aside)
+    return aside.name
 
 
 def _refuse_if_locked(run_dir: Path) -> None:
@@ -108,6 +177,8 @@ def claim_run_dir(run_dir: str | os.PathLike, resume_from: str | os.PathLike | N
     with RunLock(run_dir):
         if overwrite:
             clear_run(run_dir)
+        elif not resuming_here and holds_no_checkpoint(run_dir):
+            set_aside_unfinished(run_dir)
         yield run_dir
 
 
@@ -176,3 +247,35 @@ class RunLock:
             del RunLock._held[self._key]
             if self._file is not None:
                 self._file.close()  # closing the file releases the flock
+
+
+@dataclass
+class ResumedRun:
+    """What a checkpoint records about the run it continues (see `read_resumed_run`)."""
+
+    checkpoint: Path  # the checkpoint directory training continues from
+    meta: dict[str, Any]  # its meta.json: preset, data, val_fraction, ...
+    model_config: ModelConfig
+    train_config: TrainConfig  # the run's settings when the checkpoint was saved
+    saved_train_config: dict[str, Any]  # the same as saved (glasslm.training.loop.schedule_end reads it)
+
+
+def read_resumed_run(path: str | os.PathLike) -> ResumedRun:
+    """The checkpoint at `path` (a run directory resumes its latest) and the run it records.
+
+    A run directory that `holds_no_checkpoint` is refused with the way out: start it afresh.
+    """
+    if holds_no_checkpoint(path):
+        raise RunDirError(f"{path} holds no checkpoint (its run stopped before the first save), so there is nothing "
+                          f"to resume; start it afresh: glasslm train --out {path} without --resume (its "
+                          f"{METRICS_FILE} is kept aside)")
+    checkpoint = resolve_checkpoint(path, prefer=("latest",))
+    state = read_json(checkpoint / TRAINER_STATE_JSON)
+    missing = [k for k in ("step", "best_val_loss", "elapsed_s", "train_config")
+               if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(f"{checkpoint / TRAINER_STATE_JSON} lacks {', '.join(missing)}: not a complete "
+                         "training checkpoint, so it cannot be resumed")
+    saved = TrainConfig.from_dict(state["train_config"], f"{checkpoint / TRAINER_STATE_JSON}")
+    return ResumedRun(checkpoint, read_json(checkpoint / "meta.json"), load_config(checkpoint / "config.json"),
+                      saved, state["train_config"])

@@ -1,0 +1,101 @@
+"""Option groups several commands share, and loading a model the way those options say.
+
+    >>> RuntimeOptions(dtype="bfloat16").quantize
+    'none'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from glasslm.transforms import apply_transform, transform_names
+
+def quantization_choices() -> tuple[str, ...]:
+    """none, or a quantization transform registered in glasslm.transforms (read when a parser is built)."""
+    return ("none", *transform_names("quantization"))
+
+
+@dataclass
+class CheckpointOption:
+    """the model"""
+
+    checkpoint: str  # glasslm checkpoint or run directory, Hugging Face model directory or cached hub name
+
+
+@dataclass
+class OutputOption:
+    """output"""
+
+    out: str  # where to write the result (a directory)
+    overwrite: bool = False  # replace what a non-empty --out holds; without it such an --out is refused
+
+
+@dataclass
+class DeviceOptions:
+    """where the model runs"""
+
+    device: str = "auto"  # auto (the best available: cuda, else mps, else cpu), cpu, cuda, cuda:N or mps
+    # CPU threads; 0 is automatic: 1 for decoding models under 20M parameters (they decode fastest
+    # on one thread), else torch's choice
+    threads: int = 0
+
+
+@dataclass
+class RuntimeOptions(DeviceOptions):
+    """how the model runs"""
+
+    # weights' dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    # weight-only int8 (a quarter of fp32's bytes) or int4 (an eighth, in groups of 64 inputs with
+    # their own scale) for the Linear layers
+    quantize: str = field(default="none", metadata={"choices": quantization_choices})
+
+
+def load_for_inference(path: str, runtime: DeviceOptions, decoding: bool = False,
+                       need_tokenizer: bool = True) -> tuple[Any, Any]:
+    """The model and tokenizer at `path` on the device, dtype, threads and quantization of `runtime`."""
+    from glasslm.hf import load_model
+
+    model, tokenizer = load_model(path, device=resolve_device(runtime.device))
+    if tokenizer is None and need_tokenizer:
+        raise ValueError(f"{path} holds no tokenizer, so text cannot be encoded")
+    return prepare_model(model, runtime, decoding), tokenizer
+
+
+def prepare_model(model: Any, runtime: DeviceOptions, decoding: bool = False) -> Any:
+    """Apply threads, dtype and quantization to a loaded model; threads are set here, in the CLI only."""
+    import torch
+
+    from glasslm.runtime import decode_threads, default_dtype, warn_if_slow_dtype
+
+    device = next(model.parameters()).device.type
+    if device == "cpu":
+        threads = runtime.threads or (decode_threads(model.num_parameters()) if decoding else 0)
+        if threads:
+            torch.set_num_threads(threads)
+    if not isinstance(runtime, RuntimeOptions):
+        return model.eval()
+    dtype = default_dtype(device) if runtime.dtype == "auto" else runtime.dtype
+    warn_if_slow_dtype(dtype, device)
+    model = model.to(getattr(torch, dtype)).eval()
+    if runtime.quantize != "none":
+        apply_transform(model, runtime.quantize)
+    elif decoding:
+        from glasslm.generation import optimize_for_decoding
+
+        optimize_for_decoding(model)
+    return model
+
+
+def resolve_device(name: str) -> str:
+    """The device to load a model on; a missing one is refused before the checkpoint is read."""
+    from glasslm.training.distributed import resolve_device as resolve
+
+    return resolve(name)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that commands clean up what they were writing."""
+
+    signum = 15

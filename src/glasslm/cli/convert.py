@@ -1,0 +1,88 @@
+"""`glasslm convert`: glasslm checkpoints to and from Hugging Face directories and other codebases' files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from glasslm.cli.command import Command
+from glasslm.cli.common import OutputOption
+from glasslm.io.formats import FORMATS
+
+
+ForeignFormat = Literal[tuple(FORMATS)]  # type: ignore[valid-type]
+
+
+@dataclass
+class ConvertConfig:
+    """what to convert (one of --from-hf, --to-hf, --from)"""
+
+    # an HF GPT-2 / Llama / Mistral / Qwen2 directory, or a hub name in the local HF cache
+    from_hf: str | None = field(default=None, metadata={"one_of": "direction"})
+    to_hf: bool = field(default=False, metadata={"one_of": "direction"})  # export --checkpoint as an HF directory
+    # import the --checkpoint file another codebase saved (nanoGPT ckpt.pt, a TransformerLens/ARENA,
+    # CS336 or seed 001/002/004 state dict); no pickled code runs
+    from_format: ForeignFormat | None = field(default=None, metadata={"one_of": "direction", "option": "--from"})
+    checkpoint: str | None = None  # glasslm checkpoint to export (with --to-hf), or the file to import (with --from)
+    # --from cs336/seed001/seed002: the number of heads (their files do not record it)
+    n_heads: int | None = field(default=None, metadata={"minimum": 1})
+    # Llama: context length to use instead of max_position_embeddings; --from cs336: the context
+    # length (none: the cs336-lm preset's)
+    context_length: int | None = field(default=None, metadata={"minimum": 1})
+    # --to-hf of a bias-free GPT-2-shaped model: write exact zero biases (HF GPT-2 always has biases);
+    # glasslm re-imports it bias-free (off: refused for a bias-free model)
+    zero_biases: bool = False
+
+
+def convert(config: ConvertConfig, output: OutputOption) -> int:
+    if config.from_format:
+        _from_foreign(config, output)
+    elif config.from_hf:
+        _from_hf(config, output)
+    else:  # --to-hf: the parser requires one of the three
+        _to_hf(config, output)
+    return 0
+
+
+def _from_foreign(config: ConvertConfig, output: OutputOption) -> None:
+    from glasslm.data import check_output_dir
+    from glasslm.io.checkpoint import save_checkpoint
+    from glasslm.io.formats import load_foreign
+
+    if not config.checkpoint:
+        raise ValueError(f"--from {config.from_format} needs --checkpoint FILE (the file that code saved)")
+    check_output_dir(output.out, output.overwrite, inputs=[config.checkpoint], what="checkpoint")
+    given = {"n_heads": config.n_heads, "context_length": config.context_length}
+    model = load_foreign(config.checkpoint, config.from_format, **{k: v for k, v in given.items() if v is not None})
+    save_checkpoint(output.out, model, None, {"converted_from": f"{config.from_format}:{config.checkpoint}"})
+    print(f"{config.checkpoint} ({config.from_format}) -> {output.out} ({model.num_parameters():,} parameters)")
+
+
+def _from_hf(config: ConvertConfig, output: OutputOption) -> None:
+    from glasslm.data import check_output_dir
+    from glasslm.hf import hf_tokenizer, import_hf
+    from glasslm.io.checkpoint import save_checkpoint
+
+    check_output_dir(output.out, output.overwrite, inputs=[config.from_hf], what="checkpoint")
+    model = import_hf(config.from_hf, context_length=config.context_length)
+    tokenizer = hf_tokenizer(config.from_hf)
+    if tokenizer is not None and not hasattr(tokenizer, "save"):
+        tokenizer = None
+    save_checkpoint(output.out, model, tokenizer, {"converted_from": str(config.from_hf)})
+    print(f"{config.from_hf} -> {output.out} ({model.num_parameters():,} parameters, "
+          f"tokenizer {'included' if tokenizer is not None else 'not found'})")
+
+
+def _to_hf(config: ConvertConfig, output: OutputOption) -> None:
+    from glasslm.data import check_output_dir
+    from glasslm.hf import checkpoint_summary, export_hf, load_model
+
+    if not config.checkpoint:
+        raise ValueError("--to-hf needs --checkpoint")
+    check_output_dir(output.out, output.overwrite, inputs=[config.checkpoint], what="export")
+    model, tokenizer = load_model(config.checkpoint)
+    export_hf(model, output.out, tokenizer, checkpoint_summary(config.checkpoint), zero_biases=config.zero_biases)
+    print(f"{config.checkpoint} -> {output.out} (Hugging Face format)")
+
+
+COMMAND = Command("convert", convert, "convert between glasslm checkpoints and Hugging Face directories")

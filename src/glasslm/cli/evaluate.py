@@ -1,0 +1,90 @@
+"""`glasslm eval --checkpoint DIR --data TEXT`: loss, perplexity and bits per byte of a model on a text."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from glasslm.cli.command import Command
+from glasslm.cli.common import CheckpointOption, RuntimeOptions, load_for_inference
+from glasslm.evaluation.config import EvalConfig
+
+
+@dataclass
+class EvalData:
+    """what to score"""
+
+    data: str  # dataset name, path to a UTF-8 text file, or a directory made by `glasslm prepare`
+    data_dir: str | None = None  # where datasets are kept; none: $GLASSLM_DATA_DIR, else ~/.cache/glasslm
+    split: Literal["val", "train", "all"] = "val"  # which part to score, split as in training (val: the text
+                                                   # training did not see)
+    val_fraction: float = 0.1  # text files: validation starts at the first line start at or after
+                               # 1 - this of the bytes
+    max_chars: int | None = field(default=None, metadata={"minimum": 1})  # score only the first N characters;
+                                                                          # none: all
+    quiet: bool = False  # no progress bar (it goes to stderr)
+
+
+def evaluate(source: CheckpointOption, data: EvalData, scoring: EvalConfig, runtime: RuntimeOptions) -> int:
+    import time
+
+    from glasslm.evaluation.perplexity import evaluate_text
+
+    model, tokenizer = load_for_inference(source.checkpoint, runtime, need_tokenizer=False)
+    tokenizer, text, ids, described = _text_to_score(model, tokenizer, source.checkpoint, data, scoring)
+    start = time.perf_counter()
+    result = evaluate_text(model, tokenizer, text, progress=not data.quiet, ids=ids, **dataclasses.asdict(scoring))
+    seconds = time.perf_counter() - start
+    stride = scoring.stride or model.config.context_length
+    print(f"data: {described} ({result['tokens']:,} tokens scored, {result['bytes']:,} bytes; "
+          f"context {model.config.context_length}, stride {stride})")
+    print(f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.3f}  "
+          f"bits/byte {result['bits_per_byte']:.4f}  ({seconds:.1f} s)")
+    return 0
+
+
+def _text_to_score(model: Any, tokenizer: Any, checkpoint: str, data: EvalData,
+                   scoring: EvalConfig) -> tuple[Any, str | None, Any, str]:
+    """(tokenizer, text, token ids, description) of the split to score: a prepared dataset gives
+    ids and its own tokenizer, a text file gives text for the model's tokenizer. The split rule is
+    training's: prepared datasets hold it in their files, text files are cut by data.split_offset."""
+    import numpy as np
+
+    from glasslm.data import is_prepared, load_prepared, read_split, resolve_text
+
+    if is_prepared(data.data):
+        prepared = load_prepared(data.data)
+        ids = {"train": prepared.train, "val": prepared.val}.get(data.split)
+        ids = np.concatenate([prepared.train, prepared.val]) if ids is None else ids
+        if scoring.max_tokens:
+            ids = ids[:scoring.max_tokens + 1]
+        ids = np.asarray(ids, dtype=np.int64)
+        _check_same_tokenizer(tokenizer, prepared.tokenizer, ids, model.config.vocab_size, data.data, checkpoint)
+        return prepared.tokenizer, None, ids, f"{data.data} [{data.split}]"
+    if tokenizer is None:
+        raise ValueError(f"{checkpoint} holds no tokenizer, so text cannot be encoded")
+    text_path = resolve_text(data.data, data.data_dir)
+    text = read_split(text_path, data.split, data.val_fraction)
+    if data.max_chars:
+        text = text[:data.max_chars]
+    if len(text) < 2:
+        raise ValueError(f"the {data.split} split of {text_path} holds {len(text)} characters: nothing to score "
+                         "(validation starts at the first line start in the last --val-fraction of the bytes)")
+    return tokenizer, text, None, f"{text_path} [{data.split}]"
+
+
+def _check_same_tokenizer(model_tokenizer: Any, data_tokenizer: Any, ids: Any, vocab_size: int, data: str,
+                          checkpoint: str) -> None:
+    """A prepared dataset's token ids mean something only to the tokenizer that made them."""
+    if data_tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"{data} has a vocabulary of {data_tokenizer.vocab_size} tokens, more than the "
+                         f"model's {vocab_size}: it was prepared with another tokenizer")
+    sample = [int(i) for i in ids[:2000]]
+    if model_tokenizer is not None and (model_tokenizer.vocab_size != data_tokenizer.vocab_size
+                                        or model_tokenizer.decode(sample) != data_tokenizer.decode(sample)):
+        raise ValueError(f"{data} was prepared with a different tokenizer than {checkpoint}'s; "
+                         "prepare it with --tokenizer pointing at the checkpoint")
+
+
+COMMAND = Command("eval", evaluate, "loss, perplexity and bits per byte of a checkpoint on a text")

@@ -1,0 +1,142 @@
+"""`glasslm generate` (or `sample`): write text from a checkpoint, streamed as it is decoded."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+from glasslm.cli.command import Command
+from glasslm.cli.common import CheckpointOption, RuntimeOptions, Terminated, load_for_inference
+from glasslm.cli.options import Group
+from glasslm.generation import GenerationConfig
+
+
+@dataclass
+class PromptOptions:
+    """the prompt (one of --prompt, --prompt-file, --interactive)"""
+
+    prompt: str = field(default="", metadata={"exclusive": "prompt"})  # the prompt text; '-' reads it from stdin;
+                                                                       # empty: a newline
+    prompt_file: str | None = field(default=None, metadata={"exclusive": "prompt"})  # read the prompt from this
+                                                                                     # UTF-8 file
+    interactive: bool = field(default=False, metadata={"exclusive": "prompt"})  # keep the model loaded and
+                                                                                # answer each line of stdin until EOF
+
+    def read(self) -> str:
+        if self.prompt_file:
+            if Path(self.prompt_file).is_dir():
+                raise ValueError(f"--prompt-file {self.prompt_file} is a directory, not a text file")
+            return Path(self.prompt_file).read_text(encoding="utf-8")
+        return sys.stdin.read() if self.prompt == "-" else self.prompt
+
+
+@dataclass
+class DraftOptions:
+    """speculative decoding"""
+
+    # a small checkpoint with the same vocabulary for speculative decoding; output stays the model's
+    # own greedy tokens, needs --temperature 0
+    draft: str | None = None
+    lookahead: int = field(default=4, metadata={"minimum": 1})  # tokens the draft proposes per target pass
+
+
+SAMPLING = Group("sampling", skip=frozenset({"logprobs", "pad_token"}),
+                 aliases={"stop_strings": ["--stop"], "stop_tokens": ["--stop-token"]})
+
+
+def generate(source: CheckpointOption, prompt: PromptOptions, sampling: Annotated[GenerationConfig, SAMPLING],
+             runtime: RuntimeOptions, speculation: DraftOptions) -> int:
+    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True)
+    draft = None
+    if speculation.draft:
+        if sampling.temperature != 0:
+            raise ValueError("--draft (speculative decoding) is greedy here: add --temperature 0")
+        draft, _ = load_for_inference(speculation.draft, runtime, decoding=True, need_tokenizer=False)
+    writer = _Writer(model, draft, tokenizer, sampling, speculation.lookahead)
+    if prompt.interactive:
+        _answer_lines(writer)
+    else:
+        writer.respond(prompt.read(), echo=True)
+    return 0
+
+
+@dataclass
+class _Writer:
+    """Streams one answer to stdout and its speed to stderr."""
+
+    model: Any
+    draft: Any
+    tokenizer: Any
+    config: GenerationConfig
+    lookahead: int
+
+    def respond(self, prompt: str, echo: bool) -> None:
+        import time
+
+        from glasslm.generation import TextStreamer
+        from glasslm.generation.speculative import SpeculativeStats
+
+        # An empty prompt starts from a newline, the most neutral context a text model knows.
+        prompt_ids = self.tokenizer.encode(prompt or "\n")
+        if not prompt_ids:
+            raise ValueError("the prompt encodes to no tokens")
+        if echo:
+            sys.stdout.write(prompt)
+        streamer, stats = TextStreamer(self.tokenizer, self.config.stop_strings), SpeculativeStats()
+        start, n_tokens = time.perf_counter(), 0
+        for token in self._tokens(prompt_ids, stats):
+            n_tokens += 1
+            sys.stdout.write(streamer.push(token))
+            sys.stdout.flush()
+            if streamer.stopped:
+                break
+        sys.stdout.write(streamer.finish() + "\n")
+        sys.stdout.flush()
+        seconds = time.perf_counter() - start
+        speculation = "" if self.draft is None else (
+            f", draft accepted {stats.acceptance_rate:.0%} of proposals, "
+            f"{stats.tokens_per_target_pass:.2f} tokens per target pass")
+        print(f"[{n_tokens} tokens in {seconds:.2f} s: {n_tokens / max(seconds, 1e-9):.1f} tokens/s, "
+              f"prompt {len(prompt_ids)} tokens{speculation}]", file=sys.stderr)
+
+    def _tokens(self, prompt_ids: list[int], stats: Any) -> Any:
+        from glasslm.generation import generate_tokens
+        from glasslm.generation.speculative import speculative_tokens
+
+        if self.draft is None:
+            return generate_tokens(self.model, prompt_ids, config=self.config)
+        return speculative_tokens(self.model, self.draft, prompt_ids, self.config.max_new_tokens, self.lookahead,
+                                  self.config.stop_tokens or (), stats)
+
+
+def _answer_lines(writer: _Writer) -> None:
+    """The model stays loaded; every line read from stdin is a new prompt, until EOF. Ctrl-C stops
+    the answer being written (back to the prompt); at the prompt it ends the session."""
+    tty = sys.stdin.isatty()
+    print("glasslm interactive: one prompt per line; Ctrl-C stops an answer; Ctrl-D (or Ctrl-C here) quits",
+          file=sys.stderr)
+    while True:
+        try:
+            if tty:
+                sys.stderr.write("> ")
+                sys.stderr.flush()
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            line = ""
+        if not line:  # EOF or Ctrl-C at the prompt: a clean exit
+            if tty:
+                sys.stderr.write("\n")
+            return
+        try:
+            writer.respond(line.rstrip("\n"), echo=False)
+        except Terminated:
+            raise
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            print("[stopped]", file=sys.stderr)
+
+
+COMMAND = Command("sample", generate, "write text from a trained checkpoint (streamed)", aliases=("generate",))

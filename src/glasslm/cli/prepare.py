@@ -1,0 +1,39 @@
+"""`glasslm prepare FILES --out DIR`: tokenize text into train.bin / val.bin for training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from glasslm.cli.command import Command
+from glasslm.cli.common import OutputOption
+
+
+@dataclass
+class PrepareConfig:
+    """what to tokenize"""
+
+    inputs: list[str] = field(metadata={"positional": True})  # UTF-8 text files or dataset names
+    tokenizer: str = "char"  # char, gpt2, or a saved tokenizer directory
+    val_fraction: float = 0.1  # the last fraction of each file (from a line start) becomes validation data
+    data_dir: str | None = None  # where datasets are kept; none: $GLASSLM_DATA_DIR, else ~/.cache/glasslm
+    quiet: bool = False  # no progress output (progress goes to stderr)
+
+
+def prepare(config: PrepareConfig, output: OutputOption) -> int:
+    from glasslm.data import char_vocabulary, check_output_dir, prepare as prepare_files, resolve_text
+    from glasslm.tokenizers import CharTokenizer, get_tokenizer
+
+    paths = [resolve_text(source, config.data_dir) for source in config.inputs]
+    check_output_dir(output.out, output.overwrite, inputs=paths, what="dataset")  # before the slow part
+    if config.tokenizer == "char":
+        tokenizer = CharTokenizer(char_vocabulary(paths))
+    else:
+        tokenizer = get_tokenizer(config.tokenizer, data_dir=config.data_dir)
+    meta = prepare_files(paths, tokenizer, output.out, config.val_fraction, progress=not config.quiet,
+                         overwrite=output.overwrite)
+    print(f"{output.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
+          f"({meta['dtype']}, vocab {meta['vocab_size']:,})")
+    return 0
+
+
+COMMAND = Command("prepare", prepare, "tokenize text files into train.bin / val.bin for training")

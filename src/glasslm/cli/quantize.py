@@ -1,0 +1,43 @@
+"""`glasslm quantize --checkpoint DIR --out DIR`: a weight-only int8 or int4 copy of a checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from glasslm.cli.command import Command
+from glasslm.cli.common import CheckpointOption, OutputOption
+from glasslm.transforms import apply_transform, transform_names
+
+
+@dataclass
+class QuantizeConfig:
+    """quantization"""
+
+    # int8: one scale per output channel; int4: a scale and zero per group of 64 inputs
+    method: str = field(default="int8", metadata={"choices": lambda: transform_names("quantization")})
+
+
+def quantize(source: CheckpointOption, config: QuantizeConfig, output: OutputOption) -> int:
+    from glasslm.hf import load_model
+    from glasslm.io.checkpoint import save_checkpoint
+
+    out = Path(output.out)
+    if Path(source.checkpoint).exists() and out.resolve() == Path(source.checkpoint).resolve():
+        raise ValueError(f"--out {out} is the checkpoint itself; write the quantized copy elsewhere (the fp32 "
+                         "weights would be replaced)")
+    if out.is_file():
+        raise ValueError(f"--out {out} is a file, not a directory")
+    if out.exists() and any(out.iterdir()) and not output.overwrite:
+        raise ValueError(f"{out} is not empty; pass --overwrite to replace it")
+    model, tokenizer = load_model(source.checkpoint, device="cpu")
+    before = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    apply_transform(model, config.method)  # recorded: the checkpoint's meta.json names it, loading re-applies it
+    after = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    save_checkpoint(out, model, tokenizer, {"quantized_from": str(source.checkpoint)})
+    print(f"wrote {out}: {config.method} weights, {after / 1e6:.1f} MB (was {before / 1e6:.1f} MB)")
+    return 0
+
+
+COMMAND = Command("quantize", quantize,
+                  "write a weight-only int8 or int4 copy of a checkpoint (for generate/eval/serve)")

@@ -1,0 +1,27 @@
+"""`glasslm serve --checkpoint DIR`: the OpenAI-compatible completions server and the explorer page."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from glasslm.cli.command import Command
+from glasslm.cli.common import CheckpointOption, RuntimeOptions, load_for_inference
+from glasslm.serving.config import ServeConfig
+
+
+def serve(source: CheckpointOption, config: ServeConfig, runtime: RuntimeOptions) -> int:
+    try:
+        from glasslm.serving.server import serve as serve_model
+        import fastapi, uvicorn  # noqa: F401
+    except ImportError:
+        raise RuntimeError("serving needs fastapi and uvicorn: pip install fastapi uvicorn") from None
+    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True)
+    if config.name is None:
+        config = dataclasses.replace(config, name=Path(source.checkpoint).resolve().name)
+    serve_model(model, tokenizer, config)
+    return 0
+
+
+COMMAND = Command("serve", serve,
+                  "OpenAI-compatible completions server and the explorer page (needs fastapi, uvicorn)")
