@@ -134,7 +134,7 @@ async def engine_load(checkpoint: Path, clients: int, max_batch: int, duration: 
     import torch
 
     from glasslm.hf.interop import load_model
-    from glasslm.serving.server import Engine, Job, Sampling
+    from glasslm.generation.engine import Engine, Job, Sampling
 
     torch.set_num_threads(threads)
     model, tokenizer = load_model(checkpoint)
