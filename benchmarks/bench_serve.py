@@ -133,8 +133,8 @@ async def engine_load(checkpoint: Path, clients: int, max_batch: int, duration: 
     """The same load on the batching engine in this process, without HTTP: what batching itself buys."""
     import torch
 
+    from glasslm.generation.engine import Engine, Job, Sampling
     from glasslm.hf import load_model
-    from glasslm.serving.server import Engine, Job, Sampling
 
     torch.set_num_threads(threads)
     model, tokenizer = load_model(checkpoint)

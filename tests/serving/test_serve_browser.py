@@ -24,7 +24,8 @@ from glasslm.presets import get_preset# noqa: E402
 from glasslm.generation import GenerationConfig, generate  # noqa: E402
 from glasslm.core.model import TransformerLM  # noqa: E402
 from glasslm.serving.config import ServeConfig  # noqa: E402
-from glasslm.serving.server import create_app, serving_in_thread  # noqa: E402
+from glasslm.serving.app import create_app  # noqa: E402
+from glasslm.serving.server import serving_in_thread  # noqa: E402
 from glasslm.tokenizers import CharTokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the long runs: `pytest -m "not slow"` leaves them out

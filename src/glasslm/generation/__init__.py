@@ -1,36 +1,51 @@
-"""Text generation: sampling controls, the KV-cache decoding loop, streaming text.
+"""Text generation: the public API of glasslm's decoding, from one prompt to a batching server's engine.
 
-Three modules, one job each; this one gathers their public names so `glasslm.generation` stays the
-place to import them from:
+Import from here (`from glasslm.generation import generate`); the modules behind it each do one job:
 
-- `glasslm.generation.sampling`: `GenerationConfig` and picking a token (penalty, temperature, top-k/p, min-p);
-- `glasslm.generation.decoding`: prefill + one token per step with a KV cache, ragged batches (`generate`,
-  `generate_tokens`, `decode_steps`, `optimize_for_decoding`);
-- `glasslm.generation.streaming`: UTF-8-safe text streaming and stop strings (`TextStreamer`, `stream_text`,
-  `generate_text`).
+- `sampling`: `GenerationConfig` (every control, checked) and picking a token from logits
+  (repetition penalty, temperature, top-k, top-p, min-p: `sample_next`, `filter_logits`);
+- `decoding`: prefill once into a KV cache, then one token per step, for ragged batches of prompts
+  (`generate`, `generate_tokens`, `decode_steps`); `DecodeWindow` is that cache with its padding,
+  positions and mask, whose rows can join and leave between steps; `optimize_for_decoding`;
+- `streaming`: UTF-8-safe text as tokens arrive, and stop strings (`TextStreamer`, `stream_text`,
+  `generate_text`);
+- `speculative`: greedy speculative decoding with a small draft model (`speculative_tokens`);
+- `engine`: continuous batching on a worker thread, for servers (`Engine`, `Job`, `Sampling`).
+
+Every path gives each row what decoding it alone would give: the tests compare batched, ragged,
+streamed, speculative and served outputs with `generate_tokens` of one prompt.
 
 Example:
     >>> from glasslm.presets import get_preset
     >>> from glasslm.core.model import TransformerLM
+    >>> from glasslm.tokenizers import CharTokenizer
     >>> model = TransformerLM(get_preset("llama-tiny")).eval()
-    >>> out = list(generate_tokens(model, [1, 2, 3], max_new_tokens=4, temperature=0.0))
-    >>> len(out)
+    >>> greedy = list(generate_tokens(model, [1, 2, 3], max_new_tokens=4, temperature=0.0))
+    >>> len(greedy)
     4
-    >>> [g.finish_reason for g in generate(model, [[1, 2, 3], [4]], GenerationConfig(max_new_tokens=2))]
-    ['length', 'length']
+    >>> batch = generate(model, [[1, 2, 3], [4]], GenerationConfig(max_new_tokens=4, temperature=0.0))
+    >>> batch[0].tokens == greedy, [g.finish_reason for g in batch]
+    (True, ['length', 'length'])
+    >>> tok = CharTokenizer.from_text("ab \\n")
+    >>> small = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=tok.vocab_size, n_layers=1)).eval()
+    >>> text = generate_text(small, tok, "ab", max_new_tokens=5, temperature=0.0)
+    >>> isinstance(text, str)
+    True
 """
 
 from glasslm.generation.decoding import (
-    Generation, Step, decode_steps, generate, generate_tokens, onednn_disabled, optimize_for_decoding,
+    DecodeWindow, Generation, Step, decode_steps, generate, generate_tokens, onednn_disabled, optimize_for_decoding,
 )
+from glasslm.generation.engine import Engine, Job, Overloaded, Sampling, ShuttingDown
 from glasslm.generation.sampling import (
     GenerationConfig, Tokenizer, apply_repetition_penalty, filter_logits, find_stop, make_config, sample_next,
 )
+from glasslm.generation.speculative import SpeculativeStats, speculative_tokens
 from glasslm.generation.streaming import REPLACEMENT_CHAR, TextStreamer, generate_text, settled_length, stream_text
 
 __all__ = [
-    "REPLACEMENT_CHAR", "Generation", "GenerationConfig", "Step", "TextStreamer", "Tokenizer",
-    "apply_repetition_penalty", "decode_steps", "filter_logits", "find_stop", "generate", "generate_text",
-    "generate_tokens", "make_config", "onednn_disabled", "optimize_for_decoding", "sample_next",
-    "settled_length", "stream_text",
+    "REPLACEMENT_CHAR", "DecodeWindow", "Engine", "Generation", "GenerationConfig", "Job", "Overloaded", "Sampling",
+    "ShuttingDown", "SpeculativeStats", "Step", "TextStreamer", "Tokenizer", "apply_repetition_penalty",
+    "decode_steps", "filter_logits", "find_stop", "generate", "generate_text", "generate_tokens", "make_config",
+    "onednn_disabled", "optimize_for_decoding", "sample_next", "settled_length", "speculative_tokens", "stream_text",
 ]

@@ -52,28 +52,66 @@ def onednn_disabled(disable: bool = True) -> Iterator[None]:
         torch.backends.mkldnn.enabled = previous
 
 
-class _Window:
-    """The KV cache plus what batched decoding needs around it: left padding, per-row positions,
-    and which cache slots hold real tokens (rather than padding) for the attention mask."""
+class DecodeWindow:
+    """A KV cache plus what batched decoding needs around it: left padding, per-row positions, and
+    which cache slots hold real tokens (rather than padding) for the attention mask.
 
-    def __init__(self, model: TransformerLM, batch: int, max_length: int, pad_token: int):
+    Rows are right-aligned: every row's newest token sits at the cache cursor, and a shorter row has
+    padding on its left. Besides prefill and decode, rows can join (`extend`) and leave
+    (`keep_rows`) between steps, which is what a continuous-batching server needs.
+
+    Example:
+        >>> from glasslm.presets import get_preset
+        >>> from glasslm.core.model import TransformerLM
+        >>> model = TransformerLM(get_preset("llama-tiny")).eval()
+        >>> window = DecodeWindow(model, batch=2, max_length=16)
+        >>> window.prefill([[1, 2, 3], [4]]).shape  # (batch, vocab): each row's next-token logits
+        torch.Size([2, 512])
+        >>> window.pads.tolist()
+        [0, 2]
+        >>> newcomer = DecodeWindow(model, batch=1, max_length=16)
+        >>> _ = newcomer.prefill([[5, 6]])
+        >>> window.extend(newcomer)
+        >>> window.keep_rows([1, 2])  # drops row 0; the shared padding column goes with it
+        >>> window.pads.tolist(), window.rows
+        ([1, 0], 2)
+    """
+
+    def __init__(self, model: TransformerLM, batch: int, max_length: int, pad_token: int = 0):
         self.model, self.pad_token = model, pad_token
         self.device = model.embed.weight.device
         # On CPU, keep keys and values in float32 even for bf16 weights: CPUs without bf16 matrix
         # units run bf16 attention several times slower than float32 (the weights stay bf16).
         weight = model.embed.weight
-        low_precision = weight.dtype in (torch.bfloat16, torch.float16)
-        cache_dtype = torch.float32 if weight.device.type == "cpu" and low_precision else None
-        self.cache = model.new_kv_cache(batch, max_length, dtype=cache_dtype)
-        # One-row bf16 decode steps are vector x matrix products, which PyTorch's own kernel runs
-        # about twice as fast as oneDNN's on CPU (measured; oneDNN wins for prefill and batches).
-        self.use_native_gemv = weight.device.type == "cpu" and low_precision and batch == 1
+        self._low_precision_cpu = weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+        self.cache = model.new_kv_cache(batch, max_length, dtype=torch.float32 if self._low_precision_cpu else None)
         self.key_is_real: Bool[Tensor, "batch max_length"] | None = None  # None: no padding anywhere
         self.next_position: Int[Tensor, "batch"] = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self._set_pads(torch.zeros(batch, dtype=torch.long, device=self.device))
 
     @property
     def full(self) -> bool:
+        """True once every cache slot is written: the next token needs a re-prefill."""
         return self.cache.length >= self.cache.max_length
+
+    @property
+    def rows(self) -> int:
+        return int(self.next_position.shape[0])
+
+    @property
+    def pads(self) -> Int[Tensor, "batch"]:
+        """How many padding slots sit left of each row's first real token."""
+        return self._pads
+
+    def _set_pads(self, pads: Int[Tensor, "batch"]) -> None:
+        """Keep the attention mask and the kernel choice in step with the rows' padding."""
+        self._pads = pads
+        slots = torch.arange(self.cache.max_length, device=self.device)
+        # Pads sit left; later slots are real once written.
+        self.key_is_real = None if int(pads.max()) == 0 else slots[None, :] >= pads[:, None]
+        # One-row bf16 decode steps are vector x matrix products, which PyTorch's own kernel runs
+        # about twice as fast as oneDNN's on CPU (measured; oneDNN wins for prefill and batches).
+        self.use_native_gemv = self._low_precision_cpu and len(pads) == 1
 
     def prefill(self, rows: Sequence[Sequence[int]]) -> Float[Tensor, "batch vocab"]:
         """Empty the cache and run the rows (left-padded to one length) through the model."""
@@ -83,15 +121,14 @@ class _Window:
                               dtype=torch.long, device=self.device)
         self.next_position = torch.tensor(lengths, dtype=torch.long, device=self.device)
         self.cache.reset()
-        if min(lengths) == longest:  # no padding: the model's own causal path is exact and fastest
-            self.key_is_real = None
+        n_pad = torch.tensor([longest - n for n in lengths], device=self.device)  # (batch,)
+        self._set_pads(n_pad)
+        if self.key_is_real is None:  # no padding: the model's own causal path is exact and fastest
             logits = self.model(tokens, kv_cache=self.cache, last_logits_only=True)
             return logits[:, -1].float()
-        n_pad = torch.tensor([longest - n for n in lengths], device=self.device)[:, None]  # (batch, 1)
-        slots = torch.arange(self.cache.max_length, device=self.device)[None, :]  # (1, max_length)
-        self.key_is_real = slots >= n_pad  # pads sit left; later slots are real once written
         # A real token at slot s of a row with p pads is that row's token number s - p.
-        positions = (slots[:, :longest] - n_pad).clamp_min(0)  # (batch, longest)
+        slots = torch.arange(longest, device=self.device)[None, :]  # (1, longest)
+        positions = (slots - n_pad[:, None]).clamp_min(0)  # (batch, longest)
         causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
         mask = causal & self.key_is_real[:, None, :longest]  # (batch, query, key)
         # A pad query would see no key at all. glasslm's softmax and PyTorch 2.13's CPU kernels
@@ -115,6 +152,74 @@ class _Window:
         self.next_position += 1  # only now: `positions` above is a view of this tensor
         return logits
 
+    def extend(self, other: DecodeWindow) -> None:
+        """Append `other`'s rows (same model and max_length) below this window's, keys and values included.
+
+        Both caches are right-aligned at the longer one's cursor, so a row's real tokens still end
+        there and each row decodes on exactly as it would have alone.
+        """
+        if other.cache.max_length != self.cache.max_length:
+            raise ValueError(f"windows of {self.cache.max_length} and {other.cache.max_length} slots cannot be joined")
+        length = max(self.cache.length, other.cache.length)
+        shift_ours, shift_theirs = length - self.cache.length, length - other.cache.length
+        for ours, theirs in ((self.cache.keys, other.cache.keys), (self.cache.values, other.cache.values)):
+            for layer in range(len(ours)):
+                ours[layer] = torch.cat([_shift(ours[layer], shift_ours, self.cache.length),
+                                         _shift(theirs[layer], shift_theirs, other.cache.length)])
+        self.cache.length = length
+        self.next_position = torch.cat([self.next_position, other.next_position])
+        self._set_pads(torch.cat([self._pads + shift_ours, other.pads + shift_theirs]))
+
+    def keep_rows(self, keep: Sequence[int]) -> None:
+        """Keep only rows `keep` (in that order), and drop the left padding no kept row needs."""
+        if not keep:
+            raise ValueError("keep at least one row (drop the window instead)")
+        index = torch.tensor(list(keep), device=self.device)
+        pads = self._pads[index]
+        trim = int(pads.min())
+        for store in (self.cache.keys, self.cache.values):
+            for layer in range(len(store)):
+                store[layer] = _shift(store[layer][index], -trim, self.cache.length)
+        self.cache.length -= trim
+        self.next_position = self.next_position[index]
+        self._set_pads(pads - trim)
+
+
+def _shift(t: Float[Tensor, "batch heads slots d"], by: int, length: int) -> Float[Tensor, "batch heads slots d"]:
+    """Move cache slots [0, length) right by `by` (left if negative); vacated slots are zero."""
+    if by == 0:
+        return t
+    out = torch.zeros_like(t)
+    if by > 0:
+        out[:, :, by:by + length] = t[:, :, :length]
+    else:
+        out[:, :, :length + by] = t[:, :, -by:length]
+    return out
+
+
+def _window_keep(model: TransformerLM, config: GenerationConfig) -> int:
+    """How many tokens a row keeps when its window slides past the context (checked)."""
+    context = model.config.context_length
+    keep = config.window_keep or max(1, context // 2)
+    if not 1 <= keep < context:
+        raise ValueError(f"window_keep must be in [1, context_length={context}), got {keep}")
+    if config.window == "recompute":
+        keep = context  # slide by one token: every step re-runs the last context_length tokens
+    return keep
+
+
+def _checked_rows(prompts: Sequence[Sequence[int]], vocab: int) -> list[list[int]]:
+    """The prompts as lists of ints, after checking there is at least one and each is a valid token row."""
+    if len(prompts) == 0:
+        raise ValueError("no prompts given")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must contain at least one token")
+    rows = [list(map(int, p)) for p in prompts]
+    for row in rows:
+        if min(row) < 0 or max(row) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    return rows
+
 
 def decode_steps(
     model: TransformerLM, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None,
@@ -131,24 +236,12 @@ def decode_steps(
     a full context, at the cost of a full forward pass per token.
     """
     config = config or GenerationConfig()
-    if len(prompts) == 0:
-        raise ValueError("no prompts given")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt must contain at least one token")
+    rows = _checked_rows(prompts, model.config.vocab_size)
+    keep = _window_keep(model, config)
     context = model.config.context_length
-    keep = config.window_keep or max(1, context // 2)
-    if not 1 <= keep < context:
-        raise ValueError(f"window_keep must be in [1, context_length={context}), got {keep}")
-    if config.window == "recompute":
-        keep = context  # slide by one token: every step re-runs the last context_length tokens
     device = model.embed.weight.device
     vocab = model.config.vocab_size
     batch = len(prompts)
-    rows = [list(map(int, p)) for p in prompts]
-    for row in rows:
-        if min(row) < 0 or max(row) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-
     generator = torch.Generator(device=device).manual_seed(config.seed) if config.seed is not None else None
     seen = None
     if config.repetition_penalty != 1.0:
@@ -158,7 +251,7 @@ def decode_steps(
 
     # The cache needs room for the longest prompt plus the new tokens, but never beyond the context.
     longest = max(len(r) for r in rows)
-    window = _Window(model, batch, min(context, longest + config.max_new_tokens), config.pad_token)
+    window = DecodeWindow(model, batch, min(context, longest + config.max_new_tokens), config.pad_token)
     with torch.inference_mode():
         in_cache = [r[-context:] for r in rows]  # each row's tokens the cache holds (its window)
         logits = window.prefill(in_cache)

@@ -52,12 +52,9 @@ class SpeculativeStats:
         return self.tokens / self.target_passes if self.target_passes else 0.0
 
 
-@torch.inference_mode()
-def speculative_tokens(
-    target: TransformerLM, draft: TransformerLM, prompt: Sequence[int], max_new_tokens: int,
-    lookahead: int = 4, stop_tokens: Sequence[int] = (), stats: SpeculativeStats | None = None,
-) -> Iterator[int]:
-    """Yield the target's greedy continuation of `prompt`, computed with the draft's help."""
+def _cache_slots(target: TransformerLM, draft: TransformerLM, prompt: Sequence[int], max_new_tokens: int,
+                 lookahead: int) -> int:
+    """The KV-cache slots a run needs, after checking the two models and the request fit together."""
     if target.config.vocab_size != draft.config.vocab_size:
         raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
                          f"({target.config.vocab_size}); speculative decoding needs the same tokenizer")
@@ -70,6 +67,16 @@ def speculative_tokens(
         if total > model.config.context_length and model.config.positional != "none":
             raise ValueError(f"prompt + max_new_tokens + lookahead ({total} tokens) exceeds the {name}'s context "
                              f"length {model.config.context_length}")
+    return total
+
+
+@torch.inference_mode()
+def speculative_tokens(
+    target: TransformerLM, draft: TransformerLM, prompt: Sequence[int], max_new_tokens: int,
+    lookahead: int = 4, stop_tokens: Sequence[int] = (), stats: SpeculativeStats | None = None,
+) -> Iterator[int]:
+    """Yield the target's greedy continuation of `prompt`, computed with the draft's help."""
+    total = _cache_slots(target, draft, prompt, max_new_tokens, lookahead)
     stats = stats if stats is not None else SpeculativeStats()
     device = target.embed.weight.device
     target_cache = target.new_kv_cache(1, total, device=device)

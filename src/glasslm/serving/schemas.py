@@ -3,7 +3,17 @@
 Requests are pydantic models that refuse unknown fields, so a typo ("max_token") is an error
 rather than a silently ignored setting. OpenAI fields glasslm does not implement are accepted only
 at their neutral values (n=1, echo=false, penalties 0, ...), so clients that send the defaults
-explicitly still work. Needs the `serve` extra (fastapi, uvicorn).
+explicitly still work. The functions at the end turn a `Job`'s events into OpenAI's response
+shapes. Needs the `serve` extra (fastapi, uvicorn).
+
+Example:
+    >>> CompletionRequest(prompt="ROMEO:", max_tokens=8, top_k=5).sampling()
+    Sampling(max_tokens=8, temperature=1.0, top_k=5, top_p=None, min_p=None, seed=None, stop=(), logprobs=None)
+    >>> CompletionRequest(max_token=8)
+    Traceback (most recent call last):
+    ...
+    pydantic_core._pydantic_core.ValidationError: 1 validation error for CompletionRequest
+    ...
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from glasslm.serving.server import Job, Sampling
+from glasslm.generation.engine import Job, Sampling
 
 
 class BadRequest(ValueError):

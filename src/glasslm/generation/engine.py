@@ -1,0 +1,342 @@
+"""Continuous batching: one worker thread decodes every active request together, rows joining and leaving.
+
+Callers never run the model themselves. They submit `Job`s to an `Engine`, whose worker thread
+decodes every active job together as one left-padded batch (a `DecodeWindow`: per-row positions,
+a mask hiding each row's padding). Between two decode steps the worker admits waiting jobs (their
+prompts are prefilled as a small batch of their own, then their rows join the running window) and
+drops finished or cancelled ones, so a job never waits for a whole batch to finish. Each row
+decodes as it would alone: same tokens as `generate` for greedy and seeded sampling.
+
+The queue is bounded: past `max_queue` waiting jobs `submit` raises `Overloaded` at once (a server
+answers HTTP 429). `begin_shutdown(grace)` refuses new jobs and lets running ones finish for up to
+`grace` seconds, then ends them with finish_reason "abort". A job's events (one per token, then one
+with `finish_reason`) arrive on the asyncio loop it was created for, in `job.events`.
+
+Example:
+    >>> import asyncio
+    >>> from glasslm.presets import get_preset
+    >>> from glasslm.core.model import TransformerLM
+    >>> from glasslm.tokenizers import CharTokenizer
+    >>> tok = CharTokenizer.from_text("abc\\n")
+    >>> model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=4, n_layers=1)).eval()
+    >>> async def complete(engine: Engine) -> list:
+    ...     job = Job(tok.encode("ab"), Sampling(max_tokens=3, temperature=0.0), tok, asyncio.get_running_loop())
+    ...     engine.submit(job)
+    ...     events = [await job.events.get()]
+    ...     while "finish_reason" not in events[-1]:
+    ...         events.append(await job.events.get())
+    ...     return events
+    >>> engine = Engine(model, tok, max_batch=4, max_queue=4)
+    >>> engine.start()
+    >>> events = asyncio.run(complete(engine))
+    >>> engine.stop()
+    >>> len([e for e in events if "token" in e]), events[-1]["finish_reason"]
+    (3, 'length')
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from glasslm.core.model import TransformerLM
+from glasslm.generation.decoding import DecodeWindow
+from glasslm.generation.sampling import sample_next
+from glasslm.generation.streaming import TextStreamer
+
+log = logging.getLogger("glasslm.generation.engine")
+
+
+class Overloaded(Exception):
+    """The queue is full: the client should retry later (HTTP 429)."""
+
+
+class ShuttingDown(Exception):
+    """The engine is draining after `begin_shutdown` and takes no new work (HTTP 503)."""
+
+
+@dataclass
+class Sampling:
+    """One job's controls, already checked (a server checks them in its request schema)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # how many alternatives per token, as OpenAI's `logprobs`
+
+
+@dataclass
+class Job:
+    """One completion being generated. The worker thread fills it; the caller's task reads `events`."""
+
+    prompt: list[int]
+    sampling: Sampling
+    tokenizer: Any
+    loop: asyncio.AbstractEventLoop
+    stop_tokens: frozenset[int] = frozenset()
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    created: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.held = list(self.prompt)  # the tokens this row's cache window holds (plus the newest)
+        self.generated: list[int] = []
+        self.streamer = TextStreamer(self.tokenizer, self.sampling.stop)
+        seed = self.sampling.seed
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.finish_reason: str | None = None
+        self.first_token_time: float | None = None
+
+    outbox: list | None = None  # set by the engine: events wait there until the step ends
+
+    def emit(self, event: dict[str, Any]) -> None:
+        """Hand an event to the caller's event loop (thread-safe; a closed loop means nobody listens)."""
+        if self.outbox is not None:
+            self.outbox.append((self, event))
+            return
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def finish(self, reason: str, text: str = "") -> None:
+        self.finish_reason = reason
+        self.emit({"finish_reason": reason, "text": text})
+
+
+class Engine:
+    """The batching loop: one worker thread, a bounded queue, and the model lock.
+
+    Hold `model_lock` to use the model from another thread (the worker holds it during each step).
+    """
+
+    def __init__(self, model: TransformerLM, tokenizer: Any, max_batch: int = 32, max_queue: int = 64):
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.context = model.config.context_length
+        self.keep = max(1, self.context // 2)  # tokens kept when a row's window slides, as generate does
+        self.model_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._pending: collections.deque[Job] = collections.deque()
+        self.active: list[Job] = []
+        self._window: DecodeWindow | None = None  # the active jobs' rows, in the same order
+        self._logits: Float[Tensor, "batch vocab"] | None = None  # next-token logits of each active row
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.draining = False
+        self._deadline: float | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="glasslm-batcher", daemon=True)
+        # One wake-up of the event loop per step for all rows, not one per row: each wake-up is a
+        # GIL hand-over between this thread and the loop's, which costs milliseconds on a busy CPU.
+        self._outbox: list[tuple[Job, dict[str, Any]]] = []
+
+    # --- the caller's side (event-loop threads) ---
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue `job`; raises `Overloaded` when the queue is full, `ShuttingDown` while draining."""
+        with self._cond:
+            if self.draining or self._stop:
+                raise ShuttingDown("the server is shutting down and takes no new requests")
+            free_rows = max(0, self.max_batch - len(self.active))  # jobs the next step admits
+            if len(self._pending) >= self.max_queue + free_rows:
+                self.stats["rejected"] += 1
+                raise Overloaded(f"the server is busy ({len(self.active)} requests running, "
+                                 f"{len(self._pending)} waiting, the queue holds {self.max_queue}); retry later")
+            job.outbox = self._outbox
+            self._pending.append(job)
+            self.stats["submitted"] += 1
+            self._cond.notify()
+
+    def queued(self) -> int:
+        return len(self._pending)
+
+    def begin_shutdown(self, grace: float) -> None:
+        """Take no new jobs; running and queued ones get `grace` seconds to finish, then are aborted."""
+        with self._cond:
+            if not self.draining:
+                self.draining, self._deadline = True, time.monotonic() + grace
+            self._cond.notify()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the worker; any job still running is aborted."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # --- the worker thread ---
+
+    def _flush(self) -> None:
+        """Deliver the events of the last step: one call into each event loop that has any."""
+        events, self._outbox[:] = list(self._outbox), []
+        by_loop: dict[Any, list[tuple[Job, dict[str, Any]]]] = {}
+        for job, event in events:
+            by_loop.setdefault(job.loop, []).append((job, event))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+                loop.call_soon_threadsafe(_deliver, items)
+
+    def _run(self) -> None:
+        try:
+            while self._iterate():
+                self._flush()
+        finally:
+            self._flush()
+
+    def _iterate(self) -> bool:
+        """One pass of the worker: admit, step, or abort everything; False once stopped."""
+        with self._cond:
+            while not (self.active or self._pending or self._stop):
+                self._cond.wait()
+            if self._stop or (self._deadline is not None and time.monotonic() > self._deadline):
+                self._abort_all()
+                return not self._stop
+            new = self._take_pending()
+        try:
+            with self.model_lock, torch.inference_mode():
+                self._step(new)
+        except Exception as err:  # never leave a client waiting on a dead worker
+            log.exception("decode step failed")
+            for job in [*self.active, *new]:
+                if job.finish_reason is None:
+                    job.emit({"error": f"generation failed: {type(err).__name__}: {err}"})
+                    job.finish_reason = "error"
+            self.active, self._window = [], None
+        return True
+
+    def _abort_all(self) -> None:
+        for job in [*self.active, *self._pending]:
+            job.finish("abort", job.streamer.finish())
+            self.stats["aborted"] += 1
+        self.active, self._window = [], None
+        self._pending.clear()
+
+    def _take_pending(self) -> list[Job]:
+        """The waiting jobs the next step admits (as many as free rows), skipping cancelled ones."""
+        new = []
+        while self._pending and len(self.active) + len(new) < self.max_batch:
+            job = self._pending.popleft()
+            if job.cancelled.is_set():
+                self.stats["cancelled"] += 1
+            else:
+                new.append(job)
+        return new
+
+    def _step(self, new: list[Job]) -> None:
+        if new:
+            self._admit(new)
+        if not self.active:
+            return
+        chosen, keep = self._sample()
+        self.stats["steps"] += 1
+        self.stats["rows"] += len(self.active)  # rows / steps: the mean batch actually decoded
+        if len(keep) < len(self.active):
+            self._remove(keep)
+        if self.active:
+            self._feed([chosen[i] for i in keep])
+
+    def _admit(self, jobs: list[Job]) -> None:
+        """Prefill the new rows as their own padded batch, then let them join the running one."""
+        window = DecodeWindow(self.model, len(jobs), self.context)
+        logits = window.prefill([job.held for job in jobs])
+        if self._window is None:
+            self.active, self._window, self._logits = list(jobs), window, logits
+        else:
+            self._window.extend(window)
+            self._logits = torch.cat([self._logits, logits])
+            self.active += jobs
+        self.stats["largest_batch"] = max(self.stats["largest_batch"], len(self.active))
+
+    def _sample(self) -> tuple[list[int], list[int]]:
+        """Pick each row's token, send it to its client; return the tokens and the rows that go on."""
+        logits = self._logits
+        want_logprobs = any(job.sampling.logprobs is not None for job in self.active)
+        log_probs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        chosen, keep = [], []
+        now = time.time()
+        for i, job in enumerate(self.active):
+            s = job.sampling
+            if job.cancelled.is_set():
+                job.finish_reason = "cancelled"
+                self.stats["cancelled"] += 1
+                chosen.append(0)
+                continue
+            token = int(sample_next(logits[i:i + 1], s.temperature, s.top_k, s.top_p, job.generator, s.min_p)[0])
+            chosen.append(token)
+            job.first_token_time = job.first_token_time or now
+            if token in job.stop_tokens:
+                job.finish("stop", job.streamer.finish())
+                self.stats["completed"] += 1
+                continue
+            if self._emit_token(job, token, None if log_probs is None else log_probs[i]):
+                keep.append(i)
+            else:
+                self.stats["completed"] += 1
+        return chosen, keep
+
+    def _emit_token(self, job: Job, token: int, log_probs: Float[Tensor, "vocab"] | None) -> bool:
+        """Send `token` to the job's client, finishing the job if it is done; True while it goes on."""
+        s = job.sampling
+        event: dict[str, Any] = {"token": token, "offset": len(job.streamer.text)}
+        if log_probs is not None and s.logprobs is not None:
+            event["logprob"] = float(log_probs[token])
+            top = log_probs.topk(s.logprobs) if s.logprobs > 0 else None
+            event["top"] = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
+        job.generated.append(token)
+        job.held.append(token)
+        event["text"] = job.streamer.push(token)
+        job.emit(event)
+        if job.streamer.stopped:
+            job.finish("stop")
+        elif len(job.generated) >= s.max_tokens:
+            job.finish("length", job.streamer.finish())
+        else:
+            return True
+        return False
+
+    def _remove(self, keep: list[int]) -> None:
+        """Drop finished rows from the window (and the left padding no remaining row needs)."""
+        self.active = [self.active[i] for i in keep]
+        if not keep:
+            self._window = self._logits = None
+            return
+        self._window.keep_rows(keep)
+
+    def _feed(self, tokens: list[int]) -> None:
+        """Run the chosen tokens through the model: the next step's logits."""
+        window = self._window
+        if not window.full:
+            self._logits = window.decode(torch.tensor(tokens, dtype=torch.long, device=window.device))
+            return
+        # The cache is full: re-prefill every row, sliding those whose own window passed the
+        # context to their last `keep` tokens (exactly when generate would slide them alone).
+        for job in self.active:
+            if len(job.held) > self.context:
+                job.held = job.held[-self.keep:]
+        self._window = DecodeWindow(self.model, len(self.active), self.context)
+        self._logits = self._window.prefill([job.held for job in self.active])
+
+
+def _deliver(items: list[tuple[Job, dict[str, Any]]]) -> None:
+    for job, event in items:
+        job.events.put_nowait(event)

@@ -1,0 +1,56 @@
+"""The FastAPI app of `glasslm serve`, assembled from the route modules of `glasslm.serving.routes`.
+
+Requests never run the model themselves: completions queue jobs for the app's batching `Engine`
+(`glasslm.generation.engine`), which starts and stops with the app. Every route receives the
+shared `Served` (model, tokenizer, config, engine) as a dependency; adding an API route is one new
+module in `routes/` exposing `router`, and one entry in `ROUTERS`.
+
+Example (the app without a network socket; `uvicorn.run(app)` would serve it):
+    >>> from glasslm.presets import get_preset
+    >>> from glasslm.core.model import TransformerLM
+    >>> from glasslm.tokenizers import CharTokenizer
+    >>> tok = CharTokenizer.from_text("abc\\n")
+    >>> app = create_app(TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=4, n_layers=1)).eval(), tok)
+    >>> sorted(path for path in app.openapi()["paths"] if path.startswith("/v1"))
+    ['/v1/completions', '/v1/models']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+
+from glasslm.core.model import TransformerLM
+from glasslm.serving.config import ServeConfig
+from glasslm.serving.context import Served
+from glasslm.serving.errors import add_error_handlers
+from glasslm.serving.routes import completions, explorer, health
+
+ROUTERS = (health.router, completions.router, explorer.router)
+
+
+def create_app(model: TransformerLM, tokenizer: Any, config: ServeConfig | None = None) -> FastAPI:
+    """The FastAPI app: /v1/completions, /v1/models, /health, the explorer page and its /api endpoints.
+
+    `config.max_batch` rows decode together; up to `config.max_queue` more wait; beyond that requests
+    get 429. The host, port and grace of `config` are the server's (`serve`), not the app's.
+    The engine is `app.state.served.engine` (also `app.state.engine`).
+    """
+    served = Served.build(model, tokenizer, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        served.engine.start()
+        yield
+        served.engine.stop()
+
+    app = FastAPI(title="glasslm", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app.state.served, app.state.engine, app.state.started = served, served.engine, time.time()
+    add_error_handlers(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    return app

@@ -1,0 +1,63 @@
+"""Every error the app answers, in OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`.
+
+Never a traceback: validation problems become 400s naming the field, unknown paths 404s, and
+anything unexpected a 500 that names only the exception's type (the log has the rest).
+
+Example:
+    >>> error_response(429, "the server is busy", "overloaded").body
+    b'{"error":{"message":"the server is busy","type":"overloaded","param":null,"code":429}}'
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from glasslm.serving.schemas import BadRequest, describe_validation_error
+
+log = logging.getLogger("glasslm.serving")
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error",
+                   param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status)
+
+
+async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    problem = exc.errors()[0] if exc.errors() else {}
+    where = "" if problem.get("type") == "json_invalid" else ".".join(
+        str(p) for p in problem.get("loc", ()) if p != "body")
+    message = describe_validation_error(problem)
+    return error_response(400, f"{where}: {message}" if where else message, param=where or None)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    message = str(exc.detail)
+    if exc.status_code == 400 and "parsing the body" in message:  # FastAPI's words for bad bytes
+        message = "the request body could not be read: it must be JSON encoded as UTF-8"
+    return error_response(exc.status_code, message, kind)
+
+
+async def _bad_input(request: Request, exc: BadRequest) -> JSONResponse:
+    return error_response(400, str(exc), param=exc.param)
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    handlers: tuple[tuple[type[Exception], Any], ...] = (
+        (RequestValidationError, _bad_request), (HTTPException, _http_error), (BadRequest, _bad_input),
+        (Exception, _internal_error),
+    )
+    for exception, handler in handlers:
+        app.add_exception_handler(exception, handler)

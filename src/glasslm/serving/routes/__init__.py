@@ -1,0 +1,6 @@
+"""The app's routes, one module per concern; each exposes `router`, and `glasslm.serving.app` includes them.
+
+- `health`: GET /health (liveness, load and counters; 503 while draining);
+- `completions`: OpenAI's POST /v1/completions and GET /v1/models;
+- `explorer`: the explorer page (/ and /static) and its JSON endpoints under /api.
+"""

@@ -1,0 +1,73 @@
+"""The explorer page (/ and /static) and its JSON endpoints: thin wrappers around `glasslm.interp.explore`.
+
+Each endpoint takes the engine's model lock (`Served.run_locked`), which the worker holds during
+a decode step, so hooks never see a decode step's activations.
+
+Example:
+    >>> from fastapi import FastAPI
+    >>> app = FastAPI()
+    >>> app.include_router(router)
+    >>> sorted(p for p in app.openapi()["paths"] if p.startswith("/api"))
+    ['/api/attention', '/api/info', '/api/logit-lens', '/api/next-token', '/api/token-loss', '/api/tokenize']
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+from glasslm.interp.explore import attention, logit_lens, next_token, token_loss, token_texts
+from glasslm.serving import schemas
+from glasslm.serving.context import ServedDep
+
+STATIC_DIR = Path(__file__).parent.parent / "static"
+LOSS_LIMIT_CONTEXTS = 16  # /api/token-loss scores texts up to this many context lengths
+
+router = APIRouter()
+router.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+
+@router.get("/", include_in_schema=False)
+async def index() -> FileResponse:
+    return FileResponse(STATIC_DIR / "index.html")
+
+
+@router.get("/api/info")
+def info(served: ServedDep) -> dict[str, Any]:
+    model, c = served.model, served.model.config
+    return {"model": served.name, "context_length": c.context_length, "vocab_size": c.vocab_size,
+            "n_layers": c.n_layers, "n_heads": c.n_heads, "d_model": c.d_model, "parameters": model.num_parameters(),
+            "tokenizer": getattr(served.tokenizer, "kind", type(served.tokenizer).__name__),
+            "max_tokens_limit": served.config.max_tokens_limit}
+
+
+@router.post("/api/tokenize")
+def api_tokenize(body: schemas.TextRequest, served: ServedDep) -> dict[str, Any]:
+    ids = body.ids(lambda text: served.encode(text, what="text"))
+    return {"tokens": ids, "texts": token_texts(served.tokenizer, ids)}
+
+
+@router.post("/api/next-token")
+def api_next_token(body: schemas.NextTokenRequest, served: ServedDep) -> Any:
+    ids = body.ids(lambda text: served.encode(text, what="text"))
+    return served.run_locked(next_token, ids, body.temperature, body.top_k or None, body.top_p, body.min_p, body.k)
+
+
+@router.post("/api/token-loss")
+def api_token_loss(body: schemas.TextRequest, served: ServedDep) -> Any:
+    limit = LOSS_LIMIT_CONTEXTS * served.context_length
+    return served.run_locked(token_loss, body.ids(lambda text: served.encode(text, limit=limit, what="text")))
+
+
+@router.post("/api/attention")
+def api_attention(body: schemas.AttentionRequest, served: ServedDep) -> Any:
+    return served.run_locked(attention, body.ids(lambda text: served.encode(text, what="text")), body.layer, body.head)
+
+
+@router.post("/api/logit-lens")
+def api_logit_lens(body: schemas.TextRequest, served: ServedDep) -> Any:
+    return served.run_locked(logit_lens, body.ids(lambda text: served.encode(text, what="text")))
