@@ -180,7 +180,8 @@ def main() -> None:
         which, corpus, vocab = args.train_one
         train_one(which, corpus, int(vocab))
         return
-    from glasslm.data import data_dir as resolve_data_dir, resolve_text
+    from glasslm.data import resolve_text
+    from glasslm.locations import data_dir as resolve_data_dir
     from glasslm.tokenizers import find_gpt2_files
 
     data_dir = resolve_data_dir(args.data_dir)

@@ -516,7 +516,7 @@ def _print_checkpoint_info(path: str) -> ModelConfig:
 
 def cmd_convert(args: argparse.Namespace) -> None:
     from glasslm.io.checkpoint import save_checkpoint
-    from glasslm.data import check_output_dir
+    from glasslm.locations import check_output_dir
     from glasslm.hf.interop import checkpoint_summary, export_hf, import_hf, hf_tokenizer, load_model
 
     if args.from_format:
@@ -608,7 +608,8 @@ def cmd_quantize(args: argparse.Namespace) -> None:
 def cmd_train_tokenizer(args: argparse.Namespace) -> None:
     import time
 
-    from glasslm.data import check_output_dir, resolve_text
+    from glasslm.data import resolve_text
+    from glasslm.locations import check_output_dir
     from glasslm.tokenizers import train_tokenizer
 
     paths = [resolve_text(source, args.data_dir) for source in args.inputs]
@@ -620,7 +621,8 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from glasslm.data import char_vocabulary, check_output_dir, prepare, resolve_text
+    from glasslm.data import char_vocabulary, prepare, resolve_text
+    from glasslm.locations import check_output_dir
     from glasslm.tokenizers import CharTokenizer, get_tokenizer
 
     paths = [resolve_text(source, args.data_dir) for source in args.inputs]
@@ -635,7 +637,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_fetch(args: argparse.Namespace) -> None:
-    from glasslm.data import DATA_DIR_RULE, DATASETS, data_dir, fetch_dataset
+    from glasslm.data import DATASETS, fetch_dataset
+    from glasslm.locations import DATA_DIR_RULE, data_dir
 
     print(f"data directory: {data_dir(args.data_dir)} ({DATA_DIR_RULE})")
     for name in args.names or list(DATASETS):
