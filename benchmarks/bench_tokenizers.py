@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 from glasslm.tokenizers import trainer as bpe
-from glasslm.tokenizers import gpt2_tokenizer
+from glasslm.tokenizers import ENDOFTEXT, gpt2_tokenizer
 
-EOT = "<|endoftext|>"
+EOT = ENDOFTEXT
 
 
 def timed(fn) -> tuple[float, object]:

@@ -1,4 +1,4 @@
-"""Tests for glasslm.tokenizers and glasslm.tokenizers.trainer.
+"""Tests for glasslm.tokenizers: the char and BPE tokenizers, BPE training, GPT-2's files.
 
 The core BPE tests need no external files. Tests against GPT-2's released vocabulary, tiktoken
 and tiny Shakespeare read $GLASSLM_DATA_DIR (layout: gpt2/gpt2_vocab.json, gpt2/gpt2_merges.txt,
@@ -23,23 +23,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from glasslm.tokenizers import trainer as bpe
-from glasslm.tokenizers.trainer import PRETOKEN_PATTERN, train_bpe
+from glasslm.tokenizers.pretokens import PRETOKEN_PATTERN
+from glasslm.tokenizers.trainer import train_bpe
 from glasslm.tokenizers import (
     BPE_DESCRIPTOR_FILE,
+    ENDOFTEXT,
     GPT2_SHA256,
     BPETokenizer,
     CharTokenizer,
+    HFTokenizer,
     Tokenizer,
     bytes_to_unicode,
     find_gpt2_files,
     get_tokenizer,
     gpt2_tokenizer,
     load_tokenizer,
+    to_hf_json,
     train_tokenizer,
     train_tokenizer_from_text,
 )
 
-EOT = "<|endoftext|>"
+EOT = "<|endoftext|>"  # written out: the tests check ENDOFTEXT against it
 DATA_DIR = os.environ.get("GLASSLM_DATA_DIR")
 
 # --------------------------------------------------------------------------- corpora and helpers
@@ -172,6 +176,19 @@ TORTURE = [
 def test_all_kinds_satisfy_the_interface(small_bpe):
     assert isinstance(CharTokenizer.from_text("ab"), Tokenizer)
     assert isinstance(small_bpe, Tokenizer)
+
+
+def test_endoftext_is_gpt2s_token_and_the_default_special():
+    assert ENDOFTEXT == EOT
+    assert train_tokenizer_from_text("ab ab ab", vocab_size=258).special_tokens == {EOT: 257}
+
+
+def test_every_kind_refuses_ids_outside_its_vocabulary(small_bpe):
+    hf = HFTokenizer.from_json(to_hf_json(CharTokenizer.from_text("abc")))
+    for tok in (CharTokenizer.from_text("abc"), small_bpe, hf):
+        for bad in ([tok.vocab_size], [-1]):
+            with pytest.raises(ValueError, match=f"outside the vocabulary \\(size {tok.vocab_size}\\)"):
+                tok.decode(bad)
 
 
 @given(st.text(min_size=1))
