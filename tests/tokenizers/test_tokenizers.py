@@ -291,6 +291,26 @@ def test_train_tokenizer_writes_a_loadable_directory(tmp_path):
     assert again.encode(sample) == tok.encode(sample)
 
 
+def test_train_tokenizer_refuses_a_non_empty_out_dir_unless_overwrite(tmp_path):
+    # As `glasslm train-tokenizer` does: refused before training, nothing in the directory touched.
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(make_corpus(500, seed=8), encoding="utf-8")
+    out = tmp_path / "tok"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match=r"tokenizer directory .* is not empty \(notes\.txt\)"):
+        train_tokenizer([corpus], 300, [EOT], out_dir=out, num_workers=1)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    with pytest.raises(ValueError, match="would overwrite the input"):
+        train_tokenizer([corpus], 300, [EOT], out_dir=tmp_path, num_workers=1, overwrite=True)
+    tok = train_tokenizer([corpus], 300, [EOT], out_dir=out, num_workers=1, overwrite=True)
+    assert load_tokenizer(out).encode("the cat sat") == tok.encode("the cat sat")
+    assert (out / "notes.txt").read_text() == "keep me"  # overwrite replaces files by name only
+    # Saving again over its own earlier files also needs overwrite=True.
+    with pytest.raises(ValueError, match="is not empty"):
+        train_tokenizer([corpus], 300, [EOT], out_dir=out, num_workers=1)
+
+
 # --------------------------------------------------------------------------- BPE encoding
 
 

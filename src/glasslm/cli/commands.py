@@ -615,7 +615,7 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> None:
     paths = [resolve_text(source, args.data_dir) for source in args.inputs]
     check_output_dir(args.out, args.overwrite, inputs=paths, what="tokenizer")
     start = time.perf_counter()
-    tokenizer = train_tokenizer(paths, args.vocab_size, args.special_tokens, args.out, args.workers)
+    tokenizer = train_tokenizer(paths, args.vocab_size, args.special_tokens, args.out, args.workers, args.overwrite)
     print(f"trained a {tokenizer.vocab_size:,}-token byte-level BPE in {time.perf_counter() - start:.2f} s "
           f"-> {args.out} (vocab.json, merges.txt)")
 

@@ -36,6 +36,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from glasslm.locations import check_output_dir
 from glasslm.tokenizers.base import ENDOFTEXT
 from glasslm.tokenizers.bpe import BPETokenizer
 from glasslm.tokenizers.pretokens import PRETOKEN_RE, safe_cut_pattern, special_split_pattern
@@ -424,10 +425,14 @@ def train_tokenizer(
     special_tokens: Sequence[str] = (ENDOFTEXT,),
     out_dir: str | os.PathLike | None = None,
     num_workers: int | None = None,
+    overwrite: bool = False,
 ) -> BPETokenizer:
     """Train a byte-level BPE tokenizer on UTF-8 text files and (if `out_dir`) save it there.
 
-    `paths` are file names (plain strings here mean paths); see `train_bpe`.
+    `paths` are file names (plain strings here mean paths); see `train_bpe`. Like
+    `glasslm train-tokenizer`, this refuses, before training, an `out_dir` that is a file, holds an
+    input, or is a non-empty directory, unless `overwrite=True` (then the tokenizer's files are
+    written over whatever has their names).
 
     Example:
         >>> import tempfile, pathlib
@@ -437,8 +442,14 @@ def train_tokenizer(
         >>> tok = train_tokenizer([d / "a.txt"], vocab_size=300, out_dir=d / "tok")
         >>> load_tokenizer(d / "tok").encode("to be") == tok.encode("to be")
         True
+        >>> train_tokenizer([d / "a.txt"], vocab_size=300, out_dir=d / "tok")
+        Traceback (most recent call last):
+        ...
+        ValueError: tokenizer directory ... is not empty (glasslm_tokenizer.json, merges.txt, vocab.json); ...
     """
     paths = [Path(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
+    if out_dir is not None:
+        check_output_dir(out_dir, overwrite, inputs=paths, what="tokenizer")
     tok = BPETokenizer(*train_bpe(paths, vocab_size, special_tokens, num_workers), list(special_tokens))
     if out_dir is not None:
         tok.save(out_dir)
