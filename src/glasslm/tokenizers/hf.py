@@ -39,7 +39,7 @@ def _tokenizers_lib():
     return tokenizers
 
 
-def _token_text(value) -> str | None:
+def _role_token(value) -> str | None:
     """A tokenizer_config.json role value: a string, an AddedToken-like dict, or null."""
     if isinstance(value, dict):
         return value.get("content")
@@ -103,7 +103,7 @@ class HFTokenizer:
         """{"bos": id, "eos": id, "pad": id, "unk": id} as tokenizer_config.json names them (None if not)."""
         out: dict[Role, int | None] = {}
         for role in SPECIAL_ROLES:
-            text = _token_text(self.config.get(f"{role}_token"))
+            text = _role_token(self.config.get(f"{role}_token"))
             out[role] = self.backend.token_to_id(text) if text is not None else None
         return out
 
