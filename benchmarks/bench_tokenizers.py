@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 from glasslm.tokenizers import trainer as bpe
-from glasslm.tokenizers import gpt2_tokenizer
+from glasslm.tokenizers import ENDOFTEXT, gpt2_tokenizer
 
-EOT = "<|endoftext|>"
+EOT = ENDOFTEXT
 
 
 def timed(fn) -> tuple[float, object]:
@@ -180,7 +180,8 @@ def main() -> None:
         which, corpus, vocab = args.train_one
         train_one(which, corpus, int(vocab))
         return
-    from glasslm.data import data_dir as resolve_data_dir, resolve_text
+    from glasslm.data import resolve_text
+    from glasslm.locations import data_dir as resolve_data_dir
     from glasslm.tokenizers import find_gpt2_files
 
     data_dir = resolve_data_dir(args.data_dir)

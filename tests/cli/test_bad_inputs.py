@@ -255,9 +255,9 @@ def test_overwrite_is_explicit(work, capsys):
 # --- full disk and signals during prepare -------------------------------------------------------------
 
 def test_full_disk_during_prepare_leaves_nothing(work, capsys, monkeypatch):
-    import glasslm.data
+    import glasslm.data.prepared
 
-    real_flush, calls = glasslm.data._flush, []
+    real_flush, calls = glasslm.data.prepared._flush, []
 
     def flush_until_full(block, f, dtype, vocab_size):
         calls.append(1)
@@ -265,7 +265,7 @@ def test_full_disk_during_prepare_leaves_nothing(work, capsys, monkeypatch):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f.name)
         return real_flush(block, f, dtype, vocab_size)
 
-    monkeypatch.setattr(glasslm.data, "_flush", flush_until_full)
+    monkeypatch.setattr(glasslm.data.prepared, "_flush", flush_until_full)
     big = work / "big.txt"
     big.write_text(TEXT * 20)  # more than one 64k-token block
     before = snapshot(work)

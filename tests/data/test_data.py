@@ -41,6 +41,23 @@ def test_split_is_ninety_ten_in_order():
     assert torch.equal(train, tokens[:90]) and torch.equal(val, tokens[90:])
 
 
+def test_read_split_parts_rejoin_to_the_file_and_bad_input_is_named(tmp_path):
+    from glasslm.data import read_split
+
+    f = tmp_path / "t.txt"
+    text = "".join(f"line {i} é\n" for i in range(40))
+    f.write_text(text, encoding="utf-8")
+    train, val = read_split(f, "train"), read_split(f, "val")
+    assert train + val == read_split(f, "all") == text
+    assert val.startswith("line ") and train.endswith("\n")  # cut at a line start
+    assert len(text.encode()) * 0.1 >= len(val.encode()) > 0  # the default: at most the last 10% of the bytes
+    with pytest.raises(ValueError, match="split must be one of train, val, all, got 'test'"):
+        read_split(f, "test")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n" * 20)
+    with pytest.raises(ValueError, match="latin1.txt is not UTF-8 text"):
+        read_split(tmp_path / "latin1.txt", "train")
+
+
 def test_known_dataset_is_found_and_verified(data_dir):
     path = fetch_dataset("tinyshakespeare", data_dir)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == DATASETS["tinyshakespeare"].sha256

@@ -1,4 +1,4 @@
-"""Tests for glasslm.tokenizers and glasslm.tokenizers.trainer.
+"""Tests for glasslm.tokenizers: the char and BPE tokenizers, BPE training, GPT-2's files.
 
 The core BPE tests need no external files. Tests against GPT-2's released vocabulary, tiktoken
 and tiny Shakespeare read $GLASSLM_DATA_DIR (layout: gpt2/gpt2_vocab.json, gpt2/gpt2_merges.txt,
@@ -23,23 +23,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from glasslm.tokenizers import trainer as bpe
-from glasslm.tokenizers.trainer import PRETOKEN_PATTERN, train_bpe
+from glasslm.tokenizers.pretokens import PRETOKEN_PATTERN
+from glasslm.tokenizers.trainer import train_bpe
 from glasslm.tokenizers import (
     BPE_DESCRIPTOR_FILE,
+    ENDOFTEXT,
     GPT2_SHA256,
     BPETokenizer,
     CharTokenizer,
+    HFTokenizer,
     Tokenizer,
     bytes_to_unicode,
     find_gpt2_files,
     get_tokenizer,
     gpt2_tokenizer,
     load_tokenizer,
+    to_hf_json,
     train_tokenizer,
     train_tokenizer_from_text,
 )
 
-EOT = "<|endoftext|>"
+EOT = "<|endoftext|>"  # written out: the tests check ENDOFTEXT against it
 DATA_DIR = os.environ.get("GLASSLM_DATA_DIR")
 
 # --------------------------------------------------------------------------- corpora and helpers
@@ -174,6 +178,19 @@ def test_all_kinds_satisfy_the_interface(small_bpe):
     assert isinstance(small_bpe, Tokenizer)
 
 
+def test_endoftext_is_gpt2s_token_and_the_default_special():
+    assert ENDOFTEXT == EOT
+    assert train_tokenizer_from_text("ab ab ab", vocab_size=258).special_tokens == {EOT: 257}
+
+
+def test_every_kind_refuses_ids_outside_its_vocabulary(small_bpe):
+    hf = HFTokenizer.from_json(to_hf_json(CharTokenizer.from_text("abc")))
+    for tok in (CharTokenizer.from_text("abc"), small_bpe, hf):
+        for bad in ([tok.vocab_size], [-1]):
+            with pytest.raises(ValueError, match=f"outside the vocabulary \\(size {tok.vocab_size}\\)"):
+                tok.decode(bad)
+
+
 @given(st.text(min_size=1))
 @settings(max_examples=100, deadline=None)
 def test_char_round_trip(text):
@@ -272,6 +289,26 @@ def test_train_tokenizer_writes_a_loadable_directory(tmp_path):
     again = load_tokenizer(tmp_path / "tok")
     sample = make_corpus(300, seed=7)
     assert again.encode(sample) == tok.encode(sample)
+
+
+def test_train_tokenizer_refuses_a_non_empty_out_dir_unless_overwrite(tmp_path):
+    # As `glasslm train-tokenizer` does: refused before training, nothing in the directory touched.
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(make_corpus(500, seed=8), encoding="utf-8")
+    out = tmp_path / "tok"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match=r"tokenizer directory .* is not empty \(notes\.txt\)"):
+        train_tokenizer([corpus], 300, [EOT], out_dir=out, num_workers=1)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    with pytest.raises(ValueError, match="would overwrite the input"):
+        train_tokenizer([corpus], 300, [EOT], out_dir=tmp_path, num_workers=1, overwrite=True)
+    tok = train_tokenizer([corpus], 300, [EOT], out_dir=out, num_workers=1, overwrite=True)
+    assert load_tokenizer(out).encode("the cat sat") == tok.encode("the cat sat")
+    assert (out / "notes.txt").read_text() == "keep me"  # overwrite replaces files by name only
+    # Saving again over its own earlier files also needs overwrite=True.
+    with pytest.raises(ValueError, match="is not empty"):
+        train_tokenizer([corpus], 300, [EOT], out_dir=out, num_workers=1)
 
 
 # --------------------------------------------------------------------------- BPE encoding

@@ -45,7 +45,7 @@ def convert(config: ConvertConfig, output: OutputOption) -> int:
 
 
 def _from_foreign(config: ConvertConfig, output: OutputOption) -> None:
-    from glasslm.data import check_output_dir
+    from glasslm.locations import check_output_dir
     from glasslm.io.checkpoint import save_checkpoint
     from glasslm.io.formats import load_foreign
 
@@ -59,7 +59,7 @@ def _from_foreign(config: ConvertConfig, output: OutputOption) -> None:
 
 
 def _from_hf(config: ConvertConfig, output: OutputOption) -> None:
-    from glasslm.data import check_output_dir
+    from glasslm.locations import check_output_dir
     from glasslm.hf import hf_tokenizer, import_hf
     from glasslm.io.checkpoint import save_checkpoint
 
@@ -74,7 +74,7 @@ def _from_hf(config: ConvertConfig, output: OutputOption) -> None:
 
 
 def _to_hf(config: ConvertConfig, output: OutputOption) -> None:
-    from glasslm.data import check_output_dir
+    from glasslm.locations import check_output_dir
     from glasslm.hf import checkpoint_summary, export_hf, load_model
 
     if not config.checkpoint:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from glasslm.cli.command import Command
 from glasslm.cli.common import CheckpointOption, RuntimeOptions, load_for_inference
 from glasslm.evaluation.config import EvalConfig
+from glasslm.data.splits import VAL_FRACTION, Split
 
 
 @dataclass
@@ -17,9 +18,9 @@ class EvalData:
 
     data: str  # dataset name, path to a UTF-8 text file, or a directory made by `glasslm prepare`
     data_dir: str | None = None  # where datasets are kept; none: $GLASSLM_DATA_DIR, else ~/.cache/glasslm
-    split: Literal["val", "train", "all"] = "val"  # which part to score, split as in training (val: the text
+    split: Split = "val"  # which part to score, split as in training (val: the text
                                                    # training did not see)
-    val_fraction: float = 0.1  # text files: validation starts at the first line start at or after
+    val_fraction: float = VAL_FRACTION  # text files: validation starts at the first line start at or after
                                # 1 - this of the bytes
     max_chars: int | None = field(default=None, metadata={"minimum": 1})  # score only the first N characters;
                                                                           # none: all

@@ -19,7 +19,8 @@ class FetchConfig:
 
 
 def fetch(config: FetchConfig) -> int:
-    from glasslm.data import DATA_DIR_RULE, DATASETS, data_dir, fetch_dataset
+    from glasslm.data import DATASETS, fetch_dataset
+    from glasslm.locations import DATA_DIR_RULE, data_dir
 
     print(f"data directory: {data_dir(config.data_dir)} ({DATA_DIR_RULE})")
     for name in config.names or list(DATASETS):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from glasslm.cli.command import Command
 from glasslm.cli.common import OutputOption
+from glasslm.data.splits import VAL_FRACTION
 
 
 @dataclass
@@ -14,13 +15,14 @@ class PrepareConfig:
 
     inputs: list[str] = field(metadata={"positional": True})  # UTF-8 text files or dataset names
     tokenizer: str = "char"  # char, gpt2, or a saved tokenizer directory
-    val_fraction: float = 0.1  # the last fraction of each file (from a line start) becomes validation data
+    val_fraction: float = VAL_FRACTION  # the last fraction of each file (from a line start) becomes validation data
     data_dir: str | None = None  # where datasets are kept; none: $GLASSLM_DATA_DIR, else ~/.cache/glasslm
     quiet: bool = False  # no progress output (progress goes to stderr)
 
 
 def prepare(config: PrepareConfig, output: OutputOption) -> int:
-    from glasslm.data import char_vocabulary, check_output_dir, prepare as prepare_files, resolve_text
+    from glasslm.data import char_vocabulary, prepare as prepare_files, resolve_text
+    from glasslm.locations import check_output_dir
     from glasslm.tokenizers import CharTokenizer, get_tokenizer
 
     paths = [resolve_text(source, config.data_dir) for source in config.inputs]

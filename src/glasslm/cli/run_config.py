@@ -11,6 +11,7 @@ from glasslm.cli.options import read_settings_file
 from glasslm.core.config import ModelConfig
 from glasslm.core.fields import checked, did_you_mean
 from glasslm.training.config import TrainConfig
+from glasslm.data.splits import VAL_FRACTION
 
 
 @dataclass
@@ -23,7 +24,7 @@ class RunConfig:
     tokenizer: str = "char"  # for text files: char, gpt2, or a saved tokenizer directory
     data_dir: str | None = None  # where datasets are kept; none: $GLASSLM_DATA_DIR, else ~/.cache/glasslm
     out: str | None = None  # run directory for checkpoints and metrics.jsonl; none: runs/PRESET
-    val_fraction: float = 0.1  # the last fraction of the text (from a line start) held out for validation
+    val_fraction: float = VAL_FRACTION  # the last fraction of the text (from a line start) held out for validation
     sample_tokens: int = 300  # print a sample of this many tokens when training ends; 0: none
 
 

@@ -22,6 +22,7 @@ from glasslm.core.config import ModelConfig
 from glasslm.presets import get_preset
 from glasslm.training.config import TrainConfig, get_recipe
 from glasslm.training.rundir import ResumedRun
+from glasslm.data.splits import VAL_FRACTION
 
 
 @dataclass
@@ -132,7 +133,7 @@ def _plan(options: TrainOptions, run: dict[str, Any], training: dict[str, Any], 
         raise ValueError(f"--resume continues the checkpoint's model; drop {sorted(model_overrides)}")
     meta = resumed.meta
     run_config = RunConfig(**{"preset": meta.get("preset", "checkpoint"), "data": meta.get("data"),
-                              "val_fraction": meta.get("val_fraction", 0.1), "out": str(resumed.checkpoint.parent),
+                              "val_fraction": meta.get("val_fraction", VAL_FRACTION), "out": str(resumed.checkpoint.parent),
                               **given})
     train_config = dataclasses.replace(resumed.train_config, **train_overrides)
     if options.extend_schedule:

@@ -1,4 +1,5 @@
-"""Byte-level BPE training from scratch, plus the pre-tokenization rules the encoder shares.
+"""Byte-level BPE training from scratch (`train_bpe`), and `train_tokenizer`, which makes the trained
+vocabulary a `BPETokenizer` and saves it.
 
 Training has three stages:
 
@@ -6,7 +7,7 @@ Training has three stages:
    doing the whole text at once: the start of a special token, or just after a newline that sits
    between two printable ASCII characters (`"x\\ny"`); see `safe_cut_pattern`.
 2. **Counting** (in parallel worker processes): each piece is split at special tokens, the rest is
-   cut into pre-tokens with GPT-2's regex `PRETOKEN_PATTERN`, and counted once into a
+   cut into pre-tokens with GPT-2's regex (`glasslm.tokenizers.pretokens`), and counted once into a
    `Counter[str]`. Merges never cross a pre-token, so the corpus is just "unique pre-token x count".
 3. **Merging.** Each unique pre-token becomes a list of token ids (its UTF-8 bytes at first). Pair
    counts are kept in a dict and updated incrementally: a merge only touches the words that contain
@@ -35,13 +36,10 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import regex
-
-PRETOKEN_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-"""GPT-2's pre-tokenizer: contractions, letter runs, number runs, other-symbol runs (each may take
-one leading space), then whitespace (a run followed by text leaves its last space to that text)."""
-
-PRETOKEN_RE = regex.compile(PRETOKEN_PATTERN)
+from glasslm.locations import check_output_dir
+from glasslm.tokenizers.base import ENDOFTEXT
+from glasslm.tokenizers.bpe import BPETokenizer
+from glasslm.tokenizers.pretokens import PRETOKEN_RE, safe_cut_pattern, special_split_pattern
 
 # Files are counted in pieces of roughly this many bytes, so workers stay balanced.
 _PIECE_BYTES = 1 << 20
@@ -49,46 +47,7 @@ _PIECE_BYTES = 1 << 20
 _PARALLEL_MIN_BYTES = 4 << 20
 
 
-# --------------------------------------------------------------------------- pre-tokenization
-
-
-def special_split_pattern(special_tokens: Iterable[str]) -> regex.Pattern | None:
-    """A regex matching any special token, the longest first where several match at one place.
-
-    Regex alternation takes the first alternative that matches, so sorting by length (descending)
-    makes `<|a|><|a|>` win over `<|a|>`. Returns None for no special tokens.
-
-    Example:
-        >>> special_split_pattern(["<|a|>", "<|a|><|a|>"]).findall("x<|a|><|a|><|a|>")
-        ['<|a|><|a|>', '<|a|>']
-    """
-    tokens = sorted(set(special_tokens), key=lambda s: (-len(s), s))
-    if not tokens:
-        return None
-    if any(not t for t in tokens):
-        raise ValueError("special tokens must be non-empty strings")
-    return regex.compile("|".join(regex.escape(t) for t in tokens))
-
-
-def safe_cut_pattern(special_tokens: Sequence[str], as_bytes: bool = False) -> regex.Pattern | None:
-    """A regex whose matches *start* at positions where text can be cut without changing
-    pre-tokenization: the start of a special token, or just after a newline between two printable
-    ASCII characters.
-
-    Why the newline rule is safe for `PRETOKEN_PATTERN`: no pre-token spans a newline and a
-    non-space character, so the pre-token ending in `x` stops at the newline either way; the lone
-    newline is its own pre-token whether `y` or the end of the text follows it; and the pattern has
-    no look-behind, so whatever starts at `y` does not depend on what came before. The newline rule
-    is left out if some special token itself contains a newline (a cut could land inside it).
-    """
-    alternatives = []
-    specials = sorted(set(special_tokens), key=lambda s: (-len(s), s))
-    if specials:
-        alternatives += [regex.escape(s) for s in specials]
-    if not any("\n" in s for s in specials):
-        alternatives.append(r"(?<=[\x21-\x7e]\n)(?=[\x21-\x7e])")
-    pattern = "|".join(alternatives)
-    return regex.compile(pattern.encode() if as_bytes else pattern)
+# --------------------------------------------------------------------------- counting
 
 
 def count_pretokens(text: str, special_tokens: Sequence[str] = ()) -> Counter[str]:
@@ -414,6 +373,18 @@ def train_bpe(
     """
     if vocab_size is None:
         raise TypeError("train_bpe needs vocab_size")
+    sources = _training_sources(text_or_paths, text, path)
+    specials = list(dict.fromkeys(special_tokens))
+    num_merges = vocab_size - 256 - len(specials)
+    if num_merges < 0:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than 256 bytes + {len(specials)} special tokens")
+    counts = count_corpus(sources, specials, num_workers)
+    merges = merge_counts({piece.encode("utf-8"): c for piece, c in counts.items()}, num_merges)
+    return bpe_vocabulary(merges, specials), merges
+
+
+def _training_sources(text_or_paths, text: str | None, path) -> list[str | os.PathLike]:
+    """The one corpus argument `train_bpe` was given, as a list of texts (str) and files (Path)."""
     given = [name for name, value in (("text_or_paths", text_or_paths), ("text", text), ("path", path))
              if value is not None]
     if len(given) != 1:
@@ -421,26 +392,77 @@ def train_bpe(
     if text is not None:
         if not isinstance(text, str):
             raise TypeError(f"text= takes a str, got {type(text).__name__}")
-        text_or_paths = [text]
-    elif path is not None:
+        return [text]
+    if path is not None:
         paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
-        text_or_paths = [Path(p) for p in paths]
-    else:
-        text_or_paths = [_resolve_str(item) if isinstance(item, str) else item
-                         for item in ([text_or_paths] if isinstance(text_or_paths, (str, os.PathLike))
-                                      else text_or_paths)]
-    specials = list(dict.fromkeys(special_tokens))
-    num_merges = vocab_size - 256 - len(specials)
-    if num_merges < 0:
-        raise ValueError(f"vocab_size {vocab_size} is smaller than 256 bytes + {len(specials)} special tokens")
-    counts = count_corpus(text_or_paths, specials, num_workers)
-    word_counts: dict[bytes, int] = {}
-    for piece, c in counts.items():
-        word_counts[piece.encode("utf-8")] = c
-    merges = merge_counts(word_counts, num_merges)
+        return [Path(p) for p in paths]
+    items = [text_or_paths] if isinstance(text_or_paths, (str, os.PathLike)) else text_or_paths
+    return [_resolve_str(item) if isinstance(item, str) else item for item in items]
+
+
+def bpe_vocabulary(merges: Sequence[tuple[bytes, bytes]], special_tokens: Sequence[str] = ()) -> dict[int, bytes]:
+    """The id -> bytes layout of a trained BPE: the 256 bytes, one id per merge, then the specials.
+
+    Example:
+        >>> vocab = bpe_vocabulary([(b"a", b"b")], ["<s>"])
+        >>> len(vocab), vocab[97], vocab[256], vocab[257]
+        (258, b'a', b'ab', b'<s>')
+    """
     vocab = {i: bytes([i]) for i in range(256)}
     for r, (x, y) in enumerate(merges):
         vocab[256 + r] = x + y
-    for s in specials:
+    for s in special_tokens:
         vocab[len(vocab)] = s.encode("utf-8")
-    return vocab, merges
+    return vocab
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+def train_tokenizer(
+    paths: str | os.PathLike | Iterable[str | os.PathLike],
+    vocab_size: int,
+    special_tokens: Sequence[str] = (ENDOFTEXT,),
+    out_dir: str | os.PathLike | None = None,
+    num_workers: int | None = None,
+    overwrite: bool = False,
+) -> BPETokenizer:
+    """Train a byte-level BPE tokenizer on UTF-8 text files and (if `out_dir`) save it there.
+
+    `paths` are file names (plain strings here mean paths); see `train_bpe`. Like
+    `glasslm train-tokenizer`, this refuses, before training, an `out_dir` that is a file, holds an
+    input, or is a non-empty directory, unless `overwrite=True` (then the tokenizer's files are
+    written over whatever has their names).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from glasslm.tokenizers import load_tokenizer
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (d / "a.txt").write_text("to be or not to be " * 50)
+        >>> tok = train_tokenizer([d / "a.txt"], vocab_size=300, out_dir=d / "tok")
+        >>> load_tokenizer(d / "tok").encode("to be") == tok.encode("to be")
+        True
+        >>> train_tokenizer([d / "a.txt"], vocab_size=300, out_dir=d / "tok")
+        Traceback (most recent call last):
+        ...
+        ValueError: tokenizer directory ... is not empty (glasslm_tokenizer.json, merges.txt, vocab.json); ...
+    """
+    paths = [Path(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
+    if out_dir is not None:
+        check_output_dir(out_dir, overwrite, inputs=paths, what="tokenizer")
+    tok = BPETokenizer(*train_bpe(paths, vocab_size, special_tokens, num_workers), list(special_tokens))
+    if out_dir is not None:
+        tok.save(out_dir)
+    return tok
+
+
+def train_tokenizer_from_text(text: str, vocab_size: int, special_tokens: Sequence[str] = (ENDOFTEXT,)) -> BPETokenizer:
+    """Like `train_tokenizer`, for text already in memory (handy in tests and notebooks).
+
+    Example:
+        >>> tok = train_tokenizer_from_text("the cat sat on the mat " * 20, vocab_size=270)
+        >>> tok.decode(tok.encode("the rat<|endoftext|>"))
+        'the rat<|endoftext|>'
+    """
+    vocab, merges = train_bpe(text=text, vocab_size=vocab_size, special_tokens=special_tokens, num_workers=1)
+    return BPETokenizer(vocab, merges, list(special_tokens))

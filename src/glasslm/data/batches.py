@@ -1,0 +1,79 @@
+"""Random contiguous training batches, and the training data a run reads (`load_training_data`).
+
+Example:
+    >>> import torch
+    >>> tokens = torch.arange(100)
+    >>> x, y = get_batch(tokens, batch_size=2, context_length=8, generator=torch.Generator().manual_seed(0))
+    >>> bool((y[:, :-1] == x[:, 1:]).all())  # targets are the inputs shifted by one
+    True
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from glasslm.data.datasets import resolve_text
+from glasslm.data.prepared import TokenData, is_prepared, load_prepared
+from glasslm.data.splits import VAL_FRACTION, split_texts
+from glasslm.tokenizers import CharTokenizer
+
+
+def get_batch(
+    tokens: Int[Tensor, "n"] | np.ndarray,
+    batch_size: int,
+    context_length: int,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+) -> tuple[Int[Tensor, "batch seq"], Int[Tensor, "batch seq"]]:
+    """Random contiguous windows: inputs tokens[i : i+T] and next-token targets tokens[i+1 : i+T+1].
+
+    `tokens` may be a 1-D tensor or numpy array, including a memory-mapped token file: only the
+    sampled windows are read from disk. Starts are uniform over every full window, drawn from
+    `generator` (torch's global generator if None). Both outputs are int64 on `device`.
+
+    >>> x, y = get_batch(np.arange(100), batch_size=2, context_length=4, device="cpu")
+    >>> x.shape, bool((y == x + 1).all())
+    (torch.Size([2, 4]), True)
+    """
+    if isinstance(device, torch.Generator):
+        raise TypeError("get_batch's 4th argument is the device; pass the generator as generator=...")
+    n_starts = len(tokens) - context_length
+    if n_starts < 1:
+        raise ValueError(
+            f"dataset of {len(tokens)} tokens is too small for one window of context_length "
+            f"{context_length} + 1 target; use more text or a shorter context"
+        )
+    starts = torch.randint(n_starts, (batch_size,), generator=generator)
+    offsets = starts[:, None] + torch.arange(context_length + 1)  # (batch, seq + 1)
+    if isinstance(tokens, np.ndarray):
+        windows = torch.from_numpy(tokens[offsets.numpy()].astype(np.int64))
+    else:
+        windows = tokens[offsets].long()
+    x, y = windows[:, :-1], windows[:, 1:]
+    if torch.device(device).type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+def load_training_data(source: str, directory: str | os.PathLike | None = None, val_fraction: float = VAL_FRACTION,
+                       tokenizer: Any | None = None) -> TokenData:
+    """A prepared dataset directory, or a text file / dataset name tokenized in memory
+    (character-level unless a tokenizer is given)."""
+    if is_prepared(source):
+        return load_prepared(source)
+    path = resolve_text(source, directory)
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty")
+    train_text, val_text = split_texts(path, val_fraction)  # the same split as `prepare`
+    tokenizer = tokenizer or CharTokenizer.from_text(train_text + val_text)
+    train = torch.tensor(tokenizer.encode(train_text), dtype=torch.long)
+    val = torch.tensor(tokenizer.encode(val_text), dtype=torch.long)
+    return TokenData(train, val, tokenizer, f"{path} ({len(train_text) + len(val_text):,} characters, "
+                                            f"vocab {tokenizer.vocab_size}, {len(train):,} train / "
+                                            f"{len(val):,} val tokens)", str(path))

@@ -1,0 +1,113 @@
+"""Known datasets: fetched from their public URL once, checked against a sha256, and kept in the
+data directory (`glasslm.locations.data_dir`: `--data-dir`, else $GLASSLM_DATA_DIR, else
+~/.cache/glasslm). Offline, the error says exactly where to put the file; `glasslm fetch NAME
+--from DIR` copies a verified copy in from a local folder.
+
+Example:
+    >>> sorted(DATASETS)
+    ['tinyshakespeare']
+    >>> resolve_text("no/such/file.txt")
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: 'no/such/file.txt' is neither a known dataset (tinyshakespeare) nor a file
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from glasslm.data.prepared import check_prepared, is_prepared
+from glasslm.locations import DATA_DIR_RULE, data_dir
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    filename: str
+    url: str
+    sha256: str
+
+
+DATASETS: dict[str, DatasetInfo] = {
+    "tinyshakespeare": DatasetInfo(
+        filename="tinyshakespeare.txt",
+        url="https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
+        sha256="86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
+    ),
+}
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_dataset(name: str, directory: str | os.PathLike | None = None,
+                  source_dir: str | os.PathLike | None = None) -> Path:
+    """Path to a known dataset's file, downloading and verifying it first if it is not there.
+
+    With `source_dir`, a missing file is copied from that local folder (and verified) instead of
+    downloaded: how the scripts seed the data directory from a shared copy on offline machines.
+    """
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")
+    info = DATASETS[name]
+    target = data_dir(directory) / info.filename
+    if target.is_file():
+        found = sha256_of(target)
+        if found != info.sha256:
+            raise ValueError(f"{target} has sha256 {found}, expected {info.sha256}: delete it to re-download")
+        return target
+    origin = info.url if source_dir is None else str(Path(source_dir) / info.filename)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{info.filename}.", suffix=".tmp", delete=False)
+    try:
+        with tmp:
+            if source_dir is not None:
+                with open(origin, "rb") as f:
+                    shutil.copyfileobj(f, tmp)
+            else:
+                with urllib.request.urlopen(info.url, timeout=30) as response:
+                    shutil.copyfileobj(response, tmp)
+        found = sha256_of(Path(tmp.name))
+        if found != info.sha256:
+            raise ValueError(f"{origin} has sha256 {found}, expected {info.sha256}")
+        os.replace(tmp.name, target)
+    except (urllib.error.URLError, OSError) as err:
+        Path(tmp.name).unlink(missing_ok=True)
+        if source_dir is not None:
+            raise
+        # One line: the rule, and the exact path the file must have.
+        raise RuntimeError(
+            f"could not download dataset {name!r} from {info.url} ({err}); if this machine is offline, "
+            f"put {info.filename} at {target} (data directory: {DATA_DIR_RULE}), "
+            f"or copy it in with: glasslm fetch {name} --from DIR"
+        ) from None
+    except BaseException:
+        Path(tmp.name).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def resolve_text(source: str | os.PathLike, directory: str | os.PathLike | None = None) -> Path:
+    """A dataset name from DATASETS or a path to a text file."""
+    if isinstance(source, str) and source in DATASETS:
+        return fetch_dataset(source, directory)
+    path = Path(source)
+    if path.is_dir():
+        check_prepared(path)  # names an interrupted `prepare` as such
+        if is_prepared(path):
+            raise ValueError(f"{path} is a prepared dataset (token files), not a text file")
+        raise ValueError(f"{path} is a directory, not a text file or a dataset made by `glasslm prepare`")
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(source)!r} is neither a known dataset ({', '.join(DATASETS)}) nor a file")
+    return path
