@@ -103,7 +103,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from glasslm.generation import generate_tokens
     from glasslm.tokenizers import get_tokenizer, load_tokenizer
     from glasslm.training.rundir import check_run_dir
-    from glasslm.training.loop import TRAINER_STATE_JSON, claim_run, schedule_end, train
+    from glasslm.training.loop import claim_run, train
+    from glasslm.training.schedule import schedule_end
+    from glasslm.training.trainer_state import TRAINER_STATE_JSON
 
     file = load_config_file(args.config) if args.config else {}
     given = {k: v for k, v in file.items() if k not in CONFIG_TABLES} | given_options(args, RunConfig)
@@ -187,7 +189,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         with claim_run(out, resume_dir, args.overwrite, ctx):
             loggers = _optional_loggers(train_cfg, out, {"model": model_cfg.to_dict(), "train": train_cfg.to_dict()}) \
                 if ctx.is_main else []
-            result = train(model_cfg, train_cfg, train_tokens, val_tokens, run_dir=out, resume=resume_dir,
+            model = _fine_tune_model(model_cfg, init_from) if init_from else model_cfg
+            result = train(model, train_cfg, train_tokens, val_tokens, run_dir=out, resume=resume_dir,
                            tokenizer=tokenizer, meta=meta, dist_ctx=ctx, loggers=loggers)
             # Every process reaches the end before any tears its connections down: once, under load, a
             # rank aborted at exit ("terminate called without an active exception") after a good FSDP
@@ -253,6 +256,16 @@ def _fine_tune_config(config: ModelConfig, overrides: dict[str, Any], tokenizer:
     if refused:
         raise ValueError(f"--init-from keeps the pretrained architecture; only {sorted(allowed)} may change, not {refused}")
     return config.replace(**overrides)
+
+
+def _fine_tune_model(config: ModelConfig, path: str) -> Any:
+    """`config`'s model holding the weights of `path` (`--init-from`), to hand to train()."""
+    from glasslm.core.model import TransformerLM
+    from glasslm.hf.interop import init_weights_from
+
+    model = TransformerLM(config)
+    init_weights_from(model, path)
+    return model
 
 
 def _optional_loggers(cfg: TrainConfig, run_dir: Path, config: dict[str, Any]) -> list:
