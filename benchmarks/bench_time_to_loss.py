@@ -40,7 +40,8 @@ from glasslm.data import get_batch  # noqa: E402
 from glasslm.core.model import TransformerLM  # noqa: E402
 from glasslm.training.optim import clip_grad_norm, make_optimizer  # noqa: E402
 from glasslm.training.config import TrainConfig
-from glasslm.training.loop import apply_schedule, forward_backward# noqa: E402
+from glasslm.training.schedule import apply_schedule  # noqa: E402
+from glasslm.training.step import forward_backward  # noqa: E402
 
 
 @dataclass

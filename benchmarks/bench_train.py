@@ -27,7 +27,8 @@ from glasslm.presets import get_preset
 from glasslm.data import get_batch
 from glasslm.core.model import TransformerLM
 from glasslm.training.config import TrainConfig
-from glasslm.training.loop import forward_backward, make_optimizer
+from glasslm.training.optim import make_optimizer
+from glasslm.training.step import forward_backward
 
 
 # ----- the reference: nanoGPT's model, written out minimally with standard torch modules -----

@@ -23,7 +23,7 @@ from glasslm.io.checkpoint import load_checkpoint, save_checkpoint
 from glasslm.presets import PRESETS, Preset, get_preset
 from glasslm.tokenizers import get_tokenizer, load_tokenizer
 from glasslm.training.config import TrainConfig, get_recipe
-from glasslm.training.loop import TrainResult
+from glasslm.training.result import TrainResult
 from glasslm.training.loop import train as train_model
 
 try:

@@ -181,7 +181,8 @@ def test_lightning_and_train_follow_one_learning_rate_schedule(tmp_path):
 
     from glasslm.presets import get_preset
     from glasslm.training.loggers import read_metrics
-    from glasslm.training.loop import scheduled_lr, train
+    from glasslm.training.loop import train
+    from glasslm.training.schedule import scheduled_lr
 
     cfg = TrainConfig(max_steps=10, lr=1.0, min_lr=0.1, warmup_steps=0, lr_decay_steps=0, batch_size=2,
                       eval_interval=0, eval_iters=1, log_interval=7, progress=False)

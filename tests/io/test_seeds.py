@@ -7,6 +7,7 @@ torch.nn, no glasslm code). Each is saved the way its own code saves, converted 
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -109,6 +110,16 @@ def test_init_statistics_follow_each_seed():
                          (aiayn.blocks[0].mlp.up.weight, ref2.decoder.layers[0].feed_forward_block.linear_1.weight)):
         assert mine.std().item() == pytest.approx(theirs.std().item(), rel=0.05)
         assert mine.abs().max() <= theirs.abs().max() * 1.01  # the same uniform bound
+    # Xavier touches only matrices: the FFN's and the projection's biases keep nn.Linear's U(+-1/sqrt(fan_in)).
+    layer = ref2.decoder.layers[0].feed_forward_block
+    for mine, theirs, fan_in in ((aiayn.blocks[0].mlp.up.bias, layer.linear_1.bias, 512),
+                                 (aiayn.blocks[0].mlp.down.bias, layer.linear_2.bias, 2048),
+                                 (aiayn.unembed_bias, ref2.projection_layer.proj.bias, 512)):
+        bound = fan_in ** -0.5
+        assert theirs.abs().max() <= bound and mine.abs().max() <= bound
+        assert mine.abs().max() > 0.9 * bound  # not zeros, nor a narrower distribution
+        assert mine.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.1)  # uniform's std
+        assert mine.std().item() == pytest.approx(theirs.std().item(), rel=0.15)
     # seed 000: every weight normal(0.02), the output projections included.
     arena = TransformerLM(get_preset("arena-gpt2", vocab_size=500, n_layers=2))
     assert arena.blocks[0].attn.out.weight.std().item() == pytest.approx(0.02, rel=0.05)

@@ -9,7 +9,8 @@ from glasslm.core.layers import cross_entropy
 from glasslm.core.model import TransformerLM
 from glasslm.tokenizers import CharTokenizer
 from glasslm.training.config import TrainConfig
-from glasslm.training.loop import evaluate, train
+from glasslm.training.evaluator import evaluate
+from glasslm.training.loop import train
 
 pytestmark = pytest.mark.slow  # the long runs: `pytest -m "not slow"` leaves them out
 

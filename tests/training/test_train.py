@@ -10,12 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import glasslm.training.loop as train_module
+import glasslm.training.step as step_module
 from glasslm.presets import get_preset
 from glasslm.training.loggers import read_metrics
 from glasslm.core.model import TransformerLM
 from glasslm.training.config import TrainConfig
-from glasslm.training.loop import evaluate, forward_backward, make_optimizer, train
+from glasslm.training.evaluator import evaluate
+from glasslm.training.loop import train
+from glasslm.training.optim import make_optimizer
+from glasslm.training.step import forward_backward
 from glasslm.training.optim import cosine_schedule
 
 TINY = dict(vocab_size=16, n_layers=2, d_model=32, n_heads=2, context_length=16)
@@ -146,8 +149,42 @@ def test_float16_is_refused_on_cpu():
         train(get_preset("shakespeare-char-cpu", **TINY), cfg(dtype="float16"), tokens())
 
 
+def test_train_starts_from_the_weights_of_a_model_it_is_handed():
+    # Fine-tuning is the caller building the model (glasslm.hf.load_model / io) and handing it over:
+    # with lr 0 the weights stay, and the first loss is the handed model's, not a fresh seeded one's.
+    torch.manual_seed(123)
+    pretrained = TransformerLM(get_preset("shakespeare-char-cpu", **TINY))
+    start = {k: v.clone() for k, v in pretrained.state_dict().items()}
+    frozen = cfg(max_steps=1, lr=0.0, min_lr=0.0, warmup_steps=0)
+    result = train(pretrained, frozen, tokens())
+    assert result.model is pretrained
+    assert all(torch.equal(start[k], v) for k, v in pretrained.state_dict().items())
+    fresh = train(get_preset("shakespeare-char-cpu", **TINY), frozen, tokens())
+    assert result.train_losses != fresh.train_losses
+
+
+def test_init_from_is_a_record_that_train_refuses_to_ignore():
+    # train() never opens init_from: a bare config with it set would silently start from random weights.
+    with pytest.raises(ValueError, match="init_from='some/run' is a record"):
+        train(get_preset("shakespeare-char-cpu", **TINY), cfg(init_from="some/run"), tokens())
+    model = TransformerLM(get_preset("shakespeare-char-cpu", **TINY))
+    assert train(model, cfg(init_from="some/run", max_steps=1), tokens()).step == 1
+
+
+def test_training_names_checkpoint_files_by_the_io_constants():
+    # Knowledge once: glasslm.io.checkpoint owns the file names of a checkpoint.
+    from glasslm.io import checkpoint
+
+    names = [checkpoint.WEIGHTS_FILE, checkpoint.CONFIG_FILE, checkpoint.META_FILE, checkpoint.OPTIMIZER_FILE,
+             checkpoint.OPTIMIZER_JSON]
+    training = Path(step_module.__file__).parent
+    for path in training.glob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        assert not [name for name in names if f'"{name}"' in text or f"'{name}'" in text], path
+
+
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
-    real = train_module.cross_entropy
+    real = step_module.cross_entropy
     calls = {"n": 0}
 
     def poisoned(logits, targets):
@@ -155,7 +192,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypa
         loss = real(logits, targets)
         return loss * float("nan") if calls["n"] == 7 else loss  # step 7 (eval_iters is not reached)
 
-    monkeypatch.setattr(train_module, "cross_entropy", poisoned)
+    monkeypatch.setattr(step_module, "cross_entropy", poisoned)  # the training step's loss
     with pytest.raises(FloatingPointError, match=r"step 7: loss nan.*ckpt-000005"):
         train(get_preset("shakespeare-char-cpu", **TINY), cfg(checkpoint_interval=5), tokens(), run_dir=tmp_path)
     assert (tmp_path / "latest").read_text().strip() == "ckpt-000005"

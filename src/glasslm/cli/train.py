@@ -175,7 +175,7 @@ def _data_and_model(plan: _Plan) -> tuple[Any, ModelConfig, str]:
 
 def _say_start(say: Any, plan: _Plan, data: Any, model_cfg: ModelConfig, label: str, ctx: Any) -> None:
     from glasslm.interp.accounting import parameter_count
-    from glasslm.training.loop import schedule_end
+    from glasslm.training.schedule import schedule_end
 
     say(f"data: {data.description}")
     say(f"model: {label} ({parameter_count(model_cfg):,} parameters) -> {plan.out}"
@@ -198,7 +198,8 @@ def _fit(plan: _Plan, model_cfg: ModelConfig, data: Any, label: str, ctx: Any, o
             "train_config": plan.train.to_dict()}
     loggers = _optional_loggers(plan.train, plan.out, {"model": model_cfg.to_dict(), "train": plan.train.to_dict()}) \
         if ctx.is_main else []
-    result = train_model(model_cfg, plan.train, data.train, data.val, run_dir=plan.out,
+    model = _fine_tune_model(model_cfg, plan.init_from) if plan.init_from else model_cfg
+    result = train_model(model, plan.train, data.train, data.val, run_dir=plan.out,
                          resume=plan.resumed.checkpoint if plan.resumed else None, tokenizer=data.tokenizer,
                          meta=meta, dist_ctx=ctx, loggers=loggers, overwrite=overwrite)
     # Every process reaches the end before any tears its connections down: once, under load, a
@@ -206,6 +207,16 @@ def _fit(plan: _Plan, model_cfg: ModelConfig, data: Any, label: str, ctx: Any, o
     # run; a peer closing the gloo pair early is the likely cause this rules out.
     barrier(ctx)
     return result
+
+
+def _fine_tune_model(config: ModelConfig, path: str) -> Any:
+    """`config`'s model holding the weights of `path` (`--init-from`), to hand to train()."""
+    from glasslm.core.model import TransformerLM
+    from glasslm.hf import init_weights_from
+
+    model = TransformerLM(config)
+    init_weights_from(model, path)  # strict about names and shapes: every weight is overwritten
+    return model
 
 
 def _print_sample(result: Any, plan: _Plan, tokenizer: Any, ctx: Any) -> None:

@@ -177,6 +177,29 @@ class CausalSelfAttention(nn.Module):
         attn_mask: Bool[Tensor, "batch q_seq k_seq"] | None = None,
     ) -> Float[Tensor, "batch seq d_model"]:
         batch, seq, _ = x.shape
+        q, k, v = self._heads(x, positions)  # (batch, heads or kv_heads, seq, d_head)
+        static = isinstance(kv_cache, StaticKVCache)
+        if static:
+            if positions.dim() != 1 or attn_mask is not None:
+                raise ValueError("a StaticKVCache takes one (seq,) positions tensor for every row, and no attn_mask")
+            k, v = kv_cache.update_at(layer, k, v, positions)  # (batch, kv_heads, max_length, d_head)
+            q = q.to(k.dtype)
+        elif kv_cache is not None:
+            k, v = kv_cache.update(layer, k, v)  # (batch, kv_heads, cached + seq, d_head)
+            # A cache kept in a wider dtype than the activations (float32 for bf16 weights on CPU,
+            # where bf16 attention kernels are slow) sets the dtype attention is computed in.
+            q = q.to(k.dtype)
+        if static:
+            mask = self._static_mask(positions, k.shape[2], x.device)
+        else:
+            mask = self._mask(seq, k.shape[2], kv_cache is not None, attn_mask, x.device)
+        z = self._attend(q, k, v, mask, plain_causal=mask is None and k.shape[2] == seq and seq > 1)
+        z = self.hook_z(z.transpose(1, 2).to(x.dtype))  # (batch, seq, heads, d_head)
+        return self.out(z.reshape(batch, seq, self.n_heads * self.d_head))
+
+    def _heads(self, x: Float[Tensor, "batch seq d_model"], positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q (batch, n_heads, seq, d_head), k and v (batch, n_kv_heads, seq, d_head), rotated if rotary."""
+        batch, seq, _ = x.shape
         qkv = self.qkv(x)  # (batch, seq, (n_heads + 2 n_kv_heads) d_head)
         q, k, v = qkv.split(
             [self.n_heads * self.d_head, self.n_kv_heads * self.d_head, self.n_kv_heads * self.d_head], dim=-1
@@ -189,51 +212,47 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
-        static = isinstance(kv_cache, StaticKVCache)
-        if static:
-            if positions.dim() != 1 or attn_mask is not None:
-                raise ValueError("a StaticKVCache takes one (seq,) positions tensor for every row, and no attn_mask")
-            k, v = kv_cache.update_at(layer, k, v, positions)  # (batch, kv_heads, max_length, d_head)
-            q = q.to(k.dtype)
-        elif kv_cache is not None:
-            k, v = kv_cache.update(layer, k, v)  # (batch, kv_heads, cached + seq, d_head)
-            # A cache kept in a wider dtype than the activations (float32 for bf16 weights on CPU,
-            # where bf16 attention kernels are slow) sets the dtype attention is computed in.
-            q = q.to(k.dtype)
+        return q, k, v
 
+    def _static_mask(self, positions: Int[Tensor, "seq"], n_slots: int,
+                     device: torch.device) -> Bool[Tensor, "seq max_length"]:
+        """Slot j holds position j: a query at position p sees slots 0..p (later slots are stale or empty)."""
+        slots = torch.arange(n_slots, device=device)
+        mask = slots[None, :] <= positions[:, None]  # (seq, max_length)
+        if self.sliding_window is not None:
+            mask = mask & (slots[None, :] > positions[:, None] - self.sliding_window)
+        return mask
+
+    def _mask(self, seq: int, n_keys: int, cached: bool, attn_mask: Tensor | None,
+              device: torch.device) -> Bool[Tensor, "... q_seq k_seq"] | None:
+        """The mask for `seq` queries over `n_keys` keys, or None where plain causal (or no) masking does."""
         mask = None
-        if static:
-            # Slot j holds position j: a query at position p sees slots 0..p (later slots are stale or empty).
-            slots = torch.arange(k.shape[2], device=x.device)
-            mask = slots[None, :] <= positions[:, None]  # (seq, max_length)
-            if self.sliding_window is not None:
-                mask = mask & (slots[None, :] > positions[:, None] - self.sliding_window)
-        elif attn_mask is not None:
+        if attn_mask is not None:
             mask = attn_mask[:, None]  # (batch, 1, q_seq, k_seq): same mask for every head
-        elif kv_cache is not None and seq > 1 and k.shape[2] > seq:
-            mask = causal_mask(seq, k.shape[2], device=x.device)
+        elif cached and seq > 1 and n_keys > seq:
+            mask = causal_mask(seq, n_keys, device=device)
         # Otherwise the mask is plain causal (no cache, or prefill into an empty cache), or not
         # needed at all (one new query may see every cached key).
-        if self.sliding_window is not None and k.shape[2] > self.sliding_window and not static:
-            window = sliding_window_mask(seq, k.shape[2], self.sliding_window, device=x.device)
+        if self.sliding_window is not None and n_keys > self.sliding_window:
+            window = sliding_window_mask(seq, n_keys, self.sliding_window, device=device)
             mask = window if mask is None else mask & window
-        plain_causal = mask is None and k.shape[2] == seq and seq > 1
-        p = self.dropout_p if self.training else 0.0
+        return mask
 
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                plain_causal: bool) -> Float[Tensor, "batch heads q_seq d_head"]:
+        """The fused kernel, or the readable path when asked for or when a hook needs the pattern."""
+        p = self.dropout_p if self.training else 0.0
         needs_pattern = self.hook_attn_scores.active or self.hook_pattern.active
         if self.impl == "fast" and not needs_pattern:
-            z = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p, is_causal=plain_causal,
                 enable_gqa=self.n_kv_heads != self.n_heads, scale=self.scale,
             )
-        else:
-            groups = self.n_heads // self.n_kv_heads
-            if groups > 1:  # each kv head serves `groups` consecutive query heads
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            if plain_causal:
-                mask = causal_mask(seq, seq, device=x.device)
-            z = scaled_dot_product_attention(
-                q, k, v, mask, p, self.training, self.hook_attn_scores, self.hook_pattern, self.scale
-            )
-        z = self.hook_z(z.transpose(1, 2).to(x.dtype))  # (batch, seq, heads, d_head)
-        return self.out(z.reshape(batch, seq, self.n_heads * self.d_head))
+        groups = self.n_heads // self.n_kv_heads
+        if groups > 1:  # each kv head serves `groups` consecutive query heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if plain_causal:
+            mask = causal_mask(q.shape[2], q.shape[2], device=q.device)
+        return scaled_dot_product_attention(
+            q, k, v, mask, p, self.training, self.hook_attn_scores, self.hook_pattern, self.scale
+        )

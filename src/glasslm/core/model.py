@@ -212,7 +212,8 @@ def init_weights(model: TransformerLM, config: ModelConfig) -> None:
 
     gpt2: normal(init_std), residual output projections / sqrt(2 n_layers) if init_residual_scaling;
     truncated_normal (CS336): std sqrt(2 / (fan_in + fan_out)) cut at 3 std, embeddings std 1;
-    xavier: Xavier-uniform matrices; torch: what nn.Linear / nn.Embedding start with.
+    xavier: Xavier-uniform matrices, biases as nn.Linear starts them; torch: what nn.Linear / nn.Embedding
+    start with.
     """
     c = config
     for name, module in model.named_modules():
@@ -220,10 +221,7 @@ def init_weights(model: TransformerLM, config: ModelConfig) -> None:
             w = module.weight
             d_in = w.shape[1]
             if module.bias is not None:
-                if c.init == "torch":  # nn.Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
-                    nn.init.uniform_(module.bias, -d_in ** -0.5, d_in ** -0.5)
-                else:
-                    nn.init.zeros_(module.bias)
+                _init_bias(module.bias, d_in, c)
             if c.init == "gpt2":
                 std = c.init_std
                 # Residual outputs add up over 2 per layer; scaling keeps the stream's variance flat.
@@ -254,8 +252,15 @@ def init_weights(model: TransformerLM, config: ModelConfig) -> None:
                 # Scaled embeddings (x sqrt(d_model)) need rows of norm ~1 to start at unit scale.
                 nn.init.normal_(module.weight, mean=0.0, std=c.d_model ** -0.5)
     if model.unembed_bias is not None:
-        d_in = c.d_model
-        if c.init == "torch":  # as nn.Linear(d_model, vocab) would start its bias
-            nn.init.uniform_(model.unembed_bias, -d_in ** -0.5, d_in ** -0.5)
-        else:
-            nn.init.zeros_(model.unembed_bias)
+        _init_bias(model.unembed_bias, c.d_model, c)  # as nn.Linear(d_model, vocab) would start its bias
+
+
+def _init_bias(bias: nn.Parameter, fan_in: int, config: ModelConfig) -> None:
+    """Zero, or where the scheme leaves biases as nn.Linear starts them, U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+
+    Xavier init (seed 002, the Annotated Transformer) runs xavier_uniform_ on every parameter with
+    p.dim() > 1, so each bias keeps nn.Linear's default rather than starting at zero."""
+    if config.init in ("torch", "xavier"):
+        nn.init.uniform_(bias, -fan_in ** -0.5, fan_in ** -0.5)
+    else:
+        nn.init.zeros_(bias)

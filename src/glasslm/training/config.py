@@ -58,7 +58,8 @@ class TrainConfig:
     wandb: bool = False  # also log metrics to Weights & Biases, offline unless WANDB_MODE says otherwise
     progress: bool = True  # draw a progress bar with loss, lr and tokens/s
     init_from: str | None = None  # fine-tune: start from these weights (a glasslm checkpoint, an HF
-                                  # directory or a cached hub name) with a fresh optimizer, in a new run
+                                  # directory or a cached hub name) with a fresh optimizer, in a new run;
+                                  # `glasslm train` loads them, train() only records the name
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "eval_iters", "grad_accum_steps", "log_interval"):

@@ -40,7 +40,8 @@ from glasslm.data import get_batch
 from glasslm.core.layers import cross_entropy
 from glasslm.core.model import TransformerLM
 from glasslm.training.config import TrainConfig
-from glasslm.training.loop import make_optimizer, scheduled_lr
+from glasslm.training.optim import make_optimizer
+from glasslm.training.schedule import scheduled_lr
 
 
 class TokenWindows(IterableDataset):

@@ -40,7 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from glasslm.core.config import ModelConfig
-from glasslm.io.checkpoint import load_config, read_json, resolve_checkpoint
+from glasslm.io.checkpoint import (
+    CHECKPOINT_PREFIX, CONFIG_FILE, META_FILE, POINTER_NAMES, STAGING_MARK, load_config, read_json, resolve_checkpoint,
+)
 from glasslm.training.config import TrainConfig
 from glasslm.training.loggers import METRICS_FILE
 from glasslm.training.trainer_state import TRAINER_STATE_JSON
@@ -48,9 +50,10 @@ from glasslm.training.trainer_state import TRAINER_STATE_JSON
 LOCK_FILE = ".lock"
 UNFINISHED_SUFFIX = ".unfinished"  # metrics.jsonl of a run stopped before its first checkpoint, kept aside
 # What a training run writes into its directory; --overwrite removes these and nothing else.
-RUN_FILES = ("latest", "best", METRICS_FILE, "loss.png", "tensorboard", "wandb")
-STAGING_PATTERNS = (".ckpt-*", ".latest.tmp-*", ".best.tmp-*")  # a checkpoint or pointer being written
-RUN_PATTERNS = ("ckpt-*", *STAGING_PATTERNS, METRICS_FILE + UNFINISHED_SUFFIX + "*")
+RUN_FILES = (*POINTER_NAMES, METRICS_FILE, "loss.png", "tensorboard", "wandb")
+# A checkpoint or pointer being written (see glasslm.io.checkpoint's staging names).
+STAGING_PATTERNS = (f".{CHECKPOINT_PREFIX}*", *(f".{pointer}{STAGING_MARK}*" for pointer in POINTER_NAMES))
+RUN_PATTERNS = (f"{CHECKPOINT_PREFIX}*", *STAGING_PATTERNS, METRICS_FILE + UNFINISHED_SUFFIX + "*")
 
 
 class RunDirError(ValueError):
@@ -88,7 +91,7 @@ def check_run_dir(run_dir: str | os.PathLike, resuming: bool, overwrite: bool = 
 
 
 def _checkpoints_in(run_dir: Path) -> list[str]:
-    return sorted(p.name for p in run_dir.iterdir() if p.name in ("latest", "best") or p.name.startswith("ckpt-"))
+    return sorted(p.name for p in run_dir.iterdir() if p.name in POINTER_NAMES or p.name.startswith(CHECKPOINT_PREFIX))
 
 
 def holds_no_checkpoint(run_dir: str | os.PathLike) -> bool:
@@ -277,5 +280,5 @@ def read_resumed_run(path: str | os.PathLike) -> ResumedRun:
         raise ValueError(f"{checkpoint / TRAINER_STATE_JSON} lacks {', '.join(missing)}: not a complete "
                          "training checkpoint, so it cannot be resumed")
     saved = TrainConfig.from_dict(state["train_config"], f"{checkpoint / TRAINER_STATE_JSON}")
-    return ResumedRun(checkpoint, read_json(checkpoint / "meta.json"), load_config(checkpoint / "config.json"),
+    return ResumedRun(checkpoint, read_json(checkpoint / META_FILE), load_config(checkpoint / CONFIG_FILE),
                       saved, state["train_config"])

@@ -1,0 +1,95 @@
+"""Validation: the mean loss over a fixed set of validation windows, and when to measure it.
+
+Example:
+    >>> import torch
+    >>> from glasslm.core.model import TransformerLM
+    >>> from glasslm.presets import get_preset
+    >>> from glasslm.training.config import TrainConfig
+    >>> model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=4, n_layers=1, context_length=8))
+    >>> cfg = TrainConfig(eval_iters=2, batch_size=2, device="cpu")
+    >>> tokens = torch.randint(0, 4, (100,))
+    >>> evaluate(model, tokens, cfg) == evaluate(model, tokens, cfg)  # the same windows every time
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from glasslm.core.config import ModelConfig
+from glasslm.core.layers import cross_entropy
+from glasslm.core.model import TransformerLM
+from glasslm.data import get_batch
+from glasslm.training.config import TrainConfig
+from glasslm.training.distributed import DistributedContext, all_reduce_mean, resolve_device
+from glasslm.training.result import TrainResult
+from glasslm.training.step import autocast_context, rank_slice
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, tokens: Tensor, cfg: TrainConfig, generator: torch.Generator | None = None,
+    ctx: DistributedContext | None = None, device: str | None = None,
+) -> float:
+    """Mean loss over cfg.eval_iters batches of validation windows.
+
+    With no generator the batches come from a fresh generator seeded with seed + 1, i.e. the
+    same windows at every evaluation: the curve then shows the model changing, not the sample.
+    Each process takes its slice of each global batch, so the mean matches a single process.
+    """
+    ctx = ctx or DistributedContext()
+    device = device or resolve_device(cfg.device)
+    generator = generator or torch.Generator().manual_seed(cfg.seed + 1)
+    context_length = config_of(model).context_length
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device)
+    for _ in range(cfg.eval_iters):
+        x, y = get_batch(tokens, cfg.batch_size * ctx.world_size, context_length, generator=generator)
+        x, y = rank_slice(x, ctx.rank, ctx.world_size).to(device), rank_slice(y, ctx.rank, ctx.world_size).to(device)
+        with autocast_context(cfg, device):
+            total += cross_entropy(model(x), y).float()
+    model.train(was_training)
+    return all_reduce_mean(total / cfg.eval_iters, ctx).item()
+
+
+def config_of(model: nn.Module) -> ModelConfig:
+    """The ModelConfig of a model, through its DDP (.module) and torch.compile (._orig_mod) wrappers."""
+    while not hasattr(model, "config"):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model.config
+
+
+class Evaluator:
+    """Validation loss every `eval_interval` steps and at the end; keeps the best one."""
+
+    def __init__(self, model: nn.Module, tokens: Tensor | None, cfg: TrainConfig, ctx: DistributedContext,
+                 device: str, tokens_per_step: int, best: float, result: TrainResult,
+                 on_eval: Callable[[int, float, TransformerLM], None] | None):
+        self.model, self.tokens, self.cfg, self.ctx, self.device = model, tokens, cfg, ctx, device
+        self.tokens_per_step, self.best, self.result, self.on_eval = tokens_per_step, best, result, on_eval
+        self.last: float | None = None  # the latest validation loss
+        self.improved_at: int | None = None  # the step whose evaluation set the current best
+
+    def due(self, done: int, last: bool) -> bool:
+        interval = self.cfg.eval_interval
+        return self.tokens is not None and (last or (interval > 0 and done % interval == 0))
+
+    def run(self, done: int, bar: Any) -> dict[str, Any]:
+        """Evaluate now; returns the fields it adds to the step's metrics record."""
+        assert self.tokens is not None
+        loss = self.last = evaluate(self.model, self.tokens, self.cfg, ctx=self.ctx, device=self.device)
+        self.result.val_losses.append((done, loss))
+        if loss < self.best:
+            self.improved_at = done
+        self.best = self.result.best_val_loss = min(self.best, loss)
+        if self.ctx.is_main and self.cfg.progress:
+            bar.write(f"step {done}: train loss {self.result.train_losses[-1]:.4f}, val loss {loss:.4f}")
+        if self.on_eval is not None:
+            self.on_eval(done, loss, self.result.model)
+        return {"step": done, "tokens": done * self.tokens_per_step, "val_loss": loss,
+                "val_ppl": math.exp(min(loss, 50.0))}

@@ -1,0 +1,123 @@
+"""What the training loop works with, built once per run: the model and its DDP/FSDP/compiled
+wrappers, the optimizer, the loss scaler, the batch sampler, and where the run stands (a fresh
+start, or a checkpoint's step with every generator and the optimizer restored).
+
+How the data is drawn (this is what makes resuming and data parallelism exact): every optimizer
+step draws one *global* batch of batch_size x grad_accum_steps x world_size windows from a single
+generator seeded by `seed`. Process r takes the r-th contiguous slice and splits it into
+grad_accum_steps micro-batches. So the windows seen at step s depend only on s and the global batch
+size: 2 processes with batch 6 see exactly what 1 process with batch 12 sees, and a resumed run
+(generator state restored from the checkpoint) sees what the uninterrupted run saw.
+
+Example:
+    >>> import torch
+    >>> from glasslm.presets import get_preset
+    >>> from glasslm.training.config import TrainConfig
+    >>> from glasslm.training.distributed import DistributedContext
+    >>> cfg = get_preset("shakespeare-char-cpu", vocab_size=4, n_layers=1, context_length=8)
+    >>> tokens = torch.randint(0, 4, (100,))
+    >>> parts = TrainingParts.build(cfg, TrainConfig(batch_size=3), DistributedContext(), "cpu", None, (tokens, None))
+    >>> x, y = parts.next_batch(tokens)
+    >>> x.shape, parts.point.step
+    (torch.Size([3, 8]), 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from glasslm.core.config import ModelConfig
+from glasslm.core.model import TransformerLM
+from glasslm.data import get_batch
+from glasslm.training.checkpointer import load_checkpoint_weights, load_optimizer
+from glasslm.training.config import TrainConfig
+from glasslm.training.distributed import DistributedContext
+from glasslm.training.optim import make_optimizer
+from glasslm.training.schedule import schedule_end
+from glasslm.training.step import rank_slice
+from glasslm.training.trainer_state import ResumePoint, load_resume_point, seed_processes
+
+
+@dataclass
+class TrainingParts:
+    """The parts one training step uses (see the module docstring)."""
+
+    cfg: TrainConfig
+    ctx: DistributedContext
+    device: str
+    model: TransformerLM
+    step_model: nn.Module  # what the step runs: DDP- or FSDP-wrapped, maybe compiled
+    eval_model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    batch_rng: torch.Generator
+    point: ResumePoint
+    fsdp: bool
+
+    @classmethod
+    def build(cls, model: ModelConfig | TransformerLM, cfg: TrainConfig, ctx: DistributedContext, device: str,
+              resume_dir: Path | None, data: tuple[Tensor, Tensor | None]) -> "TrainingParts":
+        """The parts for `model` (a config is built with weights seeded by cfg.seed, the same on every
+        process), resumed from `resume_dir` if given."""
+        torch.manual_seed(cfg.seed)  # every process builds identical initial weights
+        model = model if isinstance(model, TransformerLM) else TransformerLM(model)
+        model.to(device).train()
+        context = model.config.context_length
+        for name, tokens in zip(("training", "validation"), data):
+            if tokens is not None and len(tokens) <= context:
+                raise ValueError(f"{name} data has {len(tokens)} tokens; need more than context_length={context}")
+        batch_rng = seed_processes(cfg.seed, ctx.rank)
+        if resume_dir is not None:
+            load_checkpoint_weights(model, resume_dir, device)
+        fsdp = cfg.fsdp and ctx.enabled
+        step_model, eval_model = wrap(model, cfg, ctx, device, fsdp)
+        optimizer = make_optimizer(model, cfg, fused=not fsdp)
+        scaler = torch.amp.GradScaler(torch.device(device).type) if cfg.dtype == "float16" else None
+        point = ResumePoint()
+        if resume_dir is not None:
+            load_optimizer(model, optimizer, resume_dir, fsdp)
+            point = load_resume_point(resume_dir, batch_rng, ctx)
+            if scaler is not None and point.grad_scaler:
+                scaler.load_state_dict(point.grad_scaler)
+            # The run's schedule goes on (see schedule_end), saved explicitly so a later resume keeps it too.
+            cfg = dataclasses.replace(cfg, lr_decay_steps=schedule_end(cfg, point.train_config))
+        return cls(cfg, ctx, device, model, step_model, eval_model, optimizer, scaler, batch_rng, point, fsdp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step trains on, over all processes."""
+        cfg = self.cfg
+        return cfg.batch_size * cfg.grad_accum_steps * self.ctx.world_size * self.model.config.context_length
+
+    def next_batch(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """This process's slice of the step's global batch (see the module docstring): x, y (rows, context)."""
+        cfg, ctx = self.cfg, self.ctx
+        x, y = get_batch(tokens, cfg.batch_size * cfg.grad_accum_steps * ctx.world_size,
+                         self.model.config.context_length, generator=self.batch_rng)
+        x = rank_slice(x, ctx.rank, ctx.world_size).to(self.device, non_blocking=True)
+        return x, rank_slice(y, ctx.rank, ctx.world_size).to(self.device, non_blocking=True)
+
+
+def wrap(model: TransformerLM, cfg: TrainConfig, ctx: DistributedContext, device: str,
+         fsdp: bool) -> tuple[nn.Module, nn.Module]:
+    """(model to step, model to evaluate): FSDP2 or DDP across processes, then maybe compiled."""
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:  # one all-gather per block keeps peak memory at one block's weights
+            fully_shard(block)
+        fully_shard(model)
+        step_model: nn.Module = model
+    elif ctx.enabled:
+        cuda = torch.device(device).type == "cuda"
+        step_model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if cuda else None)
+    else:
+        step_model = model
+    if cfg.compile:
+        step_model = torch.compile(step_model)
+    return step_model, step_model if cfg.compile and not ctx.enabled else model  # reuse the compiled graph

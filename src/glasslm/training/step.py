@@ -1,0 +1,93 @@
+"""One optimizer step: forward and backward over accumulated micro-batches (under autocast), then
+unscale, clip, step and zero the gradients.
+
+Example (the gradient of two accumulated halves is the gradient of the whole batch):
+    >>> import torch
+    >>> from glasslm.core.model import TransformerLM
+    >>> from glasslm.presets import get_preset
+    >>> _ = torch.manual_seed(0)
+    >>> model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=4, n_layers=1, context_length=8))
+    >>> x, y = torch.randint(0, 4, (2, 4, 8))
+    >>> _ = forward_backward(model, x, y, accum_steps=1); whole = model.embed.weight.grad.clone()
+    >>> model.zero_grad(); _ = forward_backward(model, x, y, accum_steps=2)
+    >>> torch.allclose(model.embed.weight.grad, whole, atol=1e-6)
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from jaxtyping import Int
+from torch import Tensor, nn
+
+from glasslm.core.layers import cross_entropy
+from glasslm.training.config import TrainConfig
+from glasslm.training.distributed import resolve_device
+from glasslm.training.optim import clip_grad_norm
+
+if TYPE_CHECKING:
+    from glasslm.training.parts import TrainingParts
+
+
+def autocast_context(cfg: TrainConfig, device: str | None = None):
+    """bf16/fp16 autocast for the forward pass (matmuls in low precision, reductions in fp32)."""
+    if cfg.dtype == "float32":
+        return nullcontext()
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float16
+    return torch.autocast(device_type=torch.device(device or resolve_device(cfg.device)).type, dtype=dtype)
+
+
+def rank_slice(batch: Tensor, rank: int, world_size: int) -> Tensor:
+    """Process `rank`'s contiguous share of a global batch (rows)."""
+    return batch.tensor_split(world_size)[rank]
+
+
+def forward_backward(
+    model: nn.Module, x: Int[Tensor, "b t"], y: Int[Tensor, "b t"], accum_steps: int,
+    autocast=nullcontext, scaler: torch.amp.GradScaler | None = None, no_sync: Callable | None = None,
+) -> Tensor:
+    """Accumulate the gradient of the mean loss over all rows of (x, y) in `accum_steps` chunks.
+
+    Each chunk's loss is divided by accum_steps, so the summed gradient equals the gradient of
+    one big batch (chunks must be equal-sized). Returns the (detached) mean loss.
+    `no_sync` (DDP's) skips the gradient all-reduce on every chunk but the last.
+    """
+    total: Tensor | None = None
+    for i, (xc, yc) in enumerate(zip(x.tensor_split(accum_steps), y.tensor_split(accum_steps))):
+        sync = no_sync() if no_sync is not None and i < accum_steps - 1 else nullcontext()
+        with sync:
+            with autocast():
+                loss = cross_entropy(model(xc), yc) / accum_steps  # xc, yc: (b / accum_steps, t)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    assert total is not None
+    return total
+
+
+def train_step(parts: TrainingParts, x: Int[Tensor, "b t"], y: Int[Tensor, "b t"]) -> tuple[Tensor, Tensor]:
+    """One optimizer step on this process's batch: (mean loss, global gradient norm), both still
+    on the device (reading them would wait for the step to finish)."""
+    cfg, model, optimizer, scaler = parts.cfg, parts.model, parts.optimizer, parts.scaler
+    ddp = parts.step_model if isinstance(parts.step_model, nn.parallel.DistributedDataParallel) else None
+    loss = forward_backward(parts.step_model, x, y, cfg.grad_accum_steps,
+                            lambda: autocast_context(cfg, parts.device), scaler, ddp.no_sync if ddp else None)
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    if parts.fsdp:  # sharded (DTensor) gradients: torch's clipping reduces the norm across shards
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    else:
+        grad_norm = clip_grad_norm(model.parameters(), max_norm)
+    if scaler is not None:
+        scaler.step(optimizer)  # skips the step if the gradient is not finite
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, already reduced over shards
+        grad_norm = grad_norm.full_tensor()
+    return loss, grad_norm.detach().float().to(loss.device)
