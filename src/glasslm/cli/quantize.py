@@ -21,15 +21,12 @@ class QuantizeConfig:
 def quantize(source: CheckpointOption, config: QuantizeConfig, output: OutputOption) -> int:
     from glasslm.hf import load_model
     from glasslm.io.checkpoint import save_checkpoint
+    from glasslm.locations import check_output_dir
 
     out = Path(output.out)
-    if Path(source.checkpoint).exists() and out.resolve() == Path(source.checkpoint).resolve():
-        raise ValueError(f"--out {out} is the checkpoint itself; write the quantized copy elsewhere (the fp32 "
-                         "weights would be replaced)")
-    if out.is_file():
-        raise ValueError(f"--out {out} is a file, not a directory")
-    if out.exists() and any(out.iterdir()) and not output.overwrite:
-        raise ValueError(f"{out} is not empty; pass --overwrite to replace it")
+    # The one output rule (glasslm.locations): never the checkpoint itself, a file, or a full directory.
+    inputs = [source.checkpoint] if Path(source.checkpoint).exists() else []
+    check_output_dir(out, output.overwrite, inputs=inputs, what="quantized checkpoint")
     model, tokenizer = load_model(source.checkpoint, device="cpu")
     before = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     apply_transform(model, config.method)  # recorded: the checkpoint's meta.json names it, loading re-applies it

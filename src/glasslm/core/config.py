@@ -17,8 +17,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,17 +36,6 @@ AttnScaleBy = Literal["d_head", "d_model"]
 AttentionImpl = Literal["fast", "readable"]
 RopeScaling = Literal["none", "llama3"]
 
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "positional": ("learned", "sinusoidal", "rope", "none"),
-    "norm": ("layernorm", "rmsnorm"),
-    "activation": ("gelu", "gelu_tanh", "relu", "silu"),
-    "mlp": ("mlp", "swiglu"),
-    "norm_placement": ("pre", "post"),
-    "init": ("gpt2", "truncated_normal", "xavier", "torch"),
-    "attn_scale_by": ("d_head", "d_model"),
-    "impl": ("fast", "readable"),
-    "rope_scaling": ("none", "llama3"),
-}
 
 
 # The per-site fields that follow a shorthand field while they are None.
@@ -119,7 +110,7 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name, allowed in _CHOICES.items():
+        for name, allowed in _choices().items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         assert self.n_kv_heads is not None
@@ -207,3 +198,11 @@ class ModelConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+
+@functools.cache
+def _choices() -> dict[str, tuple[str, ...]]:
+    """Each Literal-typed field's allowed values, read from its annotation (the one list of them)."""
+    hints = typing.get_type_hints(ModelConfig)
+    return {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(ModelConfig)
+            if typing.get_origin(hints[f.name]) is Literal}
