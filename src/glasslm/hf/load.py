@@ -25,11 +25,9 @@ from glasslm.core.model import TransformerLM
 from glasslm.hf.cache import resolve_model_path
 from glasslm.hf.convert import config_from_hf, import_hf
 from glasslm.hf.files import is_hf_directory, read_hf_config
-from glasslm.io.checkpoint import CONFIG_FILE, META_FILE, read_json
+from glasslm.io.checkpoint import CONFIG_FILE, META_FILE, TRAINER_STATE_JSON, read_json
 from glasslm.tokenizers import BPE_DESCRIPTOR_FILE, SPM_FILE, TOKENIZER_FILE
 
-# Written by glasslm.training (a layer above, so not importable here) next to meta.json.
-TRAINER_STATE_FILE = "trainer_state.json"
 # Fields that may differ between pretrained weights and the model to fine-tune from them.
 TRAINING_ONLY_FIELDS = ("dropout", "impl", "init", "init_std")
 
@@ -70,7 +68,7 @@ def checkpoint_summary(path: str | os.PathLike) -> dict[str, Any]:
         return {"converted_from": str(path)}
     directory = resolve_checkpoint(path)
     summary: dict[str, Any] = {}
-    for name in (META_FILE, TRAINER_STATE_FILE):
+    for name in (META_FILE, TRAINER_STATE_JSON):
         if (directory / name).is_file():
             summary.update(read_json(directory / name))
     out = {key: summary.get(key) for key in ("data", "converted_from", "step")}

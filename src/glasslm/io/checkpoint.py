@@ -46,6 +46,8 @@ CONFIG_FILE = "config.json"
 META_FILE = "meta.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_JSON = "optimizer.json"
+TRAINER_STATE_JSON = "trainer_state.json"  # a training checkpoint's step, RNGs and metrics window
+TRAINER_STATE_TENSORS = "trainer_state.safetensors"
 POINTER_NAMES = ("latest", "best")
 CHECKPOINT_PREFIX = "ckpt-"  # numbered checkpoints in a run directory: ckpt-000500
 # Files and directories being written are `.<name>.tmp-...`; a replaced checkpoint is briefly `.<name>.old-<pid>`.

@@ -41,11 +41,11 @@ from typing import Any
 
 from glasslm.core.config import ModelConfig
 from glasslm.io.checkpoint import (
-    CHECKPOINT_PREFIX, CONFIG_FILE, META_FILE, POINTER_NAMES, STAGING_MARK, load_config, read_json, resolve_checkpoint,
+    CHECKPOINT_PREFIX, CONFIG_FILE, META_FILE, POINTER_NAMES, STAGING_MARK, TRAINER_STATE_JSON, load_config, read_json,
+    resolve_checkpoint,
 )
 from glasslm.training.config import TrainConfig
 from glasslm.training.loggers import METRICS_FILE
-from glasslm.training.trainer_state import TRAINER_STATE_JSON
 
 LOCK_FILE = ".lock"
 UNFINISHED_SUFFIX = ".unfinished"  # metrics.jsonl of a run stopped before its first checkpoint, kept aside

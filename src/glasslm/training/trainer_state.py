@@ -31,11 +31,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from glasslm.io.checkpoint import read_json, read_safetensors
+from glasslm.io.checkpoint import TRAINER_STATE_JSON, TRAINER_STATE_TENSORS, read_json, read_safetensors
 from glasslm.training.distributed import DistributedContext, gather_objects
-
-TRAINER_STATE_JSON = "trainer_state.json"
-TRAINER_STATE_TENSORS = "trainer_state.safetensors"
 
 
 def seed_processes(seed: int, rank: int) -> torch.Generator:
