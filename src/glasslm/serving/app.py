@@ -28,9 +28,9 @@ from glasslm.core.model import TransformerLM
 from glasslm.serving.config import ServeConfig
 from glasslm.serving.context import Served
 from glasslm.serving.errors import add_error_handlers
-from glasslm.serving.routes import completions, explorer, health
+from glasslm.serving.routes import completions, explorer, health, tokenize
 
-ROUTERS = (health.router, completions.router, explorer.router)
+ROUTERS = (health.router, completions.router, tokenize.router, explorer.router)
 
 
 def create_app(model: TransformerLM, tokenizer: Any, config: ServeConfig | None = None) -> FastAPI:
