@@ -129,12 +129,13 @@ class TextRequest(_Strict):
     text: str | None = None
     tokens: list[int] | None = None
 
-    def ids(self, encode: Callable[[Any], list[int]]) -> list[int]:
+    def ids(self, encode: Callable[[Any, str], list[int]]) -> list[int]:
+        """`encode(value, field)` of whichever of `text` and `tokens` was given (`field` names it in errors)."""
         if (self.text is None) == (self.tokens is None):
-            raise BadRequest("give exactly one of text and tokens")
+            raise BadRequest("text: give exactly one of text and tokens", "text")
         if self.text == "":
             raise BadRequest("text: the text is empty", "text")
-        return encode(self.text if self.text is not None else self.tokens)
+        return encode(self.text, "text") if self.text is not None else encode(self.tokens, "tokens")
 
 
 class NextTokenRequest(TextRequest):
@@ -157,8 +158,8 @@ def describe_validation_error(problem: dict[str, Any]) -> str:
         return "unknown field (see docs/serving.md for the fields glasslm serve accepts)"
     if kind == "json_invalid":
         return f"the request body is not valid JSON ({problem.get('ctx', {}).get('error', message)})"
-    if kind == "missing" and tuple(problem.get("loc", ())) == ("body",):
-        return "the request needs a JSON body"
+    if tuple(problem.get("loc", ())) == ("body",):  # about the body as a whole, not a field of it
+        return "the request needs a JSON body" if kind == "missing" else "the request body must be a JSON object"
     return message.removeprefix("Value error, ")
 
 
