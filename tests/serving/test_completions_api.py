@@ -159,8 +159,9 @@ def test_tokenize_and_detokenize_round_trip(served):
     ("/tokenize", {"prompt": "x", "text": "x"}, "text: unknown field"),
     ("/tokenize", {}, "prompt: Field required"),
     ("/tokenize", {"prompt": "x", "model": "gpt-9"}, "'gpt-9' not found"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 9}, "n: 3 prompts x n=9 is 27 completions"),
 ])
-def test_tokenize_refuses_bad_input_naming_the_field(served, path, body, words):
+def test_bad_input_is_refused_naming_the_field(served, path, body, words):
     status, reply = call(served[0], path, body)
     assert status in (400, 404) and words in reply["error"]["message"], reply
     assert json.dumps(reply).count("Traceback") == 0

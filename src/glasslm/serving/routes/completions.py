@@ -71,7 +71,10 @@ async def completions(body: schemas.CompletionRequest, request: Request, served:
 def _jobs(body: schemas.CompletionRequest, served: Served) -> schemas.Completion:
     """`n` jobs per prompt, sharing one event queue; choice index = prompt number * n + choice."""
     prompts = body.prompts()
-    many = len(prompts) > 1
+    many, room = len(prompts) > 1, served.config.max_batch + served.config.max_queue
+    if len(prompts) * body.n > room:  # would never fit, however idle the server: not a 429
+        raise schemas.BadRequest(f"n: {len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} completions; "
+                                 f"this server takes at most {room} at once (--max-batch + --max-queue)", "n")
     encoded = [served.encode(p, what=f"prompt[{k}]" if many else "prompt") for k, p in enumerate(prompts)]
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     jobs, echoes = [], []
