@@ -95,6 +95,24 @@ def test_a_list_of_prompts_is_decoded_in_one_batch_each_as_alone(served):
     assert engine.stats["steps"] - steps == 2 * 6  # all three rows in each of the 6 steps of each request
 
 
+def test_scoring_more_logits_than_the_limit_prefills_in_groups_with_the_same_numbers(served):
+    url, model, tok, engine = served
+    prompts = ["To be, or not", "O", "What light", "Hark"]
+    body = {"prompt": prompts, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2}
+    whole = call(url, "/v1/completions", body)[1]
+    steps = engine.stats["steps"]
+    engine.scoring_logits_limit = 14 * model.config.vocab_size  # 14 prompt tokens' logits at once
+    try:
+        grouped = call(url, "/v1/completions", body)[1]
+    finally:
+        engine.scoring_logits_limit = 2**28
+    assert engine.stats["steps"] - steps == 3  # groups prefill apart, then decode as one batch
+    for a, b in zip(grouped["choices"], whole["choices"]):
+        assert a["text"] == b["text"] and a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+        torch.testing.assert_close(torch.tensor(a["logprobs"]["token_logprobs"][1:]),
+                                   torch.tensor(b["logprobs"]["token_logprobs"][1:]), rtol=0, atol=1e-4)
+
+
 def test_n_choices_are_seeded_seed_plus_index_and_usage_counts_the_prompt_once(served):
     url, _, tok, _ = served
     body = {"prompt": ["ROMEO:", "JULIET:"], "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 3}

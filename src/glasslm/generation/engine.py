@@ -135,6 +135,8 @@ class Engine:
         self.context = model.config.context_length
         self.keep = max(1, self.context // 2)  # tokens kept when a row's window slides, as generate does
         self.model_lock = threading.Lock()
+        # Scoring prompts keeps the logits of every prompt position: bound them (2**28 floats = 1 GiB).
+        self.scoring_logits_limit = 2**28
         self._cond = threading.Condition()
         self._pending: collections.deque[Job] = collections.deque()
         self.active: list[Job] = []
@@ -251,8 +253,8 @@ class Engine:
         return new
 
     def _step(self, new: list[Job]) -> None:
-        if new:
-            self._admit(new)
+        for group in self._admission_groups(new):
+            self._admit(group)
         if not self.active:
             return
         chosen, keep = self._sample()
@@ -262,6 +264,20 @@ class Engine:
             self._remove(keep)
         if self.active:
             self._feed([chosen[i] for i in keep])
+
+    def _admission_groups(self, jobs: list[Job]) -> list[list[Job]]:
+        """`jobs` in prefill groups: one, unless scoring prompts would need more than
+        `scoring_logits_limit` logits at once ((rows x longest prompt x vocab) floats, 4 bytes each)."""
+        if not any(job.sampling.prompt_logprobs is not None for job in jobs):
+            return [jobs] if jobs else []
+        tokens_at_once = max(1, self.scoring_logits_limit // self.model.config.vocab_size)
+        groups: list[list[Job]] = []
+        for job in sorted(jobs, key=lambda j: len(j.held)):  # similar lengths together: less padding
+            if groups and (len(groups[-1]) + 1) * len(job.held) <= tokens_at_once:
+                groups[-1].append(job)
+            else:
+                groups.append([job])
+        return groups
 
     def _admit(self, jobs: list[Job]) -> None:
         """Prefill the new rows as their own padded batch, then let them join the running one.
