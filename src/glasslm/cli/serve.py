@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from glasslm.cli.command import Command
@@ -19,6 +20,8 @@ def serve(source: CheckpointOption, config: ServeConfig, runtime: RuntimeOptions
     model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True)
     if config.name is None:
         config = dataclasses.replace(config, name=Path(source.checkpoint).resolve().name)
+    if config.api_key is None and os.environ.get("GLASSLM_API_KEY"):  # the environment keeps it out of `ps`
+        config = dataclasses.replace(config, api_key=os.environ["GLASSLM_API_KEY"])
     serve_model(model, tokenizer, config)
     return 0
 

@@ -113,8 +113,12 @@ class DecodeWindow:
         # about twice as fast as oneDNN's on CPU (measured; oneDNN wins for prefill and batches).
         self.use_native_gemv = self._low_precision_cpu and len(pads) == 1
 
-    def prefill(self, rows: Sequence[Sequence[int]]) -> Float[Tensor, "batch vocab"]:
-        """Empty the cache and run the rows (left-padded to one length) through the model."""
+    def prefill(self, rows: Sequence[Sequence[int]], every_position: bool = False) -> Float[Tensor, "batch ..."]:
+        """Empty the cache and run the rows (left-padded to one length) through the model.
+
+        Returns each row's next-token logits (batch, vocab), or with `every_position` the logits at
+        every slot (batch, longest, vocab; row r's token j sits at slot j + pads[r]), for scoring prompts.
+        """
         lengths = [len(r) for r in rows]
         longest = max(lengths)
         tokens = torch.tensor([[self.pad_token] * (longest - n) + list(r) for r, n in zip(rows, lengths)],
@@ -124,8 +128,8 @@ class DecodeWindow:
         n_pad = torch.tensor([longest - n for n in lengths], device=self.device)  # (batch,)
         self._set_pads(n_pad)
         if self.key_is_real is None:  # no padding: the model's own causal path is exact and fastest
-            logits = self.model(tokens, kv_cache=self.cache, last_logits_only=True)
-            return logits[:, -1].float()
+            logits = self.model(tokens, kv_cache=self.cache, last_logits_only=not every_position)
+            return logits.float() if every_position else logits[:, -1].float()
         # A real token at slot s of a row with p pads is that row's token number s - p.
         slots = torch.arange(longest, device=self.device)[None, :]  # (1, longest)
         positions = (slots - n_pad[:, None]).clamp_min(0)  # (batch, longest)
@@ -136,8 +140,8 @@ class DecodeWindow:
         # which would leak into real rows through NaN keys and values (0 * NaN = NaN). Letting
         # pads see themselves makes every row well defined on any kernel; real rows are unaffected.
         mask |= torch.eye(longest, dtype=torch.bool, device=self.device)
-        logits = self.model(tokens, positions, self.cache, mask, last_logits_only=True)
-        return logits[:, -1].float()
+        logits = self.model(tokens, positions, self.cache, mask, last_logits_only=not every_position)
+        return logits.float() if every_position else logits[:, -1].float()
 
     def decode(self, tokens: Int[Tensor, "batch"]) -> Float[Tensor, "batch vocab"]:
         """Feed one new token per row; its keys and values land in the next cache slot."""

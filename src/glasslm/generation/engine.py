@@ -78,6 +78,7 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # how many alternatives per token, as OpenAI's `logprobs`
+    prompt_logprobs: int | None = None  # score the prompt too (alternatives per token); None: don't
 
 
 @dataclass
@@ -93,6 +94,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     created: float = field(default_factory=time.time)
+    index: int = 0  # which choice of its request this job is; its events carry it (several jobs may share `events`)
 
     def __post_init__(self) -> None:
         self.held = list(self.prompt)  # the tokens this row's cache window holds (plus the newest)
@@ -107,6 +109,7 @@ class Job:
 
     def emit(self, event: dict[str, Any]) -> None:
         """Hand an event to the caller's event loop (thread-safe; a closed loop means nobody listens)."""
+        event["index"] = self.index
         if self.outbox is not None:
             self.outbox.append((self, event))
             return
@@ -132,6 +135,8 @@ class Engine:
         self.context = model.config.context_length
         self.keep = max(1, self.context // 2)  # tokens kept when a row's window slides, as generate does
         self.model_lock = threading.Lock()
+        # Scoring prompts keeps the logits of every prompt position: bound them (2**28 floats = 1 GiB).
+        self.scoring_logits_limit = 2**28
         self._cond = threading.Condition()
         self._pending: collections.deque[Job] = collections.deque()
         self.active: list[Job] = []
@@ -153,17 +158,22 @@ class Engine:
 
     def submit(self, job: Job) -> None:
         """Queue `job`; raises `Overloaded` when the queue is full, `ShuttingDown` while draining."""
+        self.submit_all([job])
+
+    def submit_all(self, jobs: list[Job]) -> None:
+        """Queue all of `jobs` at once (the next step admits them together, as far as rows allow) or none."""
         with self._cond:
             if self.draining or self._stop:
                 raise ShuttingDown("the server is shutting down and takes no new requests")
             free_rows = max(0, self.max_batch - len(self.active))  # jobs the next step admits
-            if len(self._pending) >= self.max_queue + free_rows:
+            if len(self._pending) + len(jobs) > self.max_queue + free_rows:
                 self.stats["rejected"] += 1
                 raise Overloaded(f"the server is busy ({len(self.active)} requests running, "
                                  f"{len(self._pending)} waiting, the queue holds {self.max_queue}); retry later")
-            job.outbox = self._outbox
-            self._pending.append(job)
-            self.stats["submitted"] += 1
+            for job in jobs:
+                job.outbox = self._outbox
+                self._pending.append(job)
+            self.stats["submitted"] += len(jobs)
             self._cond.notify()
 
     def queued(self) -> int:
@@ -243,8 +253,8 @@ class Engine:
         return new
 
     def _step(self, new: list[Job]) -> None:
-        if new:
-            self._admit(new)
+        for group in self._admission_groups(new):
+            self._admit(group)
         if not self.active:
             return
         chosen, keep = self._sample()
@@ -255,10 +265,46 @@ class Engine:
         if self.active:
             self._feed([chosen[i] for i in keep])
 
+    def _admission_groups(self, jobs: list[Job]) -> list[list[Job]]:
+        """`jobs` in prefill groups: one, unless scoring prompts would need more than
+        `scoring_logits_limit` logits at once ((rows x longest prompt x vocab) floats, 4 bytes each)."""
+        if not any(job.sampling.prompt_logprobs is not None for job in jobs):
+            return [jobs] if jobs else []
+        tokens_at_once = max(1, self.scoring_logits_limit // self.model.config.vocab_size)
+        groups: list[list[Job]] = []
+        for job in sorted(jobs, key=lambda j: len(j.held)):  # similar lengths together: less padding
+            if groups and (len(groups[-1]) + 1) * len(job.held) <= tokens_at_once:
+                groups[-1].append(job)
+            else:
+                groups.append([job])
+        return groups
+
     def _admit(self, jobs: list[Job]) -> None:
-        """Prefill the new rows as their own padded batch, then let them join the running one."""
+        """Prefill the new rows as their own padded batch, then let them join the running one.
+
+        Jobs that score their prompt get its per-token log-probabilities from the same prefill;
+        those that generate nothing (max_tokens 0) finish there and never join.
+        """
         window = DecodeWindow(self.model, len(jobs), self.context)
-        logits = window.prefill([job.held for job in jobs])
+        scoring = any(job.sampling.prompt_logprobs is not None for job in jobs)
+        logits = window.prefill([job.held for job in jobs], every_position=scoring)
+        if scoring:  # logits: (batch, longest, vocab); row r's token j at slot j + pads[r]
+            for row, job in enumerate(jobs):
+                if job.sampling.prompt_logprobs is not None:
+                    start = int(window.pads[row])
+                    job.emit({"prompt": prompt_scores(logits[row, start:], job.prompt, job.sampling.prompt_logprobs),
+                              "text": ""})
+            logits = logits[:, -1]  # (batch, vocab): each row's next-token logits
+            going = [row for row, job in enumerate(jobs) if job.sampling.max_tokens > 0]
+            for job in jobs:
+                if job.sampling.max_tokens <= 0:
+                    job.finish("length")
+                    self.stats["completed"] += 1
+            if not going:
+                return
+            if len(going) < len(jobs):
+                window.keep_rows(going)
+                jobs, logits = [jobs[row] for row in going], logits[going]
         if self._window is None:
             self.active, self._window, self._logits = list(jobs), window, logits
         else:
@@ -335,6 +381,22 @@ class Engine:
                 job.held = job.held[-self.keep:]
         self._window = DecodeWindow(self.model, len(self.active), self.context)
         self._logits = self._window.prefill([job.held for job in self.active])
+
+
+def prompt_scores(logits: Float[Tensor, "seq vocab"], ids: list[int], top: int) -> list[dict[str, Any]]:
+    """Per prompt token: its id, log-probability given the tokens before it, and the `top` likeliest.
+
+    `logits[j]` predicts token j + 1; the first token has no context, so its logprob and top are None.
+    """
+    log_probs = torch.log_softmax(logits[:len(ids) - 1].float(), dim=-1)  # (seq - 1, vocab)
+    target = torch.tensor(ids[1:], dtype=torch.long, device=log_probs.device)
+    chosen = log_probs.gather(1, target[:, None])[:, 0].tolist()  # (seq - 1,)
+    best = log_probs.topk(top, dim=-1) if top > 0 else None
+    scores: list[dict[str, Any]] = [{"token": ids[0], "logprob": None, "top": None}]
+    for j, token in enumerate(ids[1:]):
+        alternatives = [] if best is None else list(zip(best.indices[j].tolist(), best.values[j].tolist()))
+        scores.append({"token": token, "logprob": chosen[j], "top": alternatives})
+    return scores
 
 
 def _deliver(items: list[tuple[Job, dict[str, Any]]]) -> None:

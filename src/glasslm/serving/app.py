@@ -25,12 +25,13 @@ from typing import Any
 from fastapi import FastAPI
 
 from glasslm.core.model import TransformerLM
+from glasslm.serving.auth import BearerKey
 from glasslm.serving.config import ServeConfig
 from glasslm.serving.context import Served
 from glasslm.serving.errors import add_error_handlers
-from glasslm.serving.routes import completions, explorer, health
+from glasslm.serving.routes import completions, explorer, health, tokenize
 
-ROUTERS = (health.router, completions.router, explorer.router)
+ROUTERS = (health.router, completions.router, tokenize.router, explorer.router)
 
 
 def create_app(model: TransformerLM, tokenizer: Any, config: ServeConfig | None = None) -> FastAPI:
@@ -38,7 +39,8 @@ def create_app(model: TransformerLM, tokenizer: Any, config: ServeConfig | None 
 
     `config.max_batch` rows decode together; up to `config.max_queue` more wait; beyond that requests
     get 429. The host, port and grace of `config` are the server's (`serve`), not the app's.
-    The engine is `app.state.served.engine` (also `app.state.engine`).
+    The engine is `app.state.served.engine` (also `app.state.engine`). With `config.api_key`, every
+    route but /health needs `Authorization: Bearer KEY` (`glasslm.serving.auth`).
     """
     served = Served.build(model, tokenizer, config)
 
@@ -53,4 +55,6 @@ def create_app(model: TransformerLM, tokenizer: Any, config: ServeConfig | None 
     add_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    if served.config.api_key:
+        app.add_middleware(BearerKey, key=served.config.api_key)
     return app

@@ -15,7 +15,7 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 
 @dataclass
 class ServeConfig:
-    """How `glasslm serve` listens, batches and queues."""
+    """How `glasslm serve` listens, batches, queues and who it lets in."""
 
     host: str = "127.0.0.1"  # address to listen on (127.0.0.1: this machine only)
     port: int = 8000  # TCP port; 0 picks a free one
@@ -25,6 +25,7 @@ class ServeConfig:
     max_tokens_limit: int = 2048  # largest max_tokens a request may ask for
     grace: float = 10.0  # seconds in-flight requests get to finish after SIGTERM before they are aborted
     log_level: LogLevel = "info"  # server log detail; info logs one line per request
+    api_key: str | None = None  # require 'Authorization: Bearer KEY' on every route but /health; default $GLASSLM_API_KEY
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 0:
@@ -33,3 +34,5 @@ class ServeConfig:
             raise ValueError(f"port must be 0..65535, got {self.port}")
         if self.max_tokens_limit < 1 or self.grace < 0:
             raise ValueError("max_tokens_limit must be >= 1 and grace >= 0")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (leave it unset to serve without a key)")

@@ -31,8 +31,10 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 
 async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     problem = exc.errors()[0] if exc.errors() else {}
-    where = "" if problem.get("type") == "json_invalid" else ".".join(
-        str(p) for p in problem.get("loc", ()) if p != "body")
+    loc = [str(p) for p in problem.get("loc", ()) if p != "body"]
+    where = "" if problem.get("type") == "json_invalid" else ".".join(loc)
+    if loc and not where.strip():  # a field named "" (or spaces) is still a field: quote it
+        where = repr(where)
     message = describe_validation_error(problem)
     return error_response(400, f"{where}: {message}" if where else message, param=where or None)
 

@@ -1,14 +1,14 @@
 """The request and response shapes of `glasslm serve`: OpenAI's completions API and the explorer's.
 
 Requests are pydantic models that refuse unknown fields, so a typo ("max_token") is an error
-rather than a silently ignored setting. OpenAI fields glasslm does not implement are accepted only
-at their neutral values (n=1, echo=false, penalties 0, ...), so clients that send the defaults
-explicitly still work. The functions at the end turn a `Job`'s events into OpenAI's response
-shapes. Needs the `serve` extra (fastapi, uvicorn).
+rather than a silently ignored setting (as OpenAI does). OpenAI fields that would change results and
+that glasslm does not implement (penalties, suffix, logit_bias, best_of > n) are accepted only at
+their neutral values, so clients that send the defaults explicitly still work. `Completion` at the
+end turns a request's job events into OpenAI's response shapes. Needs the `serve` extra (fastapi, uvicorn).
 
 Example:
     >>> CompletionRequest(prompt="ROMEO:", max_tokens=8, top_k=5).sampling()
-    Sampling(max_tokens=8, temperature=1.0, top_k=5, top_p=None, min_p=None, seed=None, stop=(), logprobs=None)
+    Sampling(max_tokens=8, temperature=1.0, top_k=5, top_p=None, min_p=None, seed=None, stop=(), logprobs=None, prompt_logprobs=None)
     >>> CompletionRequest(max_token=8)
     Traceback (most recent call last):
     ...
@@ -22,9 +22,10 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from glasslm.generation.engine import Job, Sampling
 
@@ -46,10 +47,15 @@ class StreamOptions(_Strict):
 
 
 class CompletionRequest(_Strict):
-    """OpenAI's POST /v1/completions body; `top_k`, `min_p` and `return_token_ids` are extensions."""
+    """OpenAI's POST /v1/completions body; `top_k`, `min_p` and `return_token_ids` are extensions.
+
+    `prompt` is a string, a list of strings, a list of token ids or a list of id lists; every prompt
+    gets `n` choices, all decoded in the same batch. `echo` puts the prompt before each choice's
+    text (with `logprobs`, each prompt token's log-probability too); `max_tokens: 0` only scores.
+    """
 
     model: str | None = None
-    prompt: str | list[int] | list[str] = ""
+    prompt: str | list[str] | list[int] | list[list[int]] = ""
     max_tokens: int = Field(16, ge=0)  # OpenAI's default
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -61,15 +67,15 @@ class CompletionRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # each choice also carries the generated token ids
-    # OpenAI fields accepted only at the value that means "not used":
-    n: int = Field(1, ge=1, le=1)
-    best_of: int | None = Field(None, ge=1, le=1)
+    n: int = Field(1, ge=1, le=64)  # choices per prompt
     echo: bool = False
+    user: str | None = None  # accepted and ignored, as it changes nothing
+    # OpenAI fields accepted only at the value that means "not used" (others would change results):
+    best_of: int | None = Field(None, ge=1)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
-    user: str | None = None
 
     @field_validator("temperature")
     @classmethod
@@ -86,22 +92,35 @@ class CompletionRequest(_Strict):
             raise ValueError("give at most 8 stop strings, none empty")
         return stops
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> "CompletionRequest":
-        for name, neutral in (("echo", False), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
-                              ("suffix", None)):
-            if getattr(self, name) != neutral:
-                raise ValueError(f"{name} is not supported by glasslm serve (leave it at {neutral!r})")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by glasslm serve")
-        return self
+    @field_validator("frequency_penalty", "presence_penalty", "suffix", "logit_bias")
+    @classmethod
+    def _neutral(cls, v: Any) -> Any:
+        if v:  # 0.0, None and {} mean "not used"
+            raise ValueError(f"not supported by glasslm serve (leave it out, or at {0.0 if isinstance(v, float) else None})")
+        return v
 
-    def sampling(self) -> Sampling:
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if v is not None and v != n:
+            raise ValueError(f"only best_of equal to n ({n}) is supported (best_of > n would rank choices)")
+        return v
+
+    def sampling(self, choice: int = 0) -> Sampling:
+        """The engine's controls for choice number `choice` of a prompt (seeded `seed + choice`)."""
         return Sampling(
             max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k or None,
-            top_p=self.top_p if self.top_p < 1.0 else None, min_p=self.min_p or None, seed=self.seed,
-            stop=tuple(self.stop or ()), logprobs=self.logprobs,
+            top_p=self.top_p if self.top_p < 1.0 else None, min_p=self.min_p or None,
+            seed=None if self.seed is None else self.seed + choice, stop=tuple(self.stop or ()),
+            logprobs=self.logprobs, prompt_logprobs=self.logprobs if self.echo else None,
         )
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each a string or a list of ids."""
+        if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
 
 
 class TextRequest(_Strict):
@@ -110,12 +129,13 @@ class TextRequest(_Strict):
     text: str | None = None
     tokens: list[int] | None = None
 
-    def ids(self, encode: Callable[[Any], list[int]]) -> list[int]:
+    def ids(self, encode: Callable[[Any, str], list[int]]) -> list[int]:
+        """`encode(value, field)` of whichever of `text` and `tokens` was given (`field` names it in errors)."""
         if (self.text is None) == (self.tokens is None):
-            raise BadRequest("give exactly one of text and tokens")
+            raise BadRequest("text: give exactly one of text and tokens", "text")
         if self.text == "":
             raise BadRequest("text: the text is empty", "text")
-        return encode(self.text if self.text is not None else self.tokens)
+        return encode(self.text, "text") if self.text is not None else encode(self.tokens, "tokens")
 
 
 class NextTokenRequest(TextRequest):
@@ -138,78 +158,114 @@ def describe_validation_error(problem: dict[str, Any]) -> str:
         return "unknown field (see docs/serving.md for the fields glasslm serve accepts)"
     if kind == "json_invalid":
         return f"the request body is not valid JSON ({problem.get('ctx', {}).get('error', message)})"
-    if kind == "missing" and tuple(problem.get("loc", ())) == ("body",):
-        return "the request needs a JSON body"
+    if tuple(problem.get("loc", ())) == ("body",):  # about the body as a whole, not a field of it
+        return "the request needs a JSON body" if kind == "missing" else "the request body must be a JSON object"
     return message.removeprefix("Value error, ")
 
 
-# --- turning a job's events into OpenAI responses ------------------------------------------------
+# --- turning a request's events into OpenAI responses --------------------------------------------
 
-def _logprobs(events: list[dict[str, Any]], tokenizer: Any) -> dict[str, Any]:
-    return {
-        "tokens": [tokenizer.decode([e["token"]]) for e in events],
-        "token_logprobs": [e["logprob"] for e in events],
-        "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e["top"]} for e in events],
-        "text_offset": [e["offset"] for e in events],
-    }
+@dataclass
+class Completion:
+    """One request's jobs (`n` per prompt, sharing one event queue; `job.index` is the choice index)."""
+
+    jobs: list[Job]
+    echoes: list[str]  # per job: the text `echo` puts before its completion ("" without echo)
+    body: CompletionRequest
+    name: str
+    tokenizer: Any
+
+    @property
+    def id(self) -> str:
+        return self.jobs[0].id
+
+    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": int(self.jobs[0].created), "model": self.name,
+                "choices": choices, **extra}
+
+    def usage(self) -> dict[str, int]:
+        """Each prompt counted once (not once per choice); completion tokens summed over choices."""
+        prompts = sum(len(job.prompt) for job in self.jobs[::self.body.n])
+        completion = sum(len(job.generated) for job in self.jobs)
+        return {"prompt_tokens": prompts, "completion_tokens": completion, "total_tokens": prompts + completion}
+
+    def logprobs(self, index: int, events: list[dict[str, Any]]) -> dict[str, Any]:
+        """OpenAI's legacy `logprobs` of prompt-score and token events; offsets count from the choice's text start."""
+        texts = [self.tokenizer.decode([e["token"]]) for e in events]
+        offsets, prompt_end, echo = [], 0, len(self.echoes[index])
+        for event, text in zip(events, texts):
+            if "offset" in event:  # a generated token: its offset in the completion, after the echo
+                offsets.append(echo + event["offset"])
+            else:  # a prompt token: where its text starts in the echoed prompt
+                offsets.append(prompt_end)
+                prompt_end += len(text)
+        return {"tokens": texts, "token_logprobs": [e.get("logprob") for e in events],
+                "top_logprobs": [None if e.get("top") is None else {self.tokenizer.decode([t]): lp for t, lp in e["top"]}
+                                 for e in events],
+                "text_offset": offsets}
+
+    def delta(self, event: dict[str, Any]) -> dict[str, Any]:
+        """The streamed choice for one event: a prompt's echo, a token, or the finish."""
+        index, body = event["index"], self.body
+        scored = event.get("prompt") or ([event] if "token" in event else [])
+        text = self.echoes[index] if "prompt" in event else event["text"]
+        choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": event.get("finish_reason"),
+                                  "logprobs": self.logprobs(index, scored) if body.logprobs is not None and scored else None}
+        if body.return_token_ids and "token" in event:
+            choice["token_ids"] = [event["token"]]
+        return choice
+
+    def result(self, events: list[dict[str, Any]]) -> dict[str, Any]:
+        """The whole response from every event of every job, in arrival order."""
+        choices = []
+        for job in self.jobs:
+            mine = [e for e in events if e["index"] == job.index]
+            scored = [s for e in mine for s in e.get("prompt", ())] + [e for e in mine if "token" in e]
+            choice: dict[str, Any] = {"index": job.index, "text": self.echoes[job.index] + "".join(e["text"] for e in mine),
+                                      "finish_reason": job.finish_reason,
+                                      "logprobs": self.logprobs(job.index, scored) if self.body.logprobs is not None else None}
+            if self.body.return_token_ids:
+                choice["token_ids"] = [e["token"] for e in mine if "token" in e]
+            choices.append(choice)
+        return self.chunk(choices, usage=self.usage())
 
 
-def _usage(job: Job) -> dict[str, int]:
-    return {"prompt_tokens": len(job.prompt), "completion_tokens": len(job.generated),
-            "total_tokens": len(job.prompt) + len(job.generated)}
-
-
-def _chunk(job: Job, name: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    return {"id": job.id, "object": "text_completion", "created": int(job.created), "model": name,
-            "choices": choices, **extra}
-
-
-async def stream_chunks(job: Job, body: CompletionRequest, name: str, tokenizer: Any) -> AsyncIterator[dict]:
-    """Server-sent event payloads: one chunk per token, a last one with finish_reason, maybe usage."""
-    while True:
-        event = await job.events.get()
+async def stream_chunks(completion: Completion) -> AsyncIterator[dict]:
+    """Server-sent event payloads: the echoes, one chunk per token, one per finish, maybe usage last."""
+    events, unfinished = completion.jobs[0].events, len(completion.jobs)
+    for job in completion.jobs:  # echoes with no scores to wait for go first
+        if completion.echoes[job.index] and job.sampling.prompt_logprobs is None:
+            yield completion.chunk([{"index": job.index, "text": completion.echoes[job.index], "logprobs": None,
+                                     "finish_reason": None}])
+    while unfinished:
+        event = await events.get()
         if "error" in event:
             yield {"error": {"message": event["error"], "type": "server_error", "param": None, "code": 500}}
             return
-        choice: dict[str, Any] = {"index": 0, "text": event["text"], "logprobs": None,
-                                  "finish_reason": event.get("finish_reason")}
-        if "token" in event:
-            if body.logprobs is not None:
-                choice["logprobs"] = _logprobs([event], tokenizer)
-            if body.return_token_ids:
-                choice["token_ids"] = [event["token"]]
-        yield _chunk(job, name, [choice])
-        if "finish_reason" in event:
-            break
+        unfinished -= "finish_reason" in event
+        yield completion.chunk([completion.delta(event)])
+    body = completion.body
     if body.stream_options is not None and body.stream_options.include_usage:
-        yield _chunk(job, name, [], usage=_usage(job))
+        yield completion.chunk([], usage=completion.usage())
 
 
-async def collect(job: Job, body: CompletionRequest, name: str, tokenizer: Any, request: Any) -> dict[str, Any]:
-    """The whole completion as one response; gives up (cancelling the job) if the client leaves."""
-    text, tokens = [], []
+async def collect(completion: Completion, request: Any) -> dict[str, Any]:
+    """The whole completion as one response; gives up (cancelling the jobs) if the client leaves."""
+    events, received, unfinished = completion.jobs[0].events, [], len(completion.jobs)
     checked = time.monotonic()
-    while True:
+    while unfinished:
         try:
-            event = await asyncio.wait_for(job.events.get(), timeout=0.25)
+            event = await asyncio.wait_for(events.get(), timeout=0.25)
         except asyncio.TimeoutError:
             event = None
         if time.monotonic() - checked > 0.25:  # tokens may flow without pause: look by the clock
             checked = time.monotonic()
             if await request.is_disconnected():
-                job.cancelled.set()
                 return {"error": {"message": "client disconnected"}}
         if event is None:
             continue
         if "error" in event:
             return {"error": {"message": event["error"]}}
-        text.append(event["text"])
-        if "token" in event:
-            tokens.append(event)
-        if "finish_reason" in event:
-            break
-    choice: dict[str, Any] = {"index": 0, "text": "".join(text), "finish_reason": job.finish_reason,
-                              "logprobs": _logprobs(tokens, tokenizer) if body.logprobs is not None else None}
-    if body.return_token_ids:
-        choice["token_ids"] = [e["token"] for e in tokens]
-    return _chunk(job, name, [choice], usage=_usage(job))
+        received.append(event)
+        unfinished -= "finish_reason" in event
+    return completion.result(received)

@@ -28,6 +28,9 @@ def serve(model: TransformerLM, tokenizer: Any, config: ServeConfig) -> None:
 
     app = create_app(model, tokenizer, config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not config.api_key and config.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("glasslm.serving").warning(
+            "listening on %s without --api-key: anyone who can reach this address can use the model", config.host)
     server_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                    access_log=True, timeout_graceful_shutdown=config.grace + 5, log_config=None)
     Server(server_config, app.state.engine, config.grace).run()

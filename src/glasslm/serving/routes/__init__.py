@@ -2,5 +2,6 @@
 
 - `health`: GET /health (liveness, load and counters; 503 while draining);
 - `completions`: OpenAI's POST /v1/completions and GET /v1/models;
+- `tokenize`: POST /tokenize and /detokenize (vLLM's shapes);
 - `explorer`: the explorer page (/ and /static) and its JSON endpoints under /api.
 """

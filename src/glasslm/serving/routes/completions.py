@@ -48,38 +48,67 @@ async def completions(body: schemas.CompletionRequest, request: Request, served:
     if body.max_tokens > limit:
         raise schemas.BadRequest(f"max_tokens: {body.max_tokens} is more than this server's limit {limit}",
                                  "max_tokens")
-    job = Job(served.encode(body.prompt), body.sampling(), served.tokenizer, asyncio.get_running_loop(),
-              stop_tokens=served.eos)
+    completion = _jobs(body, served)
     started = time.perf_counter()
-    if job.sampling.max_tokens > 0:
-        try:
-            served.engine.submit(job)
-        except Overloaded as err:
-            return error_response(429, str(err), "overloaded")
-        except ShuttingDown as err:
-            return error_response(503, str(err), "unavailable")
-    else:
-        job.finish("length")
+    try:
+        _submit(completion.jobs, served)
+    except Overloaded as err:
+        return error_response(429, str(err), "overloaded")
+    except ShuttingDown as err:
+        return error_response(503, str(err), "unavailable")
     if body.stream:
-        return StreamingResponse(_events(job, body, served, started), media_type="text/event-stream",
+        return StreamingResponse(_events(completion, started), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        result = await schemas.collect(job, body, served.name, served.tokenizer, request)
+        result = await schemas.collect(completion, request)
     finally:
-        job.cancelled.set()
-        _log_done(job, started)
+        _done(completion, started)
     if "error" in result:
         return error_response(500, result["error"]["message"], "server_error")
     return result
 
 
-async def _events(job: Job, body: schemas.CompletionRequest, served: Served, started: float) -> AsyncIterator[str]:
-    """The server-sent event stream of one completion, ending with `data: [DONE]`."""
+def _jobs(body: schemas.CompletionRequest, served: Served) -> schemas.Completion:
+    """`n` jobs per prompt, sharing one event queue; choice index = prompt number * n + choice."""
+    prompts = body.prompts()
+    many, room = len(prompts) > 1, served.config.max_batch + served.config.max_queue
+    if len(prompts) * body.n > room:  # would never fit, however idle the server: not a 429
+        raise schemas.BadRequest(f"n: {len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} completions; "
+                                 f"this server takes at most {room} at once (--max-batch + --max-queue)", "n")
+    encoded = [served.encode(p, what=f"prompt[{k}]" if many else "prompt") for k, p in enumerate(prompts)]
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    jobs, echoes = [], []
+    for prompt, ids in zip(prompts, encoded):
+        echo = (prompt if isinstance(prompt, str) else served.tokenizer.decode(ids)) if body.echo else ""
+        for choice in range(body.n):
+            jobs.append(Job(ids, body.sampling(choice), served.tokenizer, loop, stop_tokens=served.eos,
+                            events=events, index=len(jobs)))
+            echoes.append(echo)
+    return schemas.Completion(jobs, echoes, body, served.name, served.tokenizer)
+
+
+def _submit(jobs: list[Job], served: Served) -> None:
+    """Queue the jobs that need the model, all at once (or none: 429); the others finish at once."""
+    needs_model = [job for job in jobs if job.sampling.max_tokens > 0 or job.sampling.prompt_logprobs is not None]
+    if needs_model:
+        served.engine.submit_all(needs_model)
+    for job in jobs:
+        if job.sampling.max_tokens <= 0 and job.sampling.prompt_logprobs is None:
+            job.finish("length")
+
+
+async def _events(completion: schemas.Completion, started: float) -> AsyncIterator[str]:
+    """The server-sent event stream of one request, ending with `data: [DONE]`."""
     try:
-        async for chunk in schemas.stream_chunks(job, body, served.name, served.tokenizer):
+        async for chunk in schemas.stream_chunks(completion):
             yield f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
+        _done(completion, started)
+
+
+def _done(completion: schemas.Completion, started: float) -> None:
+    for job in completion.jobs:
         job.cancelled.set()  # a no-op once finished; otherwise the client went away
         _log_done(job, started)
 

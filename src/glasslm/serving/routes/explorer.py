@@ -47,27 +47,34 @@ def info(served: ServedDep) -> dict[str, Any]:
 
 @router.post("/api/tokenize")
 def api_tokenize(body: schemas.TextRequest, served: ServedDep) -> dict[str, Any]:
-    ids = body.ids(lambda text: served.encode(text, what="text"))
+    ids = body.ids(lambda value, what: served.encode(value, what=what))
     return {"tokens": ids, "texts": token_texts(served.tokenizer, ids)}
 
 
 @router.post("/api/next-token")
 def api_next_token(body: schemas.NextTokenRequest, served: ServedDep) -> Any:
-    ids = body.ids(lambda text: served.encode(text, what="text"))
+    ids = body.ids(lambda value, what: served.encode(value, what=what))
     return served.run_locked(next_token, ids, body.temperature, body.top_k or None, body.top_p, body.min_p, body.k)
 
 
 @router.post("/api/token-loss")
 def api_token_loss(body: schemas.TextRequest, served: ServedDep) -> Any:
     limit = LOSS_LIMIT_CONTEXTS * served.context_length
-    return served.run_locked(token_loss, body.ids(lambda text: served.encode(text, limit=limit, what="text")))
+    return served.run_locked(token_loss, body.ids(lambda value, what: served.encode(value, limit=limit, what=what)))
 
 
 @router.post("/api/attention")
 def api_attention(body: schemas.AttentionRequest, served: ServedDep) -> Any:
-    return served.run_locked(attention, body.ids(lambda text: served.encode(text, what="text")), body.layer, body.head)
+    config = served.model.config
+    if body.layer >= config.n_layers:
+        raise schemas.BadRequest(f"layer: layer {body.layer} does not exist; the model has layers 0..{config.n_layers - 1}",
+                                 "layer")
+    if body.head is not None and body.head >= config.n_heads:
+        raise schemas.BadRequest(f"head: head {body.head} does not exist; the model has heads 0..{config.n_heads - 1}",
+                                 "head")
+    return served.run_locked(attention, body.ids(lambda value, what: served.encode(value, what=what)), body.layer, body.head)
 
 
 @router.post("/api/logit-lens")
 def api_logit_lens(body: schemas.TextRequest, served: ServedDep) -> Any:
-    return served.run_locked(logit_lens, body.ids(lambda text: served.encode(text, what="text")))
+    return served.run_locked(logit_lens, body.ids(lambda value, what: served.encode(value, what=what)))

@@ -1,0 +1,82 @@
+"""lm-evaluation-harness's own `local-completions` model against a running `glasslm serve`, on the local
+multiple-choice, rolling-perplexity and generate-until tasks of test_harness.py, compared with glasslm's
+in-process harness on the same model: accuracy and generations identical, log-likelihoods within 1e-4
+(relative 1e-6 for long sums). Token-id prompts (tokenized_requests=True) and text prompts both."""
+
+import math
+
+import pytest
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("fastapi")
+
+from glasslm.evaluation.harness import GlassLMEval, evaluate_tasks  # noqa: E402
+from glasslm.serving.app import create_app  # noqa: E402
+from glasslm.serving.config import ServeConfig  # noqa: E402
+from glasslm.serving.server import serving_in_thread  # noqa: E402
+
+from test_harness import TASKS, _per_sample, _scores, exported  # noqa: E402,F401
+
+
+def _served_results(url, folder, model, tokenized: bool, prefix: int):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    # max_length: lm-eval sends prompts of up to max_length - 1 tokens (it keeps one for the answer),
+    # so the context length + 1 lets a prompt fill the model's whole context.
+    args = (f"model=tiny,base_url={url}/v1/completions,tokenizer_backend=huggingface,tokenizer={folder / 'hf'},"
+            f"max_length={model.config.context_length + 1},tokenized_requests={tokenized},"
+            f"prefix_token_id={prefix},batch_size=4,max_retries=1")
+    return simple_evaluate(model="local-completions", model_args=args, tasks=sorted(TASKS),
+                           task_manager=TaskManager(include_path=str(folder)), log_samples=True,
+                           random_seed=1234, numpy_random_seed=1234, torch_random_seed=1234, fewshot_random_seed=1234)
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) > 0 and all(math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-4) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def in_process(exported):
+    """glasslm's in-process harness results: all three tasks, and the rolling task on the API's windows."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    model, tokenizer, folder = exported
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_DATASETS_OFFLINE", "1")
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        ours = evaluate_tasks(model, tokenizer, sorted(TASKS), include_path=folder, log_samples=True)
+        # lm-eval cuts rolling windows one token shorter for an API model (one token kept for the
+        # answer), so the same windows in process take a harness model with max_length one less.
+        windowed = GlassLMEval(model, tokenizer, batch_size=4)
+        windowed.max_length = model.config.context_length - 1
+        rolling = simple_evaluate(model=windowed, tasks=["tiny_rolling"], log_samples=True,
+                                  task_manager=TaskManager(include_path=str(folder)), random_seed=1234,
+                                  numpy_random_seed=1234, torch_random_seed=1234, fewshot_random_seed=1234)
+    return ours, rolling, windowed.prefix_token_id
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokenized", [True, False])
+def test_lm_eval_local_completions_against_glasslm_serve_equals_the_in_process_harness(exported, in_process,
+                                                                                        monkeypatch, tokenized):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tokenizer, folder = exported
+    ours, rolling, prefix = in_process
+    app = create_app(model, tokenizer, ServeConfig(name="tiny", max_batch=8))
+    with serving_in_thread(app) as url:
+        served = _served_results(url, folder, model, tokenized, prefix)
+    assert app.state.engine.stats["largest_batch"] > 1  # lm-eval's batches of 4 prompts decoded together
+    assert served["results"]["tiny_choice"]["acc,none"] == ours["results"]["tiny_choice"]["acc,none"]
+    assert _close(_scores(served, "tiny_choice"), _scores(ours, "tiny_choice"))
+    assert _close(_scores(served, "tiny_rolling"), _scores(rolling, "tiny_rolling"))
+    for metric in ("word_perplexity,none", "bits_per_byte,none"):
+        assert math.isclose(served["results"]["tiny_rolling"][metric], rolling["results"]["tiny_rolling"][metric],
+                            rel_tol=1e-5)
+    assert _per_sample(served, "tiny_until") == _per_sample(ours, "tiny_until")
+    for task, reference in (("tiny_choice", ours), ("tiny_rolling", rolling)):  # the figures, for the record (-s)
+        gaps = [abs(x - y) for x, y in zip(_scores(served, task), _scores(reference, task))]
+        print(f"{task} tokenized_requests={tokenized}: {len(gaps)} log-likelihoods, max |served - in process| "
+              f"{max(gaps):.2e}")
