@@ -91,11 +91,11 @@ PRESETS: dict[str, Preset] = {
                            "pretrained weights: convert --from-hf)"),
     "qwen3-0.6b": Preset(
         _llama(vocab_size=151936, context_length=40960, d_model=1024, n_layers=28, n_heads=16, n_kv_heads=8,
-               d_head=128, d_mlp=3072, rope_theta=1000000.0, qk_norm=True, tie_embeddings=True),
+               d_head=128, d_mlp=3072, norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True, tie_embeddings=True),
         recipe=None, about="Qwen3 0.6B (q/k RMSNorm per head; pretrained weights: convert --from-hf)"),
     "gemma3-270m": Preset(
         _llama(vocab_size=262144, context_length=32768, d_model=640, n_layers=18, n_heads=4, n_kv_heads=1,
-               d_head=256, d_mlp=2048, activation="gelu_tanh", rope_theta=1000000.0, rope_local_theta=10000.0,
+               d_head=256, d_mlp=2048, norm_eps=1e-6, activation="gelu_tanh", rope_theta=1000000.0, rope_local_theta=10000.0,
                sliding_window=512, global_layers=(5, 11, 17), qk_norm=True, post_norms=True, norm_unit_offset=True,
                scale_embeddings=True, attn_scale=256 ** -0.5, tie_embeddings=True),
         recipe=None, about="Gemma 3 270M (GeGLU, (1 + w) RMSNorms around attention and MLP, q/k norms, sliding "

@@ -100,3 +100,48 @@ def test_new_family_logits_greedy_tokens_and_round_trip(family, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(first).eval()
     assert type(reloaded) is type(hf_model)
     torch.testing.assert_close(reloaded(tokens).logits, expected, atol=1e-6, rtol=0)  # same weights, same code
+
+
+@pytest.mark.parametrize("family", ["llama-rope-linear", "llama-rope-yarn"])
+def test_scaled_frequencies_match_transformers(family):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from glasslm.core.positions import RotaryPositions
+    from glasslm.hf import config_from_hf
+
+    hf_config = FAMILIES[family]()
+    hf_freq, hf_gain = ROPE_INIT_FUNCTIONS[hf_config.rope_parameters["rope_type"]](hf_config, "cpu")
+    config, _ = config_from_hf(hf_config.to_dict())
+    ours = RotaryPositions.from_config(config)
+    ours_freq = torch.atan2(ours.sin[1], ours.cos[1])  # the angle at position 1 is the frequency
+    torch.testing.assert_close(ours_freq, hf_freq.float(), rtol=1e-6, atol=0)
+    gain = torch.hypot(ours.sin[1], ours.cos[1])  # |gain * (cos, sin)|
+    torch.testing.assert_close(gain, torch.full_like(gain, hf_gain), rtol=1e-6, atol=0)
+    plain = 10000.0 ** (-torch.arange(0, 12, 2, dtype=torch.float64) / 12)
+    ratio = (plain / ours_freq.double()).tolist()
+    assert abs(ratio[-1] - 4) < 1e-4  # the slowest pair slowed by the factor in both
+    assert abs(ratio[0] - (4 if family.endswith("linear") else 1)) < 1e-4  # yarn keeps the fastest
+
+
+@pytest.mark.parametrize("preset, hf_class, hf_config", [
+    ("pythia-160m", GPTNeoXConfig, dict(vocab_size=50304, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                        intermediate_size=3072, max_position_embeddings=2048)),
+    ("qwen3-0.6b", Qwen3Config, dict(vocab_size=151936, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                                     num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                                     max_position_embeddings=40960, tie_word_embeddings=True,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    ("gemma3-270m", Gemma3TextConfig, dict(vocab_size=262144, hidden_size=640, num_hidden_layers=18,
+                                           num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                           intermediate_size=2048, max_position_embeddings=32768, sliding_window=512)),
+])
+def test_preset_parameter_counts_equal_transformers(preset, hf_class, hf_config):
+    from glasslm.hf import config_from_hf
+    from glasslm.interp.accounting import parameter_count
+    from glasslm.presets import get_preset
+
+    with torch.device("meta"):
+        hf_model = transformers.AutoModelForCausalLM.from_config(hf_class(**hf_config))
+    expected = sum(p.numel() for p in hf_model.parameters())  # tied weights are one parameter there too
+    assert parameter_count(get_preset(preset)) == expected
+    config, _ = config_from_hf(hf_class(**hf_config).to_dict())  # the preset is what the HF config says
+    assert config.replace(init=get_preset(preset).init) == get_preset(preset)
