@@ -142,3 +142,35 @@ def test_preset_parameter_counts_equal_transformers(preset, hf_class, hf_config)
     assert parameter_count(get_preset(preset)) == expected
     config, _ = config_from_hf(hf_class(**hf_config).to_dict())  # the preset is what the HF config says
     assert config.replace(init=get_preset(preset).init) == get_preset(preset)
+
+
+@torch.no_grad()
+def test_dynamic_ntk_scaling_past_the_original_context(tmp_path):
+    # transformers recomputes the frequencies for each call's length past max_position_embeddings (16
+    # here); glasslm does the same once imported with a longer context. Within 16 it is plain RoPE.
+    hf_model = random_model(LlamaConfig(**_llama(max_position_embeddings=16, rope_parameters={
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})))
+    hf_model.save_pretrained(tmp_path / "hf")
+    model = import_hf(tmp_path / "hf", context_length=64)
+    assert (model.config.rope_scaling, model.config.rope_original_context) == ("dynamic", 16)
+    tokens = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))  # 24 > 16
+    rotary = model.blocks[0].attn.rotary
+    assert torch.equal(rotary._cos_sin(torch.arange(16))[0], rotary.cos[:16])  # plain RoPE within 16
+    assert not torch.allclose(rotary._cos_sin(torch.arange(24))[0], rotary.cos[:24], atol=1e-3)  # slower past it
+    for n in (12, 24):  # within and past the original context
+        expected = hf_model(tokens[:, :n]).logits
+        atol = 2 * float32_rounding(hf_model, tokens[:, :n])
+        got = model(tokens[:, :n])
+        print(f"dynamic, {n} tokens: max |logit diff| {(got - expected).abs().max().item():.2e}, tolerance {atol:.2e}")
+        torch.testing.assert_close(got, expected, atol=atol, rtol=0)
+    prompt = tokens[:1, :4]
+    # Cached keys keep the rotation of the length they were made at, in both libraries, so cached and
+    # uncached greedy decoding differ past 16 tokens; each matches transformers' counterpart.
+    assert greedy(model, prompt, 20) == greedy(lambda t: hf_model(t).logits, prompt, 20)
+    hf_cached = hf_model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, 4:].tolist()
+    assert decode(model, prompt, 20, static=False) == hf_cached
+    first = export_hf(model, tmp_path / "first")
+    again = export_hf(import_hf(first, context_length=64), tmp_path / "second")
+    for name in ("config.json", "model.safetensors"):
+        assert (first / name).read_bytes() == (again / name).read_bytes(), name

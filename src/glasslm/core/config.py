@@ -32,7 +32,7 @@ NormPlacement = Literal["pre", "post"]
 Init = Literal["gpt2", "truncated_normal", "xavier", "torch"]
 AttnScaleBy = Literal["d_head", "d_model"]
 AttentionImpl = Literal["fast", "readable"]
-RopeScaling = Literal["none", "llama3", "linear", "yarn"]
+RopeScaling = Literal["none", "llama3", "linear", "dynamic", "yarn"]
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "positional": ("learned", "sinusoidal", "rope", "none"),
@@ -43,7 +43,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "init": ("gpt2", "truncated_normal", "xavier", "torch"),
     "attn_scale_by": ("d_head", "d_model"),
     "impl": ("fast", "readable"),
-    "rope_scaling": ("none", "llama3", "linear", "yarn"),
+    "rope_scaling": ("none", "llama3", "linear", "dynamic", "yarn"),
 }
 
 
@@ -98,11 +98,12 @@ class ModelConfig:
     mlp_out_dropout: float | None = None  # dropout on the MLP output, before the residual add; None: dropout
     sliding_window: int | None = None  # each query sees at most this many keys, itself included (Mistral)
     rope_scaling: RopeScaling = "none"  # llama3: Llama 3.1's stretch; linear: every frequency / rope_factor;
-                                        # yarn: YaRN's ramp between the two, and cos/sin times rope_attention_factor
-    rope_factor: float = 8.0  # llama3, linear, yarn scaling: how much the low frequencies are slowed down
+                                        # yarn: YaRN's ramp between the two, and cos/sin times rope_attention_factor;
+                                        # dynamic: past rope_original_context, a larger base for each length (NTK)
+    rope_factor: float = 8.0  # llama3, linear, dynamic, yarn scaling: how much the low frequencies are slowed down
     rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original/low are scaled fully
     rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original/high are kept
-    rope_original_context: int = 8192  # llama3, yarn scaling: the context the model was pre-trained at
+    rope_original_context: int = 8192  # llama3, dynamic, yarn scaling: the context the model was pre-trained at
     rope_beta_fast: float = 32.0  # yarn: pairs turning more than this often over the original context are kept
     rope_beta_slow: float = 1.0  # yarn: pairs turning less than this often are slowed by rope_factor
     rope_attention_factor: float | None = None  # yarn: cos and sin are multiplied by it; None: 0.1 ln(factor) + 1
@@ -159,7 +160,7 @@ class ModelConfig:
             raise ValueError("norm_eps, rope_theta and init_std must be positive")
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window <= 0):
             raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
-        if self.rope_scaling in ("linear", "yarn") and not self.rope_factor >= 1:
+        if self.rope_scaling in ("linear", "dynamic", "yarn") and not self.rope_factor >= 1:
             raise ValueError(f"{self.rope_scaling} rope scaling needs rope_factor >= 1, got {self.rope_factor}")
         if self.rope_scaling == "llama3" and not (
             self.rope_factor >= 1 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor

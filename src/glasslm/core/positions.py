@@ -118,6 +118,24 @@ def yarn_scaled_frequencies(
     return inv_freq * (1 - ramp) + inv_freq / factor * ramp
 
 
+def dynamic_ntk_frequencies(theta: float, dims: int, factor: float, original_context: int,
+                            seq_len: int) -> Float[Tensor, "half"]:
+    """Dynamic NTK scaling: past the original context, raise the RoPE base so that the slowest pair
+    still turns less than once over `seq_len` positions:
+    base = theta * (factor * seq_len / original_context - (factor - 1)) ^ (dims / (dims - 2)).
+    Within the original context the frequencies are plain RoPE's.
+
+    >>> plain = dynamic_ntk_frequencies(1e4, 8, 2.0, 16, seq_len=16)
+    >>> torch.allclose(plain, 1e4 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    True
+    >>> bool((dynamic_ntk_frequencies(1e4, 8, 2.0, 16, seq_len=32)[1:] < plain[1:]).all())
+    True
+    """
+    if seq_len > original_context:
+        theta = theta * (factor * seq_len / original_context - (factor - 1)) ** (dims / (dims - 2))
+    return theta ** (-torch.arange(0, dims, 2, dtype=torch.float64) / dims)
+
+
 def yarn_attention_factor(factor: float) -> float:
     """YaRN's default multiplier of cos and sin: 0.1 ln(factor) + 1 (1 when factor <= 1)."""
     return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
@@ -167,6 +185,8 @@ class RotaryPositions(nn.Module):
                  inv_freq: Tensor | None = None, gain: float = 1.0):
         super().__init__()
         self.impl, self.local = impl, False
+        # Dynamic NTK: (theta, factor, original_context); frequencies then depend on each call's length.
+        self.dynamic: tuple[float, float, int] | None = None
         if inv_freq is None:
             inv_freq = theta ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)  # (d_head/2,)
         if llama3 is not None:
@@ -187,7 +207,21 @@ class RotaryPositions(nn.Module):
             inv_freq, gain = scaled_frequencies(c, c.rope_theta)
         module = cls(c.context_length, c.d_head, impl=c.impl, inv_freq=inv_freq, gain=gain)
         module.local = local  # what materialize_buffers rebuilds the table from
+        if c.rope_scaling == "dynamic" and not local:
+            module.dynamic = (c.rope_theta, c.rope_factor, c.rope_original_context)
         return module
+
+    def _cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The table's rows at `positions`; with dynamic NTK scaling past the original context, the
+        rows of a table for this call's length (max position + 1), as transformers recomputes it."""
+        if self.dynamic is not None:
+            seq_len = int(positions.max()) + 1  # (reads the positions back: dynamic scaling only)
+            theta, factor, original = self.dynamic
+            if seq_len > original:
+                inv_freq = dynamic_ntk_frequencies(theta, self.rotary_dims, factor, original, seq_len)
+                angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
+                return torch.cos(angles).float(), torch.sin(angles).float()
+        return self.cos[positions], self.sin[positions]
 
     def forward(
         self, x: Float[Tensor, "*batch seq d_head"], positions: Int[Tensor, "seq"] | Int[Tensor, "*leading seq"]
@@ -210,7 +244,7 @@ class RotaryPositions(nn.Module):
         if self.rotary_dims < x.shape[-1]:  # partial rotary: the features past rotary_dims pass unrotated
             rotated = self.forward(x[..., :self.rotary_dims], positions)
             return torch.cat([rotated, x[..., self.rotary_dims:]], dim=-1)
-        cos, sin = self.cos[positions], self.sin[positions]  # positions.shape + (d_head/2,)
+        cos, sin = self._cos_sin(positions)  # positions.shape + (d_head/2,)
         # Per-row positions (left-padded batches) lead with x's batch dims; any dims of x between
         # them and seq (heads) get size-1 axes to broadcast over.
         missing = x.dim() - 1 - positions.dim()

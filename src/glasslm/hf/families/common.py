@@ -82,6 +82,7 @@ _ROPE_SCALING_FIELDS = {
     "none": (),
     "llama3": ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context"),
     "linear": ("rope_factor",),
+    "dynamic": ("rope_factor", "rope_original_context"),
     "yarn": ("rope_factor", "rope_original_context", "rope_beta_fast", "rope_beta_slow", "rope_attention_factor"),
 }
 _ALL_ROPE_SCALING_FIELDS = tuple(sorted({name for names in _ROPE_SCALING_FIELDS.values() for name in names}))
@@ -104,6 +105,8 @@ def computed_fields(config: ModelConfig) -> dict[str, Any]:
         unused += ["rope_theta", "rope_scaling", "rotary_dims", "rope_local_theta"]
     else:
         out["rotary_dims"] = c.rotary_dims or c.d_head  # None means all of d_head
+    if c.positional == "rope" and c.rope_scaling == "dynamic":
+        out.pop("context_length")  # config.json says the original context there; the table length is the user's
     if c.rope_scaling == "yarn" and c.rope_attention_factor is None:
         from glasslm.core.positions import yarn_attention_factor  # the default, said explicitly
         out["rope_attention_factor"] = yarn_attention_factor(c.rope_factor)
@@ -116,6 +119,7 @@ _SCALING_KEYS = {  # the rope_parameters keys each rope_type may have, besides r
     "default": set(),
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
     "linear": {"factor"},
+    "dynamic": {"factor", "original_max_position_embeddings"},
     "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate"},
 }
 
@@ -156,6 +160,8 @@ def rope_from_hf(hf: dict[str, Any], d_head: int | None = None) -> dict[str, Any
                    rope_original_context=int(params["original_max_position_embeddings"]))
     elif rope_type == "yarn":
         out.update(_yarn_from_hf(params, hf))
+    elif rope_type == "dynamic":  # transformers scales past max_position_embeddings, whatever else is said
+        out["rope_original_context"] = int(hf.get("max_position_embeddings", 2048))
     return out
 
 

@@ -110,7 +110,9 @@ def rotary_config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.d_mlp,
         "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
         "num_key_value_heads": c.n_kv_heads, "head_dim": c.d_head, "hidden_act": "silu",
-        "max_position_embeddings": c.context_length, "rms_norm_eps": c.norm_eps,
+        # Dynamic NTK scaling starts past max_position_embeddings: there it says the original context.
+        "max_position_embeddings": c.rope_original_context if c.rope_scaling == "dynamic" else c.context_length,
+        "rms_norm_eps": c.norm_eps,
         **rope_to_hf(c), "tie_word_embeddings": c.tie_embeddings,
     }
 
