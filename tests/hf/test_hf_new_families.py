@@ -62,6 +62,7 @@ def decode(model, prompt, n, static):
     return out
 
 
+@pytest.mark.slow  # ~10 s a family: two models, 20 greedy tokens four ways, three exports
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
 def test_new_family_logits_greedy_tokens_and_round_trip(family, tmp_path):
@@ -144,6 +145,7 @@ def test_preset_parameter_counts_equal_transformers(preset, hf_class, hf_config)
     assert config.replace(init=get_preset(preset).init) == get_preset(preset)
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_dynamic_ntk_scaling_past_the_original_context(tmp_path):
     # transformers recomputes the frequencies for each call's length past max_position_embeddings (16
