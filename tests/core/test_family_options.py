@@ -124,6 +124,8 @@ def test_accounting_counts_the_new_components():
     assert rows["blocks.*.attn"].parameters == 3 * (32 * (32 + 16 + 16) + 32 * 32 + 2 * 8)
     assert rows["blocks.*.attn"].forward_flops_per_token == 3 * 2 * (32 * 64 + 32 * 32)
     assert sum(r.parameters for r in rows.values()) == TransformerLM(c).num_parameters()
+    # Attention over the sequence: layers 0 and 2 see their window of 5 keys, layer 1 the whole 40.
+    assert rows["attention q·kᵀ and pattern·v"].forward_flops_per_token == 2 * 2 * (5 + 40 + 5) * 4 * 8
 
 
 @pytest.mark.parametrize("fields, message", [
