@@ -83,6 +83,23 @@ PRESETS: dict[str, Preset] = {
         _llama(vocab_size=128256, context_length=8192, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                d_mlp=14336, norm_eps=1e-5, rope_theta=500000.0),
         recipe=None, about="Llama 3 8B (pretrained weights: convert --from-hf)"),
+    "pythia-160m": Preset(
+        ModelConfig(vocab_size=50304, context_length=2048, d_model=768, n_layers=12, n_heads=12, d_mlp=3072,
+                    positional="rope", rotary_dims=16, norm="layernorm", activation="gelu", parallel_residual=True,
+                    tie_embeddings=False),
+        recipe=None, about="Pythia 160M (GPT-NeoX: parallel attention + MLP, rotary on a quarter of each head; "
+                           "pretrained weights: convert --from-hf)"),
+    "qwen3-0.6b": Preset(
+        _llama(vocab_size=151936, context_length=40960, d_model=1024, n_layers=28, n_heads=16, n_kv_heads=8,
+               d_head=128, d_mlp=3072, norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True, tie_embeddings=True),
+        recipe=None, about="Qwen3 0.6B (q/k RMSNorm per head; pretrained weights: convert --from-hf)"),
+    "gemma3-270m": Preset(
+        _llama(vocab_size=262144, context_length=32768, d_model=640, n_layers=18, n_heads=4, n_kv_heads=1,
+               d_head=256, d_mlp=2048, norm_eps=1e-6, activation="gelu_tanh", rope_theta=1000000.0, rope_local_theta=10000.0,
+               sliding_window=512, global_layers=(5, 11, 17), qk_norm=True, post_norms=True, norm_unit_offset=True,
+               scale_embeddings=True, attn_scale=256 ** -0.5, tie_embeddings=True),
+        recipe=None, about="Gemma 3 270M (GeGLU, (1 + w) RMSNorms around attention and MLP, q/k norms, sliding "
+                           "window 512 with every sixth layer global; pretrained weights: convert --from-hf)"),
     "vaswani-decoder": Preset(
         ModelConfig(vocab_size=37000, context_length=512, d_model=512, n_layers=6, n_heads=8, d_mlp=2048,
                     positional="sinusoidal", norm="layernorm", norm_eps=1e-6, activation="relu",

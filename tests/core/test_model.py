@@ -84,18 +84,19 @@ def test_bad_inputs_raise_clear_errors(unchecked_shapes):
 def expected_parameters(c: ModelConfig) -> int:
     """Parameter count from the architecture's formula, written independently of the model code."""
     d, L, V, T = c.d_model, c.n_layers, c.vocab_size, c.context_length
-    d_kv = c.n_kv_heads * c.d_head
+    d_q, d_kv = c.n_heads * c.d_head, c.n_kv_heads * c.d_head
 
     def has_bias(own: bool | None) -> bool:  # a per-site switch, else the `bias` shorthand
         return c.bias if own is None else own
 
     norm = d * (2 if c.norm == "layernorm" and has_bias(c.norm_bias) else 1)
-    attn = d * (d + 2 * d_kv) + d * d + has_bias(c.attn_qkv_bias) * (d + 2 * d_kv) + has_bias(c.attn_out_bias) * d
+    attn = d * (d_q + 2 * d_kv) + d_q * d + has_bias(c.attn_qkv_bias) * (d_q + 2 * d_kv) + has_bias(c.attn_out_bias) * d
+    attn += 2 * c.d_head if c.qk_norm else 0  # one RMSNorm gain over d_head for queries, one for keys
     if c.mlp == "swiglu":
         mlp = 3 * d * c.d_mlp + has_bias(c.mlp_bias) * (2 * c.d_mlp + d)
     else:
         mlp = 2 * d * c.d_mlp + has_bias(c.mlp_bias) * (c.d_mlp + d)
-    total = V * d + L * (attn + mlp + 2 * norm)
+    total = V * d + L * (attn + mlp + (4 if c.post_norms else 2) * norm)
     total += T * d if c.positional == "learned" else 0
     total += norm if c.final_norm else 0
     total += 0 if c.tie_embeddings else V * d

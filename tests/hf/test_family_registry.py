@@ -32,6 +32,11 @@ HF_CONFIGS = {
     "llama": {"model_type": "llama", **_ROTARY, "attention_bias": True, "mlp_bias": False},
     "mistral": {"model_type": "mistral", **_ROTARY, "sliding_window": 8},
     "qwen2": {"model_type": "qwen2", **_ROTARY},
+    "qwen3": {"model_type": "qwen3", **_ROTARY, "head_dim": 16},
+    "gpt_neox": {"model_type": "gpt_neox", "vocab_size": 61, "hidden_size": 32, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "intermediate_size": 48, "rotary_pct": 0.25},
+    "gemma3_text": {"model_type": "gemma3_text", **_ROTARY, "head_dim": 16, "sliding_window": 8,
+                    "layer_types": ["sliding_attention", "full_attention"]},
 }
 
 

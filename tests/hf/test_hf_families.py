@@ -153,7 +153,8 @@ def test_what_remains_unsupported_is_named(tmp_path):
         return d
 
     cases = {
-        "yarn": ({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
+        "longrope": ({"model_type": "llama", "rope_parameters": {"rope_type": "longrope", "factor": 4.0}},
+                     "rope scaling 'longrope'"),
         # (Llama with attention_bias=True, mlp_bias=False is supported since ModelConfig has per-site bias
         # switches: the "llama-attention-bias-only" family above checks its logits against HF.)
         "qwen2-mixed-window": ({"model_type": "qwen2", "num_hidden_layers": 4, "use_sliding_window": True,

@@ -191,9 +191,9 @@ def _write_config(directory, data):
 def test_unsupported_hf_configs_are_named(tmp_path):
     _, directory = hf_saved(llama_config(tied=False, n_kv_heads=2), tmp_path)
     data = json.loads((directory / "config.json").read_text())
-    data["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    data["rope_parameters"] = {"rope_type": "longrope", "factor": 2.0, "rope_theta": 10000.0}
     (directory / "config.json").write_text(json.dumps(data))
-    with pytest.raises(UnsupportedModelError, match="rope scaling 'linear'"):
+    with pytest.raises(UnsupportedModelError, match="rope scaling 'longrope'"):
         import_hf(directory)
     _write_config(tmp_path / "bert", {"model_type": "bert", "architectures": ["BertModel"]})
     with pytest.raises(UnsupportedModelError, match="model_type='bert'"):

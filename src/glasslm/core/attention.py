@@ -151,12 +151,14 @@ class CausalSelfAttention(nn.Module):
     `d_head` defaults to d_model / n_heads; `qkv_bias` (default: `bias`) switches the q/k/v
     biases apart from the output's (Qwen2 has the first, not the second); `sliding_window` limits
     each query to its last that-many keys (Mistral). `scale` multiplies the scores (default
-    1/sqrt(d_head)); `dropout_p` applies to the attention probabilities.
+    1/sqrt(d_head)); `dropout_p` applies to the attention probabilities. `q_norm` and `k_norm`
+    (Qwen3, Gemma 3) normalise each head's queries and keys over d_head before the rotary.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout_p: float,
                  impl: str, rotary: RotaryPositions | None = None, *, d_head: int | None = None,
-                 qkv_bias: bool | None = None, sliding_window: int | None = None, scale: float | None = None):
+                 qkv_bias: bool | None = None, sliding_window: int | None = None, scale: float | None = None,
+                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_head or d_model // n_heads
         self.dropout_p, self.impl, self.sliding_window = dropout_p, impl, sliding_window
@@ -165,6 +167,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = Linear(d_model, (n_heads + 2 * n_kv_heads) * self.d_head, bias=bias if qkv_bias is None else qkv_bias)
         self.out = Linear(n_heads * self.d_head, d_model, bias=bias)
         self.rotary = rotary
+        self.q_norm, self.k_norm = q_norm, k_norm
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
         self.hook_attn_scores, self.hook_pattern, self.hook_z = HookPoint(), HookPoint(), HookPoint()
 
@@ -208,6 +211,8 @@ class CausalSelfAttention(nn.Module):
         q = self.hook_q(q.view(batch, seq, self.n_heads, self.d_head))
         k = self.hook_k(k.view(batch, seq, self.n_kv_heads, self.d_head))
         v = self.hook_v(v.view(batch, seq, self.n_kv_heads, self.d_head))
+        if self.q_norm is not None:  # per head, over d_head (their hook_normalized sees the result)
+            q, k = self.q_norm(q), self.k_norm(k)
         # Heads become a batch axis: (batch, heads, seq, d_head).
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rotary is not None:

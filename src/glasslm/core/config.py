@@ -34,7 +34,7 @@ NormPlacement = Literal["pre", "post"]
 Init = Literal["gpt2", "truncated_normal", "xavier", "torch"]
 AttnScaleBy = Literal["d_head", "d_model"]
 AttentionImpl = Literal["fast", "readable"]
-RopeScaling = Literal["none", "llama3"]
+RopeScaling = Literal["none", "llama3", "linear", "dynamic", "yarn"]
 
 
 
@@ -88,11 +88,25 @@ class ModelConfig:
     mlp_hidden_dropout: float = 0.0  # dropout on the MLP hidden activations (after the nonlinearity); not covered by dropout
     mlp_out_dropout: float | None = None  # dropout on the MLP output, before the residual add; None: dropout
     sliding_window: int | None = None  # each query sees at most this many keys, itself included (Mistral)
-    rope_scaling: RopeScaling = "none"  # "llama3": Llama 3.1's frequency-dependent stretch of RoPE
-    rope_factor: float = 8.0  # llama3 scaling: how much the low frequencies are slowed down
+    rope_scaling: RopeScaling = "none"  # llama3: Llama 3.1's stretch; linear: every frequency / rope_factor;
+                                        # yarn: YaRN's ramp between the two, and cos/sin times rope_attention_factor;
+                                        # dynamic: past rope_original_context, a larger base for each length (NTK)
+    rope_factor: float = 8.0  # llama3, linear, dynamic, yarn scaling: how much the low frequencies are slowed down
     rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original/low are scaled fully
     rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original/high are kept
-    rope_original_context: int = 8192  # llama3 scaling: the context the model was pre-trained at
+    rope_original_context: int = 8192  # llama3, dynamic, yarn scaling: the context the model was pre-trained at
+    rope_beta_fast: float = 32.0  # yarn: pairs turning more than this often over the original context are kept
+    rope_beta_slow: float = 1.0  # yarn: pairs turning less than this often are slowed by rope_factor
+    rope_attention_factor: float | None = None  # yarn: cos and sin are multiplied by it; None: 0.1 ln(factor) + 1
+    rotary_dims: int | None = None  # features per head RoPE rotates (the first ones); None: all d_head (Pythia: 1/4)
+    rope_local_theta: float | None = None  # RoPE base of the sliding-window layers, never scaled; None: rope_theta
+                                           # and rope_scaling as every layer (Gemma 3: 10000)
+    global_layers: tuple[int, ...] = ()  # layers that see the whole context although sliding_window is set
+                                         # (Gemma 3: every sixth); the others are local
+    parallel_residual: bool = False  # x + attn(ln1(x)) + mlp(ln2(x)): both sublayers read the same x (GPT-NeoX)
+    post_norms: bool = False  # a norm on each sublayer's output too, before the residual add (Gemma 3's sandwich)
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before the rotary (Qwen3, Gemma 3)
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), its weights starting at 0 (Gemma)
 
     def __post_init__(self) -> None:
         if self.d_head is None:
@@ -137,12 +151,46 @@ class ModelConfig:
             raise ValueError("norm_eps, rope_theta and init_std must be positive")
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window <= 0):
             raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+        if self.rope_scaling in ("linear", "dynamic", "yarn") and not self.rope_factor >= 1:
+            raise ValueError(f"{self.rope_scaling} rope scaling needs rope_factor >= 1, got {self.rope_factor}")
         if self.rope_scaling == "llama3" and not (
             self.rope_factor >= 1 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
             and self.rope_original_context > 0
         ):
             raise ValueError("llama3 rope scaling needs rope_factor >= 1, 0 < rope_low_freq_factor < "
                              "rope_high_freq_factor and a positive rope_original_context")
+        self._validate_layout()
+
+    def _validate_layout(self) -> None:
+        """The checks of the rotary-dims, per-layer and sandwich fields."""
+        if self.rotary_dims is not None and not (0 < self.rotary_dims <= self.d_head and self.rotary_dims % 2 == 0):
+            raise ValueError(f"rotary_dims must be an even number in (0, d_head={self.d_head}], got {self.rotary_dims}")
+        if any(not 0 <= layer < self.n_layers for layer in self.global_layers):
+            raise ValueError(f"global_layers must name layers in [0, {self.n_layers}), got {list(self.global_layers)}")
+        if self.global_layers and self.sliding_window is None:
+            raise ValueError("global_layers only applies with a sliding_window (the other layers' window)")
+        if self.norm_unit_offset and self.norm != "rmsnorm":
+            raise ValueError("norm_unit_offset is an RMSNorm variant; it needs norm='rmsnorm'")
+        if (self.parallel_residual or self.post_norms) and self.norm_placement != "pre":
+            raise ValueError("parallel_residual and post_norms need norm_placement='pre'")
+        if self.rope_scaling == "yarn" and not (self.rope_beta_fast > self.rope_beta_slow > 0):
+            raise ValueError("yarn rope scaling needs rope_beta_fast > rope_beta_slow > 0")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: it sees the whole context).
+
+        >>> ModelConfig(n_layers=3, sliding_window=4, global_layers=(2,)).layer_window(1)
+        4
+        """
+        return None if layer in self.global_layers else self.sliding_window
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether `layer` uses the local RoPE table (rope_local_theta, unscaled) rather than the global one.
+
+        >>> ModelConfig(n_layers=2, sliding_window=4, global_layers=(1,), rope_local_theta=1e4).local_rope(0)
+        True
+        """
+        return self.rope_local_theta is not None and self.layer_window(layer) is not None
 
     def site_bias(self, site: str) -> bool:
         """Whether `site` (qkv, out, mlp, norm) has biases: its own switch, else `bias`.

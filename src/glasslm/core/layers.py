@@ -101,12 +101,14 @@ class RMSNorm(nn.Module):
     """Scale each vector by the inverse of its root-mean-square (no centring, no bias).
 
     Computed in float32 and cast back, because squaring bf16/fp16 values loses too much precision.
+    `unit_offset=True` (Gemma) scales by (1 + weight), the weights starting at 0, in float32 before
+    the cast back (as Gemma's reference does).
     """
 
-    def __init__(self, d_model: int, eps: float = 1e-6, impl: str = "readable"):
+    def __init__(self, d_model: int, eps: float = 1e-6, impl: str = "readable", unit_offset: bool = False):
         super().__init__()
-        self.eps, self.impl = eps, impl
-        self.weight = nn.Parameter(torch.ones(d_model))
+        self.eps, self.impl, self.unit_offset = eps, impl, unit_offset
+        self.weight = nn.Parameter(torch.zeros(d_model) if unit_offset else torch.ones(d_model))
         self.hook_normalized = HookPoint()
 
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
@@ -115,14 +117,24 @@ class RMSNorm(nn.Module):
             normed = F.rms_norm(x32, x.shape[-1:], eps=self.eps)
         else:
             normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return self.hook_normalized((normed * (1.0 + upcast(self.weight))).to(x.dtype))
         # Round to the input dtype before scaling (as HF Llama does), and keep that dtype.
         return self.hook_normalized((normed.to(x.dtype) * self.weight).to(x.dtype))
 
 
-def make_norm(kind: str, d_model: int, eps: float, bias: bool, impl: str, unbiased_std: bool = False) -> nn.Module:
+def make_norm(kind: str, d_model: int, eps: float, bias: bool, impl: str, unbiased_std: bool = False,
+              unit_offset: bool = False) -> nn.Module:
     if kind == "layernorm":
         return LayerNorm(d_model, eps=eps, bias=bias, impl=impl, unbiased_std=unbiased_std)
-    return RMSNorm(d_model, eps=eps, impl=impl)
+    return RMSNorm(d_model, eps=eps, impl=impl, unit_offset=unit_offset)
+
+
+def norm_for(config, d: int | None = None) -> nn.Module:
+    """The norm a ModelConfig asks for, over `d` features (default d_model; q/k norms: d_head)."""
+    c = config
+    return make_norm(c.norm, d or c.d_model, c.norm_eps, c.site_bias("norm"), c.impl, c.norm_unbiased_std,
+                     c.norm_unit_offset)
 
 
 # --- activations -------------------------------------------------------------------------------

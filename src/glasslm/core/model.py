@@ -19,25 +19,36 @@ from torch import Tensor, nn
 
 from glasslm.core.attention import CausalSelfAttention, KVCache, StaticKVCache
 from glasslm.core.config import ModelConfig
-from glasslm.core.layers import MLP, Embedding, HookPoint, Linear, SwiGLU, dropout, make_norm
+from glasslm.core.layers import MLP, Embedding, HookPoint, Linear, RMSNorm, SwiGLU, dropout, norm_for
 from glasslm.core.positions import LearnedPositions, RotaryPositions, SinusoidalPositions
 
 
 class Block(nn.Module):
-    """Attention then MLP, each wrapped in a residual connection and a norm (before or after)."""
+    """Attention then MLP, each wrapped in a residual connection and a norm (before or after).
 
-    def __init__(self, config: ModelConfig, rotary: RotaryPositions | None):
+    With `parallel_residual` both read the same input and their outputs are added together
+    (GPT-NeoX); with `post_norms` each output is normalised again before it is added (Gemma 3).
+    `layer` picks this block's sliding window (`ModelConfig.layer_window`).
+    """
+
+    def __init__(self, config: ModelConfig, rotary: RotaryPositions | None, layer: int = 0):
         super().__init__()
         c = config
         impl = c.impl
-        self.pre_norm = c.norm_placement == "pre"
+        self.pre_norm, self.parallel = c.norm_placement == "pre", c.parallel_residual
         self.attn_out_dropout, self.mlp_out_dropout = c.site_dropout("attn_out"), c.site_dropout("mlp_out")
         self.impl = impl
-        self.ln1 = make_norm(c.norm, c.d_model, c.norm_eps, c.site_bias("norm"), impl, c.norm_unbiased_std)
+        self.ln1 = norm_for(c)
+        qk_norms = {}
+        if c.qk_norm:  # always RMSNorm, over each head's d_head features
+            qk_norms = {f"{x}_norm": RMSNorm(c.d_head, c.norm_eps, impl, c.norm_unit_offset) for x in "qk"}
         self.attn = CausalSelfAttention(
             c.d_model, c.n_heads, c.n_kv_heads, c.site_bias("out"), c.site_dropout("attn"), impl, rotary,
-            d_head=c.d_head, qkv_bias=c.site_bias("qkv"), sliding_window=c.sliding_window, scale=c.attn_score_scale)
-        self.ln2 = make_norm(c.norm, c.d_model, c.norm_eps, c.site_bias("norm"), impl, c.norm_unbiased_std)
+            d_head=c.d_head, qkv_bias=c.site_bias("qkv"), sliding_window=c.layer_window(layer),
+            scale=c.attn_score_scale, **qk_norms)
+        self.ln1_post = norm_for(c) if c.post_norms else None
+        self.ln2 = norm_for(c)
+        self.ln2_post = norm_for(c) if c.post_norms else None
         mlp_class = SwiGLU if c.mlp == "swiglu" else MLP
         self.mlp = mlp_class(c.d_model, c.d_mlp, c.activation, c.site_bias("mlp"), impl,
                              hidden_dropout=c.mlp_hidden_dropout)
@@ -49,7 +60,11 @@ class Block(nn.Module):
         layer: int = 0, attn_mask: Tensor | None = None,
     ) -> Float[Tensor, "batch seq d_model"]:
         x = self.hook_resid_pre(x)
-        if self.pre_norm:
+        if self.parallel:
+            # GPT-NeoX: attention and MLP both read x; the stream gets both outputs at once.
+            mid = self.hook_resid_mid(x + self._attention(self.ln1(x), positions, kv_cache, layer, attn_mask))
+            x = mid + self._mlp(self.ln2(x))
+        elif self.pre_norm:
             # GPT-2, Llama: each sublayer reads a normalised copy; the residual stream itself is never normalised.
             x = self.hook_resid_mid(x + self._attention(self.ln1(x), positions, kv_cache, layer, attn_mask))
             x = x + self._mlp(self.ln2(x))
@@ -62,10 +77,13 @@ class Block(nn.Module):
     def _attention(self, x: Tensor, positions: Tensor, kv_cache: KVCache | None, layer: int,
                    attn_mask: Tensor | None) -> Tensor:
         out = self.attn(x, positions, kv_cache, layer, attn_mask)
+        if self.ln1_post is not None:
+            out = self.ln1_post(out)
         return self.hook_attn_out(dropout(out, self.attn_out_dropout, self.training, self.impl))
 
     def _mlp(self, x: Tensor) -> Tensor:
-        return self.hook_mlp_out(dropout(self.mlp(x), self.mlp_out_dropout, self.training, self.impl))
+        out = self.mlp(x) if self.ln2_post is None else self.ln2_post(self.mlp(x))
+        return self.hook_mlp_out(dropout(out, self.mlp_out_dropout, self.training, self.impl))
 
 
 class TransformerLM(nn.Module):
@@ -77,17 +95,16 @@ class TransformerLM(nn.Module):
         self.config = c = config
         self.embed = Embedding(c.vocab_size, c.d_model)
         self.pos_embed: nn.Module | None = None
-        rotary = None
+        rotary: dict[bool, RotaryPositions] = {}  # local -> table (Gemma 3: a local and a global one)
         if c.positional == "learned":
             self.pos_embed = LearnedPositions(c.context_length, c.d_model)
         elif c.positional == "sinusoidal":
             self.pos_embed = SinusoidalPositions(c.context_length, c.d_model)
         elif c.positional == "rope":
-            rotary = RotaryPositions.from_config(c)
+            rotary = {local: RotaryPositions.from_config(c, local) for local in {c.local_rope(i) for i in range(c.n_layers)}}
         self.hook_embed, self.hook_pos_embed = HookPoint(), HookPoint()
-        self.blocks = nn.ModuleList(Block(c, rotary) for _ in range(c.n_layers))
-        self.ln_final = (make_norm(c.norm, c.d_model, c.norm_eps, c.site_bias("norm"), c.impl, c.norm_unbiased_std)
-                         if c.final_norm else None)
+        self.blocks = nn.ModuleList(Block(c, rotary.get(c.local_rope(i)), i) for i in range(c.n_layers))
+        self.ln_final = norm_for(c) if c.final_norm else None
         self.unembed = None if c.tie_embeddings else Linear(c.d_model, c.vocab_size, bias=False)
         # A bias on the logits (TransformerLens's b_U), kept apart from `unembed` so a tied model can have one too.
         self.unembed_bias = nn.Parameter(torch.zeros(c.vocab_size)) if c.unembed_bias else None

@@ -78,36 +78,150 @@ def llama3_scaled_frequencies(
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
 
+def linear_scaled_frequencies(inv_freq: Float[Tensor, "half"], factor: float) -> Float[Tensor, "half"]:
+    """Position interpolation (Chen et al. 2023): every frequency divided by `factor`, as if each
+    position were position / factor.
+
+    >>> linear_scaled_frequencies(torch.tensor([1.0, 0.5]), 4.0).tolist()
+    [0.25, 0.125]
+    """
+    return inv_freq / factor
+
+
+def yarn_scaled_frequencies(
+    inv_freq: Float[Tensor, "half"], theta: float, factor: float, original_context: int,
+    beta_fast: float = 32.0, beta_slow: float = 1.0,
+) -> Float[Tensor, "half"]:
+    """YaRN (Peng et al. 2023): keep the pairs that turn more than beta_fast times over the original
+    context, slow those that turn fewer than beta_slow times by `factor`, and ramp linearly between.
+
+    The ramp runs over pair indices: pair i turns original_context * inv_freq[i] / (2 pi) times, so
+    the index where it turns r times is dims * ln(original_context / (2 pi r)) / (2 ln theta)
+    (rounded outwards, as the reference implementation does).
+
+    >>> inv = 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    >>> ratio = inv / yarn_scaled_frequencies(inv, 10000.0, 4.0, 64)
+    >>> [round(r, 3) for r in ratio[[0, -1]].tolist()]  # the fastest pair kept, the slowest slowed 4x
+    [1.0, 4.0]
+    """
+    dims = 2 * inv_freq.shape[0]
+
+    def pair_turning(rotations: float) -> float:  # the pair index that turns `rotations` times
+        return dims * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(pair_turning(beta_fast)), 0)
+    high = min(math.ceil(pair_turning(beta_slow)), dims - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    ramp = ((torch.arange(dims // 2, dtype=inv_freq.dtype) - low) / (high - low)).clamp(0.0, 1.0)
+    # ramp = 0: a fast pair, kept; ramp = 1: a slow pair, divided by factor.
+    return inv_freq * (1 - ramp) + inv_freq / factor * ramp
+
+
+def dynamic_ntk_frequencies(theta: float, dims: int, factor: float, original_context: int,
+                            seq_len: int) -> Float[Tensor, "half"]:
+    """Dynamic NTK scaling: past the original context, raise the RoPE base so that the slowest pair
+    still turns less than once over `seq_len` positions:
+    base = theta * (factor * seq_len / original_context - (factor - 1)) ^ (dims / (dims - 2)).
+    Within the original context the frequencies are plain RoPE's.
+
+    >>> plain = dynamic_ntk_frequencies(1e4, 8, 2.0, 16, seq_len=16)
+    >>> torch.allclose(plain, 1e4 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    True
+    >>> bool((dynamic_ntk_frequencies(1e4, 8, 2.0, 16, seq_len=32)[1:] < plain[1:]).all())
+    True
+    """
+    if seq_len > original_context:
+        theta = theta * (factor * seq_len / original_context - (factor - 1)) ** (dims / (dims - 2))
+    return theta ** (-torch.arange(0, dims, 2, dtype=torch.float64) / dims)
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """YaRN's default multiplier of cos and sin: 0.1 ln(factor) + 1 (1 when factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
+def scaled_frequencies(config, theta: float) -> tuple[Float[Tensor, "half"], float]:
+    """A ModelConfig's rotary frequencies at base `theta`, scaled as its rope_scaling says, and the
+    factor cos and sin are multiplied by (1 except for yarn). The one place rope scaling is applied.
+
+    >>> from glasslm.core.config import ModelConfig
+    >>> inv, gain = scaled_frequencies(ModelConfig(d_model=16, n_heads=2, rope_scaling="linear", rope_factor=2.0), 1e4)
+    >>> inv.shape, inv[0].item(), gain
+    (torch.Size([4]), 0.5, 1.0)
+    """
+    c = config
+    dims = c.rotary_dims or c.d_head
+    inv_freq = theta ** (-torch.arange(0, dims, 2, dtype=torch.float64) / dims)  # (dims/2,)
+    if c.rope_scaling == "llama3":
+        inv_freq = llama3_scaled_frequencies(inv_freq, c.rope_factor, c.rope_low_freq_factor,
+                                             c.rope_high_freq_factor, c.rope_original_context)
+    elif c.rope_scaling == "linear":
+        inv_freq = linear_scaled_frequencies(inv_freq, c.rope_factor)
+    elif c.rope_scaling == "yarn":
+        inv_freq = yarn_scaled_frequencies(inv_freq, theta, c.rope_factor, c.rope_original_context,
+                                           c.rope_beta_fast, c.rope_beta_slow)
+        gain = c.rope_attention_factor
+        return inv_freq, yarn_attention_factor(c.rope_factor) if gain is None else gain
+    return inv_freq, 1.0
+
+
 class RotaryPositions(nn.Module):
     """Rotary embedding (Su et al. 2021): rotate pairs of features by position-dependent angles.
 
     Pairs are adjacent features (x[2i], x[2i+1]), as in the paper and Meta's original Llama code.
     (Hugging Face's Llama instead pairs x[i] with x[i + d_head/2]; interop permutes weights.)
     `llama3` holds (factor, low_freq_factor, high_freq_factor, original_context) to apply
-    `llama3_scaled_frequencies`; None means plain RoPE. `impl="fast"` computes the same rotation as
+    `llama3_scaled_frequencies`; None means plain RoPE. `inv_freq` (d/2 frequencies) replaces the
+    table from `theta` (scaled frequencies, `scaled_frequencies`), rotating only the first d of each
+    head's features when d < d_head (partial rotary, GPT-NeoX); `gain` multiplies cos and sin (YaRN).
+    `impl="fast"` computes the same rotation as
     one complex multiplication per pair (about 3x faster forward + backward on CPU than the written-out
     form, whose strided half-tensors are slow to multiply); "readable" writes it out.
     """
 
     def __init__(self, context_length: int, d_head: int, theta: float = 10000.0,
-                 llama3: tuple[float, float, float, int] | None = None, impl: str = "readable"):
+                 llama3: tuple[float, float, float, int] | None = None, impl: str = "readable", *,
+                 inv_freq: Tensor | None = None, gain: float = 1.0):
         super().__init__()
-        self.impl = impl
-        inv_freq = theta ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)  # (d_head/2,)
+        self.impl, self.local = impl, False
+        # Dynamic NTK: (theta, factor, original_context); frequencies then depend on each call's length.
+        self.dynamic: tuple[float, float, int] | None = None
+        if inv_freq is None:
+            inv_freq = theta ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)  # (d_head/2,)
         if llama3 is not None:
             inv_freq = llama3_scaled_frequencies(inv_freq, *llama3)
-        angles = torch.arange(context_length, dtype=torch.float64)[:, None] * inv_freq  # (seq, d_head/2)
-        self.register_buffer("cos", torch.cos(angles).float(), persistent=False)
-        self.register_buffer("sin", torch.sin(angles).float(), persistent=False)
+        self.rotary_dims = 2 * inv_freq.shape[0]
+        angles = torch.arange(context_length, dtype=torch.float64)[:, None] * inv_freq  # (seq, dims/2)
+        self.register_buffer("cos", (gain * torch.cos(angles)).float(), persistent=False)
+        self.register_buffer("sin", (gain * torch.sin(angles)).float(), persistent=False)
 
     @classmethod
-    def from_config(cls, config) -> "RotaryPositions":
-        """The rotary table a ModelConfig asks for (its context, head size, theta and scaling)."""
+    def from_config(cls, config, local: bool = False) -> "RotaryPositions":
+        """The rotary table a ModelConfig asks for (its context, head size, rotary dims, theta and
+        scaling); `local`: the sliding-window layers' table (rope_local_theta, unscaled)."""
         c = config
-        llama3 = None
-        if c.rope_scaling == "llama3":
-            llama3 = (c.rope_factor, c.rope_low_freq_factor, c.rope_high_freq_factor, c.rope_original_context)
-        return cls(c.context_length, c.d_head, c.rope_theta, llama3, impl=c.impl)
+        if local:
+            inv_freq, gain = scaled_frequencies(c.replace(rope_scaling="none"), c.rope_local_theta)
+        else:
+            inv_freq, gain = scaled_frequencies(c, c.rope_theta)
+        module = cls(c.context_length, c.d_head, impl=c.impl, inv_freq=inv_freq, gain=gain)
+        module.local = local  # what materialize_buffers rebuilds the table from
+        if c.rope_scaling == "dynamic" and not local:
+            module.dynamic = (c.rope_theta, c.rope_factor, c.rope_original_context)
+        return module
+
+    def _cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The table's rows at `positions`; with dynamic NTK scaling past the original context, the
+        rows of a table for this call's length (max position + 1), as transformers recomputes it."""
+        if self.dynamic is not None:
+            seq_len = int(positions.max()) + 1  # (reads the positions back: dynamic scaling only)
+            theta, factor, original = self.dynamic
+            if seq_len > original:
+                inv_freq = dynamic_ntk_frequencies(theta, self.rotary_dims, factor, original, seq_len)
+                angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
+                return torch.cos(angles).float(), torch.sin(angles).float()
+        return self.cos[positions], self.sin[positions]
 
     def forward(
         self, x: Float[Tensor, "*batch seq d_head"], positions: Int[Tensor, "seq"] | Int[Tensor, "*leading seq"]
@@ -127,7 +241,10 @@ class RotaryPositions(nn.Module):
         if positions.dim() > x.dim() - 1:
             raise ValueError(f"positions of shape {tuple(positions.shape)} have more dims than x's "
                              f"{tuple(x.shape[:-1])} (leading dims, seq)")
-        cos, sin = self.cos[positions], self.sin[positions]  # positions.shape + (d_head/2,)
+        if self.rotary_dims < x.shape[-1]:  # partial rotary: the features past rotary_dims pass unrotated
+            rotated = self.forward(x[..., :self.rotary_dims], positions)
+            return torch.cat([rotated, x[..., self.rotary_dims:]], dim=-1)
+        cos, sin = self._cos_sin(positions)  # positions.shape + (d_head/2,)
         # Per-row positions (left-padded batches) lead with x's batch dims; any dims of x between
         # them and seq (heads) get size-1 axes to broadcast over.
         missing = x.dim() - 1 - positions.dim()

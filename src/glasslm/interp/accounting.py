@@ -8,7 +8,7 @@ Conventions (the same as the tables in Kaplan et al. 2020 and Hoffmann et al. 20
 * Attention's two matmuls over the sequence, q·kᵀ and pattern·v, each cost 2·context·(n_heads·d_head)
   FLOPs per token per layer. We charge every token the FULL context (as those tables do): the exact
   causal average is (context + 1)/2 keys per query, about half, so our attention term is an upper
-  bound at the given context length.
+  bound at the given context length. A sliding-window layer is charged its window instead, where shorter.
 * The unembedding is a matmul by the (vocab, d_model) matrix, 2·d_model·vocab FLOPs, even when the
   matrix is shared with the embedding (tied), where it adds no parameters.
 * Training costs 3× the forward pass per token: the backward pass computes gradients with respect
@@ -68,7 +68,9 @@ def cost_table(config: ModelConfig, context_length: int | None = None) -> list[C
     if model.unembed is None:  # tied: the embedding matrix is used again as the output matmul
         flops["unembed"] += 2 * model.embed.weight.numel()
     c = config
-    flops[ATTENTION_MIXING] = 2 * 2 * c.n_layers * context * c.n_heads * c.d_head
+    # A sliding-window layer's queries see at most its window of keys (Mistral, Gemma 3's local layers).
+    keys = [min(context, c.layer_window(i) or context) for i in range(c.n_layers)]
+    flops[ATTENTION_MIXING] = 2 * 2 * sum(keys) * c.n_heads * c.d_head
 
     # Module-tree order, with the attention matmuls right after the attention projections and the
     # unembedding last even when it is tied (and so has no parameters of its own).

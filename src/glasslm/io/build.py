@@ -58,13 +58,13 @@ def materialize_buffers(model: TransformerLM, device: torch.device | str) -> Non
     """Compute the non-persistent buffers (not in checkpoints) on `device` after a meta build.
 
     Rotary cos/sin and the sinusoidal table are functions of the config alone, so they are
-    rebuilt rather than loaded. A shared rotary module (one per model) is rebuilt once.
+    rebuilt rather than loaded. A shared rotary module (one per RoPE base) is rebuilt once.
     """
     c = model.config
     for module in model.modules():
         if isinstance(module, RotaryPositions):
             with torch.device(device):
-                fresh = RotaryPositions.from_config(c)
+                fresh = RotaryPositions.from_config(c, module.local)
             module.cos, module.sin = fresh.cos, fresh.sin
         elif isinstance(module, SinusoidalPositions):
             with torch.device(device):

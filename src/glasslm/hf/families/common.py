@@ -77,7 +77,15 @@ def block_shape_problems(config: ModelConfig) -> list[str]:
 
 # Fields that say how a model is built or trained, not what its weights compute.
 _NOT_COMPUTED = ("init", "init_std", "init_residual_scaling", "xavier_embeddings", "impl")
-_ROPE_SCALING_FIELDS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context")
+# The rope-scaling fields each rope_scaling reads (the others say nothing about the model).
+_ROPE_SCALING_FIELDS = {
+    "none": (),
+    "llama3": ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context"),
+    "linear": ("rope_factor",),
+    "dynamic": ("rope_factor", "rope_original_context"),
+    "yarn": ("rope_factor", "rope_original_context", "rope_beta_fast", "rope_beta_slow", "rope_attention_factor"),
+}
+_ALL_ROPE_SCALING_FIELDS = tuple(sorted({name for names in _ROPE_SCALING_FIELDS.values() for name in names}))
 
 
 def computed_fields(config: ModelConfig) -> dict[str, Any]:
@@ -91,53 +99,109 @@ def computed_fields(config: ModelConfig) -> dict[str, Any]:
     for name in ("bias", *BIAS_FIELDS.values(), "attn_scale_by", "attn_scale"):
         out.pop(name)
     out.update(bias_sites=bias_flags(c), attn_score_scale=c.attn_score_scale)
-    unused = ("rope_theta", "rope_scaling", *_ROPE_SCALING_FIELDS) if c.positional != "rope" else \
-        _ROPE_SCALING_FIELDS if c.rope_scaling == "none" else ()
+    used = _ROPE_SCALING_FIELDS[c.rope_scaling] if c.positional == "rope" else ()
+    unused = [name for name in _ALL_ROPE_SCALING_FIELDS if name not in used]
+    if c.positional != "rope":
+        unused += ["rope_theta", "rope_scaling", "rotary_dims", "rope_local_theta"]
+    else:
+        out["rotary_dims"] = c.rotary_dims or c.d_head  # None means all of d_head
+    if c.positional == "rope" and c.rope_scaling == "dynamic":
+        out.pop("context_length")  # config.json says the original context there; the table length is the user's
+    if c.rope_scaling == "yarn" and c.rope_attention_factor is None:
+        from glasslm.core.positions import yarn_attention_factor  # the default, said explicitly
+        out["rope_attention_factor"] = yarn_attention_factor(c.rope_factor)
     for name in unused:
         out.pop(name)
     return out
 
 
-_LLAMA3_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+_SCALING_KEYS = {  # the rope_parameters keys each rope_type may have, besides rope_type and rope_theta
+    "default": set(),
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "linear": {"factor"},
+    "dynamic": {"factor", "original_max_position_embeddings"},
+    "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate"},
+}
 
 
-def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """rope_theta and scaling from either the transformers-5 `rope_parameters` or the older keys."""
+def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """The rope parameters of an HF config: transformers 5's `rope_parameters` or the older
+    `rope_scaling` with `rope_theta` beside it."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise UnsupportedModelError(f"cannot read rope parameters {params!r}")
     if "full_attention" in params and isinstance(params["full_attention"], dict):
-        params = params["full_attention"]  # per-layer-type parameters (all layers are full attention)
+        params = params["full_attention"]  # per-layer-type parameters: the global layers'
+    return {"rope_theta": hf.get("rope_theta", 10000.0), **params}
+
+
+def rope_from_hf(hf: dict[str, Any], d_head: int | None = None) -> dict[str, Any]:
+    """rope_theta and scaling (and rotary_dims, for families that pass their `d_head`) as ModelConfig fields."""
+    params = rope_parameters(hf)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    extra = set(params) - {"rope_type", "type", "rope_theta"} - (_LLAMA3_KEYS if rope_type == "llama3" else set())
+    if rope_type not in _SCALING_KEYS:
+        raise UnsupportedModelError(f"rope scaling {rope_type!r} is not supported "
+                                    f"(plain rotary positions and {', '.join(sorted(_SCALING_KEYS)[1:])} are)")
+    extra = set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"} - _SCALING_KEYS[rope_type]
+    if extra:
+        raise UnsupportedModelError(f"unsupported {rope_type} rope parameters {sorted(extra)} in {params}")
+    out: dict[str, Any] = {"rope_theta": float(params["rope_theta"])}
+    partial = float(params.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        if d_head is None:
+            raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported for this family")
+        out["rotary_dims"] = int(d_head * partial)
     if rope_type == "default":
-        if extra:
-            raise UnsupportedModelError(f"unsupported rope parameters {sorted(extra)} in {params}")
-        return {"rope_theta": theta}
+        return out
+    out.update(rope_scaling=rope_type, rope_factor=float(params["factor"]))
     if rope_type == "llama3":
-        if extra:
-            raise UnsupportedModelError(f"unsupported llama3 rope parameters {sorted(extra)}")
-        return {"rope_theta": theta, "rope_scaling": "llama3", "rope_factor": float(params["factor"]),
-                "rope_low_freq_factor": float(params["low_freq_factor"]),
-                "rope_high_freq_factor": float(params["high_freq_factor"]),
-                "rope_original_context": int(params["original_max_position_embeddings"])}
-    raise UnsupportedModelError(
-        f"rope scaling {rope_type!r} is not supported (plain rotary positions and Llama 3's 'llama3' are)"
-    )
+        out.update(rope_low_freq_factor=float(params["low_freq_factor"]),
+                   rope_high_freq_factor=float(params["high_freq_factor"]),
+                   rope_original_context=int(params["original_max_position_embeddings"]))
+    elif rope_type == "yarn":
+        out.update(_yarn_from_hf(params, hf))
+    elif rope_type == "dynamic":  # transformers scales past max_position_embeddings, whatever else is said
+        out["rope_original_context"] = int(hf.get("max_position_embeddings", 2048))
+    return out
+
+
+def _yarn_from_hf(params: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    if params.get("truncate", True) is not True:
+        raise UnsupportedModelError("yarn rope scaling with truncate=false is not supported")
+    factor = params.get("attention_factor")
+    return {"rope_original_context": int(params.get("original_max_position_embeddings")
+                                         or hf.get("max_position_embeddings", 2048)),
+            "rope_beta_fast": float(params.get("beta_fast") or 32.0),
+            "rope_beta_slow": float(params.get("beta_slow") or 1.0),
+            "rope_attention_factor": None if factor is None else float(factor)}
+
+
+def rope_parameters_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The transformers-5 `rope_parameters` entry of a config (its global layers')."""
+    c = config
+    rope: dict[str, Any] = {"rope_type": "default" if c.rope_scaling == "none" else c.rope_scaling,
+                            "rope_theta": c.rope_theta}
+    if c.rotary_dims is not None and c.rotary_dims != c.d_head:
+        rope["partial_rotary_factor"] = c.rotary_dims / c.d_head
+    if c.rope_scaling != "none":
+        rope["factor"] = c.rope_factor
+    if c.rope_scaling == "llama3":
+        rope.update(low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor,
+                    original_max_position_embeddings=c.rope_original_context)
+    elif c.rope_scaling == "yarn":
+        rope.update(original_max_position_embeddings=c.rope_original_context, beta_fast=c.rope_beta_fast,
+                    beta_slow=c.rope_beta_slow)
+        if c.rope_attention_factor is not None:
+            rope["attention_factor"] = c.rope_attention_factor
+    return rope
 
 
 def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
     """The config.json rope keys: transformers >= 5 reads rope_parameters, older versions rope_theta
     (and rope_scaling)."""
-    c = config
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rope_theta}
-    if c.rope_scaling == "llama3":
-        rope = {"rope_type": "llama3", "rope_theta": c.rope_theta, "factor": c.rope_factor,
-                "low_freq_factor": c.rope_low_freq_factor, "high_freq_factor": c.rope_high_freq_factor,
-                "original_max_position_embeddings": c.rope_original_context}
-    out = {"rope_parameters": rope, "rope_theta": c.rope_theta}
-    if c.rope_scaling != "none":
+    rope = rope_parameters_to_hf(config)
+    out = {"rope_parameters": rope, "rope_theta": config.rope_theta}
+    if config.rope_scaling != "none":
         out["rope_scaling"] = rope
     return out
 

@@ -31,27 +31,42 @@ from glasslm.hf.plan import SAME, Plan, WeightTable
 
 
 def hf_rows_to_adjacent_pairs(
-    weight: Float[Tensor, "heads_x_d_head d_in"], n_heads: int
+    weight: Float[Tensor, "heads_x_d_head d_in"], n_heads: int, rotary_dims: int | None = None
 ) -> Float[Tensor, "heads_x_d_head d_in"]:
-    """Reorder q/k projection rows from HF's half-split rotary layout to our adjacent-pair layout."""
-    d_in = weight.shape[-1]
-    d_head = weight.shape[0] // n_heads
-    # (heads, [first half | second half], d_head/2, d_in) -> interleave the two halves.
-    return weight.reshape(n_heads, 2, d_head // 2, d_in).transpose(1, 2).reshape(n_heads * d_head, d_in)
+    """Reorder q/k projection rows from HF's half-split rotary layout to our adjacent-pair layout.
+
+    Only each head's first `rotary_dims` rows rotate (default: all of them, GPT-NeoX: a quarter);
+    the rest keep their place.
+    """
+    return _reorder_rotary_rows(weight, n_heads, rotary_dims, (2, -1))
 
 
 def adjacent_pairs_to_hf_rows(
-    weight: Float[Tensor, "heads_x_d_head d_in"], n_heads: int
+    weight: Float[Tensor, "heads_x_d_head d_in"], n_heads: int, rotary_dims: int | None = None
 ) -> Float[Tensor, "heads_x_d_head d_in"]:
     """The inverse of `hf_rows_to_adjacent_pairs` (used on export)."""
+    return _reorder_rotary_rows(weight, n_heads, rotary_dims, (-1, 2))
+
+
+def _reorder_rotary_rows(weight: Tensor, n_heads: int, rotary_dims: int | None, split: tuple[int, int]) -> Tensor:
+    """Transpose each head's first rotary_dims rows viewed as `split` (2 x r/2: halves -> pairs)."""
     d_in = weight.shape[-1]
     d_head = weight.shape[0] // n_heads
-    return weight.reshape(n_heads, d_head // 2, 2, d_in).transpose(1, 2).reshape(n_heads * d_head, d_in)
+    rotary_dims = rotary_dims or d_head
+    heads = weight.reshape(n_heads, d_head, d_in)
+    rotary = heads[:, :rotary_dims].reshape(n_heads, *split, d_in).transpose(1, 2).reshape(n_heads, rotary_dims, d_in)
+    return torch.cat([rotary, heads[:, rotary_dims:]], dim=1).reshape(n_heads * d_head, d_in)
 
 
-def rotary_shape_problems(config: ModelConfig) -> list[str]:
-    """Why a config is not Llama-shaped ([] if it is); biases and windows are each family's own."""
+def rotary_shape_problems(config: ModelConfig, qk_norm: bool = False) -> list[str]:
+    """Why a config is not Llama-shaped ([] if it is), with q/k norms if `qk_norm` (Qwen3); biases
+    and windows are each family's own."""
     c, problems = config, block_shape_problems(config)
+    if c.qk_norm != qk_norm:
+        problems.append("q/k norms" if c.qk_norm else "no q/k norms")
+    others = dict(parallel_residual=False, post_norms=False, norm_unit_offset=False, global_layers=(),
+                  rope_local_theta=None, rotary_dims=c.d_head if c.rotary_dims else None)
+    problems += [f"{name}={getattr(c, name)!r}" for name, value in others.items() if getattr(c, name) != value]
     if c.positional != "rope":
         problems.append(f"positional={c.positional} (Llama-shaped families have rotary positions)")
     if c.norm != "rmsnorm":
@@ -63,10 +78,11 @@ def rotary_shape_problems(config: ModelConfig) -> list[str]:
 
 def rotary_config_from_hf(
     hf: dict[str, Any], context_length: int | None, family: str, flags: dict[str, bool], sliding_window: int | None,
+    **fields: Any,
 ) -> ModelConfig:
     """The ModelConfig of a Llama-shaped HF config whose family read its bias `flags` (q/k/v, o,
-    MLP) and window."""
-    act = hf.get("hidden_act", "silu")
+    MLP) and window; `fields` are further ModelConfig fields the family read (Qwen3's qk_norm)."""
+    act = "silu" if "activation" in fields else hf.get("hidden_act", "silu")  # (Gemma reads its own)
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"{family} hidden_act {act!r} is not supported (only silu)")
     try:
@@ -75,7 +91,7 @@ def rotary_config_from_hf(
         raise UnsupportedModelError(f"{family} with attention_bias={flags['out']} and "
                                     f"mlp_bias={flags['mlp']} is not supported: {err}") from None
     d_model, n_heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
-    return ModelConfig(
+    return ModelConfig(**{**dict(
         vocab_size=hf.get("vocab_size", 32000),
         context_length=context_length or hf.get("max_position_embeddings", 2048),
         d_model=d_model, n_layers=hf.get("num_hidden_layers", 32), n_heads=n_heads,
@@ -84,8 +100,7 @@ def rotary_config_from_hf(
         positional="rope", norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
         activation="silu", mlp="swiglu", **biases,
         tie_embeddings=hf.get("tie_word_embeddings", False), dropout=0.0,
-        sliding_window=sliding_window, **rope_from_hf(hf),
-    )
+        sliding_window=sliding_window), **rope_from_hf(hf), **fields})
 
 
 def rotary_config_to_hf(config: ModelConfig) -> dict[str, Any]:
@@ -95,7 +110,9 @@ def rotary_config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.d_mlp,
         "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
         "num_key_value_heads": c.n_kv_heads, "head_dim": c.d_head, "hidden_act": "silu",
-        "max_position_embeddings": c.context_length, "rms_norm_eps": c.norm_eps,
+        # Dynamic NTK scaling starts past max_position_embeddings: there it says the original context.
+        "max_position_embeddings": c.rope_original_context if c.rope_scaling == "dynamic" else c.context_length,
+        "rms_norm_eps": c.norm_eps,
         **rope_to_hf(c), "tie_word_embeddings": c.tie_embeddings,
     }
 
@@ -109,15 +126,16 @@ def qkv_conversions(config: ModelConfig):
         squeeze = q.dim() == 1
         if squeeze:
             q, k, v = q[:, None], k[:, None], v[:, None]
-        q = hf_rows_to_adjacent_pairs(q, config.n_heads)
-        k = hf_rows_to_adjacent_pairs(k, config.n_kv_heads)
+        q = hf_rows_to_adjacent_pairs(q, config.n_heads, config.rotary_dims)
+        k = hf_rows_to_adjacent_pairs(k, config.n_kv_heads, config.rotary_dims)
         fused = torch.cat([q, k, v], dim=0)  # our fused layout: [q | k | v]
         return fused[:, 0] if squeeze else fused
 
     def split_qkv(fused: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         squeeze = fused.dim() == 1
         q, k, v = (fused[:, None] if squeeze else fused).split(sizes, dim=0)
-        q, k = adjacent_pairs_to_hf_rows(q, config.n_heads), adjacent_pairs_to_hf_rows(k, config.n_kv_heads)
+        q = adjacent_pairs_to_hf_rows(q, config.n_heads, config.rotary_dims)
+        k = adjacent_pairs_to_hf_rows(k, config.n_kv_heads, config.rotary_dims)
         return tuple(t[:, 0] if squeeze else t for t in (q, k, v))
 
     return fused_qkv, split_qkv
@@ -131,15 +149,24 @@ def rotary_weight_table(config: ModelConfig, hf_names: set[str] | None = None) -
     def kinds(site: str) -> tuple[str, ...]:
         return ("weight", "bias") if flags[site] else ("weight",)
 
+    # Norm names: Gemma's sandwich has four per layer, and its "post_attention_layernorm" is the
+    # norm on attention's output, where Llama's is the norm before the MLP.
+    norms = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
+    if config.post_norms:
+        norms = {"ln1": "input_layernorm", "ln1_post": "post_attention_layernorm",
+                 "ln2": "pre_feedforward_layernorm", "ln2_post": "post_feedforward_layernorm"}
     plan: Plan = {"embed.weight": (("model.embed_tokens.weight",), *SAME)}
     for i in range(config.n_layers):
         hf, ours = f"model.layers.{i}.", f"blocks.{i}."
-        plan[ours + "ln1.weight"] = ((hf + "input_layernorm.weight",), *SAME)
+        for our_norm, hf_norm in norms.items():
+            plan[ours + our_norm + ".weight"] = ((hf + hf_norm + ".weight",), *SAME)
         for kind in kinds("qkv"):
             plan[ours + f"attn.qkv.{kind}"] = (tuple(hf + f"self_attn.{x}_proj.{kind}" for x in "qkv"), *qkv)
         for kind in kinds("out"):
             plan[ours + f"attn.out.{kind}"] = ((hf + f"self_attn.o_proj.{kind}",), *SAME)
-        plan[ours + "ln2.weight"] = ((hf + "post_attention_layernorm.weight",), *SAME)
+        if config.qk_norm:  # gains per head feature, reordered like the q/k rows
+            for x in "qk":
+                plan[ours + f"attn.{x}_norm.weight"] = ((hf + f"self_attn.{x}_norm.weight",), *qk_norm_conversion(config))
         for proj in ("gate", "up", "down"):
             for kind in kinds("mlp"):
                 plan[ours + f"mlp.{proj}.{kind}"] = ((hf + f"mlp.{proj}_proj.{kind}",), *SAME)
@@ -147,6 +174,19 @@ def rotary_weight_table(config: ModelConfig, hf_names: set[str] | None = None) -
     if not config.tie_embeddings:
         plan["unembed.weight"] = (("lm_head.weight",), *SAME)
     return WeightTable(plan)
+
+
+def qk_norm_conversion(config: ModelConfig):
+    """The q/k norm gains act on a head's features in HF's rotary order; ours are in adjacent-pair
+    order, so a gain vector is reordered like one head's projection rows."""
+
+    def to_ours(gain: Tensor) -> Tensor:
+        return hf_rows_to_adjacent_pairs(gain[:, None], 1, config.rotary_dims)[:, 0]
+
+    def to_hf(gain: Tensor) -> tuple[Tensor]:
+        return (adjacent_pairs_to_hf_rows(gain[:, None], 1, config.rotary_dims)[:, 0],)
+
+    return to_ours, to_hf
 
 
 ROTARY_BUFFERS = r".*rotary_emb\.inv_freq"  # old Llama files saved these; recomputed from the config
