@@ -73,7 +73,9 @@ class _Writer:
     config: GenerationConfig
     lookahead: int
 
-    def respond(self, prompt: str, echo: bool) -> None:
+    streamer: Any = None
+
+    def respond(self, prompt: str, echo: bool) -> str:
         import time
 
         from glasslm.generation import TextStreamer
@@ -85,6 +87,7 @@ class _Writer:
         if echo:
             sys.stdout.write(prompt)
         streamer, stats = TextStreamer(self.tokenizer, self.config.stop_strings), SpeculativeStats()
+        self.streamer = streamer  # what was written so far, even if Ctrl-C ends the answer
         start, n_tokens = time.perf_counter(), 0
         for token in self._tokens(prompt_ids, stats):
             n_tokens += 1
@@ -100,6 +103,7 @@ class _Writer:
             f"{stats.tokens_per_target_pass:.2f} tokens per target pass")
         print(f"[{n_tokens} tokens in {seconds:.2f} s: {n_tokens / max(seconds, 1e-9):.1f} tokens/s, "
               f"prompt {len(prompt_ids)} tokens{speculation}]", file=sys.stderr)
+        return streamer.text
 
     def _tokens(self, prompt_ids: list[int], stats: Any) -> Any:
         from glasslm.generation import generate_tokens
