@@ -49,7 +49,7 @@ from glasslm.generation.streaming import (
 __all__ = [
     "REPLACEMENT_CHAR", "DecodeWindow", "Engine", "Generation", "GenerationConfig", "Job", "Overloaded", "Sampling",
     "ShuttingDown", "SpeculativeStats", "Step", "TextStreamer", "Tokenizer", "apply_repetition_penalty",
-    "decode_steps", "encode_prompt", "eos_ids", "filter_logits", "find_stop", "generate", "generate_text", "generate_tokens", "make_config",
-    "onednn_disabled", "optimize_for_decoding", "sample_next", "settled_length", "speculative_tokens", "stream_text",
-    "with_eos",
+    "decode_steps", "encode_prompt", "eos_ids", "filter_logits", "find_stop", "generate", "generate_text",
+    "generate_tokens", "make_config", "onednn_disabled", "optimize_for_decoding", "sample_next", "settled_length",
+    "speculative_tokens", "stream_text", "with_eos",
 ]

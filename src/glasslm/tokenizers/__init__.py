@@ -61,8 +61,8 @@ from glasslm.tokenizers.trainer import train_tokenizer, train_tokenizer_from_tex
 __all__ = [
     "BACKENDS", "BPE_DESCRIPTOR_FILE", "ENDOFTEXT", "GPT2_SHA256", "HF_TOKENIZER_CONFIG", "HF_TOKENIZER_FILE",
     "GENERATION_CONFIG_FILE", "MERGES_FILE", "SPECIAL_ROLES", "SPM_FILE", "TOKENIZER_FILE", "VOCAB_FILE",
-    "BPETokenizer", "CharTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer",
-    "bos_token_id", "bytes_to_unicode", "eos_token_ids", "find_gpt2_files", "get_tokenizer", "gpt2_tokenizer", "hf_tokenizer_config",
-    "load_tokenizer", "read_generation_config", "read_hf_tokenizer", "same_vocabulary", "save_hf_tokenizer", "special_token_ids",
-    "to_hf_json", "train_tokenizer", "train_tokenizer_from_text",
+    "BPETokenizer", "CharTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "bos_token_id",
+    "bytes_to_unicode", "eos_token_ids", "find_gpt2_files", "get_tokenizer", "gpt2_tokenizer",
+    "hf_tokenizer_config", "load_tokenizer", "read_generation_config", "read_hf_tokenizer", "same_vocabulary",
+    "save_hf_tokenizer", "special_token_ids", "to_hf_json", "train_tokenizer", "train_tokenizer_from_text",
 ]
