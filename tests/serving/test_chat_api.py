@@ -97,7 +97,11 @@ def test_no_template_and_bad_messages_are_refused_with_the_field():
         for bad, field in (({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "a"}]},
                                                              "messages[0].role"),
                            ({"messages": [{"role": "user", "content": "a"}], "max_tokens": 0}, "max_tokens"),
-                           ({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "logprobs")):
+                           ({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "logprobs"),
+                           ({"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 3},
+                            "top_logprobs"),
+                           ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+                           ({"messages": [{"role": "user", "content": "a"}], "seed": -1}, "seed")):
             status, body = _post(url, bad)
             assert status == 400 and field in body["error"]["message"], body
 

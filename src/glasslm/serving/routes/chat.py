@@ -54,7 +54,7 @@ class ChatRequest(BaseModel):
     top_k: int = Field(0, ge=0)  # 0: off
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # 0: off
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool = False
@@ -114,6 +114,12 @@ def _prompt_ids(body: ChatRequest, served: Served) -> list[int]:
         text = chat_prompt(served.chat_template, plain_messages(body.messages), served.tokenizer)
     except ChatTemplateError as err:
         raise BadRequest(f"messages: {err}", "messages") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as err:  # a template meeting content it did not expect
+        raise BadRequest(f"messages: the chat template could not render these messages ({err})", "messages") from None
+    vocab = served.model.config.vocab_size
+    if body.top_logprobs is not None and body.top_logprobs > vocab:
+        raise BadRequest(f"top_logprobs: {body.top_logprobs} is more than the vocabulary's {vocab} tokens",
+                         "top_logprobs")
     return served.encode(text, what="messages")
 
 
