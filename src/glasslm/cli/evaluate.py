@@ -18,7 +18,9 @@ class EvalData:
     """what to score"""
 
     # dataset name, path to a UTF-8 text file, or a directory made by `glasslm prepare`
-    data: str | None = field(default=None, metadata={"exclusive": "what"})
+    data: str | None = field(default=None, metadata={"one_of": "what"})
+    # comma-separated lm-eval task names (standard ones download their data from the hub), instead of --data
+    tasks: str | None = field(default=None, metadata={"one_of": "what"})
     data_dir: str | None = None  # where datasets are kept; none: $GLASSLM_DATA_DIR, else ~/.cache/glasslm
     split: Split = "val"  # which part to score, split as in training (val: the text
                                                    # training did not see)
@@ -31,10 +33,8 @@ class EvalData:
 
 @dataclass
 class TaskOptions:
-    """lm-evaluation-harness tasks (needs the eval extra: pip install 'glasslm[eval]')"""
+    """lm-evaluation-harness tasks, with --tasks (needs lm-eval: the eval extra)"""
 
-    # comma-separated lm-eval task names (standard ones download their data from the hub), instead of --data
-    tasks: str | None = field(default=None, metadata={"exclusive": "what"})
     include_path: str | None = None  # a folder of your own task YAMLs (and the data files they name)
     num_fewshot: int | None = field(default=None, metadata={"minimum": 0})  # examples before each question;
                                                                              # none: the task's default
@@ -48,12 +48,8 @@ def evaluate(source: CheckpointOption, data: EvalData, tasks: TaskOptions, scori
 
     from glasslm.evaluation.perplexity import evaluate_text
 
-    if tasks.tasks and data.data:
-        raise ValueError("give one of --data (a text to score) and --tasks (lm-eval tasks), not both")
-    if tasks.tasks:
-        return _run_tasks(source, tasks, scoring.batch_size, runtime)
-    if not data.data:
-        raise ValueError("give --data TEXT (loss and perplexity on a text) or --tasks NAME[,NAME] (lm-eval tasks)")
+    if data.tasks:  # the parser allows exactly one of --data and --tasks
+        return _run_tasks(source, data.tasks, tasks, scoring.batch_size, runtime)
 
     model, tokenizer = load_for_inference(source.checkpoint, runtime, need_tokenizer=False)
     tokenizer, text, ids, described = _text_to_score(model, tokenizer, source.checkpoint, data, scoring)
@@ -68,7 +64,8 @@ def evaluate(source: CheckpointOption, data: EvalData, tasks: TaskOptions, scori
     return 0
 
 
-def _run_tasks(source: CheckpointOption, options: TaskOptions, batch_size: int, runtime: RuntimeOptions) -> int:
+def _run_tasks(source: CheckpointOption, task_names: str, options: TaskOptions, batch_size: int,
+               runtime: RuntimeOptions) -> int:
     """Run lm-eval tasks on the checkpoint (glasslm's `GlassLMEval`), print the table, maybe write JSON."""
     import json
     from pathlib import Path
@@ -77,8 +74,9 @@ def _run_tasks(source: CheckpointOption, options: TaskOptions, batch_size: int, 
         from glasslm.evaluation.harness import evaluate_tasks, results_table
         import lm_eval  # noqa: F401
     except ImportError:
-        raise RuntimeError("--tasks needs lm-evaluation-harness: pip install 'glasslm[eval]'") from None
-    names = [name.strip() for name in options.tasks.split(",") if name.strip()]
+        raise RuntimeError("--tasks needs lm-evaluation-harness: pip install lm-eval "
+                           "(in a glasslm checkout: pip install -e '.[eval]')") from None
+    names = [name.strip() for name in task_names.split(",") if name.strip()]
     if not names:
         raise ValueError("--tasks: give at least one task name")
     if options.include_path and not Path(options.include_path).is_dir():
