@@ -10,7 +10,14 @@ dropped requests (an HTTP error, a stream without its final chunk, or no answer 
 The model is a shakespeare-char-cpu checkpoint given with --checkpoint, else the same architecture
 with random weights (the work per token is the same; the text is noise).
 
+With --mix the clients take turns at three kinds of request against one batched server: streaming
+completions, streaming chat completions (/v1/chat/completions, the checkpoint's chat template; the
+random model gets a small one), and echo scoring (/v1/completions with echo, logprobs and
+max_tokens 0, as lm-eval's loglikelihood requests are: prefill only). It reports generated tokens/s
+beside scored (prompt) tokens/s. A kind the server answers with 400 is skipped with a printed note.
+
     python benchmarks/bench_serve.py                      # 32 clients, 20 s per run
+    python benchmarks/bench_serve.py --mix                # the mix above, 32 clients
     python benchmarks/bench_serve.py --clients 8 --duration 5 --checkpoint runs/shakespeare-char-cpu
 """
 
@@ -30,6 +37,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 PROMPTS = ["ROMEO:\n", "First Citizen:\nBefore we proceed", "KING HENRY:\nOnce more unto", "O, ", "To be, or not",
            "JULIET:\nWhat's in a name?", "MENENIUS:\nWhy, masters", "Now is the winter of our"]
@@ -47,7 +55,13 @@ def random_checkpoint(directory: Path) -> Path:
         set("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"))
     tokenizer = CharTokenizer(chars)
     model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=tokenizer.vocab_size))
-    return save_checkpoint(directory / "shakespeare-char-cpu-random", model, tokenizer)
+    path = save_checkpoint(directory / "shakespeare-char-cpu-random", model, tokenizer)
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    return path
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | upper }}:\n{{ m['content'] }}\n\n{% endfor %}"
+                 "{% if add_generation_prompt %}ASSISTANT:\n{% endif %}")
 
 
 def start_server(checkpoint: Path, max_batch: int, max_queue: int, threads: int) -> tuple[subprocess.Popen, str, int]:
@@ -64,17 +78,43 @@ def start_server(checkpoint: Path, max_batch: int, max_queue: int, threads: int)
     return proc, match.group(1), int(match.group(2))
 
 
-async def stream_completion(host: str, port: int, body: dict, timeout: float) -> tuple[float, list[float]]:
+class Refused(Exception):
+    """The server answered 400: it does not support this kind of request (skipped, not a failure)."""
+
+
+async def _send(host: str, port: int, path: str, body: dict, timeout: float) -> tuple[asyncio.StreamReader, Any]:
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    payload = json.dumps(body).encode()
+    writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (path.encode(), host.encode(), len(payload))
+                 + payload)
+    status = await asyncio.wait_for(reader.readline(), timeout)
+    if b" 400 " in status:
+        writer.close()
+        body_text = (await reader.read()).decode(errors="replace").split("\r\n\r\n", 1)[-1]
+        raise Refused(body_text.strip()[:300])
+    if b" 200 " not in status:
+        writer.close()
+        raise RuntimeError(status.decode().strip())
+    return reader, writer
+
+
+async def post_json(host: str, port: int, path: str, body: dict, timeout: float) -> dict:
+    """One non-streaming request's JSON answer (Refused on 400, RuntimeError on any other failure)."""
+    reader, writer = await _send(host, port, path, body, timeout)
+    try:
+        data = await asyncio.wait_for(reader.read(), timeout)
+        return json.loads(data.split(b"\r\n\r\n", 1)[1])
+    finally:
+        writer.close()
+
+
+async def stream_completion(host: str, port: int, body: dict, timeout: float,
+                            path: str = "/v1/completions") -> tuple[float, list[float]]:
     """Send one streaming request; (time to first token, times between tokens). Raises on any failure."""
     start = time.perf_counter()
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    reader, writer = await _send(host, port, path, body, timeout)
     try:
-        payload = json.dumps(body).encode()
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (host.encode(), len(payload)) + payload)
-        status = await asyncio.wait_for(reader.readline(), timeout)
-        if b" 200 " not in status:
-            raise RuntimeError(status.decode().strip())
         while (await asyncio.wait_for(reader.readline(), timeout)) not in (b"\r\n", b""):
             pass  # headers
         times, buffer, finished = [], b"", False
@@ -88,10 +128,12 @@ async def stream_completion(host: str, port: int, body: dict, timeout: float) ->
                 data = event.removeprefix(b"data: ")
                 if data == b"[DONE]":
                     continue
-                choice = json.loads(data)["choices"][0]
-                if choice["finish_reason"] is not None:
+                choices = json.loads(data)["choices"]
+                if not choices:
+                    continue  # the usage chunk
+                if choices[0]["finish_reason"] is not None:
                     finished = True
-                elif choice.get("token_ids"):
+                elif choices[0].get("token_ids") or (choices[0].get("delta") or {}).get("content"):
                     times.append(time.perf_counter())
         if not finished or not times:
             raise RuntimeError("stream ended without its final chunk")
@@ -161,6 +203,63 @@ async def engine_load(checkpoint: Path, clients: int, max_batch: int, duration: 
             "mean_batch": engine.stats["rows"] / max(1, engine.stats["steps"])}
 
 
+async def mixed_load(host: str, port: int, clients: int, duration: float, max_tokens: int, timeout: float) -> dict:
+    """Clients take turns: streaming completion, streaming chat, echo scoring (prefill only)."""
+    deadline = time.perf_counter() + duration
+    counts = {kind: {"requests": 0, "tokens": 0, "failures": [], "refused": None} for kind in ("stream", "chat", "echo")}
+
+    async def one(kind: str, rng: random.Random) -> int:
+        prompt, seed = rng.choice(PROMPTS), rng.randrange(1 << 30)
+        if kind == "echo":
+            answer = await post_json(host, port, "/v1/completions", {"prompt": prompt * 4, "max_tokens": 0,
+                                     "echo": True, "logprobs": 1}, timeout)
+            return answer["usage"]["prompt_tokens"]
+        if kind == "chat":
+            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.8,
+                    "seed": seed, "stream": True, "ignore_eos": True}
+            _, gaps = await stream_completion(host, port, body, timeout, "/v1/chat/completions")
+            return len(gaps) + 1  # content chunks: one per token, but for text held back a moment
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "stream": True,
+                "return_token_ids": True, "seed": seed}
+        _, gaps = await stream_completion(host, port, body, timeout)
+        return len(gaps) + 1
+
+    async def client(i: int) -> None:
+        rng, turn = random.Random(i), i
+        while time.perf_counter() < deadline:
+            kind = ("stream", "chat", "echo")[turn % 3]
+            turn += 1
+            if counts[kind]["refused"]:
+                continue
+            try:
+                tokens = await one(kind, rng)
+            except Refused as err:
+                counts[kind]["refused"] = str(err)
+                continue
+            except Exception as err:  # counted, never hidden
+                counts[kind]["failures"].append(f"{type(err).__name__}: {err}")
+                continue
+            counts[kind]["requests"] += 1
+            counts[kind]["tokens"] += tokens
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    return {"elapsed": time.perf_counter() - start, "kinds": counts}
+
+
+def report_mix(result: dict) -> None:
+    elapsed = result["elapsed"]
+    for kind, what in (("stream", "generated"), ("chat", "generated"), ("echo", "scored (prompt)")):
+        c = result["kinds"][kind]
+        if c["refused"]:
+            print(f"  {kind:7} skipped: the server answered 400 ({c['refused'][:200]})")
+            continue
+        print(f"  {kind:7} {c['requests']:6d} requests  {c['tokens'] / elapsed:9.1f} {what} tokens/s  "
+              f"failed {len(c['failures'])}")
+        for failure in sorted(set(c["failures"]))[:3]:
+            print(f"    failure: {failure}")
+
+
 def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
@@ -174,6 +273,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="a request silent this long has failed")
     parser.add_argument("--threads", type=int, default=1,
                         help="the server's torch threads (1: a 0.8M-parameter model's steps are too small to split)")
+    parser.add_argument("--mix", action="store_true",
+                        help="one batched server, clients taking turns at streaming, chat and echo-scoring requests")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -183,6 +284,16 @@ def main() -> None:
         print(f"model: {checkpoint}{'' if args.checkpoint else ' (random weights)'}; {args.clients} streaming "
               f"clients, {args.duration:.0f} s per run, {args.max_tokens} tokens per request, server threads {args.threads}; "
               f"CPU: {cpu} ({os.cpu_count()} cores)")
+        if args.mix:
+            proc, host, port = start_server(checkpoint, args.clients, args.clients, args.threads)
+            try:
+                result = asyncio.run(mixed_load(host, port, args.clients, args.duration, args.max_tokens, args.timeout))
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(30)
+            print(f"mixed load, batched server, {result['elapsed']:.1f} s:")
+            report_mix(result)
+            return
         results = {}
         for label, max_batch, max_queue in (("batched", args.clients, args.clients),
                                             ("one at a time", 1, args.clients)):

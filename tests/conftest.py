@@ -62,3 +62,18 @@ def shakespeare_text(data_dir) -> str:
     if not path.is_file():
         pytest.skip(f"{path} is missing")
     return path.read_text(encoding="utf-8")
+
+
+CHAT_PROMPTS = ["", "hello there", [{"role": "user", "content": "hi"}]]
+
+
+@pytest.fixture(scope="session")
+def llama_chat(tmp_path_factory):
+    """(directory, transformers model, transformers tokenizer) of a tiny Llama chat model saved by
+    transformers, whose greedy decoding reaches an eos early from each of CHAT_PROMPTS (tests/chat_models.py)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from chat_models import llama_chat_dir
+
+    return llama_chat_dir(tmp_path_factory.mktemp("llama-chat"), CHAT_PROMPTS)

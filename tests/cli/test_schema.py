@@ -271,7 +271,8 @@ def test_the_package_exposes_its_main_names():
     (["generate", "--checkpoint", "x", "--prompt", "a", "--interactive"], "not allowed with argument"),
     (["convert", "--out", "o"], "one of the arguments --from-hf --to-hf --from is required"),
     (["convert", "--to-hf", "--from-hf", "h", "--out", "o"], "not allowed with argument"),
-    (["eval", "--checkpoint", "x"], "the following arguments are required: --data"),
+    (["eval", "--checkpoint", "x"], "one of the arguments --data --tasks is required"),
+    (["eval", "--checkpoint", "x", "--data", "d", "--tasks", "t"], "not allowed with argument"),
     (["sample", "--checkpoint", "x", "--lookahead", "0"], "--lookahead: must be at least 1, got 0"),
     (["train-tokenizer", "--vocab-size", "300", "--out", "o"], "required: INPUTS"),
 ])

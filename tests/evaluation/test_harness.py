@@ -134,3 +134,32 @@ def test_evaluating_leaves_the_callers_random_streams_alone(exported):
     results = evaluate_tasks(model, tokenizer, ["tiny_choice"], include_path=folder, limit=2)
     assert 0.0 <= results["results"]["tiny_choice"]["acc,none"] <= 1.0
     assert torch.equal(torch.rand(2), expected[0]) and random.random() == expected[1] and np.random.rand() == expected[2]
+
+
+@pytest.mark.slow
+def test_cli_eval_tasks_prints_the_table_and_writes_the_results(exported, tmp_path, capsys):
+    from glasslm.cli import main
+    from glasslm.io.checkpoint import save_checkpoint
+
+    model, tokenizer, folder = exported
+    checkpoint = save_checkpoint(tmp_path / "ckpt", model, tokenizer)
+    out = tmp_path / "results.json"
+    assert main(["eval", "--checkpoint", str(checkpoint), "--tasks", "tiny_choice,tiny_rolling", "--include-path",
+                 str(folder), "--limit", "4", "--batch-size", "4", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "tiny_choice" in printed and "tiny_rolling" in printed and "|" in printed  # lm-eval's table
+    written = json.loads(out.read_text())["results"]
+    direct = evaluate_tasks(model, tokenizer, ["tiny_choice", "tiny_rolling"], include_path=folder, limit=4)["results"]
+    assert written["tiny_choice"]["acc,none"] == direct["tiny_choice"]["acc,none"]
+    assert written["tiny_rolling"]["word_perplexity,none"] == pytest.approx(direct["tiny_rolling"]["word_perplexity,none"],
+                                                                           rel=1e-6)
+
+
+def test_cli_eval_tasks_without_the_extra_says_what_to_install(exported, tmp_path, capsys, monkeypatch):
+    import sys
+
+    from glasslm.cli import main
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if lm-eval were not installed
+    assert main(["eval", "--checkpoint", str(tmp_path), "--tasks", "tiny_choice"]) == 1
+    assert "pip install lm-eval" in capsys.readouterr().err

@@ -22,8 +22,8 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
-from glasslm.cli import (convert, evaluate, fetch, generate, info, inspection, plot, prepare, quantize, serve, train,
-                         train_tokenizer)
+from glasslm.cli import (chat, convert, evaluate, fetch, generate, info, inspection, plot, prepare, quantize, serve,
+                         train, train_tokenizer)
 from glasslm.cli.command import Command
 from glasslm.cli.command import build_parser as build_command_parser
 from glasslm.cli.common import Terminated
@@ -32,6 +32,7 @@ COMMANDS: tuple[Command, ...] = (
     train.COMMAND,
     plot.COMMAND,
     generate.COMMAND,
+    chat.COMMAND,
     evaluate.COMMAND,
     info.COMMAND,
     convert.COMMAND,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from glasslm.cli.command import Command
@@ -61,6 +62,7 @@ def _from_foreign(config: ConvertConfig, output: OutputOption) -> None:
 def _from_hf(config: ConvertConfig, output: OutputOption) -> None:
     from glasslm.locations import check_output_dir
     from glasslm.hf import hf_tokenizer, import_hf
+    from glasslm.hf.cache import resolve_model_path
     from glasslm.io.checkpoint import save_checkpoint
 
     check_output_dir(output.out, output.overwrite, inputs=[config.from_hf], what="checkpoint")
@@ -69,8 +71,22 @@ def _from_hf(config: ConvertConfig, output: OutputOption) -> None:
     if tokenizer is not None and not hasattr(tokenizer, "save"):
         tokenizer = None
     save_checkpoint(output.out, model, tokenizer, {"converted_from": str(config.from_hf)})
+    _keep_generation_files(resolve_model_path(config.from_hf), Path(output.out))
     print(f"{config.from_hf} -> {output.out} ({model.num_parameters():,} parameters, "
           f"tokenizer {'included' if tokenizer is not None else 'not found'})")
+
+
+def _keep_generation_files(source: Path, checkpoint: Path) -> None:
+    """Copy what says how the model ends and chats (generation_config.json's eos ids, a
+    chat_template.jinja) into the checkpoint; tokenizer_config.json's template travels with the tokenizer."""
+    import shutil
+
+    from glasslm.tokenizers import GENERATION_CONFIG_FILE
+    from glasslm.tokenizers.chat import CHAT_TEMPLATE_FILE
+
+    for name in (GENERATION_CONFIG_FILE, CHAT_TEMPLATE_FILE):
+        if (source / name).is_file():
+            shutil.copyfile(source / name, checkpoint / name)
 
 
 def _to_hf(config: ConvertConfig, output: OutputOption) -> None:

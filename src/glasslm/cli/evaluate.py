@@ -1,4 +1,5 @@
-"""`glasslm eval --checkpoint DIR --data TEXT`: loss, perplexity and bits per byte of a model on a text."""
+"""`glasslm eval --checkpoint DIR --data TEXT`: loss, perplexity and bits per byte of a model on a text;
+`glasslm eval --checkpoint DIR --tasks NAME[,NAME]`: lm-evaluation-harness tasks, in this process."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from glasslm.data.splits import VAL_FRACTION, Split
 class EvalData:
     """what to score"""
 
-    data: str  # dataset name, path to a UTF-8 text file, or a directory made by `glasslm prepare`
+    # dataset name, path to a UTF-8 text file, or a directory made by `glasslm prepare`
+    data: str | None = field(default=None, metadata={"one_of": "what"})
+    # comma-separated lm-eval task names (standard ones download their data from the hub), instead of --data
+    tasks: str | None = field(default=None, metadata={"one_of": "what"})
     data_dir: str | None = None  # where datasets are kept; none: $GLASSLM_DATA_DIR, else ~/.cache/glasslm
     split: Split = "val"  # which part to score, split as in training (val: the text
                                                    # training did not see)
@@ -27,10 +31,25 @@ class EvalData:
     quiet: bool = False  # no progress bar (it goes to stderr)
 
 
-def evaluate(source: CheckpointOption, data: EvalData, scoring: EvalConfig, runtime: RuntimeOptions) -> int:
+@dataclass
+class TaskOptions:
+    """lm-evaluation-harness tasks, with --tasks (needs lm-eval: the eval extra)"""
+
+    include_path: str | None = None  # a folder of your own task YAMLs (and the data files they name)
+    num_fewshot: int | None = field(default=None, metadata={"minimum": 0})  # examples before each question;
+                                                                             # none: the task's default
+    limit: int | None = field(default=None, metadata={"minimum": 1})  # score only the first N documents of each task
+    output: str | None = None  # also write lm-eval's results as JSON to this file
+
+
+def evaluate(source: CheckpointOption, data: EvalData, tasks: TaskOptions, scoring: EvalConfig,
+             runtime: RuntimeOptions) -> int:
     import time
 
     from glasslm.evaluation.perplexity import evaluate_text
+
+    if data.tasks:  # the parser allows exactly one of --data and --tasks
+        return _run_tasks(source, data.tasks, tasks, scoring.batch_size, runtime)
 
     model, tokenizer = load_for_inference(source.checkpoint, runtime, need_tokenizer=False)
     tokenizer, text, ids, described = _text_to_score(model, tokenizer, source.checkpoint, data, scoring)
@@ -42,6 +61,34 @@ def evaluate(source: CheckpointOption, data: EvalData, scoring: EvalConfig, runt
           f"context {model.config.context_length}, stride {stride})")
     print(f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.3f}  "
           f"bits/byte {result['bits_per_byte']:.4f}  ({seconds:.1f} s)")
+    return 0
+
+
+def _run_tasks(source: CheckpointOption, task_names: str, options: TaskOptions, batch_size: int,
+               runtime: RuntimeOptions) -> int:
+    """Run lm-eval tasks on the checkpoint (glasslm's `GlassLMEval`), print the table, maybe write JSON."""
+    import json
+    from pathlib import Path
+
+    try:
+        from glasslm.evaluation.harness import evaluate_tasks, results_table
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise RuntimeError("--tasks needs lm-evaluation-harness: pip install lm-eval "
+                           "(in a glasslm checkout: pip install -e '.[eval]')") from None
+    names = [name.strip() for name in task_names.split(",") if name.strip()]
+    if not names:
+        raise ValueError("--tasks: give at least one task name")
+    if options.include_path and not Path(options.include_path).is_dir():
+        raise ValueError(f"--include-path {options.include_path}: no such folder")
+    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True)
+    results = evaluate_tasks(model, tokenizer, names, include_path=options.include_path,
+                             num_fewshot=options.num_fewshot, limit=options.limit, batch_size=batch_size)
+    print(results_table(results))
+    if options.output:
+        keep = {key: results[key] for key in ("results", "versions", "n-shot", "config") if key in results}
+        Path(options.output).write_text(json.dumps(keep, indent=2, default=str), encoding="utf-8")
+        print(f"results written to {options.output}")
     return 0
 
 
@@ -88,4 +135,4 @@ def _check_same_tokenizer(model_tokenizer: Any, data_tokenizer: Any, ids: Any, v
                          "prepare it with --tokenizer pointing at the checkpoint")
 
 
-COMMAND = Command("eval", evaluate, "loss, perplexity and bits per byte of a checkpoint on a text")
+COMMAND = Command("eval", evaluate, "loss, perplexity and bits per byte of a checkpoint on a text, or lm-eval tasks")

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from glasslm.cli.command import Command
 from glasslm.cli.common import CheckpointOption, RuntimeOptions, Terminated, load_for_inference
 from glasslm.cli.options import Group
-from glasslm.generation import GenerationConfig
+from glasslm.generation import GenerationConfig, encode_prompt, with_eos
 
 
 @dataclass
@@ -18,7 +18,7 @@ class PromptOptions:
     """the prompt (one of --prompt, --prompt-file, --interactive)"""
 
     prompt: str = field(default="", metadata={"exclusive": "prompt"})  # the prompt text; '-' reads it from stdin;
-                                                                       # empty: a newline
+                                                                       # empty: the tokenizer's bos, else a newline
     prompt_file: str | None = field(default=None, metadata={"exclusive": "prompt"})  # read the prompt from this
                                                                                      # UTF-8 file
     interactive: bool = field(default=False, metadata={"exclusive": "prompt"})  # keep the model loaded and
@@ -54,7 +54,8 @@ def generate(source: CheckpointOption, prompt: PromptOptions, sampling: Annotate
         if sampling.temperature != 0:
             raise ValueError("--draft (speculative decoding) is greedy here: add --temperature 0")
         draft, _ = load_for_inference(speculation.draft, runtime, decoding=True, need_tokenizer=False)
-    writer = _Writer(model, draft, tokenizer, sampling, speculation.lookahead)
+    # Stop at the model's eos ids (generation_config.json's, else the tokenizer's) unless --ignore-eos.
+    writer = _Writer(model, draft, tokenizer, with_eos(sampling, model, tokenizer), speculation.lookahead)
     if prompt.interactive:
         _answer_lines(writer)
     else:
@@ -72,19 +73,21 @@ class _Writer:
     config: GenerationConfig
     lookahead: int
 
-    def respond(self, prompt: str, echo: bool) -> None:
+    streamer: Any = None
+
+    def respond(self, prompt: str, echo: bool) -> str:
         import time
 
         from glasslm.generation import TextStreamer
         from glasslm.generation.speculative import SpeculativeStats
 
-        # An empty prompt starts from a newline, the most neutral context a text model knows.
-        prompt_ids = self.tokenizer.encode(prompt or "\n")
+        prompt_ids = encode_prompt(self.tokenizer, prompt)  # an empty prompt: bos, else a newline
         if not prompt_ids:
             raise ValueError("the prompt encodes to no tokens")
         if echo:
             sys.stdout.write(prompt)
         streamer, stats = TextStreamer(self.tokenizer, self.config.stop_strings), SpeculativeStats()
+        self.streamer = streamer  # what was written so far, even if Ctrl-C ends the answer
         start, n_tokens = time.perf_counter(), 0
         for token in self._tokens(prompt_ids, stats):
             n_tokens += 1
@@ -100,6 +103,7 @@ class _Writer:
             f"{stats.tokens_per_target_pass:.2f} tokens per target pass")
         print(f"[{n_tokens} tokens in {seconds:.2f} s: {n_tokens / max(seconds, 1e-9):.1f} tokens/s, "
               f"prompt {len(prompt_ids)} tokens{speculation}]", file=sys.stderr)
+        return streamer.text
 
     def _tokens(self, prompt_ids: list[int], stats: Any) -> Any:
         from glasslm.generation import generate_tokens

@@ -38,14 +38,18 @@ from glasslm.generation.decoding import (
 )
 from glasslm.generation.engine import Engine, Job, Overloaded, Sampling, ShuttingDown
 from glasslm.generation.sampling import (
-    GenerationConfig, Tokenizer, apply_repetition_penalty, filter_logits, find_stop, make_config, sample_next,
+    GenerationConfig, Tokenizer, apply_repetition_penalty, eos_ids, filter_logits, find_stop, make_config, sample_next,
+    with_eos,
 )
 from glasslm.generation.speculative import SpeculativeStats, speculative_tokens
-from glasslm.generation.streaming import REPLACEMENT_CHAR, TextStreamer, generate_text, settled_length, stream_text
+from glasslm.generation.streaming import (
+    REPLACEMENT_CHAR, TextStreamer, encode_prompt, generate_text, settled_length, stream_text,
+)
 
 __all__ = [
     "REPLACEMENT_CHAR", "DecodeWindow", "Engine", "Generation", "GenerationConfig", "Job", "Overloaded", "Sampling",
     "ShuttingDown", "SpeculativeStats", "Step", "TextStreamer", "Tokenizer", "apply_repetition_penalty",
-    "decode_steps", "filter_logits", "find_stop", "generate", "generate_text", "generate_tokens", "make_config",
-    "onednn_disabled", "optimize_for_decoding", "sample_next", "settled_length", "speculative_tokens", "stream_text",
+    "decode_steps", "encode_prompt", "eos_ids", "filter_logits", "find_stop", "generate", "generate_text",
+    "generate_tokens", "make_config", "onednn_disabled", "optimize_for_decoding", "sample_next", "settled_length",
+    "speculative_tokens", "stream_text", "with_eos",
 ]

@@ -27,7 +27,9 @@ from torch import Tensor
 
 from glasslm.core.layers import Linear
 from glasslm.core.model import TransformerLM
-from glasslm.generation.sampling import GenerationConfig, Tokenizer, apply_repetition_penalty, find_stop, make_config, sample_next
+from glasslm.generation.sampling import (
+    GenerationConfig, Tokenizer, apply_repetition_penalty, find_stop, make_config, sample_next, with_eos,
+)
 
 
 # --- the decoding loop ---------------------------------------------------------------------------
@@ -299,10 +301,11 @@ def generate(
 ) -> list[Generation]:
     """Generate for a batch of token prompts (of any lengths); each row stops on its own.
 
-    Stop strings need `tokenizer` (they are checked on the decoded text). Each row's result is the
-    same as generating it alone (greedy tokens identical, logits equal to float tolerance).
+    Stop strings need `tokenizer` (they are checked on the decoded text). Rows stop at the model's
+    eos ids unless `ignore_eos` (`with_eos`). Each row's result is the same as generating it alone
+    (greedy tokens identical, logits equal to float tolerance).
     """
-    config = make_config(config, **controls)
+    config = with_eos(make_config(config, **controls), model, tokenizer)
     if config.stop_strings and tokenizer is None:
         raise ValueError("stop strings are matched on text, so they need a tokenizer")
     results = [Generation(logprobs=[] if config.logprobs else None) for _ in prompts]
@@ -338,7 +341,8 @@ def generate_tokens(
     seed: int | None = None, stop_tokens: Sequence[int] = (), config: GenerationConfig | None = None,
     **controls: Any,
 ) -> Iterator[int]:
-    """Yield new token ids one at a time as they are produced (for streaming); stops before a stop token.
+    """Yield new token ids one at a time as they are produced (for streaming); stops before a stop
+    token or one of the model's eos ids (unless `ignore_eos`; see `with_eos`).
 
     Keyword controls override `config`; see `GenerationConfig` for all of them.
     """
@@ -346,7 +350,7 @@ def generate_tokens(
     controls.update({k: v for k, v in given.items() if v is not None})
     if stop_tokens:
         controls["stop_tokens"] = stop_tokens
-    config = make_config(config, **controls)
+    config = with_eos(make_config(config, **controls), model)
     stops = set(config.stop_tokens)
     if config.max_new_tokens == 0:
         return

@@ -24,6 +24,8 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from glasslm.tokenizers import eos_token_ids
+
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
@@ -45,7 +47,8 @@ class GenerationConfig:
     min_p: float | None = None  # keep tokens with probability >= min_p * the top probability; None: all
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output
     seed: int | None = None  # makes sampling reproducible; None: a fresh draw each time
-    stop_tokens: Sequence[int] = ()  # stop at any of these token ids (not part of the output)
+    stop_tokens: Sequence[int] = ()  # stop at any of these token ids (not part of the output), besides eos
+    ignore_eos: bool = False  # go on past the model's end-of-sequence tokens (see `with_eos`)
     stop_strings: Sequence[str] = ()  # stop before any of these texts (cut from the output)
     logprobs: bool = False  # also return log p(token) under the model's unmodified distribution
     window_keep: int | None = None  # tokens kept when the context slides; default context_length // 2
@@ -82,6 +85,35 @@ def make_config(config: GenerationConfig | None = None, **controls: Any) -> Gene
     """`config` (or the defaults) with keyword overrides, e.g. make_config(temperature=0)."""
     config = config or GenerationConfig()
     return config.replace(**controls) if controls else config
+
+
+def eos_ids(model: Any, tokenizer: Any | None = None) -> tuple[int, ...]:
+    """The model's end-of-sequence ids: those its checkpoint recorded (`model.eos_token_ids`, set
+    by `load_checkpoint` / `load_model` from generation_config.json or the tokenizer), else the
+    tokenizer's eos, else none (a model built in code, a character tokenizer)."""
+    recorded = getattr(model, "eos_token_ids", None)
+    if recorded is not None:
+        return tuple(recorded)
+    return eos_token_ids(tokenizer) if tokenizer is not None else ()
+
+
+def with_eos(config: GenerationConfig, model: Any, tokenizer: Any | None = None) -> GenerationConfig:
+    """`config` whose stop tokens include the model's eos ids (`eos_ids`), as transformers' `generate`
+    stops at them by default; unchanged when `config.ignore_eos`.
+
+    >>> from glasslm.presets import get_preset
+    >>> from glasslm.core.model import TransformerLM
+    >>> model = TransformerLM(get_preset("llama-tiny"))
+    >>> model.eos_token_ids = (2,)
+    >>> with_eos(GenerationConfig(stop_tokens=[5]), model).stop_tokens
+    (5, 2)
+    >>> with_eos(GenerationConfig(ignore_eos=True), model).stop_tokens
+    ()
+    """
+    if config.ignore_eos:
+        return config
+    stops = tuple(dict.fromkeys((*config.stop_tokens, *eos_ids(model, tokenizer))))
+    return config if stops == config.stop_tokens else config.replace(stop_tokens=stops)
 
 
 # --- choosing a token ----------------------------------------------------------------------------

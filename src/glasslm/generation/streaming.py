@@ -11,7 +11,8 @@ from typing import Any
 
 from glasslm.generation.decoding import generate_tokens
 from glasslm.core.model import TransformerLM
-from glasslm.generation.sampling import GenerationConfig, Tokenizer, find_stop, make_config
+from glasslm.generation.sampling import GenerationConfig, Tokenizer, find_stop, make_config, with_eos
+from glasslm.tokenizers import bos_token_id
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
 
@@ -67,9 +68,10 @@ def stream_text(
     model: TransformerLM, tokenizer: Tokenizer, prompt: str | Sequence[int],
     config: GenerationConfig | None = None, **controls: Any,
 ) -> Iterator[str]:
-    """Yield the generated text in pieces as tokens arrive, ending exactly before any stop string."""
-    config = make_config(config, **controls)
-    prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    """Yield the generated text in pieces as tokens arrive, ending exactly before any stop string
+    or eos token (see `with_eos`). An empty prompt starts from bos (`encode_prompt`)."""
+    config = with_eos(make_config(config, **controls), model, tokenizer)
+    prompt_ids = encode_prompt(tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
     streamer = TextStreamer(tokenizer, config.stop_strings)
     for token in generate_tokens(model, prompt_ids, config=config):
         piece = streamer.push(token)
@@ -80,6 +82,23 @@ def stream_text(
     piece = streamer.finish()
     if piece:
         yield piece
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    """The ids of `prompt`; an empty prompt is the tokenizer's bos where it has one (as transformers
+    starts), else a newline, the most neutral context a text model without one knows.
+
+    >>> from glasslm.tokenizers import CharTokenizer
+    >>> encode_prompt(CharTokenizer.from_text("ab\\n"), "")
+    [0]
+    """
+    if prompt:
+        return tokenizer.encode(prompt)
+    bos = bos_token_id(tokenizer)
+    ids = [bos] if bos is not None else tokenizer.encode("\n")
+    if not ids:
+        raise ValueError("the prompt is empty and the tokenizer has neither a bos token nor a newline to start from")
+    return ids
 
 
 def settled_length(text: str, stop_strings: Sequence[str] = ()) -> int:

@@ -44,16 +44,22 @@ def load_model(
     path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> tuple[TransformerLM, Any | None]:
     """(model in eval mode, tokenizer or None) from a glasslm checkpoint, run directory, HF model
-    directory, or a hub name in the local HF cache.
+    directory, or a hub name in the local HF cache. `model.eos_token_ids` holds where generation
+    stops by default (generation_config.json's ids, else config.json's, else the tokenizer's eos).
 
     Either way the weights are memory-mapped and assigned into a meta-device model, so loading a
     large model needs about one copy of its weights in memory.
     """
     from glasslm.io.checkpoint import load_checkpoint
 
+    from glasslm.tokenizers import eos_token_ids, read_generation_config
+
     path = resolve_model_path(path)
     if is_hf_directory(path):
-        return import_hf(path, device, dtype), hf_tokenizer(path)
+        model, tokenizer = import_hf(path, device, dtype), hf_tokenizer(path)
+        # transformers' generate stops at generation_config.json's eos ids, else config.json's.
+        model.eos_token_ids = eos_token_ids(tokenizer, read_generation_config(path), read_hf_config(path))
+        return model, tokenizer
     model, tokenizer, _ = load_checkpoint(path, device)  # a run directory means its best (else latest)
     return (model if dtype is None else model.to(dtype)), tokenizer
 

@@ -38,7 +38,9 @@ from safetensors.torch import load_file, save_file
 from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
 from glasslm.io.build import model_from_state_dict
-from glasslm.tokenizers import BPE_DESCRIPTOR_FILE, SPM_FILE, TOKENIZER_FILE, load_tokenizer
+from glasslm.tokenizers import (
+    BPE_DESCRIPTOR_FILE, SPM_FILE, TOKENIZER_FILE, eos_token_ids, load_tokenizer, read_generation_config,
+)
 from glasslm.transforms import applied_transforms
 
 WEIGHTS_FILE = "model.safetensors"
@@ -172,7 +174,11 @@ def _swap_into_place(staging: Path, target: Path) -> None:
 def load_checkpoint(
     directory: str | os.PathLike, device: torch.device | str = "cpu"
 ) -> tuple[TransformerLM, Any | None, dict[str, Any]]:
-    """(model, tokenizer or None, meta) from a directory written by `save_checkpoint`."""
+    """(model, tokenizer or None, meta) from a directory written by `save_checkpoint`.
+
+    `model.eos_token_ids` is where generation stops by default: the ids of a generation_config.json
+    kept from a Hugging Face import, else the tokenizer's eos (`glasslm.tokenizers.eos_token_ids`).
+    """
     path = resolve_checkpoint(directory)
     config = load_config(path / CONFIG_FILE)
     weights_path = path / WEIGHTS_FILE
@@ -187,6 +193,7 @@ def load_checkpoint(
     tokenizer = None
     if any((path / name).exists() for name in TOKENIZER_FILES):
         tokenizer = load_tokenizer(path)
+    model.eos_token_ids = eos_token_ids(tokenizer, read_generation_config(path))
     return model, tokenizer, meta
 
 

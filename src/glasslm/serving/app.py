@@ -12,7 +12,7 @@ Example (the app without a network socket; `uvicorn.run(app)` would serve it):
     >>> tok = CharTokenizer.from_text("abc\\n")
     >>> app = create_app(TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=4, n_layers=1)).eval(), tok)
     >>> sorted(path for path in app.openapi()["paths"] if path.startswith("/v1"))
-    ['/v1/completions', '/v1/models']
+    ['/v1/chat/completions', '/v1/completions', '/v1/models']
 """
 
 from __future__ import annotations
@@ -29,20 +29,22 @@ from glasslm.serving.auth import BearerKey
 from glasslm.serving.config import ServeConfig
 from glasslm.serving.context import Served
 from glasslm.serving.errors import add_error_handlers
-from glasslm.serving.routes import completions, explorer, health, tokenize
+from glasslm.serving.routes import chat, completions, explorer, health, tokenize
 
-ROUTERS = (health.router, completions.router, tokenize.router, explorer.router)
+ROUTERS = (health.router, completions.router, chat.router, tokenize.router, explorer.router)
 
 
-def create_app(model: TransformerLM, tokenizer: Any, config: ServeConfig | None = None) -> FastAPI:
+def create_app(model: TransformerLM, tokenizer: Any, config: ServeConfig | None = None,
+               chat_template: str | None = None) -> FastAPI:
     """The FastAPI app: /v1/completions, /v1/models, /health, the explorer page and its /api endpoints.
 
     `config.max_batch` rows decode together; up to `config.max_queue` more wait; beyond that requests
     get 429. The host, port and grace of `config` are the server's (`serve`), not the app's.
     The engine is `app.state.served.engine` (also `app.state.engine`). With `config.api_key`, every
-    route but /health needs `Authorization: Bearer KEY` (`glasslm.serving.auth`).
+    route but /health needs `Authorization: Bearer KEY` (`glasslm.serving.auth`). `chat_template` (Jinja
+    source) is what /v1/chat/completions renders conversations with; without one it answers 400.
     """
-    served = Served.build(model, tokenizer, config)
+    served = Served.build(model, tokenizer, config, chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -26,6 +26,10 @@ class ServeConfig:
     grace: float = 10.0  # seconds in-flight requests get to finish after SIGTERM before they are aborted
     log_level: LogLevel = "info"  # server log detail; info logs one line per request
     api_key: str | None = None  # require 'Authorization: Bearer KEY' on every route but /health; default $GLASSLM_API_KEY
+    ignore_eos: bool = False  # go on past the model's end-of-sequence tokens (they end a completion by default)
+    # a Jinja chat template file for /v1/chat/completions; none: the checkpoint's own (chat_template.jinja or
+    # tokenizer_config.json's chat_template)
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 0:

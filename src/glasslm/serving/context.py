@@ -26,10 +26,10 @@ from typing import Annotated, Any, Callable
 from fastapi import Depends, Request
 
 from glasslm.core.model import TransformerLM
+from glasslm.generation import encode_prompt, eos_ids
 from glasslm.generation.engine import Engine
 from glasslm.serving.config import ServeConfig
 from glasslm.serving.schemas import BadRequest
-from glasslm.tokenizers import ENDOFTEXT
 
 
 @dataclass
@@ -41,17 +41,18 @@ class Served:
     config: ServeConfig
     engine: Engine
     name: str
-    eos: frozenset[int]  # tokens that end a completion (the tokenizer's <|endoftext|>, if it has one)
+    eos: frozenset[int]  # tokens that end a completion: the model's eos ids (`eos_ids`), none with ignore_eos
+    chat_template: str | None = None  # the Jinja template /v1/chat/completions renders messages with
 
     @classmethod
-    def build(cls, model: TransformerLM, tokenizer: Any, config: ServeConfig | None = None) -> Served:
+    def build(cls, model: TransformerLM, tokenizer: Any, config: ServeConfig | None = None,
+              chat_template: str | None = None) -> Served:
         if tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer, so text cannot be encoded")
         config = config or ServeConfig()
-        specials = getattr(tokenizer, "special_tokens", {})
-        eos = frozenset(specials[s] for s in (ENDOFTEXT,) if s in specials)
+        eos = frozenset() if config.ignore_eos else frozenset(eos_ids(model, tokenizer))
         return cls(model, tokenizer, config, Engine(model, tokenizer, config.max_batch, config.max_queue),
-                   config.name or "glasslm", eos)
+                   config.name or "glasslm", eos, chat_template)
 
     @property
     def context_length(self) -> int:
@@ -60,8 +61,8 @@ class Served:
     def encode(self, prompt: str | list[int] | list[str], limit: int | None = None, what: str = "prompt") -> list[int]:
         """Token ids of a request's text or ids, checked; `BadRequest` naming `what` otherwise.
 
-        `limit` defaults to the context length. An empty string starts from <|endoftext|> where the
-        tokenizer has it, else from a newline.
+        `limit` defaults to the context length. An empty string starts from the tokenizer's bos
+        where it has one, else from a newline (`encode_prompt`).
         """
         limit = limit or self.context_length
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -70,7 +71,7 @@ class Served:
             prompt = prompt[0]
         if isinstance(prompt, str):
             try:
-                ids = self.tokenizer.encode(prompt) if prompt else (list(self.eos)[:1] or self.tokenizer.encode("\n"))
+                ids = encode_prompt(self.tokenizer, prompt)
             except ValueError as err:
                 raise BadRequest(f"{what}: {err}", what) from None
         else:

@@ -158,7 +158,7 @@ def describe_validation_error(problem: dict[str, Any]) -> str:
         return "unknown field (see docs/serving.md for the fields glasslm serve accepts)"
     if kind == "json_invalid":
         return f"the request body is not valid JSON ({problem.get('ctx', {}).get('error', message)})"
-    if tuple(problem.get("loc", ())) == ("body",):  # about the body as a whole, not a field of it
+    if tuple(problem.get("loc", ())) == ("body",) and kind != "value_error":  # the body is no object at all
         return "the request needs a JSON body" if kind == "missing" else "the request body must be a JSON object"
     return message.removeprefix("Value error, ")
 

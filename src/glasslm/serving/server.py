@@ -22,11 +22,11 @@ from glasslm.serving.app import create_app
 from glasslm.serving.config import ServeConfig
 
 
-def serve(model: TransformerLM, tokenizer: Any, config: ServeConfig) -> None:
+def serve(model: TransformerLM, tokenizer: Any, config: ServeConfig, chat_template: str | None = None) -> None:
     """Run the server until SIGTERM or Ctrl-C; prints the URL once it is listening."""
     import uvicorn
 
-    app = create_app(model, tokenizer, config)
+    app = create_app(model, tokenizer, config, chat_template)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not config.api_key and config.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("glasslm.serving").warning(

@@ -43,6 +43,7 @@ from glasslm.tokenizers.base import (
 )
 from glasslm.tokenizers.bpe import BACKENDS, BPETokenizer, bytes_to_unicode
 from glasslm.tokenizers.char import CharTokenizer
+from glasslm.tokenizers.eos import GENERATION_CONFIG_FILE, bos_token_id, eos_token_ids, read_generation_config
 from glasslm.tokenizers.gpt2 import GPT2_SHA256, find_gpt2_files, gpt2_tokenizer
 from glasslm.tokenizers.hf import (
     HFTokenizer,
@@ -59,9 +60,9 @@ from glasslm.tokenizers.trainer import train_tokenizer, train_tokenizer_from_tex
 
 __all__ = [
     "BACKENDS", "BPE_DESCRIPTOR_FILE", "ENDOFTEXT", "GPT2_SHA256", "HF_TOKENIZER_CONFIG", "HF_TOKENIZER_FILE",
-    "MERGES_FILE", "SPECIAL_ROLES", "SPM_FILE", "TOKENIZER_FILE", "VOCAB_FILE",
-    "BPETokenizer", "CharTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer",
-    "bytes_to_unicode", "find_gpt2_files", "get_tokenizer", "gpt2_tokenizer", "hf_tokenizer_config",
-    "load_tokenizer", "read_hf_tokenizer", "same_vocabulary", "save_hf_tokenizer", "special_token_ids",
-    "to_hf_json", "train_tokenizer", "train_tokenizer_from_text",
+    "GENERATION_CONFIG_FILE", "MERGES_FILE", "SPECIAL_ROLES", "SPM_FILE", "TOKENIZER_FILE", "VOCAB_FILE",
+    "BPETokenizer", "CharTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "bos_token_id",
+    "bytes_to_unicode", "eos_token_ids", "find_gpt2_files", "get_tokenizer", "gpt2_tokenizer",
+    "hf_tokenizer_config", "load_tokenizer", "read_generation_config", "read_hf_tokenizer", "same_vocabulary",
+    "save_hf_tokenizer", "special_token_ids", "to_hf_json", "train_tokenizer", "train_tokenizer_from_text",
 ]

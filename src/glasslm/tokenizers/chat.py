@@ -117,6 +117,31 @@ def render_chat(template: str, messages: Any, *, add_generation_prompt: bool = F
         raise ChatTemplateError(f"the chat template refused this conversation: {err}") from None
 
 
+def chat_prompt(template: str, messages: Any, tokenizer: Any) -> str:
+    """The prompt that asks the model for the next assistant turn of `messages`: the template
+    rendered with `add_generation_prompt` and the tokenizer's bos/eos texts as `bos_token` /
+    `eos_token`, as transformers' `apply_chat_template(..., add_generation_prompt=True)` renders it.
+
+    >>> from glasslm.tokenizers.char import CharTokenizer
+    >>> chat_prompt("{% for m in messages %}{{ m['content'] }};{% endfor %}", [{"role": "user", "content": "hi"}],
+    ...             CharTokenizer.from_text("hi;"))
+    'hi;'
+    """
+    return render_chat(template, messages, add_generation_prompt=True, **special_token_texts(tokenizer))
+
+
+def special_token_texts(tokenizer: Any) -> dict[str, str]:
+    """{"bos_token": text, "eos_token": text} for the roles the tokenizer has (templates write them)."""
+    from glasslm.tokenizers.hf import special_token_ids
+
+    names = {i: text for text, i in (getattr(tokenizer, "special_tokens", None) or {}).items()}
+    texts = {}
+    for role, i in special_token_ids(tokenizer).items():
+        if role in ("bos", "eos") and i is not None:
+            texts[f"{role}_token"] = names.get(i) or tokenizer.decode([i])
+    return texts
+
+
 def assistant_spans(template: str, messages: Any, **variables: Any) -> tuple[str, list[tuple[int, int]]]:
     """(the rendered conversation, the [start, end) character spans of each assistant turn).
 

@@ -129,7 +129,7 @@ def special_token_ids(tokenizer) -> dict[Role, int | None]:
         return {role: None for role in SPECIAL_ROLES}
     if hasattr(tokenizer, "role_ids"):
         return tokenizer.role_ids()
-    specials = tokenizer.special_tokens
+    specials = getattr(tokenizer, "special_tokens", None) or {}  # a bare encode/decode object has none
     bos = next((specials[n] for n in _BOS_NAMES if n in specials), None)
     eos = next((specials[n] for n in _EOS_NAMES if n in specials), None)
     return {"bos": bos, "eos": eos, "pad": None, "unk": None}

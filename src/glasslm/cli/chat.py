@@ -1,0 +1,102 @@
+"""`glasslm chat --checkpoint DIR`: a conversation in the terminal with a chat model.
+
+Each line you type is a user turn; the whole conversation so far is rendered with the model's
+chat template (`glasslm.tokenizers.chat`, as transformers' `apply_chat_template` renders it) and
+the answer streams until the model's eos (`--ignore-eos` to go on) or --max-new-tokens. `/reset`
+forgets the conversation (the --system message stays). Ctrl-C stops the answer being written
+(what was written stays in the history); Ctrl-C or Ctrl-D at the prompt ends the session.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from glasslm.cli.command import Command
+from glasslm.cli.common import CheckpointOption, RuntimeOptions, Terminated, load_for_inference
+from glasslm.cli.generate import SAMPLING, _Writer
+from glasslm.generation import GenerationConfig, with_eos
+
+RESET = "/reset"
+
+
+@dataclass
+class ChatOptions:
+    """the conversation"""
+
+    system: str | None = None  # a system message that opens the conversation (kept across /reset)
+    # a Jinja chat template file; none: the checkpoint's own (chat_template.jinja or tokenizer_config.json's)
+    chat_template: str | None = None
+
+
+def chat(source: CheckpointOption, options: ChatOptions, sampling: Annotated[GenerationConfig, SAMPLING],
+         runtime: RuntimeOptions) -> int:
+    from glasslm.cli.serve import chat_template_of
+
+    template = chat_template_of(source.checkpoint, options.chat_template)
+    if template is None:
+        raise ValueError(f"{source.checkpoint} has no chat template (chat_template.jinja or tokenizer_config.json's "
+                         "chat_template): give one with --chat-template FILE")
+    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True)
+    writer = _Writer(model, None, tokenizer, with_eos(sampling, model, tokenizer), 0)
+    Conversation(writer, template, options.system).run()
+    return 0
+
+
+class Conversation:
+    """The history of one terminal chat, and the loop that reads turns and writes answers."""
+
+    def __init__(self, writer: _Writer, template: str, system: str | None):
+        self.writer, self.template = writer, template
+        self.opening = [{"role": "system", "content": system}] if system else []
+        self.messages: list[dict[str, Any]] = list(self.opening)
+
+    def run(self) -> None:
+        tty = sys.stdin.isatty()
+        print(f"glasslm chat: one message per line; {RESET} forgets the conversation; Ctrl-C stops an answer; "
+              "Ctrl-D (or Ctrl-C here) quits", file=sys.stderr)
+        while True:
+            line = _read_line("you> " if tty else "")
+            if line is None:
+                if tty:
+                    sys.stderr.write("\n")
+                return
+            text = line.rstrip("\n")
+            if text.strip() == RESET:
+                self.messages = list(self.opening)
+                print("[conversation reset]", file=sys.stderr)
+            elif text.strip():
+                self.answer(text)
+
+    def answer(self, text: str) -> None:
+        """Render the conversation with `text` as the next user turn and stream the answer."""
+        from glasslm.tokenizers.chat import chat_prompt
+
+        self.messages.append({"role": "user", "content": text})
+        prompt = chat_prompt(self.template, self.messages, self.writer.tokenizer)
+        try:
+            answer = self.writer.respond(prompt, echo=False)
+        except Terminated:
+            raise
+        except KeyboardInterrupt:
+            answer = self.writer.streamer.text if self.writer.streamer is not None else ""
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            print("[stopped]", file=sys.stderr)
+        self.messages.append({"role": "assistant", "content": answer})
+
+
+def _read_line(marker: str) -> str | None:
+    """A line of stdin; None at EOF or Ctrl-C (at the prompt, Ctrl-C ends the session)."""
+    try:
+        if marker:
+            sys.stderr.write(marker)
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+    except KeyboardInterrupt:
+        return None
+    return line or None
+
+
+COMMAND = Command("chat", chat, "talk with a chat model in the terminal (its chat template, history kept)")
