@@ -198,9 +198,9 @@ class CausalSelfAttention(nn.Module):
             # where bf16 attention kernels are slow) sets the dtype attention is computed in.
             q = q.to(k.dtype)
         if static:
-            mask = self._static_mask(positions, k.shape[2], x.device)
+            mask = self._static_mask(positions, k.shape[2], stream.device)
         else:
-            mask = self._mask(seq, k.shape[2], kv_cache is not None, attn_mask, x.device)
+            mask = self._mask(seq, k.shape[2], kv_cache is not None, attn_mask, stream.device)
         z = self._attend(q, k, v, mask, plain_causal=mask is None and k.shape[2] == seq and seq > 1)
         z = self.hook_z(z.transpose(1, 2).to(stream.dtype))  # (batch, seq, heads, d_head)
         if self.use_attn_result:
@@ -232,7 +232,7 @@ class CausalSelfAttention(nn.Module):
             out.append(projected if bias is None else projected + bias.view(-1, self.d_head))
         return out[0], out[1], out[2]
 
-    def _heads(self, x: Float[Tensor, "batch seq d_model"], positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _heads(self, x: Tensor | tuple[Tensor, Tensor, Tensor], positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q (batch, n_heads, seq, d_head), k and v (batch, n_kv_heads, seq, d_head), rotated if rotary."""
         q, k, v = self._projections(x)  # (batch, seq, heads, d_head)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)

@@ -86,7 +86,7 @@ class Block(nn.Module):
             q_in = k_in = v_in = self.hook_attn_in(per_head.expand(-1, -1, n_heads, -1).clone())
         return self.ln1(q_in), self.ln1(k_in), self.ln1(v_in)
 
-    def _attention(self, x: Tensor, positions: Tensor, kv_cache: KVCache | None, layer: int,
+    def _attention(self, x: Tensor | tuple[Tensor, Tensor, Tensor], positions: Tensor, kv_cache: KVCache | None, layer: int,
                    attn_mask: Tensor | None) -> Tensor:
         out = self.attn(x, positions, kv_cache, layer, attn_mask)
         return self.hook_attn_out(dropout(out, self.attn_out_dropout, self.training, self.impl))
