@@ -1,6 +1,7 @@
 """The induction-head study: a 2-layer attention-only model learns to copy repeated random tokens.
 
-Each training sequence is `half` random tokens followed by the same tokens again. The first half
+Each training sequence is random tokens followed by the same tokens again (the length varies from
+step to step, so position alone cannot find the copy). The first half
 cannot be predicted (loss stays near log(vocab)); the second half can, once a layer-0
 previous-token head and a layer-1 induction head form the circuit (Olsson et al. 2022). The
 study records, every `record_every` steps, the loss on each half and every head's induction score,
@@ -64,8 +65,11 @@ def _record(model: nn.Module, step: int, probe: Tensor) -> dict:
 
 
 def run_induction_study(steps: int | None = None, record_every: int = 50, batch: int | None = None,
-                        seed: int = 0) -> dict:
-    """Train the preset's model on repeated random tokens; return the history and the final analysis."""
+                        seed: int = 0, on_record=None) -> dict:
+    """Train the preset's model on repeated random tokens; return the history and the final analysis.
+
+    `on_record(entry)` is called with each history entry as it is taken (e.g. to print progress).
+    """
     recipe = dict(lookup_preset(PRESET).recipe)
     steps = recipe["max_steps"] if steps is None else steps
     batch = recipe["batch_size"] if batch is None else batch
@@ -81,10 +85,15 @@ def run_induction_study(steps: int | None = None, record_every: int = 50, batch:
         if step % record_every == 0 or step == steps:
             model.eval()
             history.append(_record(model, step, probe))
+            if on_record is not None:
+                on_record(history[-1])
             model.train()
         if step == steps:
             break
-        tokens = repeated_random_tokens(config.vocab_size, half, batch, generator=generator)
+        # The repeat length varies per step: with a fixed one, a layer-0 head can attend a fixed offset back
+        # through the position embeddings and copy, with no induction circuit at all.
+        length = int(torch.randint(half // 4, half + 1, (), generator=generator))
+        tokens = repeated_random_tokens(config.vocab_size, length, batch, generator=generator)
         loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
