@@ -91,7 +91,9 @@ def expected_parameters(c: ModelConfig) -> int:
 
     norm = d * (2 if c.norm == "layernorm" and has_bias(c.norm_bias) else 1)
     attn = d * (d + 2 * d_kv) + d * d + has_bias(c.attn_qkv_bias) * (d + 2 * d_kv) + has_bias(c.attn_out_bias) * d
-    if c.mlp == "swiglu":
+    if c.mlp == "none":  # attention-only: no MLP and no norm before it
+        mlp = -norm
+    elif c.mlp == "swiglu":
         mlp = 3 * d * c.d_mlp + has_bias(c.mlp_bias) * (2 * c.d_mlp + d)
     else:
         mlp = 2 * d * c.d_mlp + has_bias(c.mlp_bias) * (c.d_mlp + d)
