@@ -92,7 +92,9 @@ def expected_parameters(c: ModelConfig) -> int:
     norm = d * (2 if c.norm == "layernorm" and has_bias(c.norm_bias) else 1)
     attn = d * (d_q + 2 * d_kv) + d_q * d + has_bias(c.attn_qkv_bias) * (d_q + 2 * d_kv) + has_bias(c.attn_out_bias) * d
     attn += 2 * c.d_head if c.qk_norm else 0  # one RMSNorm gain over d_head for queries, one for keys
-    if c.mlp == "swiglu":
+    if c.mlp == "none":  # attention-only: no MLP and no norm before (or after) it
+        mlp = -norm * (2 if c.post_norms else 1)
+    elif c.mlp == "swiglu":
         mlp = 3 * d * c.d_mlp + has_bias(c.mlp_bias) * (2 * c.d_mlp + d)
     else:
         mlp = 2 * d * c.d_mlp + has_bias(c.mlp_bias) * (c.d_mlp + d)

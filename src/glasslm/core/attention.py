@@ -170,16 +170,24 @@ class CausalSelfAttention(nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
         self.hook_attn_scores, self.hook_pattern, self.hook_z = HookPoint(), HookPoint(), HookPoint()
+        # Queries and keys after rotary (fired only when hooked: the rotation itself is unchanged).
+        self.hook_rot_q, self.hook_rot_k = HookPoint(), HookPoint()
+        # Opt-in like TransformerLens's use_attn_result: each head's own d_model output passes through
+        # hook_result (batch, seq, heads, d_model), at the cost of a (heads x d_model) wider product.
+        self.use_attn_result = False
+        self.hook_result = HookPoint()
 
     def forward(
         self,
-        x: Float[Tensor, "batch seq d_model"],
+        x: Float[Tensor, "batch seq d_model"] | tuple[Tensor, Tensor, Tensor],
         positions: Int[Tensor, "seq"] | Int[Tensor, "batch seq"],
         kv_cache: KVCache | None = None,
         layer: int = 0,
         attn_mask: Bool[Tensor, "batch q_seq k_seq"] | None = None,
     ) -> Float[Tensor, "batch seq d_model"]:
-        batch, seq, _ = x.shape
+        """`x` is the normalised stream, or (q_in, k_in, v_in) per-head inputs (batch, seq, heads, d_model)."""
+        stream = x[0] if isinstance(x, tuple) else x
+        batch, seq = stream.shape[:2]
         q, k, v = self._heads(x, positions)  # (batch, heads or kv_heads, seq, d_head)
         static = isinstance(kv_cache, StaticKVCache)
         if static:
@@ -193,30 +201,53 @@ class CausalSelfAttention(nn.Module):
             # where bf16 attention kernels are slow) sets the dtype attention is computed in.
             q = q.to(k.dtype)
         if static:
-            mask = self._static_mask(positions, k.shape[2], x.device)
+            mask = self._static_mask(positions, k.shape[2], stream.device)
         else:
-            mask = self._mask(seq, k.shape[2], kv_cache is not None, attn_mask, x.device)
+            mask = self._mask(seq, k.shape[2], kv_cache is not None, attn_mask, stream.device)
         z = self._attend(q, k, v, mask, plain_causal=mask is None and k.shape[2] == seq and seq > 1)
-        z = self.hook_z(z.transpose(1, 2).to(x.dtype))  # (batch, seq, heads, d_head)
+        z = self.hook_z(z.transpose(1, 2).to(stream.dtype))  # (batch, seq, heads, d_head)
+        if self.use_attn_result:
+            return self._per_head_result(z)
         return self.out(z.reshape(batch, seq, self.n_heads * self.d_head))
 
-    def _heads(self, x: Float[Tensor, "batch seq d_model"], positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _per_head_result(self, z: Float[Tensor, "batch seq heads d_head"]) -> Float[Tensor, "batch seq d_model"]:
+        """The out projection split by head: hook_result (batch, seq, heads, d_model), summed, plus the bias."""
+        w_o = self.out.weight.view(-1, self.n_heads, self.d_head)  # (d_model, heads, d_head)
+        result = self.hook_result(torch.einsum("bshe,dhe->bshd", z, w_o))
+        out = result.sum(dim=2)
+        return out if self.out.bias is None else out + self.out.bias
+
+    def _projections(self, x: Tensor | tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """q (batch, seq, n_heads, d_head), k and v (batch, seq, n_kv_heads, d_head), before rotary."""
+        d_q, d_kv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+        if not isinstance(x, tuple):
+            batch, seq, _ = x.shape
+            q, k, v = self.qkv(x).split([d_q, d_kv, d_kv], dim=-1)  # (batch, seq, features) each
+            return (q.view(batch, seq, self.n_heads, self.d_head), k.view(batch, seq, self.n_kv_heads, self.d_head),
+                    v.view(batch, seq, self.n_kv_heads, self.d_head))
+        # Split inputs: each head projects its own copy of the stream, (batch, seq, heads, d_model).
+        weights = self.qkv.weight.split([d_q, d_kv, d_kv], dim=0)
+        biases = self.qkv.bias.split([d_q, d_kv, d_kv]) if self.qkv.bias is not None else (None,) * 3
+        out = []
+        for inputs, weight, bias in zip(x, weights, biases):
+            heads = weight.view(-1, self.d_head, weight.shape[-1])  # (heads, d_head, d_model)
+            projected = torch.einsum("bshd,hed->bshe", inputs, heads)
+            out.append(projected if bias is None else projected + bias.view(-1, self.d_head))
+        return out[0], out[1], out[2]
+
+    def _heads(self, x: Tensor | tuple[Tensor, Tensor, Tensor], positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q (batch, n_heads, seq, d_head), k and v (batch, n_kv_heads, seq, d_head), rotated if rotary."""
-        batch, seq, _ = x.shape
-        qkv = self.qkv(x)  # (batch, seq, (n_heads + 2 n_kv_heads) d_head)
-        q, k, v = qkv.split(
-            [self.n_heads * self.d_head, self.n_kv_heads * self.d_head, self.n_kv_heads * self.d_head], dim=-1
-        )
-        # Split the feature axis into heads: (batch, seq, heads, d_head).
-        q = self.hook_q(q.view(batch, seq, self.n_heads, self.d_head))
-        k = self.hook_k(k.view(batch, seq, self.n_kv_heads, self.d_head))
-        v = self.hook_v(v.view(batch, seq, self.n_kv_heads, self.d_head))
+        q, k, v = self._projections(x)  # (batch, seq, heads, d_head)
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if self.q_norm is not None:  # per head, over d_head (their hook_normalized sees the result)
             q, k = self.q_norm(q), self.k_norm(k)
         # Heads become a batch axis: (batch, heads, seq, d_head).
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
+            if self.hook_rot_q.active or self.hook_rot_k.active:  # shown as (batch, seq, heads, d_head)
+                q = self.hook_rot_q(q.transpose(1, 2)).transpose(1, 2)
+                k = self.hook_rot_k(k.transpose(1, 2)).transpose(1, 2)
         return q, k, v
 
     def _static_mask(self, positions: Int[Tensor, "seq"], n_slots: int,

@@ -29,7 +29,7 @@ from glasslm.core.fields import checked
 Positional = Literal["learned", "sinusoidal", "rope", "none"]
 Norm = Literal["layernorm", "rmsnorm"]
 Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
-MLPKind = Literal["mlp", "swiglu"]
+MLPKind = Literal["mlp", "swiglu", "none"]
 NormPlacement = Literal["pre", "post"]
 Init = Literal["gpt2", "truncated_normal", "xavier", "torch"]
 AttnScaleBy = Literal["d_head", "d_model"]
@@ -62,7 +62,7 @@ class ModelConfig:
     norm_eps: float = 1e-5  # added to the variance inside the norm (to the std with norm_unbiased_std)
     norm_unbiased_std: bool = False  # LayerNorm as g*(x-mean)/(unbiased std + eps)+b (seed 002's hand-written norm)
     activation: Activation = "gelu_tanh"  # MLP nonlinearity (gelu_tanh: GPT-2's approximation)
-    mlp: MLPKind = "mlp"  # plain two-layer MLP, or gated SwiGLU (Llama)
+    mlp: MLPKind = "mlp"  # plain two-layer MLP, gated SwiGLU (Llama), or none (attention-only)
     norm_placement: NormPlacement = "pre"  # norm before each sublayer (GPT-2, Llama) or after the residual (Vaswani)
     final_norm: bool = True  # a norm before the unembedding
     bias: bool = True  # biases in the linear layers and norms (shorthand for every *_bias site left at None)

@@ -78,10 +78,12 @@ class LayerNorm(nn.Module):
         self.eps, self.impl, self.unbiased_std = eps, impl, unbiased_std
         self.weight = nn.Parameter(torch.ones(d_model))
         self.bias = nn.Parameter(torch.zeros(d_model)) if bias else None
-        self.hook_normalized = HookPoint()
+        self.hook_scale, self.hook_normalized = HookPoint(), HookPoint()
 
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
-        if self.unbiased_std:  # no fused kernel computes this variant
+        if self.hook_scale.active:  # the divisor is wanted (or replaced): compute it as its own step
+            out = self._with_scale_hook(x)
+        elif self.unbiased_std:  # no fused kernel computes this variant
             mean = x.mean(dim=-1, keepdim=True)
             out = self.weight * (x - mean) / (x.std(dim=-1, keepdim=True) + self.eps)
             if self.bias is not None:
@@ -96,6 +98,16 @@ class LayerNorm(nn.Module):
                 out = out + self.bias
         return self.hook_normalized(out)
 
+    def _with_scale_hook(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
+        """The same maths with the divisor passed through `hook_scale` ((..., 1), TransformerLens's hook_scale)."""
+        centred = x - x.mean(dim=-1, keepdim=True)
+        if self.unbiased_std:
+            scale = x.std(dim=-1, keepdim=True) + self.eps
+        else:
+            scale = (centred.pow(2).mean(dim=-1, keepdim=True) + self.eps).sqrt()
+        out = centred / self.hook_scale(scale) * self.weight
+        return out if self.bias is None else out + self.bias
+
 
 class RMSNorm(nn.Module):
     """Scale each vector by the inverse of its root-mean-square (no centring, no bias).
@@ -109,11 +121,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.impl, self.unit_offset = eps, impl, unit_offset
         self.weight = nn.Parameter(torch.zeros(d_model) if unit_offset else torch.ones(d_model))
-        self.hook_normalized = HookPoint()
+        self.hook_scale, self.hook_normalized = HookPoint(), HookPoint()
 
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
         x32 = upcast(x)
-        if self.impl == "fast":
+        if self.hook_scale.active:  # the divisor as its own step, (..., 1) like TransformerLens's hook_scale
+            normed = x32 / self.hook_scale((x32.pow(2).mean(dim=-1, keepdim=True) + self.eps).sqrt())
+        elif self.impl == "fast":
             normed = F.rms_norm(x32, x.shape[-1:], eps=self.eps)
         else:
             normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
@@ -209,11 +223,12 @@ class SwiGLU(nn.Module):
         self.up = Linear(d_model, d_mlp, bias=bias)
         self.down = Linear(d_mlp, d_model, bias=bias)
         self.act = activation(act, impl)
-        self.hook_pre, self.hook_post = HookPoint(), HookPoint()
+        self.hook_pre, self.hook_pre_linear, self.hook_post = HookPoint(), HookPoint(), HookPoint()
 
     def forward(self, x: Float[Tensor, "batch seq d_model"]) -> Float[Tensor, "batch seq d_model"]:
         gate = self.hook_pre(self.gate(x))  # (batch, seq, d_mlp)
-        hidden = self.hook_post(self.act(gate) * self.up(x))
+        linear = self.hook_pre_linear(self.up(x))  # (batch, seq, d_mlp): the ungated branch
+        hidden = self.hook_post(self.act(gate) * linear)
         return self.down(dropout(hidden, self.hidden_dropout, self.training, self.impl))
 
 

@@ -47,13 +47,22 @@ class Block(nn.Module):
             d_head=c.d_head, qkv_bias=c.site_bias("qkv"), sliding_window=c.layer_window(layer),
             scale=c.attn_score_scale, **qk_norms)
         self.ln1_post = norm_for(c) if c.post_norms else None
-        self.ln2 = norm_for(c)
-        self.ln2_post = norm_for(c) if c.post_norms else None
-        mlp_class = SwiGLU if c.mlp == "swiglu" else MLP
-        self.mlp = mlp_class(c.d_model, c.d_mlp, c.activation, c.site_bias("mlp"), impl,
-                             hidden_dropout=c.mlp_hidden_dropout)
+        self.ln2: nn.Module | None = None
+        self.ln2_post: nn.Module | None = None
+        self.mlp: nn.Module | None = None  # None: an attention-only block (mlp="none")
+        if c.mlp != "none":
+            self.ln2 = norm_for(c)
+            self.ln2_post = norm_for(c) if c.post_norms else None
+            mlp_class = SwiGLU if c.mlp == "swiglu" else MLP
+            self.mlp = mlp_class(c.d_model, c.d_mlp, c.activation, c.site_bias("mlp"), impl,
+                                 hidden_dropout=c.mlp_hidden_dropout)
         self.hook_resid_pre, self.hook_attn_out, self.hook_resid_mid = HookPoint(), HookPoint(), HookPoint()
         self.hook_mlp_out, self.hook_resid_post = HookPoint(), HookPoint()
+        # Opt-in hook points (TransformerLens's use_attn_in, use_split_qkv_input, use_hook_mlp_in): off,
+        # the block runs exactly as above; on, attention gets one copy of the stream per head.
+        self.use_attn_in = self.use_split_qkv_input = self.use_hook_mlp_in = False
+        self.hook_attn_in, self.hook_q_input = HookPoint(), HookPoint()
+        self.hook_k_input, self.hook_v_input, self.hook_mlp_in = HookPoint(), HookPoint(), HookPoint()
 
     def forward(
         self, x: Float[Tensor, "batch seq d_model"], positions: Tensor, kv_cache: KVCache | None = None,
@@ -66,15 +75,34 @@ class Block(nn.Module):
             x = mid + self._mlp(self.ln2(x))
         elif self.pre_norm:
             # GPT-2, Llama: each sublayer reads a normalised copy; the residual stream itself is never normalised.
-            x = self.hook_resid_mid(x + self._attention(self.ln1(x), positions, kv_cache, layer, attn_mask))
-            x = x + self._mlp(self.ln2(x))
+            attended = self._attention(self._attention_input(x), positions, kv_cache, layer, attn_mask)
+            x = self.hook_resid_mid(x + attended)
+            if self.mlp is not None:
+                x = x + self._mlp(self.ln2(self.hook_mlp_in(x) if self.use_hook_mlp_in else x))
         else:
             # The original Transformer: add the sublayer's output, then normalise the sum.
             x = self.ln1(self.hook_resid_mid(x + self._attention(x, positions, kv_cache, layer, attn_mask)))
-            x = self.ln2(x + self._mlp(x))
+            if self.mlp is not None:
+                x = self.ln2(x + self._mlp(x))
         return self.hook_resid_post(x)
 
-    def _attention(self, x: Tensor, positions: Tensor, kv_cache: KVCache | None, layer: int,
+    def _attention_input(self, x: Float[Tensor, "batch seq d_model"]) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+        """ln1(x), or with split inputs (q_in, k_in, v_in): per-head copies (batch, seq, heads, d_model), normalised."""
+        if not (self.use_attn_in or self.use_split_qkv_input):
+            return self.ln1(x)
+        n_heads, n_kv_heads = self.attn.n_heads, self.attn.n_kv_heads
+        per_head = x.unsqueeze(2)  # (batch, seq, 1, d_model)
+        if self.use_split_qkv_input:
+            q_in = self.hook_q_input(per_head.expand(-1, -1, n_heads, -1).clone())
+            k_in = self.hook_k_input(per_head.expand(-1, -1, n_kv_heads, -1).clone())
+            v_in = self.hook_v_input(per_head.expand(-1, -1, n_kv_heads, -1).clone())
+        else:
+            if n_kv_heads != n_heads:
+                raise ValueError("use_attn_in needs n_kv_heads == n_heads; use use_split_qkv_input with grouped heads")
+            q_in = k_in = v_in = self.hook_attn_in(per_head.expand(-1, -1, n_heads, -1).clone())
+        return self.ln1(q_in), self.ln1(k_in), self.ln1(v_in)
+
+    def _attention(self, x: Tensor | tuple[Tensor, Tensor, Tensor], positions: Tensor, kv_cache: KVCache | None, layer: int,
                    attn_mask: Tensor | None) -> Tensor:
         out = self.attn(x, positions, kv_cache, layer, attn_mask)
         if self.ln1_post is not None:

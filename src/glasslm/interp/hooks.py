@@ -37,6 +37,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from glasslm.core.layers import HookPoint
+from glasslm.interp.cache import ActivationCache
 
 HookFn = Callable[[Tensor, str], Tensor | None]
 NamesFilter = None | str | Sequence[str] | Callable[[str], bool]
@@ -98,8 +99,10 @@ def run_with_hooks(
 def run_with_cache(
     model: nn.Module, tokens: Int[Tensor, "batch seq"], names_filter: NamesFilter = None,
     fwd_hooks: Sequence[tuple[str | Callable[[str], bool], HookFn]] = (), **forward_kwargs,
-) -> tuple[Float[Tensor, "batch seq vocab"], dict[str, Tensor]]:
+) -> tuple[Float[Tensor, "batch seq vocab"], ActivationCache]:
     """(logits, {hook name: activation}) for the activations chosen by `names_filter`.
+
+    The cache is an `ActivationCache`: a dict with TransformerLens's analysis methods.
 
     `names_filter` is None (every hook point — note this includes the attention pattern, so the
     readable attention path runs), a name, a list of names, or a predicate on names. Cached
@@ -116,7 +119,44 @@ def run_with_cache(
     names = _select(hook_points(model), names_filter)
     with hooks(model, [*fwd_hooks, *((name, store) for name in names)]):
         logits = model(tokens, **forward_kwargs)
-    return logits, cache
+    return logits, ActivationCache(cache, model)
+
+
+def set_use_attn_result(model: nn.Module, on: bool) -> None:
+    """Make each attention layer's per-head output pass through `attn.hook_result` (batch, seq, heads, d_model).
+
+    Off by default (TransformerLens's `use_attn_result`): the per-head product is heads times wider.
+
+    Example:
+        >>> from glasslm.presets import get_preset
+        >>> from glasslm.core.model import TransformerLM
+        >>> model = TransformerLM(get_preset("llama-tiny", n_layers=1)).eval()
+        >>> set_use_attn_result(model, True)
+        >>> _, cache = run_with_cache(model, torch.tensor([[1, 2, 3]]), names_filter="blocks.0.attn.hook_result")
+        >>> cache["blocks.0.attn.hook_result"].shape
+        torch.Size([1, 3, 8, 128])
+    """
+    for block in model.blocks:
+        block.attn.use_attn_result = on
+
+
+def set_use_split_qkv_input(model: nn.Module, on: bool) -> None:
+    """Give each head its own copy of the stream for q, k and v: `hook_q_input` / `hook_k_input` / `hook_v_input`
+    (batch, seq, heads, d_model), for patching one head's query or key input alone. Pre-norm models only."""
+    for block in model.blocks:
+        block.use_split_qkv_input = on
+
+
+def set_use_attn_in(model: nn.Module, on: bool) -> None:
+    """One per-head copy of the stream for q, k and v together: `hook_attn_in` (batch, seq, heads, d_model)."""
+    for block in model.blocks:
+        block.use_attn_in = on
+
+
+def set_use_hook_mlp_in(model: nn.Module, on: bool) -> None:
+    """Route each MLP's input (the stream before ln2) through `hook_mlp_in`."""
+    for block in model.blocks:
+        block.use_hook_mlp_in = on
 
 
 @torch.no_grad()

@@ -1,0 +1,195 @@
+"""The cache methods, new hook points, weight processing, patching and head scores, against closed forms."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from glasslm.core.model import TransformerLM
+from glasslm.interp import weights
+from glasslm.interp.attribution import (duplicate_token_score, head_logit_attribution, induction_score,
+                                        previous_token_score, repeated_random_tokens)
+from glasslm.interp.hooks import (run_with_cache, run_with_hooks, set_use_attn_in, set_use_attn_result,
+                                  set_use_hook_mlp_in, set_use_split_qkv_input)
+from glasslm.interp.patching import attribution_patching, patch_heads, patch_residual_stream
+from glasslm.presets import get_preset
+
+SHAPES = {"gpt2": ("gpt2-small", {}), "llama": ("llama-tiny", {"n_kv_heads": 2})}
+
+
+def random_model(shape: str) -> TransformerLM:
+    preset, extra = SHAPES[shape]
+    torch.manual_seed(0)
+    model = TransformerLM(get_preset(preset, n_layers=2, d_model=32, n_heads=4, vocab_size=50, context_length=16,
+                                     **extra)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.05))  # non-trivial gains and biases
+    return model
+
+
+TOKENS = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_opt_in_hooks_leave_logits_unchanged_and_hold_what_they_say(shape):
+    model = random_model(shape)
+    with torch.no_grad():
+        plain, cache = run_with_cache(model, TOKENS, names_filter=lambda n: n.endswith(("hook_z", "hook_attn_out")))
+        for switch in (set_use_attn_result, set_use_split_qkv_input, set_use_hook_mlp_in):
+            switch(model, True)
+        logits, opt_in = run_with_cache(model, TOKENS)
+    torch.testing.assert_close(logits, plain, atol=1e-5, rtol=1e-5)
+    attn = model.blocks[0].attn
+    result = opt_in["blocks.0.attn.hook_result"]  # (batch, seq, heads, d_model)
+    bias = attn.out.bias if attn.out.bias is not None else 0
+    torch.testing.assert_close(result.sum(2) + bias, cache["blocks.0.hook_attn_out"], atol=1e-5, rtol=1e-5)
+    assert opt_in["blocks.1.hook_q_input"].shape == (2, 9, 4, 32)
+    assert opt_in["blocks.1.hook_k_input"].shape == (2, 9, model.config.n_kv_heads, 32)
+    torch.testing.assert_close(opt_in["blocks.1.hook_q_input"][:, :, 2], opt_in["blocks.1.hook_resid_pre"])
+    torch.testing.assert_close(opt_in["blocks.0.hook_mlp_in"], opt_in["blocks.0.hook_resid_mid"])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_hook_scale_is_the_norm_divisor_and_patching_it_changes_the_output(shape):
+    model = random_model(shape)
+    with torch.no_grad():
+        _, cache = run_with_cache(model, TOKENS, names_filter=["blocks.1.hook_resid_pre", "blocks.1.ln1.hook_scale"])
+        x = cache["blocks.1.hook_resid_pre"]
+        if shape == "gpt2":
+            x = x - x.mean(-1, keepdim=True)
+        expected = (x.pow(2).mean(-1, keepdim=True) + model.blocks[1].ln1.eps).sqrt()
+        torch.testing.assert_close(cache["blocks.1.ln1.hook_scale"], expected)
+        doubled = run_with_hooks(model, TOKENS, [("blocks.1.ln1.hook_scale", lambda s, name: s * 2)])
+        assert not torch.allclose(doubled, model(TOKENS))
+
+
+def test_attn_in_refuses_grouped_heads():
+    model = random_model("llama")
+    set_use_attn_in(model, True)
+    with pytest.raises(ValueError, match="use_attn_in"):
+        model(TOKENS)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_full_decomposition_adds_up_to_the_stream(shape):
+    model = random_model(shape)
+    with torch.no_grad():
+        _, cache = run_with_cache(model, TOKENS)
+    stack = cache.get_full_resid_decomposition()
+    torch.testing.assert_close(stack.sum(0), cache["blocks.1.hook_resid_post"], atol=1e-5, rtol=1e-5)
+    normed = cache.apply_ln_to_stack(stack, layer=-1).sum(0)  # no gain and bias: ln_final's output before them
+    norm = model.ln_final
+    shift = norm.bias if getattr(norm, "bias", None) is not None else 0
+    torch.testing.assert_close(normed * norm.weight + shift, norm(cache["blocks.1.hook_resid_post"]),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("step", ["fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases"])
+def test_each_weight_processing_step_keeps_log_probs(shape, step):
+    model = random_model(shape)
+    if step == "center_writing_weights" and shape == "llama":
+        with pytest.raises(ValueError, match="LayerNorm"):
+            weights.center_writing_weights(model)
+        return
+    processed = copy.deepcopy(model)
+    getattr(weights, step)(processed)
+    with torch.no_grad():
+        torch.testing.assert_close(processed(TOKENS).log_softmax(-1), model(TOKENS).log_softmax(-1),
+                                   atol=1e-5, rtol=1e-5)
+        changed = [n for n, p in processed.named_parameters()
+                   if n not in dict(model.named_parameters()) or not torch.equal(p, dict(model.named_parameters())[n])]
+    if step == "fold_value_biases" and shape == "llama":
+        assert not changed  # no value biases to fold
+    else:
+        assert changed, f"{step} changed no weight"
+
+
+def test_patching_grid_entries_are_the_patched_runs():
+    model = random_model("gpt2")
+    clean, corrupted = TOKENS[:1], TOKENS[:1].clone()
+    corrupted[0, 2] = (corrupted[0, 2] + 5) % 50
+
+    def metric(logits):
+        return logits[0, -1, 7]
+
+    grid = patch_residual_stream(model, clean, corrupted, metric)
+    with torch.no_grad():
+        assert float(grid[0, 2]) == pytest.approx(float(metric(model(clean))), abs=1e-5)  # the only changed token
+        assert float(grid[0, 4]) == pytest.approx(float(metric(model(corrupted))), abs=1e-5)  # nothing differs there
+        _, clean_cache = run_with_cache(model, clean, names_filter="blocks.1.attn.hook_z")
+
+        def head_2(z, name):
+            z = z.clone()
+            z[:, :, 2] = clean_cache["blocks.1.attn.hook_z"][:, :, 2]
+            return z
+        by_hand = metric(run_with_hooks(model, corrupted, [("blocks.1.attn.hook_z", head_2)]))
+    assert float(patch_heads(model, clean, corrupted, metric)[1, 2]) == pytest.approx(float(by_hand), abs=1e-6)
+
+
+def test_attribution_patching_is_the_directional_derivative():
+    model = random_model("llama").double()  # float64: the finite difference below is then exact to ~1e-9
+    clean, corrupted = TOKENS[:1], TOKENS[:1].clone()
+    corrupted[0, 3] = (corrupted[0, 3] + 5) % 50
+
+    def metric(logits):
+        return logits[0, -1].log_softmax(-1)[7]
+
+    estimate = attribution_patching(model, clean, corrupted, metric)  # (layers, seq)
+    with torch.no_grad():
+        _, clean_cache = run_with_cache(model, clean, names_filter="blocks.1.hook_resid_pre")
+        _, corrupt_cache = run_with_cache(model, corrupted, names_filter="blocks.1.hook_resid_pre")
+    delta = clean_cache["blocks.1.hook_resid_pre"][:, 5] - corrupt_cache["blocks.1.hook_resid_pre"][:, 5]
+
+    def nudged(h):
+        def hook(x, name):
+            x = x.clone()
+            x[:, 5] += h * delta
+            return x
+        with torch.no_grad():
+            return float(metric(run_with_hooks(model, corrupted, [("blocks.1.hook_resid_pre", hook)])))
+    h = 1e-4  # central difference of metric along delta: the first-order term attribution patching computes
+    assert float(estimate[1, 5]) == pytest.approx((nudged(h) - nudged(-h)) / (2 * h), rel=1e-5, abs=1e-9)
+
+
+def test_head_scores_on_hand_made_patterns():
+    model = random_model("gpt2")
+    tokens = repeated_random_tokens(50, half=4, batch=1, generator=torch.Generator().manual_seed(0))
+    target = {}
+
+    def set_pattern(kind):
+        def hook(pattern, name):
+            seq = pattern.shape[-1]
+            new = torch.zeros_like(pattern)
+            for q in range(seq):
+                k = {"prev": q - 1, "dup": q - 4, "ind": q - 3}[kind]
+                new[..., q, k if 0 <= k <= q else q] = 1.0  # otherwise attend to self
+            return new
+        return hook
+
+    for kind in ("prev", "dup", "ind"):
+        fwd = [(f"blocks.{i}.attn.hook_pattern", set_pattern(kind)) for i in range(2)]
+        from glasslm.interp import hooks as hook_module
+        with hook_module.hooks(model, fwd):
+            target[kind] = (previous_token_score(model, tokens), duplicate_token_score(model, tokens),
+                            induction_score(model, tokens))
+    assert torch.allclose(target["prev"][0], torch.ones(2, 4))
+    assert torch.allclose(target["dup"][1], torch.ones(2, 4))
+    assert torch.allclose(target["ind"][2], torch.ones(2, 4))
+    assert float(target["prev"][2].max()) < 0.5 and float(target["ind"][0].max()) < 0.5
+
+
+def test_head_logit_attribution_adds_up_with_the_rest():
+    model = random_model("gpt2")
+    weights.process_weights(model)  # folded norms: DLA with the cached scale is then exact
+    tokens = TOKENS[:1]
+    with torch.no_grad():
+        logits, cache = run_with_cache(model, tokens)
+    stack = cache.get_full_resid_decomposition(expand_neurons=False)
+    total = cache.logit_attrs(stack, 7).sum(0)[0]  # (seq,)
+    torch.testing.assert_close(total + model.unembed_bias[7], logits[0, :, 7], atol=1e-4, rtol=1e-4)
+    heads = head_logit_attribution(model, tokens, 7)
+    torch.testing.assert_close(heads, cache.logit_attrs(cache.stack_head_results(), 7)[:, 0])
