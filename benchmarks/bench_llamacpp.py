@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -134,7 +135,7 @@ def write_gguf(kind: str, hf: dict, state: dict[str, torch.Tensor], path: Path) 
         writer.add_head_count(hf["num_attention_heads"])
         writer.add_head_count_kv(hf["num_key_value_heads"])
         writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
-        writer.add_rope_freq_base(hf["rope_theta"])
+        writer.add_rope_freq_base(hf.get("rope_theta") or hf["rope_parameters"]["rope_theta"])
         writer.add_rope_dimension_count(hf["hidden_size"] // hf["num_attention_heads"])
         writer.add_vocab_size(hf["vocab_size"])
         vocab_size = hf["vocab_size"]
@@ -319,7 +320,7 @@ def check_same_weights(ours, theirs: LlamaCpp, vocab: int, steps: int = 8) -> No
         raise SystemExit("glasslm and llama.cpp disagree from the first tokens: the GGUF weights are not the same")
 
 
-def time_rows(kind: str, ours: dict, theirs: dict, args, vocab: int) -> dict:
+def time_rows(kind: str, ours: dict, theirs: dict, args, vocab: int, report) -> dict:
     """{(batch, threads, pair, side): [tokens/s per repeat]}, every pair timed in turns."""
     generator = torch.Generator().manual_seed(1)
     times: dict = {}
@@ -347,12 +348,15 @@ def time_rows(kind: str, ours: dict, theirs: dict, args, vocab: int) -> dict:
                                           ("llama.cpp prefill", lambda: llama.prefill(prompt))):
                             times.setdefault((batch, threads, ours_name, side), []).append(512 / seconds(run))
         print(f"  {kind}: repeat {repeat + 1}/{args.repeats} done", flush=True)
+        if repeat + 1 < args.repeats:
+            report(times, repeat + 1)  # the medians so far, in case a slow machine's run is cut short
     return times
 
 
-def print_table(kind: str, times: dict, bytes_ours: dict, bytes_theirs: dict, bandwidth: dict, args) -> None:
+def print_table(kind: str, times: dict, bytes_ours: dict, bytes_theirs: dict, bandwidth: dict, args,
+                repeats: int) -> None:
     print(f"\n{kind}: decode tokens/s (batch x {args.new_tokens} new tokens after a 2-token prompt), "
-          f"median of {args.repeats}; bound = bandwidth / bytes per token (batch 1)")
+          f"median of {repeats}; bound = bandwidth / bytes per token (batch 1)")
     print("| batch | threads | glasslm | llama.cpp | llama.cpp tok/s | glasslm tok/s | glasslm / llama.cpp "
           "| MB/token (llama.cpp, glasslm) | share of bound (llama.cpp, glasslm) |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -399,8 +403,11 @@ def run_model(kind: str, folder: Path, args, bandwidth: dict) -> None:
     torch.set_num_threads(args.threads[0])
     theirs["f32", args.batches[0]].set_threads(args.threads[0])
     check_same_weights(ours["fp32"], theirs["f32", args.batches[0]], vocab)
-    times = time_rows(kind, ours, theirs, args, vocab)
-    print_table(kind, times, bytes_ours, bytes_theirs, bandwidth, args)
+    def report(times: dict, repeats: int) -> None:
+        print_table(kind, times, bytes_ours, bytes_theirs, bandwidth, args, repeats)
+        print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+
+    report(time_rows(kind, ours, theirs, args, vocab, report), args.repeats)
 
 
 def main() -> None:
