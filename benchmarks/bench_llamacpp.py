@@ -59,8 +59,9 @@ def random_hf_model(kind: str, directory: Path) -> dict:
 
 
 def gpt2_vocab(n_tokens: int) -> tuple[list[str], list[str]]:
-    """GPT-2's own byte-level tokens and merges (llama.cpp's loader wants a real BPE vocabulary),
-    cut to `n_tokens` for a smaller model; merges whose result is cut go too."""
+    """GPT-2's own byte-level tokens and merges, from the data directory's gpt2/ folder (llama.cpp's
+    loader wants a real BPE vocabulary), cut to `n_tokens` for a smaller model; merges whose result
+    is cut go too."""
     from glasslm.locations import data_dir
 
     folder = data_dir() / "gpt2"
