@@ -13,11 +13,14 @@ Example:
     True
     >>> decode_threads(n_parameters=1_000_000, cores=8)
     1
+    >>> decode_threads(n_parameters=124_000_000, cores=2, load=0.2), decode_threads(124_000_000, cores=2, load=1.9)
+    (2, 1)
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import random
 import sys
@@ -64,11 +67,24 @@ def warn_if_slow_dtype(dtype: str, device: str) -> None:
               "times slower than float32 here; use --dtype float32", file=sys.stderr)
 
 
-def decode_threads(n_parameters: int, cores: int | None = None) -> int:
-    """Threads for one-token decoding: 1 for small models, else one per core."""
+def decode_threads(n_parameters: int, cores: int | None = None, load: float | None = None) -> int:
+    """Threads for one-token decoding: 1 for small models; else one per core that is free.
+
+    `load` is the number of runnable tasks already on the machine (default: the 1-minute load
+    average). A decoding step is a chain of short parallel regions that end in a barrier: if one
+    thread's core is taken by another process, every region waits for it, so on a loaded machine
+    extra threads make each token slower than one thread does (benchmarks/bench_llamacpp.py
+    --busy, docs/generation.md). So the cores counted are those the load leaves free, at least one.
+    """
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return 1 if n_parameters < ONE_THREAD_BELOW_PARAMETERS else max(1, cores)
+    if n_parameters < ONE_THREAD_BELOW_PARAMETERS:
+        return 1
+    if load is None:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    # A core counts as free unless more than half of it is in use, so an idle machine's background
+    # noise (a load of 0.1-0.4) keeps every core.
+    return max(1, min(cores, math.floor(cores - load + 0.5)))
 
 
 def keeps_global_rng(fn: Callable[..., Any]) -> Callable[..., Any]:

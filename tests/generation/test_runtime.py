@@ -26,8 +26,12 @@ def test_bf16_units_and_the_default_dtype_follow_the_cpu_flags(monkeypatch, caps
 
 def test_small_models_decode_on_one_thread_large_ones_on_every_core():
     below = runtime.ONE_THREAD_BELOW_PARAMETERS
-    assert runtime.decode_threads(below - 1, cores=16) == 1
-    assert runtime.decode_threads(below, cores=16) == 16
+    assert runtime.decode_threads(below - 1, cores=16, load=0.0) == 1
+    assert runtime.decode_threads(below, cores=16, load=0.0) == 16
+    assert runtime.decode_threads(below, cores=16, load=0.4) == 16  # background noise keeps every core
+    assert runtime.decode_threads(below, cores=16, load=4.0) == 12  # four cores taken by other processes
+    assert runtime.decode_threads(below, cores=2, load=1.0) == 1  # one core busy: the step's barriers would wait
+    assert runtime.decode_threads(below, cores=2, load=12.0) == 1  # never fewer than one
     assert runtime.decode_threads(124_439_808) >= 1
 
 

@@ -17,7 +17,9 @@ from glasslm.data import get_batch
 from glasslm.evaluation.perplexity import evaluate_tokens
 from glasslm.core.model import TransformerLM
 from glasslm.transforms import apply_transform
-from glasslm.transforms.quantize import Int4Linear, Int8Linear, int4_groupwise, int8_per_channel, pack_nibbles, unpack_nibbles
+from glasslm.transforms.quantize import (Int4Linear, Int8Linear, dynamic_int8_available, dynamic_int8_error_bound,
+                                        dynamic_int8_reduce_range, int4_groupwise, int8_per_channel, pack_nibbles,
+                                        unpack_nibbles)
 from glasslm.tokenizers import CharTokenizer
 
 
@@ -43,6 +45,38 @@ def test_fast_kernel_matches_the_readable_path_and_the_dequantized_matmul(d_in):
     # The kernel rounds activations to bfloat16 (8 bits of mantissa): relative error ~2^-8 per product.
     assert torch.allclose(fast(x), reference, atol=3e-2 * reference.abs().max().item())
     assert fast(x).shape == (3, 5, 96)
+
+
+needs_dynamic_int8 = pytest.mark.skipif(not dynamic_int8_available(), reason="no fbgemm (not an x86 CPU)")
+
+
+@needs_dynamic_int8
+@pytest.mark.parametrize("d_in, dtype", [(128, torch.float32), (768, torch.float32), (256, torch.bfloat16)])
+def test_one_row_int8_activation_path_stays_within_its_rounding_bound(d_in, dtype):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(200, d_in) * 0.05, torch.randn(200)
+    fast = Int8Linear.from_weight(weight, bias, impl="fast").to(dtype)
+    readable = Int8Linear.from_weight(weight, bias, impl="readable")
+    x = torch.randn(1, 1, d_in) * 3
+    x[0, 0, 7] = 40.0  # an outlier widens the row's step: the bound must widen with it
+    x = x.to(dtype)
+    reference = readable(x.float())  # the dequantized weight times the unrounded row
+    got = fast(x)
+    assert got.shape == (1, 1, 200) and got.dtype == dtype
+    bound = dynamic_int8_error_bound(x.float().reshape(1, d_in), fast.dequantized_weight(), dynamic_int8_reduce_range())
+    # Float sums in another order, and for bf16 the output's own rounding (8 bits of mantissa).
+    output_rounding = 2**-8 if dtype == torch.bfloat16 else 0.0
+    slack = 1e-5 * reference.abs().max() + output_rounding * reference.abs()[0, 0]
+    error = (got.float() - reference).abs()[0, 0]
+    assert torch.all(error <= bound + slack)
+    assert error.max() > 0  # the row really was rounded (this is not the weight-only kernel)
+    # Rows of a batch keep the weight-only kernel: each row equals that row alone through it.
+    batch = torch.randn(4, d_in, dtype=dtype)
+    rows = torch.cat([fast(row[None]) for row in batch])
+    batched = fast(batch)
+    assert not torch.allclose(rows, batched)  # different kernels ...
+    reference = F.linear(batch.float(), fast.dequantized_weight(), bias)
+    assert torch.allclose(batched.float(), reference, atol=3e-2 * reference.abs().max().item())  # ... bf16 rows
 
 
 def test_int4_rounding_error_is_at_most_half_a_step_per_group():
@@ -128,6 +162,29 @@ def test_quantized_model_keeps_perplexity_and_greedy_tokens(trained, method, max
     print(f"{method}: perplexity ratio {perplexity_ratio:.5f}, same greedy choice at {same:.3f} of 256 steps")
     assert abs(perplexity_ratio - 1) < max_perplexity_change, perplexity_ratio
     assert same >= min_same_choice, same
+
+
+@pytest.mark.slow
+@needs_dynamic_int8
+def test_int8_decoding_steps_keep_perplexity_and_greedy_tokens(trained):
+    """Teacher-forced one token at a time through the KV cache: every Linear sees one row, so
+    this is the int8-activation path that batch-1 decoding takes, held to int8's bounds."""
+    model, _, val = trained
+    quantized = copy.deepcopy(model)
+    apply_transform(quantized, "int8")
+    text = torch.tensor([val[:257].tolist()])
+    results = {}
+    with torch.no_grad():
+        for name, lm in (("fp32", model), ("int8", quantized)):
+            cache = lm.new_kv_cache(1, 257)
+            logits = torch.cat([lm(text[:, i:i + 1], kv_cache=cache)[:, -1] for i in range(256)])  # (256, vocab)
+            loss = F.cross_entropy(logits.float(), text[0, 1:])
+            results[name] = (loss.item(), logits.argmax(-1))
+    perplexity_ratio = math.exp(results["int8"][0] - results["fp32"][0])
+    same = (results["int8"][1] == results["fp32"][1]).float().mean().item()
+    print(f"int8 one-row steps: perplexity ratio {perplexity_ratio:.5f}, same greedy choice at {same:.3f}")
+    assert abs(perplexity_ratio - 1) < 0.01, perplexity_ratio
+    assert same >= 0.95, same
 
 
 def test_quantized_checkpoint_round_trips_and_loads_from_the_cli(trained, tmp_path, capsys):

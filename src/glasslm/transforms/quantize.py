@@ -15,6 +15,16 @@ an ordinary matmul (any device, any dtype); `fast` calls PyTorch's CPU kernel th
 weight directly (`aten._weight_int8pack_mm`, the kernel gpt-fast uses on CPU). That kernel takes
 bfloat16 activations here, so the fast path rounds `x` to bf16 on the way in.
 
+One-row inputs (a batch-1 decoding step) take a third path, what llama.cpp does for q8_0: the
+activation row is itself quantized to 8 bits on the fly (one scale and zero point for the row) and
+the product runs as int8 x uint8 dot products with int32 sums (fbgemm's dynamic quantized linear,
+VNNI instructions where the CPU has them). That kernel converts nothing to floating point inside
+its loop, so it runs 2-3x faster than the bf16 kernel, which is compute-bound at batch 1
+(benchmarks/bench_llamacpp.py). Rounding the activations costs at most half an activation step per
+input, times the row's absolute weights: `dynamic_int8_error_bound` states it and the tests hold
+the kernel to it. Rows of prefill and batches keep the weight-only kernel, so each row's rounding
+never depends on other rows.
+
 int4 (`Int4Linear`, gpt-fast's scheme) stores 16 levels per weight, so one scale per row would be
 too coarse: each group of `group_size` consecutive inputs of a row gets its own scale and zero point,
 
@@ -40,6 +50,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -48,6 +59,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from glasslm.core.layers import Linear
+from glasslm.runtime import cpu_flags
 from glasslm.transforms.registry import Transform
 
 # torch 2.13's CPU kernel returns garbage, or crashes, when d_in is not a multiple of 32 (seen with
@@ -63,6 +75,31 @@ def int8_per_channel(weight: Float[Tensor, "d_out d_in"]) -> tuple[Tensor, Float
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     quantized = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return quantized, scales
+
+
+def dynamic_int8_available() -> bool:
+    """True where PyTorch has fbgemm's dynamic quantized linear (x86 CPUs)."""
+    return bool({"fbgemm", "x86"} & set(torch.backends.quantized.supported_engines))
+
+
+def dynamic_int8_reduce_range() -> bool:
+    """Whether activations must use 7 bits instead of 8: without VNNI, fbgemm sums pairs of u8 x s8
+    products in int16 (vpmaddubsw), which 8-bit activations can saturate; VNNI sums in int32."""
+    return not cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"}
+
+
+def dynamic_int8_error_bound(
+    x: Float[Tensor, "1 d_in"], weight: Float[Tensor, "d_out d_in"], reduce_range: bool,
+) -> Float[Tensor, "d_out"]:
+    """The most that rounding the row `x` to 8 bits can move each output of `x @ weight.T`.
+
+    The row's range (always including 0, so zero is exact) is cut into 255 steps (127 with
+    `reduce_range`); each input moves by at most half a step, and output o by at most that times
+    sum_i |weight[o, i]|.
+    """
+    levels = 127 if reduce_range else 255
+    step = (x.max().clamp(min=0) - x.min().clamp(max=0)) / levels
+    return step / 2 * weight.abs().sum(dim=1)
 
 
 class _KernelWithInputGradient(torch.autograd.Function):
@@ -114,6 +151,12 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
     def _kernel_forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
+        if x.numel() == self.d_in and dynamic_int8_available():
+            # One row: int8 activations and int8 dot products, (1, d_in) -> (1, d_out) in fp32.
+            y = torch.ops.quantized.linear_dynamic(x.reshape(1, self.d_in).float(), self._dynamic_packed(),
+                                                   dynamic_int8_reduce_range())
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.d_out)
+            return y if self.bias is None else y + self.bias.to(x.dtype)
         if self.weight_int8.data_ptr() % 64 or not self.weight_int8.is_contiguous():
             # Tensors read from a safetensors file can start anywhere in it; the kernel's vector
             # loads need the allocator's 64-byte alignment (an unaligned weight crashed it).
@@ -123,6 +166,24 @@ class Int8Linear(nn.Module):
         y = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self._bf16_scales())
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.d_out)
         return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def _dynamic_packed(self) -> Any:
+        """fbgemm's packed copy of the int8 weight and its scales, made on first use (kept beside
+        `weight_int8`, which stays the saved form and feeds the other paths)."""
+        packed = getattr(self, "_packed", None)
+        if packed is None:
+            zero_points = torch.zeros(self.d_out, dtype=torch.long)
+            with warnings.catch_warnings():
+                # torch 2.13 marks quantized tensors deprecated; this one lives only inside the packing.
+                warnings.simplefilter("ignore", UserWarning)
+                weight = torch._make_per_channel_quantized_tensor(
+                    self.weight_int8.cpu(), self.scales.double().cpu(), zero_points, 0)
+                packed = self._packed = torch.ops.quantized.linear_prepack(weight, None)
+        return packed
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._packed = self._scales_bf16 = None  # new weights: re-pack them on the next call
+        super()._load_from_state_dict(*args, **kwargs)
 
     def _bf16_scales(self) -> Tensor:
         # Cached: converting d_out scales on every call would be a small but needless copy per layer.

@@ -1,0 +1,453 @@
+"""CPU decoding: glasslm against llama.cpp on the same weights, side by side in one process.
+
+A random GPT-2 small (and a SmolLM-135M-shaped Llama with --models gpt2,llama) is saved as a Hugging
+Face directory, which glasslm loads with `glasslm.hf.load_model`, and written as GGUF f32 with the
+`gguf` package under llama.cpp's own tensor names (those of its convert_hf_to_gguf.py); llama.cpp's
+quantizer (`llama_model_quantize`) makes the f16, q8_0 and q4_0 files from it. Pairs timed in
+turns (interleaved repeats, medians): glasslm fp32 / bf16 / int8 / int4 against llama.cpp
+f32 / f16 / q8_0 / q4_0.
+
+    pip install -e '.[bench]'      # llama-cpp-python (builds llama.cpp, ~10 min on 2 cores) and gguf
+    python benchmarks/bench_llamacpp.py                       # GPT-2 small, batch 1, threads 1 and 2
+    python benchmarks/bench_llamacpp.py --models gpt2,llama --batches 1,8 --prefill
+
+Each row prints tokens/s, the glasslm / llama.cpp ratio, bytes read per token and the share of the
+memory-bandwidth bound (measured bandwidth / bytes per token) each side reaches. Before timing, the
+f32 pair must pick the same greedy tokens for the first steps (a check that the weights match).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from glasslm.generation import generate
+from glasslm.hf import load_model
+from glasslm.runtime import cpu_flags
+from glasslm.transforms import apply_transform
+
+PAIRS = [("fp32", "f32"), ("bf16", "f16"), ("int8", "q8_0"), ("int4", "q4_0")]
+
+
+# --- the weights, written for both ----------------------------------------------------------------
+
+def random_hf_model(kind: str, directory: Path) -> dict:
+    """Save a randomly initialised HF model (fixed seed) to `directory`; return its config."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config())
+    else:  # SmolLM-135M's shape
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+            rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True))
+    model.save_pretrained(directory)
+    return json.loads((directory / "config.json").read_text())
+
+
+def gpt2_vocab(n_tokens: int) -> tuple[list[str], list[str]]:
+    """GPT-2's own byte-level tokens and merges, from the data directory's gpt2/ folder (llama.cpp's
+    loader wants a real BPE vocabulary), cut to `n_tokens` for a smaller model; merges whose result
+    is cut go too."""
+    from glasslm.locations import data_dir
+
+    folder = data_dir() / "gpt2"
+    vocab = json.loads((folder / "gpt2_vocab.json").read_text())
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])][:n_tokens]
+    kept = set(tokens)
+    merges = [m for m in (folder / "gpt2_merges.txt").read_text().splitlines()[1:]
+              if m and "".join(m.split(" ")) in kept]
+    return tokens, merges
+
+
+def gguf_tensors(kind: str, hf: dict, state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """HF tensor names -> llama.cpp's (convert_hf_to_gguf.py): GPT-2's Conv1D weights transposed to
+    (out, in); Llama's q and k rows permuted from HF's rotate-half order to interleaved pairs."""
+    out: dict[str, np.ndarray] = {}
+    if kind == "gpt2":
+        names = {"wte": "token_embd", "wpe": "position_embd", "ln_f": "output_norm"}
+        parts = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output",
+                 "ln_2": "ffn_norm", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+        for name, tensor in state.items():
+            if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+                continue  # the causal mask buffer; the tied head is token_embd itself
+            short = name.removeprefix("transformer.")
+            if short.startswith("h."):
+                _, layer, rest = short.split(".", 2)
+                part, suffix = rest.rsplit(".", 1)
+                target = f"blk.{layer}.{parts[part]}.{suffix}"
+                tensor = tensor.T if suffix == "weight" and part not in ("ln_1", "ln_2") else tensor
+            else:
+                stem, suffix = short.rsplit(".", 1)
+                target = f"{names[stem]}.{suffix}"
+            out[target] = tensor.float().contiguous().numpy()
+        return out
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, tensor in state.items():
+        if name == "lm_head.weight":
+            continue
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            part = rest.rsplit(".", 1)[0]
+            if part in ("self_attn.q_proj", "self_attn.k_proj"):
+                n = heads if part.endswith("q_proj") else kv_heads
+                tensor = tensor.reshape(n, 2, tensor.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
+            target = f"blk.{layer}.{parts[part]}.weight"
+        else:
+            target = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
+        out[target] = tensor.float().contiguous().numpy()
+    return out
+
+
+def write_gguf(kind: str, hf: dict, state: dict[str, torch.Tensor], path: Path) -> None:
+    """An f32 GGUF file with the metadata llama.cpp's loader reads for this architecture."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), kind)
+    if kind == "gpt2":
+        writer.add_context_length(hf.get("n_ctx", hf["n_positions"]))
+        writer.add_embedding_length(hf["n_embd"])
+        writer.add_feed_forward_length(4 * hf["n_embd"])
+        writer.add_block_count(hf["n_layer"])
+        writer.add_head_count(hf["n_head"])
+        writer.add_layer_norm_eps(hf["layer_norm_epsilon"])
+        vocab_size = hf["vocab_size"]
+    else:
+        writer.add_context_length(hf["max_position_embeddings"])
+        writer.add_embedding_length(hf["hidden_size"])
+        writer.add_feed_forward_length(hf["intermediate_size"])
+        writer.add_block_count(hf["num_hidden_layers"])
+        writer.add_head_count(hf["num_attention_heads"])
+        writer.add_head_count_kv(hf["num_key_value_heads"])
+        writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+        writer.add_rope_freq_base(hf.get("rope_theta") or hf["rope_parameters"]["rope_theta"])
+        writer.add_rope_dimension_count(hf["hidden_size"] // hf["num_attention_heads"])
+        writer.add_vocab_size(hf["vocab_size"])
+        vocab_size = hf["vocab_size"]
+    writer.add_file_type(0)  # all f32
+    tokens, merges = gpt2_vocab(vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(len(tokens) - 1 if kind == "gpt2" else 0)
+    writer.add_eos_token_id(len(tokens) - 1 if kind == "gpt2" else 0)
+    for name, array in gguf_tensors(kind, hf, state).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def quantize_gguf(source: Path, target: Path, ftype: str) -> None:
+    """llama.cpp's own quantizer, with its default choices (e.g. q6_K for a tied output at q4_0)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = {"f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+                    "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0}[ftype]
+    status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize({ftype}) failed with {status}")
+
+
+def gguf_bytes_per_token(path: Path) -> tuple[float, str]:
+    """Bytes of weights one decoding step reads, and the tensor types in the file. Token and position
+    tables are only looked up, unless the token table is also the output (no output.weight)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    names = {t.name for t in reader.tensors}
+    total, types = 0, {}
+    for tensor in reader.tensors:
+        looked_up = tensor.name == "position_embd.weight" or (
+            tensor.name == "token_embd.weight" and "output.weight" in names)
+        if not looked_up:
+            total += int(tensor.n_bytes)
+        if tensor.n_elements > 100_000:
+            types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
+    return total, ",".join(f"{k}x{v}" for k, v in sorted(types.items()))
+
+
+def glasslm_bytes_per_token(model) -> float:
+    """Bytes of weights and buffers one decoding step reads (the embedding lookup excluded where an
+    unembedding matrix of its own is streamed instead)."""
+    unique = {t.data_ptr(): t for t in model.state_dict().values()}
+    total = sum(t.numel() * t.element_size() for t in unique.values())
+    lookups = [model.pos_embed] + ([model.embed] if model.unembed is not None else [])
+    for table in lookups:
+        for tensor in ([] if table is None else table.state_dict().values()):
+            total -= tensor.numel() * tensor.element_size()
+    return total
+
+
+# --- running each side --------------------------------------------------------------------------
+
+class LlamaCpp:
+    """One GGUF model in llama.cpp through llama-cpp-python's C API: greedy decoding of a batch of
+    rows (one sequence each), argmax on the host as glasslm's greedy sampler does."""
+
+    def __init__(self, path: Path, batch: int, n_ctx: int):
+        import llama_cpp
+
+        self.api = llama_cpp
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = n_ctx * batch, 512, 512, batch
+        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.batch = llama_cpp.llama_batch_init(512, 0, batch)
+
+    def set_threads(self, threads: int) -> None:
+        self.api.llama_set_n_threads(self.ctx, threads, threads)
+
+    def clear(self) -> None:
+        self.api.llama_memory_clear(self.api.llama_get_memory(self.ctx), True)
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
+        """items: (token, position, sequence, wants logits)."""
+        b = self.batch
+        for i, (token, position, sequence, logits) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, position, 1, logits
+            b.seq_id[i][0] = sequence
+        b.n_tokens = len(items)
+        status = self.api.llama_decode(self.ctx, b)
+        if status != 0:
+            raise RuntimeError(f"llama_decode returned {status}")
+
+    def _argmax(self, index: int) -> int:
+        logits = np.ctypeslib.as_array(self.api.llama_get_logits_ith(self.ctx, index), shape=(self.n_vocab,))
+        return int(logits.argmax())
+
+    def last_logits(self, prompt: list[int]) -> np.ndarray:
+        """The logits after `prompt`, as float32 (vocab,)."""
+        self.prefill(prompt)
+        return np.ctypeslib.as_array(self.api.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,)).copy()
+
+    def greedy(self, prompts: list[list[int]], n_new: int) -> list[list[int]]:
+        self.clear()
+        items = [(t, p, s, p == len(row) - 1) for s, row in enumerate(prompts) for p, t in enumerate(row)]
+        self._decode(items)
+        last = [i for i, item in enumerate(items) if item[3]]
+        out = [[self._argmax(i)] for i in last]
+        for step in range(n_new - 1):
+            self._decode([(row[-1], len(prompt) + step, s, True) for s, (row, prompt) in enumerate(zip(out, prompts))])
+            for s, row in enumerate(out):
+                row.append(self._argmax(s))
+        return out
+
+    def prefill(self, prompt: list[int]) -> None:
+        self.clear()
+        for start in range(0, len(prompt), 512):
+            chunk = prompt[start:start + 512]
+            self._decode([(t, start + i, 0, start + i == len(prompt) - 1) for i, t in enumerate(chunk)])
+
+
+def glasslm_models(directory: Path) -> dict:
+    """glasslm fp32 / bf16 / int8 / int4 from the HF directory, prepared as `glasslm generate` does."""
+    from glasslm.generation import optimize_for_decoding
+
+    models = {}
+    for name in ("fp32", "bf16", "int8", "int4"):
+        model, _ = load_model(directory, dtype=torch.bfloat16 if name == "bf16" else None)
+        model.eval()
+        if name in ("int8", "int4"):
+            apply_transform(model, name)
+        else:
+            optimize_for_decoding(model)
+        models[name] = model
+    return models
+
+
+def glasslm_greedy(model, prompts: list[list[int]], n_new: int) -> list[list[int]]:
+    return [g.tokens for g in generate(model, prompts, max_new_tokens=n_new, temperature=0.0)]
+
+
+def glasslm_prefill(model, prompt: list[int]) -> None:
+    generate(model, [prompt], max_new_tokens=1, temperature=0.0)
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def memory_bandwidth(threads: int, megabytes: int = 512, repeats: int = 7) -> float:
+    """Bytes per second of a streaming read (torch sum) of a buffer far larger than the caches."""
+    torch.set_num_threads(threads)
+    data = torch.ones(megabytes * 2**20 // 4)
+    data.sum()  # touch every page before timing
+    return data.numel() * 4 / statistics.median(seconds(lambda: data.sum()) for _ in range(repeats))
+
+
+def cpu_name() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+
+
+def check_same_weights(ours, theirs: LlamaCpp, vocab: int, steps: int = 8) -> None:
+    """f32 against f32: the same greedy tokens for the first steps, or the weights differ."""
+    prompt = [[int(t) for t in torch.randint(0, vocab, (2,), generator=torch.Generator().manual_seed(5))]]
+    a, b = glasslm_greedy(ours, prompt, steps)[0], theirs.greedy(prompt, steps)[0]
+    same = sum(x == y for x, y in zip(a, b))
+    with torch.inference_mode():
+        logits = ours(torch.tensor(prompt))[0, -1].numpy()
+    gap = float(np.abs(logits - theirs.last_logits(prompt[0])).max())
+    print(f"same weights? f32 vs fp32: logits after the prompt differ by at most {gap:.2e} "
+          f"(largest |logit| {np.abs(logits).max():.2f}); greedy tokens {same}/{steps} same:\n"
+          f"  glasslm {a}\n  llama.cpp {b}")
+    if a[:2] != b[:2]:
+        raise SystemExit("glasslm and llama.cpp disagree from the first tokens: the GGUF weights are not the same")
+
+
+def time_rows(kind: str, ours: dict, theirs: dict, args, vocab: int, report) -> dict:
+    """{(batch, threads, pair, side): [tokens/s per repeat]}, every pair timed in turns."""
+    generator = torch.Generator().manual_seed(1)
+    times: dict = {}
+    warm_up = [[1, 2]] * max(args.batches)
+    for ours_name, theirs_name in PAIRS:  # first calls pack kernels' weights: not timed
+        for batch in args.batches:
+            glasslm_greedy(ours[ours_name], warm_up[:batch], 4)
+            theirs[theirs_name, batch].greedy(warm_up[:batch], 4)
+    for repeat in range(args.repeats):
+        for batch in args.batches:
+            prompts = [torch.randint(0, vocab, (2,), generator=generator).tolist() for _ in range(batch)]
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                for ours_name, theirs_name in PAIRS:
+                    llama = theirs[theirs_name, batch]
+                    llama.set_threads(threads)
+                    runs = [("glasslm", lambda: glasslm_greedy(ours[ours_name], prompts, args.new_tokens)),
+                            ("llama.cpp", lambda: llama.greedy(prompts, args.new_tokens))]
+                    for side, run in runs[::1 if repeat % 2 == 0 else -1]:  # alternate who goes first
+                        rate = batch * args.new_tokens / seconds(run)
+                        times.setdefault((batch, threads, ours_name, side), []).append(rate)
+                    if args.prefill and batch == 1:
+                        prompt = torch.randint(0, vocab, (512,), generator=generator).tolist()
+                        for side, run in (("glasslm prefill", lambda: glasslm_prefill(ours[ours_name], prompt)),
+                                          ("llama.cpp prefill", lambda: llama.prefill(prompt))):
+                            times.setdefault((batch, threads, ours_name, side), []).append(512 / seconds(run))
+        print(f"  {kind}: repeat {repeat + 1}/{args.repeats} done", flush=True)
+        if repeat + 1 < args.repeats:
+            report(times, repeat + 1)  # the medians so far, in case a slow machine's run is cut short
+    return times
+
+
+def print_table(kind: str, times: dict, bytes_ours: dict, bytes_theirs: dict, bandwidth: dict, args,
+                repeats: int) -> None:
+    print(f"\n{kind}: decode tokens/s (batch x {args.new_tokens} new tokens after a 2-token prompt), "
+          f"median of {repeats}; bound = bandwidth / bytes per token (batch 1)")
+    print("| batch | threads | glasslm | llama.cpp | llama.cpp tok/s | glasslm tok/s | glasslm / llama.cpp "
+          "| MB/token (llama.cpp, glasslm) | share of bound (llama.cpp, glasslm) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for batch in args.batches:
+        for threads in args.threads:
+            for ours_name, theirs_name in PAIRS:
+                ours = statistics.median(times[batch, threads, ours_name, "glasslm"])
+                theirs = statistics.median(times[batch, threads, ours_name, "llama.cpp"])
+                b_theirs, b_ours = bytes_theirs[theirs_name][0], bytes_ours[ours_name]
+                bound = bandwidth[threads]
+                share = f"{theirs / batch * b_theirs / bound:.0%}, {ours / batch * b_ours / bound:.0%}"
+                print(f"| {batch} | {threads} | {ours_name} | {theirs_name} | {theirs:.1f} | {ours:.1f} | "
+                      f"**{ours / theirs:.2f}x** | {b_theirs / 1e6:.0f}, {b_ours / 1e6:.0f} | {share} |")
+    if args.prefill:
+        print(f"\n{kind}: prefill of 512 tokens, tokens/s, batch 1")
+        print("| threads | glasslm | llama.cpp | llama.cpp tok/s | glasslm tok/s | glasslm / llama.cpp |")
+        print("|---|---|---|---|---|---|")
+        for threads in args.threads:
+            for ours_name, theirs_name in PAIRS:
+                ours = statistics.median(times[1, threads, ours_name, "glasslm prefill"])
+                theirs = statistics.median(times[1, threads, ours_name, "llama.cpp prefill"])
+                print(f"| {threads} | {ours_name} | {theirs_name} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f}x |")
+
+
+def run_model(kind: str, folder: Path, args, bandwidth: dict) -> None:
+    hf_dir = folder / kind
+    hf = random_hf_model(kind, hf_dir)
+    from safetensors.torch import load_file
+
+    state = load_file(hf_dir / "model.safetensors")
+    files = {"f32": folder / f"{kind}-f32.gguf"}
+    write_gguf(kind, hf, state, files["f32"])
+    for ftype in ("f16", "q8_0", "q4_0"):
+        files[ftype] = folder / f"{kind}-{ftype}.gguf"
+        quantize_gguf(files["f32"], files[ftype], ftype)
+    bytes_theirs = {name: gguf_bytes_per_token(path) for name, path in files.items()}
+    for name, (size, types) in bytes_theirs.items():
+        print(f"{kind} {name}.gguf: {size / 1e6:.0f} MB read per token; tensor types {types}")
+    ours = glasslm_models(hf_dir)
+    bytes_ours = {name: glasslm_bytes_per_token(model) for name, model in ours.items()}
+    n_ctx = 1024 if args.prefill else 256 * (1 + (args.new_tokens + 8) // 256)
+    theirs = {(name, batch): LlamaCpp(path, batch, n_ctx) for name, path in files.items() for batch in args.batches}
+    vocab = ours["fp32"].config.vocab_size
+    torch.set_num_threads(args.threads[0])
+    theirs["f32", args.batches[0]].set_threads(args.threads[0])
+    check_same_weights(ours["fp32"], theirs["f32", args.batches[0]], vocab)
+    def report(times: dict, repeats: int) -> None:
+        print_table(kind, times, bytes_ours, bytes_theirs, bandwidth, args, repeats)
+        print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+
+    report(time_rows(kind, ours, theirs, args, vocab, report), args.repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="gpt2", help="comma-separated: gpt2, llama (SmolLM-135M's shape)")
+    parser.add_argument("--batches", default="1", help="comma-separated batch sizes (default 1; e.g. 1,8)")
+    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefill", action="store_true", help="also time a 512-token prefill")
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="run N busy-loop processes beside the benchmark (a loaded machine)")
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.threads = [int(t) for t in args.threads.split(",")]
+    import llama_cpp
+
+    llama_cpp.llama_backend_init()
+    quiet = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+    llama_cpp.llama_log_set(quiet, ctypes.c_void_p(0))  # llama.cpp logs every tensor it loads
+    print("command:", " ".join([sys.executable, *sys.argv]))
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni", "avx2")))
+    print(f"CPU: {cpu_name()}; flags: {' '.join(flags)}")
+    print(f"torch {torch.__version__}, llama-cpp-python {llama_cpp.__version__}")
+    bandwidth = {t: memory_bandwidth(t) for t in args.threads}
+    print("memory bandwidth (streaming torch sum of 512 MB): "
+          + ", ".join(f"{bw / 1e9:.1f} GB/s on {t} thread{'s' * (t > 1)}" for t, bw in bandwidth.items()))
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    if busy:
+        print(f"{args.busy} busy-loop process(es) running beside the benchmark")
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            for kind in args.models.split(","):
+                run_model(kind, Path(folder), args, bandwidth)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+
+
+if __name__ == "__main__":
+    main()
