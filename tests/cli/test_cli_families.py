@@ -92,7 +92,9 @@ def test_hooks_are_named_alike_in_every_family():
              for family, fields in FAMILIES.items()}
     common = set.intersection(*names.values())
     for family, hooks in names.items():
-        # Every family has the shared per-block hooks; extra ones are its own norms' (q/k, post-norms).
+        # Every family has the shared per-block hooks; extra ones are its own norms' (q/k, post-norms)
+        # and a gated MLP's second input projection (TransformerLens's hook_pre_linear).
         assert {"blocks.0.hook_resid_pre", "blocks.0.hook_attn_out", "blocks.0.attn.hook_pattern",
                 "blocks.0.mlp.hook_post", "blocks.1.hook_resid_post"} <= common
-        assert all("_norm." in h or "_post." in h for h in hooks - common), (family, sorted(hooks - common))
+        assert all("_norm." in h or "_post." in h or h.endswith("mlp.hook_pre_linear") for h in hooks - common), (
+            family, sorted(hooks - common))
