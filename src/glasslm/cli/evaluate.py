@@ -88,4 +88,8 @@ def _check_same_tokenizer(model_tokenizer: Any, data_tokenizer: Any, ids: Any, v
                          "prepare it with --tokenizer pointing at the checkpoint")
 
 
-COMMAND = Command("eval", evaluate, "loss, perplexity and bits per byte of a checkpoint on a text")
+COMMAND = Command("eval", evaluate, "loss, perplexity and bits per byte of a checkpoint on a text",
+                  examples=(
+                      'glasslm eval --checkpoint runs/shakespeare --data tinyshakespeare',
+                      'glasslm eval --checkpoint runs/shakespeare --data my.txt --split all --stride 32',
+                  ))
