@@ -102,8 +102,11 @@ def train(options: TrainOptions, run: Annotated[dict[str, Any], RunConfig, RUN],
     finally:
         shutdown_distributed()
     if result.stopped_by_signal is not None:
-        say(f"interrupted after step {result.step}, saved {result.checkpoint}; continue with: "
-            f"glasslm train --resume {plan.out}")
+        if result.checkpoint is None:
+            say(f"interrupted before a step completed; nothing to save in {plan.out}")
+        else:
+            say(f"interrupted after step {result.step}, saved {result.checkpoint}; continue with: "
+                f"glasslm train --resume {plan.out}")
         return 128 + result.stopped_by_signal
     if result.val_losses:
         step, val_loss = result.val_losses[-1]
