@@ -7,8 +7,9 @@ source scripts/venv.sh ""  # (an explicit empty argument: a bare `source` would 
 # Offline machines (as on CI) keep a shared copy beside the checkout: copy it, sha256-checked, into
 # the data directory every glasslm command uses (--data-dir, else $GLASSLM_DATA_DIR, else
 # ~/.cache/glasslm), so later commands find it without this script. Else glasslm downloads it.
-if [ -f ../shared/data/tinyshakespeare.txt ]; then
-    glasslm fetch tinyshakespeare --from ../shared/data
+# Every known dataset the folder holds is copied (tiny Shakespeare; gpt2/: GPT-2's tokenizer files).
+if [ -d ../shared/data ]; then
+    glasslm fetch --from ../shared/data
 fi
 # --overwrite: the demo starts a fresh run in its own directory each time (glasslm refuses to
 # train over an existing run otherwise).

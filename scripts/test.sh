@@ -7,4 +7,9 @@ if [ -z "${GLASSLM_DATA_DIR:-}" ] && [ -d ../shared/data ]; then
     export GLASSLM_DATA_DIR="$(cd ../shared/data && pwd)"
 fi
 export TIKTOKEN_CACHE_DIR="${TIKTOKEN_CACHE_DIR:-${GLASSLM_DATA_DIR:-}/tiktoken_cache}"
+# The explorer's browser tests need Chromium; without it they are skipped, and this says so.
+if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null && [ -z "${GLASSLM_CHROMIUM:-}" ]; then
+    echo "note: no Chromium found, so the explorer's browser tests will be skipped;" \
+         "install it (Debian/Ubuntu: sudo apt-get install -y chromium) or set GLASSLM_CHROMIUM=/path/to/chrome" >&2
+fi
 exec python -m pytest "$@"

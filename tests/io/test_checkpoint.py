@@ -386,3 +386,58 @@ def test_remove_stale_staging_removes_only_what_a_killed_writer_left(tmp_path):
         (tmp_path / leftover).write_text("x")
     remove_stale_staging(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000003", "latest", "notes.tmp-1"]
+
+
+# ----- the first Ctrl-C inside a long step, at the default thread count (issue 26) -----
+
+# `glasslm train` whose forward pass sleeps 1 s per micro-batch once ckpt-000002 exists: step 3 of
+# 20 micro-batches then takes over 20 s, so a Ctrl-C surely lands inside it. No OMP_NUM_THREADS:
+# torch's default thread count.
+SLOW_STEP_CLI = """
+import os, sys, time
+from pathlib import Path
+import glasslm.core.model as model_module
+slow_after = Path(os.environ["SLOW_AFTER"])
+real = model_module.TransformerLM.forward
+def forward(self, *args, **kwargs):
+    if self.training and slow_after.exists():
+        time.sleep(1.0)
+    return real(self, *args, **kwargs)
+model_module.TransformerLM.forward = forward
+from glasslm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+LONG_STEP_ARGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--context-length", "16", "--batch-size",
+                  "1", "--grad-accum-steps", "20", "--max-steps", "4", "--warmup-steps", "2", "--eval-interval",
+                  "4", "--eval-iters", "2", "--log-interval", "1", "--checkpoint-interval", "2", "--no-progress",
+                  "--sample-tokens", "0", "--dropout", "0.1"]
+
+
+@pytest.mark.slow
+def test_first_ctrl_c_stops_inside_a_long_step_and_resumes_identically(corpus, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"PYTHONPATH": str(SRC)}
+    def train_cli(args, slow_after=tmp_path / "never"):
+        return subprocess.Popen([sys.executable, "-c", SLOW_STEP_CLI, "train", *args],
+                                env=env | {"SLOW_AFTER": str(slow_after)}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    full = train_cli([*LONG_STEP_ARGS, "--data", str(corpus), "--out", str(tmp_path / "full")])
+    output, _ = full.communicate(timeout=300)
+    assert full.returncode == 0, output
+
+    out = tmp_path / "run"
+    proc = train_cli([*LONG_STEP_ARGS, "--data", str(corpus), "--out", str(out)], slow_after=out / "ckpt-000002")
+    wait_for(out / "ckpt-000002", proc, timeout=300)
+    time.sleep(1.5)  # inside step 3 (over 20 s long)
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    stopped_within = time.monotonic() - signalled
+    assert proc.returncode == 128 + signal.SIGINT, output
+    assert "interrupted after step 2" in output  # not after step 3: stopped inside it
+    # One micro-batch (1 s) plus saving a checkpoint, not the rest of a 20 s step (slack for loaded machines).
+    assert stopped_within < 10.0, f"took {stopped_within:.1f} s to stop; step 3 alone takes over 20 s"
+    assert (out / "latest").read_text().strip() == "ckpt-000002"
+    resumed = train_cli(["--resume", str(out)])
+    output, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, output
+    assert comparable(read_metrics(out / "metrics.jsonl")) == comparable(read_metrics(tmp_path / "full" / "metrics.jsonl"))

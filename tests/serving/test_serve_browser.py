@@ -150,3 +150,58 @@ def test_attention_heat_map_shows_the_apis_numbers(page_and_server, tmp_path):
     assert shot.stat().st_size > 10_000
     if os.environ.get("GLASSLM_SCREENSHOT"):
         shutil.copy(shot, Path(os.environ["GLASSLM_SCREENSHOT"]))
+
+
+def test_the_demo_shaped_model_keeps_text_and_generation_apart_and_in_context(page_and_server):
+    """The README's flow on a context-64 model: Generate, then Attention and Logit lens still work."""
+    page, url, model, tok, engine = page_and_server
+    context = model.config.context_length
+    page.reload()
+    page.wait_for_selector("body[data-ready=true]")
+    prompt = page.input_value("#prompt")
+    # The default new-token count fits: prompt + new tokens <= the context (80 would not).
+    assert len(tok.encode(prompt)) + int(page.input_value("#max-tokens")) <= context
+    page.fill("#inspect-text", "To be, or not to be")
+    page.fill("#prompt", "ROMEO:")
+    page.fill("#max-tokens", "80")  # more than fits: capped, and the status says so
+    page.fill("#seed", "5")
+    page.click("#generate")
+    page.wait_for_selector("#output[data-done=true]", timeout=60_000)
+    fits = context - len(tok.encode("ROMEO:"))
+    assert page.locator("#output .tok.gen").count() == fits
+    assert "capped from 80" in page.inner_text("#gen-status")
+    # The user's own text under "Inside the model" is untouched, and Attention answers for it.
+    assert page.input_value("#inspect-text") == "To be, or not to be"
+    page.click("#show-attention")
+    page.wait_for_function("document.querySelector('#inspect-status').textContent.startsWith('19 tokens')")
+    assert not page.locator("#inspect-status.error").count()
+
+    # A text longer than the context: the page shows its last window and says which.
+    page.click("#inspect-generation")
+    long_text = "ROMEO:" + "".join(page.locator("#output .tok.gen").evaluate_all("els => els.map(e => e.textContent)"))
+    assert page.input_value("#inspect-text") == long_text
+    long_text = long_text + " and more words after it"
+    page.fill("#inspect-text", long_text)
+    ids = tok.encode(long_text)
+    assert len(ids) > context
+    page.select_option("#layer", "0")
+    page.select_option("#head", "1")
+    page.click("#show-attention")
+    page.wait_for_function("document.querySelector('#inspect-status').textContent.includes('showing its last')")
+    status = page.inner_text("#inspect-status")
+    assert f"the text is {len(ids)} tokens; showing its last {context}" in status
+    assert not page.locator("#inspect-status.error").count()
+    window = ids[-context:]
+    pattern = api(url, "/api/attention", {"tokens": window, "layer": 0, "head": 1})["patterns"][0]
+    cells = page.locator("#attention-map rect.cell").evaluate_all(
+        "els => els.map(e => [Number(e.dataset.q), Number(e.dataset.k), Number(e.dataset.p)])")
+    assert len(cells) == context * context
+    assert all(p == pytest.approx(pattern[q][k], abs=1e-7) for q, k, p in cells)
+    page.click("#show-lens")
+    page.wait_for_selector("#lens td[data-layer]")
+    lens = page.locator("#lens td[data-layer]").evaluate_all(
+        "els => els.map(e => [Number(e.dataset.layer), Number(e.dataset.pos), Number(e.dataset.id)])")
+    layers = api(url, "/api/logit-lens", {"tokens": window})["layers"]
+    assert len(lens) == len(layers) * context
+    assert all(layers[layer][pos]["id"] == token for layer, pos, token in lens)
+    assert "showing its last" in page.inner_text("#inspect-status")

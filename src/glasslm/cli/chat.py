@@ -99,4 +99,8 @@ def _read_line(marker: str) -> str | None:
     return line or None
 
 
-COMMAND = Command("chat", chat, "talk with a chat model in the terminal (its chat template, history kept)")
+COMMAND = Command("chat", chat, "talk with a chat model in the terminal (its chat template, history kept)",
+                  examples=(
+                      'glasslm chat --checkpoint runs/llama-chat',
+                      'glasslm chat --checkpoint runs/llama-chat --system "Answer briefly." --temperature 0',
+                  ))

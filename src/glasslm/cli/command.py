@@ -45,6 +45,7 @@ class Command:
     description: str | None = None  # the top of `glasslm NAME --help`; none: `help`
     aliases: tuple[str, ...] = ()
     subcommands: tuple["Command", ...] = ()
+    examples: tuple[str, ...] = ()  # command lines shown at the top of --help, after the description
 
     def parameters(self) -> list[tuple[str, type, Group, bool]]:
         """(parameter name, dataclass, Group, given only) for each parameter of `run`."""
@@ -64,7 +65,8 @@ class Command:
     def add_to(self, parser: argparse.ArgumentParser) -> None:
         for _, cls, group, _ in self.parameters():
             title = group.title or (cls.__doc__ or cls.__name__).strip().split("\n")[0]
-            add_options(parser, cls, title, skip=group.skip, aliases=group.aliases)
+            add_options(parser, cls, title, skip=group.skip, aliases=group.aliases,
+                        shown_defaults=group.shown_defaults() if group.shown_defaults else None)
         parser.set_defaults(command_spec=self)
 
     def invoke(self, args: argparse.Namespace) -> int | None:
@@ -86,9 +88,32 @@ def build_parser(commands: Sequence[Command], description: str = "") -> argparse
 def _add_commands(parser: argparse.ArgumentParser, commands: Sequence[Command], dest: str) -> None:
     sub = parser.add_subparsers(dest=dest, required=True)
     for command in commands:
-        p = sub.add_parser(command.name, aliases=list(command.aliases), help=command.help,
-                           description=command.description or command.help, formatter_class=HelpFormatter)
-        if command.subcommands:
-            _add_commands(p, command.subcommands, f"{command.name}_subcommand")
-        else:
-            command.add_to(p)
+        # An alias gets a parser of its own, so its --help and errors name what was typed.
+        for name in (command.name, *command.aliases):
+            p = sub.add_parser(name, help=command.help if name == command.name else f"the same as {command.name}",
+                               description=_description(command), formatter_class=HelpFormatter)
+            if command.subcommands:
+                _add_commands(p, command.subcommands, f"{command.name}_subcommand")
+            else:
+                command.add_to(p)
+                p.usage = _short_usage(p)
+
+
+def _description(command: Command) -> str:
+    """The top of `glasslm NAME --help`: what the command does, then examples to copy."""
+    text = command.description or command.help
+    if command.examples:
+        text += "\n\nexamples:\n" + "\n".join(f"  {line}" for line in command.examples)
+    return text
+
+
+def _short_usage(parser: argparse.ArgumentParser) -> str:
+    """`glasslm NAME ARGS --required X [options]`: one line, so that --help opens with the
+    description and examples and an error is not buried under every option."""
+    parts = ["%(prog)s"]
+    for action in parser._actions:
+        if not action.option_strings:
+            parts.append(str(action.metavar or action.dest) + (" ..." if action.nargs in ("*", "+") else ""))
+        elif action.required:
+            parts.append(f"{action.option_strings[0]} {action.metavar or 'VALUE'}")
+    return " ".join(parts) + " [options]"

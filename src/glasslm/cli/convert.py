@@ -97,8 +97,26 @@ def _to_hf(config: ConvertConfig, output: OutputOption) -> None:
         raise ValueError("--to-hf needs --checkpoint")
     check_output_dir(output.out, output.overwrite, inputs=[config.checkpoint], what="export")
     model, tokenizer = load_model(config.checkpoint)
+    if config.zero_biases:
+        _refuse_needless_zero_biases(model.config)
     export_hf(model, output.out, tokenizer, checkpoint_summary(config.checkpoint), zero_biases=config.zero_biases)
     print(f"{config.checkpoint} -> {output.out} (Hugging Face format)")
 
 
-COMMAND = Command("convert", convert, "convert between glasslm checkpoints and Hugging Face directories")
+def _refuse_needless_zero_biases(model_config) -> None:
+    """--zero-biases only fills biases the HF architecture has and the model lacks; anywhere else it
+    would do nothing, so it is refused rather than silently ignored."""
+    from glasslm.hf.families import family_for
+
+    family = family_for(model_config)
+    if not family.weight_table(model_config, None).absent_biases:
+        raise ValueError(f"--zero-biases: this model exports as {family.architecture} with every bias it has, so "
+                         "there are no missing biases to fill; drop --zero-biases")
+
+
+COMMAND = Command("convert", convert, "convert between glasslm checkpoints and Hugging Face directories",
+                  examples=(
+                      'glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2',
+                      'glasslm convert --to-hf --checkpoint runs/shakespeare --out runs/shakespeare-hf --zero-biases',
+                      'glasslm convert --from nanogpt --checkpoint out/ckpt.pt --out runs/nano',
+                  ))

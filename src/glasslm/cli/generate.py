@@ -111,8 +111,20 @@ class _Writer:
 
         if self.draft is None:
             return generate_tokens(self.model, prompt_ids, config=self.config)
-        return speculative_tokens(self.model, self.draft, prompt_ids, self.config.max_new_tokens, self.lookahead,
-                                  self.config.stop_tokens or (), stats)
+        return speculative_tokens(self.model, self.draft, prompt_ids, self._fitting_new_tokens(prompt_ids),
+                                  self.lookahead, self.config.stop_tokens or (), stats)
+
+    def _fitting_new_tokens(self, prompt_ids: list[int]) -> int:
+        """--max-new-tokens, capped (and said so) to what fits both contexts: speculative decoding
+        does not slide its window, so prompt + new tokens + lookahead + 1 must fit."""
+        bounded = [m.config.context_length for m in (self.model, self.draft) if m.config.positional != "none"]
+        context = min(bounded, default=0)
+        fits = context - len(prompt_ids) - self.lookahead - 1
+        if not bounded or fits < 1 or self.config.max_new_tokens <= fits:
+            return self.config.max_new_tokens  # speculative_tokens names what does not fit
+        print(f"[--draft: {fits} new tokens, not {self.config.max_new_tokens}: the prompt ({len(prompt_ids)} tokens) "
+              f"+ lookahead {self.lookahead} + 1 leave that many in the context of {context}]", file=sys.stderr)
+        return fits
 
 
 def _answer_lines(writer: _Writer) -> None:
@@ -143,4 +155,8 @@ def _answer_lines(writer: _Writer) -> None:
             print("[stopped]", file=sys.stderr)
 
 
-COMMAND = Command("sample", generate, "write text from a trained checkpoint (streamed)", aliases=("generate",))
+COMMAND = Command("sample", generate, "write text from a trained checkpoint (streamed)", aliases=("generate",),
+                  examples=(
+                      'glasslm generate --checkpoint runs/shakespeare --prompt "ROMEO:" --max-new-tokens 300',
+                      'glasslm generate --checkpoint runs/shakespeare --interactive',
+                  ))

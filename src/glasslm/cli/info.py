@@ -68,4 +68,9 @@ def _print_checkpoint_info(path: str) -> ModelConfig:
     return config
 
 
-COMMAND = Command("info", info, "parameters and FLOPs per token of a preset or checkpoint, by component")
+COMMAND = Command("info", info, "parameters and FLOPs per token of a preset or checkpoint, by component",
+                  examples=(
+                      'glasslm info --preset gpt2-small',
+                      'glasslm info --preset shakespeare-char-cpu --n-layers 8',
+                      'glasslm info --checkpoint runs/shakespeare',
+                  ))

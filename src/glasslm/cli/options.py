@@ -68,10 +68,12 @@ class Group:
     title: str | None = None  # the help section's heading; none: the class docstring's first line
     skip: frozenset[str] = frozenset()  # fields the command does not offer
     aliases: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # field -> extra spellings
+    # the defaults help shows, where they are not the dataclass's own (train: the default preset's)
+    shown_defaults: collections.abc.Callable[[], dict[str, Any]] | None = None
 
 
 def add_options(parser: argparse.ArgumentParser, cls: type, title: str, skip: collections.abc.Container[str] = (),
-                aliases: dict[str, list[str]] | None = None) -> None:
+                aliases: dict[str, list[str]] | None = None, shown_defaults: dict[str, Any] | None = None) -> None:
     """One --option per field of dataclass `cls`, with the field's comment and default as help.
 
     Options that are not given stay out of the parsed namespace (see `given_options`), so only
@@ -80,7 +82,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str, skip: co
     parsing), `exclusive="NAME"` (at most one of the fields sharing NAME may be given), `one_of="NAME"`
     (exactly one of them must be given),
     `option="--spelling"` (instead of the field's name), `metavar` and, for a list, `nargs="*"` (values
-    after one option instead of the option repeated).
+    after one option instead of the option repeated). `shown_defaults` replaces the defaults help
+    shows (not the values: an option not given stays out of the namespace either way).
     """
     group = parser.add_argument_group(title)
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
@@ -93,11 +96,13 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str, skip: co
             if key not in exclusive:
                 exclusive[key] = group.add_mutually_exclusive_group(required="one_of" in f.metadata)
             target = exclusive[key]
-        names, kwargs = _argument(cls.__name__, f, hints[f.name], docs.get(f.name, ""), (aliases or {}).get(f.name, []))
+        names, kwargs = _argument(cls.__name__, f, hints[f.name], docs.get(f.name, ""), (aliases or {}).get(f.name, []),
+                                  (shown_defaults or {}).get(f.name, field_default(f)))
         target.add_argument(*names, **kwargs)
 
 
-def _argument(prefix: str, f: dataclasses.Field, hint: Any, doc: str, aliases: list[str]) -> tuple[list, dict]:
+def _argument(prefix: str, f: dataclasses.Field, hint: Any, doc: str, aliases: list[str],
+              default: Any) -> tuple[list, dict]:
     """add_argument's names and keywords for one field."""
     if "choices" in f.metadata:  # choices known only when the parser is built (registered transforms)
         hint = typing.Literal[tuple(f.metadata["choices"]())]
@@ -108,7 +113,7 @@ def _argument(prefix: str, f: dataclasses.Field, hint: Any, doc: str, aliases: l
     doc = doc.replace("%", "%%")
     if listed and not f.metadata.get("positional") and "nargs" not in f.metadata:
         doc += "; repeat the option for more"
-    help_text = doc if required else f"{doc} (default: {_option_text(field_default(f))})".strip()
+    help_text = doc if required else f"{doc} (default: {_option_text(default)})".strip()
     kwargs: dict[str, Any] = dict(default=argparse.SUPPRESS, help=help_text)
     if f.metadata.get("positional"):
         names, kwargs["metavar"] = [f"{prefix}.{f.name}"], f.name.upper()

@@ -22,4 +22,7 @@ def plot(config: PlotConfig) -> int:
     return 0
 
 
-COMMAND = Command("plot", plot, "PNG of train/val loss against steps and tokens of a run")
+COMMAND = Command("plot", plot, "PNG of train/val loss against steps and tokens of a run",
+                  examples=(
+                      'glasslm plot runs/shakespeare',
+                  ))

@@ -38,4 +38,8 @@ def prepare(config: PrepareConfig, output: OutputOption) -> int:
     return 0
 
 
-COMMAND = Command("prepare", prepare, "tokenize text files into train.bin / val.bin for training")
+COMMAND = Command("prepare", prepare, "tokenize text files into train.bin / val.bin for training",
+                  examples=(
+                      'glasslm prepare my.txt --tokenizer gpt2 --out data/mine',
+                      'glasslm train --preset shakespeare-char-cpu --data data/mine --out runs/mine',
+                  ))

@@ -37,4 +37,7 @@ def quantize(source: CheckpointOption, config: QuantizeConfig, output: OutputOpt
 
 
 COMMAND = Command("quantize", quantize,
-                  "write a weight-only int8 or int4 copy of a checkpoint (for generate/eval/serve)")
+                  "write a weight-only int8 or int4 copy of a checkpoint (for generate/eval/serve)",
+                  examples=(
+                      'glasslm quantize --checkpoint runs/shakespeare --method int8 --out runs/shakespeare-int8',
+                  ))

@@ -44,4 +44,8 @@ def chat_template_of(checkpoint: str, template_file: str | None) -> str | None:
 
 
 COMMAND = Command("serve", serve,
-                  "OpenAI-compatible completions server and the explorer page (needs fastapi, uvicorn)")
+                  "OpenAI-compatible completions server and the explorer page (needs fastapi, uvicorn)",
+                  examples=(
+                      'glasslm serve --checkpoint runs/shakespeare              # explorer at http://127.0.0.1:8000',
+                      'glasslm serve --checkpoint runs/shakespeare --port 8001 --max-batch 8',
+                  ))

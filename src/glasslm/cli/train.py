@@ -41,9 +41,12 @@ class TrainOptions:
     extend_schedule: bool = False
 
 
+DEFAULT_PRESET = RunConfig.preset  # what `glasslm train` trains without --preset: its defaults are the ones shown
 RUN = Group("run: what to train on and where to write")
-TRAINING = Group("training (defaults shown are TrainConfig's; the preset's recipe may change them)")
-MODEL = Group("model (defaults shown are ModelConfig's; the preset sets most)", skip=frozenset({"vocab_size"}))
+TRAINING = Group(f"training (defaults shown: the {DEFAULT_PRESET} preset's recipe; another --preset brings its own)",
+                 shown_defaults=lambda: dataclasses.asdict(get_recipe(DEFAULT_PRESET)))
+MODEL = Group(f"model (defaults shown: the {DEFAULT_PRESET} preset's; another --preset brings its own)",
+              skip=frozenset({"vocab_size"}), shown_defaults=lambda: dataclasses.asdict(get_preset(DEFAULT_PRESET)))
 
 
 @dataclass
@@ -99,8 +102,11 @@ def train(options: TrainOptions, run: Annotated[dict[str, Any], RunConfig, RUN],
     finally:
         shutdown_distributed()
     if result.stopped_by_signal is not None:
-        say(f"interrupted after step {result.step}, saved {result.checkpoint}; continue with: "
-            f"glasslm train --resume {plan.out}")
+        if result.checkpoint is None:
+            say(f"interrupted before a step completed; nothing to save in {plan.out}")
+        else:
+            say(f"interrupted after step {result.step}, saved {result.checkpoint}; continue with: "
+                f"glasslm train --resume {plan.out}")
         return 128 + result.stopped_by_signal
     if result.val_losses:
         step, val_loss = result.val_losses[-1]
@@ -131,6 +137,7 @@ def _plan(options: TrainOptions, run: dict[str, Any], training: dict[str, Any], 
     resumed = read_resumed_run(options.resume)
     if model_overrides:
         raise ValueError(f"--resume continues the checkpoint's model; drop {sorted(model_overrides)}")
+    _refuse_guessing_the_run(options.resume, resumed.checkpoint, given)
     meta = resumed.meta
     run_config = RunConfig(**{"preset": meta.get("preset", "checkpoint"), "data": meta.get("data"),
                               "val_fraction": meta.get("val_fraction", VAL_FRACTION), "out": str(resumed.checkpoint.parent),
@@ -141,6 +148,18 @@ def _plan(options: TrainOptions, run: dict[str, Any], training: dict[str, Any], 
             raise ValueError("give either --extend-schedule or --lr-decay-steps, not both")
         train_config = dataclasses.replace(train_config, lr_decay_steps=train_config.max_steps)
     return _Plan(run_config, train_config, {}, resumed, "tokenizer" in given)
+
+
+def _refuse_guessing_the_run(resume: str, checkpoint: Path, given: dict[str, Any]) -> None:
+    """A checkpoint copied out of its run has no run directory to continue in: --out must name one
+    (its parent would otherwise become the run, gaining a lock, pointers and metrics)."""
+    from glasslm.io.checkpoint import read_pointer
+
+    if given.get("out") or read_pointer(checkpoint.parent, "latest") is not None:
+        return
+    raise ValueError(f"--resume {resume}: {checkpoint} is a checkpoint outside a run directory ({checkpoint.parent} "
+                     "has no latest pointer), so there is no run to continue in; name a directory for the "
+                     f"continued run: glasslm train --resume {resume} --out DIR")
 
 
 def _data_and_model(plan: _Plan) -> tuple[Any, ModelConfig, str]:
@@ -306,4 +325,11 @@ def _optional_loggers(cfg: TrainConfig, run_dir: Path, config: dict[str, Any]) -
 
 COMMAND = Command("train", train, "train a model on a text file or a named dataset",
                   description="Train a model. Each setting comes from the preset and its recipe, then\n"
-                              "a --config file, then these options: the later wins.")
+                              "a --config file, then these options: the later wins.",
+                  examples=(
+                      "glasslm train                                   # shakespeare-char-cpu on tinyshakespeare",
+                      "glasslm train --data my.txt --out runs/mine --max-steps 300",
+                      "glasslm train --resume runs/shakespeare-char-cpu --max-steps 1200 --extend-schedule",
+                      "glasslm train --preset gpt2-small --init-from gpt2 --data data/mine --max-steps 200",
+                      "glasslm info --preset gpt2-small                # a preset's size before training it",
+                  ))

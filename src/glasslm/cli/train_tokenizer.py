@@ -36,4 +36,8 @@ def train_tokenizer(config: TokenizerTrainingConfig, output: OutputOption) -> in
     return 0
 
 
-COMMAND = Command("train-tokenizer", train_tokenizer, "train a byte-level BPE vocabulary on text files")
+COMMAND = Command("train-tokenizer", train_tokenizer, "train a byte-level BPE vocabulary on text files",
+                  examples=(
+                      'glasslm train-tokenizer my.txt --vocab-size 1024 --out tok/mine',
+                      'glasslm prepare my.txt --tokenizer tok/mine --out data/mine',
+                  ))

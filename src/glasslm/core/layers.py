@@ -62,7 +62,10 @@ class Embedding(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, tokens: Int[Tensor, "batch seq"]) -> Float[Tensor, "batch seq d_model"]:
-        return self.weight[tokens]
+        # The same rows as weight[tokens], but that indexing's backward (an accumulating index_put
+        # on CPU) sums repeated tokens' gradients in an order that changes with thread timing, so
+        # two identical runs drifted apart; F.embedding's backward sums in a fixed order.
+        return F.embedding(tokens, self.weight)
 
 
 class LayerNorm(nn.Module):

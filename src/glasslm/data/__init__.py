@@ -20,7 +20,8 @@ Example:
 """
 
 from glasslm.data.batches import get_batch, load_training_data
-from glasslm.data.datasets import DATASETS, DatasetInfo, fetch_dataset, resolve_text, sha256_of
+from glasslm.data.datasets import (DATASETS, FILE_SETS, DatasetInfo, fetch_dataset, held_by, known_names,
+                                   resolve_text, sha256_of)
 from glasslm.data.prepared import (
     META_FILE,
     TOKEN_DTYPES,
@@ -37,8 +38,8 @@ from glasslm.data.prepared import (
 from glasslm.data.splits import SPLITS, VAL_FRACTION, read_split, split_offset, split_texts, train_val_split
 
 __all__ = [
-    "DATASETS", "META_FILE", "SPLITS", "TOKEN_DTYPES", "VAL_FRACTION", "DatasetInfo", "TokenData",
-    "char_vocabulary", "check_prepared", "fetch_dataset", "get_batch", "is_prepared", "load_prepared",
-    "load_token_file", "load_training_data", "prepare", "read_split", "resolve_text", "sha256_of",
+    "DATASETS", "FILE_SETS", "META_FILE", "SPLITS", "TOKEN_DTYPES", "VAL_FRACTION", "DatasetInfo", "TokenData",
+    "char_vocabulary", "check_prepared", "fetch_dataset", "get_batch", "held_by", "is_prepared", "known_names",
+    "load_prepared", "load_token_file", "load_training_data", "prepare", "read_split", "resolve_text", "sha256_of",
     "split_offset", "split_texts", "token_dtype", "token_file", "train_val_split",
 ]

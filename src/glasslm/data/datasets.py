@@ -4,8 +4,8 @@ data directory (`glasslm.locations.data_dir`: `--data-dir`, else $GLASSLM_DATA_D
 --from DIR` copies a verified copy in from a local folder.
 
 Example:
-    >>> sorted(DATASETS)
-    ['tinyshakespeare']
+    >>> sorted(DATASETS), sorted(FILE_SETS)
+    (['tinyshakespeare'], ['gpt2'])
     >>> resolve_text("no/such/file.txt")
     Traceback (most recent call last):
     ...
@@ -25,13 +25,15 @@ from pathlib import Path
 
 from glasslm.data.prepared import check_prepared, is_prepared
 from glasslm.locations import DATA_DIR_RULE, data_dir
+from glasslm.tokenizers.gpt2 import GPT2_SHA256
 
 
 @dataclass(frozen=True)
 class DatasetInfo:
-    filename: str
+    filename: str  # where it is kept, relative to the data directory
     url: str
     sha256: str
+    also_accepted: tuple[str, ...] = ()  # other sha256s of the same content (e.g. without a header line)
 
 
 DATASETS: dict[str, DatasetInfo] = {
@@ -41,6 +43,22 @@ DATASETS: dict[str, DatasetInfo] = {
         sha256="86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
     ),
 }
+
+_GPT2_RELEASE = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+# Known files that are not texts to train on: several files each, fetched the same way. gpt2 is
+# GPT-2's released tokenizer (encoder.json, vocab.bpe), kept where `gpt2_tokenizer()` looks.
+FILE_SETS: dict[str, tuple[DatasetInfo, ...]] = {
+    "gpt2": (
+        DatasetInfo("gpt2/gpt2_vocab.json", _GPT2_RELEASE + "encoder.json", GPT2_SHA256["encoder.json"]),
+        DatasetInfo("gpt2/gpt2_merges.txt", _GPT2_RELEASE + "vocab.bpe", GPT2_SHA256["vocab.bpe"],
+                    also_accepted=(GPT2_SHA256["vocab.bpe (no header)"],)),
+    ),
+}
+
+
+def known_names() -> list[str]:
+    """Every name `glasslm fetch` knows: the text datasets, then the file sets."""
+    return [*DATASETS, *FILE_SETS]
 
 
 def sha256_of(path: Path) -> str:
@@ -53,23 +71,52 @@ def sha256_of(path: Path) -> str:
 
 def fetch_dataset(name: str, directory: str | os.PathLike | None = None,
                   source_dir: str | os.PathLike | None = None) -> Path:
-    """Path to a known dataset's file, downloading and verifying it first if it is not there.
+    """Path to a known dataset's file (for a file set such as gpt2: its folder), downloading and
+    verifying it first if it is not there.
 
     With `source_dir`, a missing file is copied from that local folder (and verified) instead of
     downloaded: how the scripts seed the data directory from a shared copy on offline machines.
     """
+    if name in FILE_SETS:
+        paths = [_fetch_file(name, info, directory, source_dir) for info in FILE_SETS[name]]
+        return paths[0].parent
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")
-    info = DATASETS[name]
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(known_names())}")
+    return _fetch_file(name, DATASETS[name], directory, source_dir)
+
+
+def held_by(name: str, source_dir: str | os.PathLike) -> bool:
+    """Whether a local folder holds every file of dataset `name` (for `glasslm fetch --from`)."""
+    infos = FILE_SETS.get(name) or (DATASETS[name],)
+    return all(_source_file(info, Path(source_dir)) is not None for info in infos)
+
+
+def _source_file(info: DatasetInfo, source_dir: Path) -> Path | None:
+    """The file in `source_dir` that holds `info`: under its data-directory name, its bare name, or
+    the name it has at its URL (encoder.json)."""
+    for candidate in (info.filename, Path(info.filename).name, info.url.rsplit("/", 1)[-1]):
+        if (source_dir / candidate).is_file():
+            return source_dir / candidate
+    return None
+
+
+def _fetch_file(name: str, info: DatasetInfo, directory: str | os.PathLike | None,
+                source_dir: str | os.PathLike | None) -> Path:
     target = data_dir(directory) / info.filename
+    accepted = (info.sha256, *info.also_accepted)
     if target.is_file():
         found = sha256_of(target)
-        if found != info.sha256:
+        if found not in accepted:
             raise ValueError(f"{target} has sha256 {found}, expected {info.sha256}: delete it to re-download")
         return target
-    origin = info.url if source_dir is None else str(Path(source_dir) / info.filename)
+    if source_dir is not None:
+        source = _source_file(info, Path(source_dir))
+        origin = str(source if source is not None else Path(source_dir) / info.filename)
+    else:
+        origin = info.url
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{info.filename}.", suffix=".tmp", delete=False)
+    tmp = tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{Path(info.filename).name}.", suffix=".tmp",
+                                      delete=False)
     try:
         with tmp:
             if source_dir is not None:
@@ -79,7 +126,7 @@ def fetch_dataset(name: str, directory: str | os.PathLike | None = None,
                 with urllib.request.urlopen(info.url, timeout=30) as response:
                     shutil.copyfileobj(response, tmp)
         found = sha256_of(Path(tmp.name))
-        if found != info.sha256:
+        if found not in accepted:
             raise ValueError(f"{origin} has sha256 {found}, expected {info.sha256}")
         os.replace(tmp.name, target)
     except (urllib.error.URLError, OSError) as err:
@@ -89,7 +136,7 @@ def fetch_dataset(name: str, directory: str | os.PathLike | None = None,
         # One line: the rule, and the exact path the file must have.
         raise RuntimeError(
             f"could not download dataset {name!r} from {info.url} ({err}); if this machine is offline, "
-            f"put {info.filename} at {target} (data directory: {DATA_DIR_RULE}), "
+            f"put {Path(info.filename).name} at {target} (data directory: {DATA_DIR_RULE}), "
             f"or copy it in with: glasslm fetch {name} --from DIR"
         ) from None
     except BaseException:

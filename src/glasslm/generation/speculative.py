@@ -65,8 +65,12 @@ def _cache_slots(target: TransformerLM, draft: TransformerLM, prompt: Sequence[i
     total = len(prompt) + max_new_tokens + lookahead + 1
     for name, model in (("target", target), ("draft", draft)):
         if total > model.config.context_length and model.config.positional != "none":
-            raise ValueError(f"prompt + max_new_tokens + lookahead ({total} tokens) exceeds the {name}'s context "
-                             f"length {model.config.context_length}")
+            fits = model.config.context_length - len(prompt) - lookahead - 1
+            raise ValueError(f"prompt + max_new_tokens + lookahead + 1 ({total} tokens) exceeds the {name}'s context "
+                             f"length {model.config.context_length}; "
+                             + (f"at most {fits} new tokens fit after this prompt" if fits > 0 else
+                                "the prompt leaves no room: shorten it (speculative decoding does not slide "
+                                "the context window)"))
     return total
 
 

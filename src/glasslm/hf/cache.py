@@ -38,8 +38,11 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
         if (repo / "snapshots").is_dir() else []
     if snapshots:
         return snapshots[-1]  # no refs/main: the most recently written revision
+    if path.parent != Path(".") and path.parent.is_dir():
+        # "runs/nonexist" where runs/ exists: a mistyped local path, not a hub name to download.
+        raise FileNotFoundError(f"{spec} does not exist (no {path.name} in {path.parent}/)")
     raise FileNotFoundError(
-        f"{spec} is not a local path, and the local Hugging Face cache has no {repo.name}: looked in {repo} "
-        "(set HF_HUB_CACHE or HF_HOME to another cache; glasslm never downloads, so fetch it first, "
-        f"e.g. `hf download {spec}`)"
+        f"{spec} is neither a local path nor a model in the local Hugging Face cache (looked for {repo}; "
+        "HF_HUB_CACHE or HF_HOME choose another cache). If it is a hub model, glasslm never downloads: "
+        f"fetch it first with `hf download {spec}`; if it is a local path, check its spelling"
     )

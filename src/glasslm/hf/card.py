@@ -10,6 +10,8 @@ Example:
 
 from __future__ import annotations
 
+import re
+from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
 from glasslm.core.model import TransformerLM
@@ -18,6 +20,26 @@ from glasslm.hf.families import FAMILIES
 # meta.json / checkpoint_summary keys -> the card's labels, in the card's order.
 _HISTORY = (("data", "training data"), ("converted_from", "converted from"), ("init_from", "fine-tuned from"),
             ("step", "training steps"), ("val_loss", "validation loss"))
+
+
+def shareable(value: str) -> str:
+    """A recorded source as a card may publish it: no absolute local path. A cached hub snapshot
+    becomes its hub name; another absolute path, its last component; a "format:path" keeps its format.
+
+    >>> shareable("/root/.cache/huggingface/hub/models--org--name/snapshots/0a1b")
+    'org/name'
+    >>> shareable("nanogpt:/home/me/out/ckpt.pt"), shareable("tinyshakespeare")
+    ('nanogpt:ckpt.pt', 'tinyshakespeare')
+    """
+    prefix, _, rest = value.partition(":")
+    if rest and not PurePosixPath(value).is_absolute() and re.fullmatch(r"[a-z0-9]+", prefix):
+        return f"{prefix}:{shareable(rest)}"
+    hub = re.search(r"/models--([^/]+)/snapshots/", value)
+    if hub:
+        return hub.group(1).replace("--", "/")
+    if PurePosixPath(value).is_absolute() or PureWindowsPath(value).is_absolute():
+        return PurePosixPath(value.replace("\\", "/")).name
+    return value
 
 
 def model_card(model: TransformerLM, tokenizer: Any | None, meta: dict[str, Any] | None, family: str) -> str:
@@ -34,7 +56,7 @@ def model_card(model: TransformerLM, tokenizer: Any | None, meta: dict[str, Any]
     for key, label in _HISTORY:
         if meta.get(key) is not None:
             value = meta[key]
-            rows.append((label, f"{value:.4f}" if isinstance(value, float) else str(value)))
+            rows.append((label, f"{value:.4f}" if isinstance(value, float) else shareable(str(value))))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     return (f"---\nlibrary_name: transformers\ntags: [glasslm]\n---\n\n# glasslm model\n\n"
             f"Exported by glasslm. Load it with transformers:\n\n```python\n"

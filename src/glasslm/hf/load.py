@@ -71,7 +71,7 @@ def checkpoint_summary(path: str | os.PathLike) -> dict[str, Any]:
 
     path = resolve_model_path(path)
     if is_hf_directory(path):
-        return {"converted_from": str(path)}
+        return {}  # an HF directory records nothing of how it was made (it is not converted from itself)
     directory = resolve_checkpoint(path)
     summary: dict[str, Any] = {}
     for name in (META_FILE, TRAINER_STATE_JSON):

@@ -326,6 +326,9 @@ def resolve_checkpoint(path: str | os.PathLike, prefer: tuple[str, ...] = ("best
         target = read_pointer(path.parent, path.name)
         assert target is not None
         return target
+    if path.is_file():
+        raise FileNotFoundError(f"{path} is a file; a checkpoint is a directory (a run directory, or one of its "
+                                f"{CHECKPOINT_PREFIX}* directories, or its latest/best pointer file)")
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     if (path / CONFIG_FILE).exists() or (path / WEIGHTS_FILE).exists():

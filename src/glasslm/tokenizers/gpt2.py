@@ -48,7 +48,8 @@ def find_gpt2_files(data_dir: str | os.PathLike | None = None) -> tuple[Path, Pa
         f"GPT-2 tokenizer files not found under {root}: expected {root / GPT2_SUBDIR / vocab_name} and "
         f"{root / GPT2_SUBDIR / merges_name} (GPT-2's encoder.json and vocab.bpe; the names "
         f"{' or '.join('/'.join(pair) for pair in others)} also work, in {GPT2_SUBDIR}/ or directly in the "
-        f"directory; data directory: {DATA_DIR_RULE})"
+        f"directory; data directory: {DATA_DIR_RULE}); `glasslm fetch gpt2` downloads them there "
+        "(`glasslm fetch gpt2 --from DIR` copies them from a local folder)"
     )
 
 

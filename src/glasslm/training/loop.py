@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
-from glasslm.io.checkpoint import resolve_checkpoint
+from glasslm.io.checkpoint import checkpoint_name, resolve_checkpoint
 from glasslm.training.checkpointer import Checkpointer
 from glasslm.training.config import TrainConfig
 from glasslm.training.distributed import DistributedContext, any_process, resolve_device
@@ -184,10 +184,18 @@ def _loop(parts: TrainingParts, train_tokens: Tensor, duties: _Duties, stop: Sto
     when they have something to do, and a stop request ends the run after a checkpoint."""
     cfg, ctx = parts.cfg, parts.ctx
     window, evaluator, checkpointer, bar = duties.window, duties.evaluator, duties.checkpointer, duties.bar
+    # One process: a stop request abandons a long step between micro-batches (processes would
+    # have to agree first, so under torchrun the step finishes).
+    interrupted = None if ctx.enabled else (lambda: stop.signum is not None)
     for step in range(parts.point.step, cfg.max_steps):
         started = time.perf_counter()
         lr = apply_schedule(parts.optimizer, cfg, step)
-        loss, grad_norm = train_step(parts, *parts.next_batch(train_tokens))
+        before = _generator_states(parts) if interrupted is not None else None
+        stepped = train_step(parts, *parts.next_batch(train_tokens), interrupted=interrupted)
+        if stepped is None:
+            _stop_before_step(parts, duties, stop, result, step, before)
+            return
+        loss, grad_norm = stepped
         done = result.step = step + 1
         window.add(loss, grad_norm, time.perf_counter() - started)
         bar.update(1)
@@ -214,6 +222,35 @@ def _loop(parts: TrainingParts, train_tokens: Tensor, duties: _Duties, stop: Sto
                 bar.write(f"stopped by signal {signal.Signals(stop_signal).name} after step {done}; "
                           f"checkpoint: {result.checkpoint}")
             return
+
+
+def _generator_states(parts: TrainingParts) -> tuple[Tensor, ...]:
+    """The generators a step draws from (its batch; dropout), to undo an abandoned step's draws."""
+    states = (parts.batch_rng.get_state(), torch.get_rng_state())
+    if torch.device(parts.device).type == "cuda":
+        states += (torch.cuda.get_rng_state(parts.device),)
+    return states
+
+
+def _stop_before_step(parts: TrainingParts, duties: _Duties, stop: StopRequest, result: TrainResult, step: int,
+                      before: tuple[Tensor, ...] | None) -> None:
+    """A stop request arrived inside step `step + 1`: undo its random draws and save the state after
+    step `step` (what an uninterrupted run had then), so a resumed run continues bit for bit."""
+    assert before is not None and stop.signum is not None
+    parts.batch_rng.set_state(before[0])
+    torch.set_rng_state(before[1])
+    if len(before) > 2:
+        torch.cuda.set_rng_state(before[2], parts.device)
+    result.stopped_by_signal = stop.signum
+    saved = duties.checkpointer.last
+    if step > parts.point.step and duties.checkpointer.run_dir is not None \
+            and (saved is None or saved.name != checkpoint_name(step)):
+        duties.window.flush(step, duties.checkpointer.last)
+        with stop.saving():
+            duties.checkpointer.save(step, duties.evaluator, duties.window)
+    if parts.cfg.progress:
+        duties.bar.write(f"stopped by signal {signal.Signals(stop.signum).name} inside step {step + 1}; "
+                         f"checkpoint: {result.checkpoint}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -49,15 +49,20 @@ def rank_slice(batch: Tensor, rank: int, world_size: int) -> Tensor:
 def forward_backward(
     model: nn.Module, x: Int[Tensor, "b t"], y: Int[Tensor, "b t"], accum_steps: int,
     autocast=nullcontext, scaler: torch.amp.GradScaler | None = None, no_sync: Callable | None = None,
-) -> Tensor:
+    interrupted: Callable[[], bool] | None = None,
+) -> Tensor | None:
     """Accumulate the gradient of the mean loss over all rows of (x, y) in `accum_steps` chunks.
 
     Each chunk's loss is divided by accum_steps, so the summed gradient equals the gradient of
     one big batch (chunks must be equal-sized). Returns the (detached) mean loss.
-    `no_sync` (DDP's) skips the gradient all-reduce on every chunk but the last.
+    `no_sync` (DDP's) skips the gradient all-reduce on every chunk but the last. `interrupted` is
+    asked before each chunk after the first: true abandons the step (returns None, the gradient
+    half-accumulated), so a Ctrl-C is answered within one micro-batch, not one whole step.
     """
     total: Tensor | None = None
     for i, (xc, yc) in enumerate(zip(x.tensor_split(accum_steps), y.tensor_split(accum_steps))):
+        if i > 0 and interrupted is not None and interrupted():
+            return None
         sync = no_sync() if no_sync is not None and i < accum_steps - 1 else nullcontext()
         with sync:
             with autocast():
@@ -68,13 +73,19 @@ def forward_backward(
     return total
 
 
-def train_step(parts: TrainingParts, x: Int[Tensor, "b t"], y: Int[Tensor, "b t"]) -> tuple[Tensor, Tensor]:
+def train_step(parts: TrainingParts, x: Int[Tensor, "b t"], y: Int[Tensor, "b t"],
+               interrupted: Callable[[], bool] | None = None) -> tuple[Tensor, Tensor] | None:
     """One optimizer step on this process's batch: (mean loss, global gradient norm), both still
-    on the device (reading them would wait for the step to finish)."""
+    on the device (reading them would wait for the step to finish). None: `interrupted` abandoned
+    the step between micro-batches; weights and optimizer are as before it, gradients cleared."""
     cfg, model, optimizer, scaler = parts.cfg, parts.model, parts.optimizer, parts.scaler
     ddp = parts.step_model if isinstance(parts.step_model, nn.parallel.DistributedDataParallel) else None
     loss = forward_backward(parts.step_model, x, y, cfg.grad_accum_steps,
-                            lambda: autocast_context(cfg, parts.device), scaler, ddp.no_sync if ddp else None)
+                            lambda: autocast_context(cfg, parts.device), scaler, ddp.no_sync if ddp else None,
+                            interrupted)
+    if loss is None:
+        optimizer.zero_grad(set_to_none=True)
+        return None
     if scaler is not None:
         scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf

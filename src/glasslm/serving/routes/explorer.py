@@ -25,7 +25,7 @@ from glasslm.serving import schemas
 from glasslm.serving.context import ServedDep
 
 STATIC_DIR = Path(__file__).parent.parent / "static"
-LOSS_LIMIT_CONTEXTS = 16  # /api/token-loss scores texts up to this many context lengths
+LOSS_LIMIT_CONTEXTS = 16  # /api/token-loss scores (and /api/tokenize splits) texts up to this many context lengths
 
 router = APIRouter()
 router.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
@@ -47,7 +47,9 @@ def info(served: ServedDep) -> dict[str, Any]:
 
 @router.post("/api/tokenize")
 def api_tokenize(body: schemas.TextRequest, served: ServedDep) -> dict[str, Any]:
-    ids = body.ids(lambda value, what: served.encode(value, what=what))
+    # Longer than the context: the page tokenizes a long text to show (and say) which window it inspects.
+    limit = LOSS_LIMIT_CONTEXTS * served.context_length
+    ids = body.ids(lambda value, what: served.encode(value, limit=limit, what=what))
     return {"tokens": ids, "texts": token_texts(served.tokenizer, ids)}
 
 

@@ -31,14 +31,16 @@ async function generate() {
   output.textContent = "";
   $("next-token-bars").textContent = "";
   const text = $("prompt").value;
-  gen = { prompt: [], tokens: [], selected: -1, controller: new AbortController() };
+  gen = { prompt: [], tokens: [], selected: -1, controller: new AbortController(), text: "" };
+  $("inspect-generation").disabled = true;
   $("generate").disabled = true; $("stop").disabled = false;
   try {
     gen.prompt = text ? (await post("/api/tokenize", { text })).tokens : [];
+    const newTokens = fittingNewTokens(gen.prompt.length);
     const promptSpan = document.createElement("span");
     promptSpan.className = "prompt"; promptSpan.textContent = text;
     output.appendChild(promptSpan);
-    const body = { prompt: text, max_tokens: Number($("max-tokens").value), stream: true, logprobs: 5,
+    const body = { prompt: text, max_tokens: newTokens.count, stream: true, logprobs: 5,
                    return_token_ids: true, ...samplingControls() };
     if ($("seed").value !== "") body.seed = Number($("seed").value);
     const start = performance.now();
@@ -53,16 +55,33 @@ async function generate() {
       if (choice.finish_reason) finish = choice.finish_reason;
       const seconds = (performance.now() - start) / 1000;
       showStatus(status, `${gen.tokens.length} tokens, ${(gen.tokens.length / seconds).toFixed(1)} tokens/s` +
-                 (finish ? `, finish: ${finish}` : ""));
+                 (finish ? `, finish: ${finish}` : "") + newTokens.note);
     }
     output.dataset.done = "true";
-    $("inspect-text").value = text + gen.tokens.map((t) => t.text).join("");
+    // The "Inside the model" text stays the user's own; "Inspect this text" copies the generation there.
+    gen.text = text + gen.tokens.map((t) => t.text).join("");
+    $("inspect-generation").disabled = false;
     if (gen.tokens.length) selectToken(gen.tokens.length - 1);
   } catch (err) {
     if (err.name !== "AbortError") showError(status, err);
   } finally {
     $("generate").disabled = false; $("stop").disabled = true;
   }
+}
+
+// New tokens asked for: the box's number, capped so prompt + new tokens fit the model's context
+// (past it the model would only see a sliding window of the text). `note` says when it was capped.
+function fittingNewTokens(promptLength) {
+  const asked = Number($("max-tokens").value), fits = Math.max(1, info.context_length - promptLength);
+  if (asked <= fits) return { count: asked, note: "" };
+  return { count: fits, note: ` (capped from ${asked}: the prompt's ${promptLength} tokens + ${fits} new fill ` +
+                               `the context of ${info.context_length})` };
+}
+
+function inspectGeneration() {
+  $("inspect-text").value = gen.text;
+  showStatus($("inspect-status"), "the generated text; Attention and Logit lens show its last " +
+             `${info.context_length} tokens if it is longer`);
 }
 
 async function* events(response) {
@@ -174,15 +193,30 @@ async function scoreText() {
   } catch (err) { showError(status, err); }
 }
 
+// --- the text for attention and logit lens: at most one context window ---
+
+// The inspect text's token ids, cut to its last context_length tokens (the window the model would
+// see next); `note` says which window is shown when the text is longer.
+async function inspectWindow() {
+  const text = $("inspect-text").value;
+  if (!text) return { body: { text }, note: "" };  // the server names the problem
+  const ids = (await post("/api/tokenize", { text })).tokens, n = info.context_length;
+  if (ids.length <= n) return { body: { tokens: ids }, note: "" };
+  return { body: { tokens: ids.slice(-n) },
+           note: ` — the text is ${ids.length} tokens; showing its last ${n} (tokens ${ids.length - n + 1}–${ids.length}), ` +
+                 "the model's context" };
+}
+
 // --- attention heat map (SVG) ---
 
 async function showAttention() {
   const status = $("inspect-status"), layer = Number($("layer").value), head = Number($("head").value);
   try {
-    const result = await post("/api/attention", { text: $("inspect-text").value, layer, head });
+    const shown = await inspectWindow();
+    const result = await post("/api/attention", { ...shown.body, layer, head });
     drawHeatMap($("attention-map"), result.patterns[0], result.texts, layer, head);
     $("attention-title").textContent = `layer ${layer}, head ${head} (rows: queries, columns: keys)`;
-    showStatus(status, `${result.texts.length} tokens`);
+    showStatus(status, `${result.texts.length} tokens${shown.note}`);
   } catch (err) { showError(status, err); }
 }
 
@@ -220,7 +254,8 @@ function drawHeatMap(where, pattern, texts, layer, head) {
 async function showLens() {
   const status = $("inspect-status");
   try {
-    const result = await post("/api/logit-lens", { text: $("inspect-text").value });
+    const shown = await inspectWindow();
+    const result = await post("/api/logit-lens", shown.body);
     const table = document.createElement("table");
     const header = table.insertRow();
     header.insertCell().outerHTML = "<th>layer</th>";
@@ -237,11 +272,19 @@ async function showLens() {
       });
     }
     $("lens").textContent = ""; $("lens").appendChild(table);
-    showStatus(status, `${result.texts.length} tokens, ${result.layers.length} layers`);
+    showStatus(status, `${result.texts.length} tokens, ${result.layers.length} layers${shown.note}`);
   } catch (err) { showError(status, err); }
 }
 
 // --- start ---
+
+// The box's default: 80 new tokens, or fewer where the default prompt + 80 would overflow the context.
+async function defaultNewTokens() {
+  const box = $("max-tokens"), text = $("prompt").value;
+  const promptLength = text ? (await post("/api/tokenize", { text })).tokens.length : 1;
+  box.max = info.context_length;
+  box.value = Math.min(Number(box.value), Math.max(1, info.context_length - promptLength));
+}
 
 async function start() {
   info = await (await fetch("/api/info")).json();
@@ -249,7 +292,9 @@ async function start() {
     `${info.n_layers} layers × ${info.n_heads} heads, context ${info.context_length}, ${info.tokenizer} tokenizer`;
   for (let i = 0; i < info.n_layers; i++) $("layer").add(new Option(String(i), String(i)));
   for (let i = 0; i < info.n_heads; i++) $("head").add(new Option(String(i), String(i)));
+  await defaultNewTokens();
   $("generate").onclick = generate;
+  $("inspect-generation").onclick = inspectGeneration;
   $("stop").onclick = () => gen.controller && gen.controller.abort();
   $("score").onclick = scoreText;
   $("show-attention").onclick = showAttention;
