@@ -269,7 +269,7 @@ def test_the_package_exposes_its_main_names():
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--checkpoint", "x", "--prompt", "a", "--interactive"], "not allowed with argument"),
-    (["convert", "--out", "o"], "one of the arguments --from-hf --to-hf --from is required"),
+    (["convert", "--out", "o"], "one of the arguments --from-hf --to-hf --to-peft --from is required"),
     (["convert", "--to-hf", "--from-hf", "h", "--out", "o"], "not allowed with argument"),
     (["eval", "--checkpoint", "x"], "the following arguments are required: --data"),
     (["sample", "--checkpoint", "x", "--lookahead", "0"], "--lookahead: must be at least 1, got 0"),

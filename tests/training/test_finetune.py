@@ -100,6 +100,8 @@ def test_a_lora_run_saves_only_the_adapters_and_loads_as_base_plus_adapters(base
     adapted, tokenizer = load_model(base / "ft")
     plain, _ = load_model(base / "base")
     assert tokenizer is not None and (_logits(adapted) - _logits(plain)).abs().max() > 1e-3  # the adapters trained
+    assert main(["generate", "--checkpoint", str(base / "ft"), "--prompt", "u:abc;", "--max-new-tokens", "3",
+                 "--temperature", "0"]) == 0  # generate (like serve and eval) loads base + adapters
     with pytest.raises(ValueError, match="adapters"):  # glasslm.io alone cannot load it, and says why
         from glasslm.io.checkpoint import load_checkpoint
         load_checkpoint(base / "ft")
