@@ -144,13 +144,16 @@ def test_merge_writes_a_model_transformers_loads_with_the_adapted_logits(base, e
     assert (theirs - _logits(adapted)).abs().max() <= 1e-4 * max(1.0, theirs.abs().max().item())
 
 
-def test_the_adapters_export_to_peft_with_equal_logits(base):
+def test_a_lora_adapter_trained_on_an_hf_base_exports_to_peft_with_equal_logits(base):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    _finetune(base, "ft", "--max-steps", "3", "--lora-sites", "q,k,v,attn_out,mlp_up", "--export-peft",
-              str(base / "peft-a"))
-    assert main(["convert", "--to-peft", "--checkpoint", str(base / "ft"), "--out", str(base / "peft-b")]) == 0
     assert main(["convert", "--to-hf", "--checkpoint", str(base / "base"), "--out", str(base / "hf-base")]) == 0
+    args = ["finetune", "--checkpoint", str(base / "hf-base"), "--data", str(base / "chat.jsonl"), "--chat-template",
+            str(base / "template.jinja"), "--out", str(base / "ft"), "--batch-size", "4", "--max-steps", "3",
+            "--lr", "1e-2", "--no-progress", "--device", "cpu", "--lora-sites", "q,k,v,attn_out,mlp_up",
+            "--export-peft", str(base / "peft-a")]
+    assert main(args) == 0
+    assert main(["convert", "--to-peft", "--checkpoint", str(base / "ft"), "--out", str(base / "peft-b")]) == 0
     adapted, _ = load_model(base / "ft")
     ids = torch.tensor([TOKENIZER.encode("u:abc;a:cba;")])
     for exported in ("peft-a", "peft-b"):
@@ -158,6 +161,7 @@ def test_the_adapters_export_to_peft_with_equal_logits(base):
         with torch.no_grad():
             theirs = peft.PeftModel.from_pretrained(hf, base / exported).eval()(ids).logits
         assert (theirs - _logits(adapted)).abs().max() <= 2e-5 * max(1.0, theirs.abs().max().item())
+    assert (_logits(adapted) - _logits(load_model(base / "hf-base")[0])).abs().max() > 1e-3  # the adapters trained
 
 
 def test_bad_finetune_options_are_named(base, capsys):
