@@ -12,9 +12,14 @@ import torch.nn.functional as F
 
 from glasslm.cli import main
 from glasslm.core.model import TransformerLM
-from glasslm.data.sft import IGNORE_INDEX, encode_conversation
+from glasslm.data.sft import encode_conversation
 from glasslm.hf import load_model
-from glasslm.io.checkpoint import WEIGHTS_FILE, read_safetensors, resolve_checkpoint, save_checkpoint
+from glasslm.io.checkpoint import (
+    WEIGHTS_FILE,
+    read_safetensors,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from glasslm.presets import get_preset
 from glasslm.tokenizers import CharTokenizer
 from glasslm.training.batches import SFTBatches

@@ -106,11 +106,11 @@ def _model_and_data(base: str, config: FinetuneConfig, train_config: TrainConfig
 
     model, tokenizer, meta = prepare_model(base, config, seed=train_config.seed)
     if resume is not None:
-        from glasslm.io.checkpoint import META_FILE, read_json
+        from glasslm.io.checkpoint import ADAPTER_BASE_KEY, META_FILE, read_json
 
         saved = read_json(resume / META_FILE)
         record = saved[FINETUNE_KEY]
-        if "adapter_of" in saved and adapter_base(saved, str(resume))[1] != meta["adapter_of"]["sha256"]:
+        if ADAPTER_BASE_KEY in saved and adapter_base(saved, str(resume))[1] != meta[ADAPTER_BASE_KEY]["sha256"]:
             raise ValueError(f"{resume}: the base {base} has changed since this run started (its weights hash "
                              "differently); the adapters only fit the weights they were trained on")
         data, template = record["data"], record["template"]
