@@ -10,8 +10,9 @@ SmolLM-360M-shaped Llama (32 layers, d_model 960, 15 heads / 5 KV heads, tied em
 Memory: each variant runs in a fresh subprocess. After its model is built (and quantized, and
 given adapters) the process's RSS high-water mark is reset (/proc/self/clear_refs), then it trains
 `--steps` steps; the peak reported is VmHWM afterwards: what training needs with the model resident
-(weights, gradients, AdamW's two moments, activations). Set-up itself briefly holds the fp32 model
-before quantizing it; that is not counted.
+(weights, gradients, AdamW's two moments, activations), less the RSS of the interpreter and torch
+measured before the model was built ("process MB" keeps it in). Set-up itself briefly holds the
+fp32 model before quantizing it; that is not counted (freed memory is trimmed before the reset).
 
 Speed: in one process per shape, glasslm's LoRA step and peft's LoRA step on the same weights
 (the same sites, rank, alpha) run in turns (interleaved), medians over the repeats, ratio glasslm / peft.
@@ -69,19 +70,29 @@ def glasslm_step(model, optimizer, ids):
 
 def peak_rss_child(shape: str, variant: str, steps: int, batch: int, seq: int) -> None:
     """(subprocess) Build, reset the RSS high-water mark, train `steps` steps, print the peak as JSON."""
+    import ctypes
+    import gc
+
+    baseline = _status_mb("VmRSS")  # the interpreter and torch, before any model
     model = build(shape, variant)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # give back what set-up freed (QLoRA's fp32 weights)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     started = time.perf_counter()
     for _ in range(steps):
         glasslm_step(model, optimizer, ids)
     elapsed = time.perf_counter() - started
-    status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
-    print(json.dumps({"peak_mb": int(status["VmHWM"].split()[0]) / 1024, "rss_mb": int(status["VmRSS"].split()[0]) / 1024,
+    print(json.dumps({"peak_mb": _status_mb("VmHWM") - baseline, "process_peak_mb": _status_mb("VmHWM"),
                       "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
                       "tokens_per_s": steps * batch * seq / elapsed}))
+
+
+def _status_mb(field: str) -> float:
+    status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+    return int(status[field].split()[0]) / 1024
 
 
 def peak_memory(shape: str, variant: str, args) -> dict:
@@ -143,6 +154,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--child", nargs=2, metavar=("SHAPE", "VARIANT"))
+    parser.add_argument("--memory-only", action="store_true", help="skip the timed comparison with peft")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -153,13 +165,15 @@ def main() -> None:
           f"{args.steps} steps; LoRA rank {RANK}, alpha {ALPHA:g}")
     for shape in args.shapes.split(","):
         memory = {variant: peak_memory(shape, variant, args) for variant in ("full", "lora", "qlora")}
-        timed = speed(shape, args)
+        timed = None if args.memory_only else speed(shape, args)
         full = memory["full"]["peak_mb"]
         print(f"\n{shape}")
-        print(f"{'variant':<12}{'trainable':>14}{'peak MB':>10}{'x full':>8}{'tokens/s':>10}")
+        print(f"{'variant':<12}{'trainable':>14}{'peak MB':>10}{'x full':>8}{'process MB':>12}{'tokens/s':>10}")
         for variant, row in memory.items():
             print(f"{variant:<12}{row['trainable']:>14,}{row['peak_mb']:>10.0f}{row['peak_mb'] / full:>8.2f}"
-                  f"{row['tokens_per_s']:>10.0f}")
+                  f"{row['process_peak_mb']:>12.0f}{row['tokens_per_s']:>10.0f}")
+        if timed is None:
+            continue
         tokens = args.batch * args.seq
         print(f"LoRA step, same process, interleaved medians: glasslm {timed['glasslm']:.3f} s "
               f"({tokens / timed['glasslm']:.0f} tokens/s), peft {timed['peft']:.3f} s "
