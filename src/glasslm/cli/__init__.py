@@ -6,6 +6,8 @@ one new module and one line in COMMANDS.
     glasslm train --resume runs/shakespeare --max-steps 4000
     torchrun --nproc_per_node=2 -m glasslm.cli train --batch-size 6 --out runs/ddp
     glasslm plot runs/shakespeare
+    glasslm finetune --checkpoint runs/base --data chat.jsonl --lora-rank 8 --out runs/ft
+    glasslm merge --checkpoint runs/ft --out runs/ft-merged --to-hf
     glasslm generate --checkpoint runs/shakespeare --prompt "ROMEO:" --max-new-tokens 300
     glasslm eval --checkpoint runs/shakespeare --data tinyshakespeare
     glasslm info --preset gpt2-small --context-length 1024
@@ -22,14 +24,16 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
-from glasslm.cli import (chat, convert, evaluate, fetch, generate, info, inspection, plot, prepare, quantize, serve,
-                         train, train_tokenizer)
+from glasslm.cli import (chat, convert, evaluate, fetch, finetune, generate, info, inspection, merge, plot, prepare,
+                         quantize, serve, train, train_tokenizer)
 from glasslm.cli.command import Command
 from glasslm.cli.command import build_parser as build_command_parser
 from glasslm.cli.common import Terminated
 
 COMMANDS: tuple[Command, ...] = (
     train.COMMAND,
+    finetune.COMMAND,
+    merge.COMMAND,
     plot.COMMAND,
     generate.COMMAND,
     chat.COMMAND,
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     import threading
 
     args = build_parser().parse_args(argv)
-    if args.command != "train" and threading.current_thread() is threading.main_thread():
+    if args.command not in ("train", "finetune") and threading.current_thread() is threading.main_thread():
         # train saves a checkpoint on SIGTERM itself; other commands unwind like Ctrl-C, removing
         # half-written output (prepare's .tmp files) on the way out.
         signal.signal(signal.SIGTERM, _raise_terminated)

@@ -21,6 +21,8 @@ class ConvertConfig:
     # an HF GPT-2 / Llama / Mistral / Qwen2 directory, or a hub name in the local HF cache
     from_hf: str | None = field(default=None, metadata={"one_of": "direction"})
     to_hf: bool = field(default=False, metadata={"one_of": "direction"})  # export --checkpoint as an HF directory
+    # export the LoRA adapters of --checkpoint (a glasslm finetune run) as a PEFT adapter directory
+    to_peft: bool = field(default=False, metadata={"one_of": "direction"})
     # import the --checkpoint file another codebase saved (nanoGPT ckpt.pt, a TransformerLens/ARENA,
     # CS336 or seed 001/002/004 state dict); no pickled code runs
     from_format: ForeignFormat | None = field(default=None, metadata={"one_of": "direction", "option": "--from"})
@@ -40,6 +42,8 @@ def convert(config: ConvertConfig, output: OutputOption) -> int:
         _from_foreign(config, output)
     elif config.from_hf:
         _from_hf(config, output)
+    elif config.to_peft:
+        _to_peft(config, output)
     else:  # --to-hf: the parser requires one of the three
         _to_hf(config, output)
     return 0
@@ -114,9 +118,27 @@ def _refuse_needless_zero_biases(model_config) -> None:
                          "there are no missing biases to fill; drop --zero-biases")
 
 
+def _to_peft(config: ConvertConfig, output: OutputOption) -> None:
+    from glasslm.hf import load_model
+    from glasslm.hf.peft import export_peft_adapter
+    from glasslm.io.checkpoint import ADAPTER_BASE_KEY, META_FILE, read_json, resolve_checkpoint
+    from glasslm.locations import check_output_dir
+
+    if not config.checkpoint:
+        raise ValueError("--to-peft needs --checkpoint (a LoRA fine-tuning run or checkpoint)")
+    check_output_dir(output.out, output.overwrite, inputs=[config.checkpoint], what="adapter")
+    meta = read_json(resolve_checkpoint(config.checkpoint) / META_FILE)
+    if ADAPTER_BASE_KEY not in meta:
+        raise ValueError(f"--checkpoint {config.checkpoint} holds no LoRA adapters (not a glasslm finetune LoRA run)")
+    model, _ = load_model(config.checkpoint)
+    export_peft_adapter(model, output.out, base_model=meta[ADAPTER_BASE_KEY]["path"])
+    print(f"{config.checkpoint} -> {output.out} (PEFT adapter for {meta[ADAPTER_BASE_KEY]['path']})")
+
+
 COMMAND = Command("convert", convert, "convert between glasslm checkpoints and Hugging Face directories",
                   examples=(
                       'glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2',
                       'glasslm convert --to-hf --checkpoint runs/shakespeare --out runs/shakespeare-hf --zero-biases',
                       'glasslm convert --from nanogpt --checkpoint out/ckpt.pt --out runs/nano',
+                      'glasslm convert --to-peft --checkpoint runs/ft --out runs/ft-peft',
                   ))

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,8 +26,10 @@ from glasslm.core.model import TransformerLM
 from glasslm.hf.cache import resolve_model_path
 from glasslm.hf.convert import config_from_hf, import_hf
 from glasslm.hf.files import is_hf_directory, read_hf_config
-from glasslm.io.checkpoint import CONFIG_FILE, META_FILE, TRAINER_STATE_JSON, read_json
+from glasslm.io.checkpoint import ADAPTER_BASE_KEY, CONFIG_FILE, META_FILE, TRAINER_STATE_JSON, read_json
 from glasslm.tokenizers import BPE_DESCRIPTOR_FILE, SPM_FILE, TOKENIZER_FILE
+from glasslm.transforms import applied_transforms, apply_transform
+from glasslm.transforms.lora import load_lora_state_dict
 
 # Fields that may differ between pretrained weights and the model to fine-tune from them.
 TRAINING_ONLY_FIELDS = ("dropout", "impl", "init", "init_std")
@@ -49,9 +52,11 @@ def load_model(
 
     Either way the weights are memory-mapped and assigned into a meta-device model, so loading a
     large model needs about one copy of its weights in memory.
-    """
-    from glasslm.io.checkpoint import load_checkpoint
 
+    An adapter checkpoint (a LoRA / QLoRA fine-tune, glasslm finetune) is loaded as its base with
+    the recorded transforms (int4 ..., lora) applied and the adapters copied in.
+    """
+    from glasslm.io.checkpoint import load_checkpoint, resolve_checkpoint
     from glasslm.tokenizers import eos_token_ids, read_generation_config
 
     path = resolve_model_path(path)
@@ -60,8 +65,54 @@ def load_model(
         # transformers' generate stops at generation_config.json's eos ids, else config.json's.
         model.eos_token_ids = eos_token_ids(tokenizer, read_generation_config(path), read_hf_config(path))
         return model, tokenizer
-    model, tokenizer, _ = load_checkpoint(path, device)  # a run directory means its best (else latest)
+    directory = resolve_checkpoint(path)  # a run directory means its best (else latest)
+    meta = read_json(directory / META_FILE) if (directory / META_FILE).is_file() else {}
+    if isinstance(meta, dict) and ADAPTER_BASE_KEY in meta:
+        model, tokenizer = load_adapter_checkpoint(directory, meta, device)
+    else:
+        model, tokenizer, _ = load_checkpoint(directory, device)
     return (model if dtype is None else model.to(dtype)), tokenizer
+
+
+def adapter_base(meta: dict[str, Any], source: str) -> tuple[str, str]:
+    """(path, sha256) of the base an adapter checkpoint's `meta` names, or an error naming the field."""
+    base = meta.get(ADAPTER_BASE_KEY)
+    if not (isinstance(base, dict) and isinstance(base.get("path"), str) and isinstance(base.get("sha256"), str)):
+        raise ValueError(f"{source}: meta.json's {ADAPTER_BASE_KEY!r} should be {{'path': ..., 'sha256': ...}}, "
+                         f"got {base!r}")
+    return base["path"], base["sha256"]
+
+
+def load_base_checked(path: str, sha256: str, device: torch.device | str = "cpu",
+                      source: str = "adapter") -> tuple[TransformerLM, Any | None]:
+    """The base model at `path`, refused if its weights no longer hash to `sha256`."""
+    from glasslm.io.checkpoint import weights_sha256
+
+    base, tokenizer = load_model(path, device)
+    if applied_transforms(base):
+        raise ValueError(f"{source}: the base {path} is itself transformed ({applied_transforms(base)}); "
+                         "an adapter's base must be plain weights")
+    if weights_sha256(base.state_dict()) != sha256:
+        raise ValueError(f"{source}: the base {path} has changed since the adapters were trained on it "
+                         "(its weights hash differently); the adapters only fit the weights they were trained on")
+    return base, tokenizer
+
+
+def load_adapter_checkpoint(directory: Path, meta: dict[str, Any],
+                            device: torch.device | str = "cpu") -> tuple[TransformerLM, Any | None]:
+    """(model, tokenizer) of an adapter checkpoint: the checked base, the recorded transforms
+    re-applied in order (e.g. int4 then lora), the saved adapters copied in."""
+    from glasslm.io.checkpoint import WEIGHTS_FILE, read_safetensors, recorded_transforms
+    from glasslm.tokenizers import load_tokenizer
+
+    base_path, sha256 = adapter_base(meta, str(directory))
+    model, tokenizer = load_base_checked(base_path, sha256, device, str(directory))
+    for record in recorded_transforms(meta):
+        apply_transform(model, record["name"], **{k: v for k, v in record.items() if k != "name"})
+    load_lora_state_dict(model, read_safetensors(directory / WEIGHTS_FILE, device), str(directory))
+    if any((directory / name).exists() for name in (TOKENIZER_FILE, BPE_DESCRIPTOR_FILE, SPM_FILE)):
+        tokenizer = load_tokenizer(directory)
+    return model.eval(), tokenizer
 
 
 def checkpoint_summary(path: str | os.PathLike) -> dict[str, Any]:

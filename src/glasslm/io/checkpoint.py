@@ -56,6 +56,9 @@ CHECKPOINT_PREFIX = "ckpt-"  # numbered checkpoints in a run directory: ckpt-000
 STAGING_MARK, REPLACED_MARK = ".tmp-", ".old-"
 TRANSFORMS_KEY = "transforms"  # meta.json: the transforms applied, [{"name": "int8", ...options}, ...]
 LEGACY_QUANTIZATION_KEY = "quantization"  # meta.json of glasslm 0.1.0's quantized checkpoints
+# meta.json of an adapter checkpoint (a LoRA run): {"path": base checkpoint, "sha256": weights_sha256 of
+# its weights}; model.safetensors then holds only the adapters (glasslm.hf.load_model applies them).
+ADAPTER_BASE_KEY = "adapter_of"
 # Any one of these means the checkpoint holds a tokenizer (`load_tokenizer` tells which kind).
 TOKENIZER_FILES = (TOKENIZER_FILE, BPE_DESCRIPTOR_FILE, SPM_FILE)
 
@@ -186,6 +189,9 @@ def load_checkpoint(
         raise FileNotFoundError(f"{weights_path} is missing: not a glasslm checkpoint?")
     meta_path = path / META_FILE
     meta = read_json(meta_path) if meta_path.is_file() else {}
+    if isinstance(meta, dict) and ADAPTER_BASE_KEY in meta:
+        raise ValueError(f"{path} holds only adapters for the base {meta[ADAPTER_BASE_KEY].get('path')!r}; "
+                         "load it with glasslm.hf.load_model, which loads the base and applies them")
     # Built on the meta device, given the recorded transforms' structure (int8 layers ...), and
     # assigned the loaded tensors: no random init, no second copy.
     model = model_from_state_dict(config, read_safetensors(weights_path, device), device, source=str(weights_path),
@@ -195,6 +201,24 @@ def load_checkpoint(
         tokenizer = load_tokenizer(path)
     model.eos_token_ids = eos_token_ids(tokenizer, read_generation_config(path))
     return model, tokenizer, meta
+
+
+def weights_sha256(state_dict: dict[str, torch.Tensor]) -> str:
+    """A content hash of a model's weights (names, dtypes, shapes and bytes, in name order): what an
+    adapter checkpoint records of its base, to refuse a base that has changed since.
+
+    >>> import torch
+    >>> weights_sha256({"w": torch.zeros(2)}) == weights_sha256({"w": torch.zeros(2)}) != weights_sha256({"w": torch.ones(2)})
+    True
+    """
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
 
 
 def read_safetensors(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

@@ -22,8 +22,8 @@ from torch import nn
 from glasslm.core.model import TransformerLM
 from glasslm.io.build import load_weights
 from glasslm.io.checkpoint import (
-    CONFIG_FILE, OPTIMIZER_FILE, OPTIMIZER_JSON, WEIGHTS_FILE, CheckpointWriteError, checkpoint_name, load_config,
-    load_optimizer_state, optimizer_state_to_files, prune_checkpoints, read_pointer, read_safetensors,
+    ADAPTER_BASE_KEY, CONFIG_FILE, META_FILE, OPTIMIZER_FILE, OPTIMIZER_JSON, WEIGHTS_FILE, CheckpointWriteError, checkpoint_name, load_config,
+    load_optimizer_state, optimizer_state_to_files, prune_checkpoints, read_json, read_pointer, read_safetensors,
     save_checkpoint, write_pointer,
 )
 from glasslm.training.config import TrainConfig
@@ -31,6 +31,7 @@ from glasslm.training.distributed import DistributedContext, barrier
 from glasslm.training.evaluator import Evaluator
 from glasslm.training.metrics import MetricsWindow
 from glasslm.training.result import TrainResult
+from glasslm.transforms.lora import load_lora_state_dict, lora_state_dict
 from glasslm.training.trainer_state import (
     TRAINER_STATE_JSON, TRAINER_STATE_TENSORS, ResumePoint, trainer_state_files,
 )
@@ -73,8 +74,16 @@ def save_training_checkpoint(run_dir: Path, parts: TrainingParts, point: ResumeP
     `best`) at it; prune old ones. Collective: every process calls it, the main one writes.
 
     Pointers move only once the directory is complete. If writing fails (a full disk), the
-    error names the previous checkpoint, which is untouched, and nothing half-written stays."""
+    error names the previous checkpoint, which is untouched, and nothing half-written stays.
+
+    With `meta` naming an adapter base (ADAPTER_BASE_KEY: a LoRA run), only the adapters'
+    tensors are written: the frozen base is the base checkpoint's, which loading re-reads."""
     model_state, optim_state = full_state_dicts(parts.model, parts.optimizer, parts.fsdp)
+    if ADAPTER_BASE_KEY in meta:
+        adapters = lora_state_dict(parts.model)
+        if not adapters:
+            raise ValueError(f"meta[{ADAPTER_BASE_KEY!r}] is set but the model has no LoRA adapters to save")
+        model_state = {name: model_state[name] for name in adapters}
     state_tensors, state_json = trainer_state_files(point, parts.batch_rng, parts.ctx)
     target = run_dir / checkpoint_name(point.step)
     if parts.ctx.is_main:
@@ -112,10 +121,17 @@ def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, fsdp: b
 
 
 def load_checkpoint_weights(model: TransformerLM, directory: Path, device: str) -> None:
-    """Copy a training checkpoint's weights into `model`, which must have the checkpoint's config."""
+    """Copy a training checkpoint's weights into `model`, which must have the checkpoint's config.
+    An adapter checkpoint (a LoRA run) holds only the adapters: `model` is the base with the same
+    adapters added, and only they are copied."""
     if load_config(directory / CONFIG_FILE) != model.config:
         raise ValueError(f"{directory} holds a different model config than the one to train")
-    load_weights(model, read_safetensors(directory / WEIGHTS_FILE, device), str(directory))
+    weights = read_safetensors(directory / WEIGHTS_FILE, device)
+    meta = read_json(directory / META_FILE) if (directory / META_FILE).is_file() else {}
+    if not (isinstance(meta, dict) and ADAPTER_BASE_KEY in meta):
+        load_weights(model, weights, str(directory))
+        return
+    load_lora_state_dict(model, weights, str(directory))
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, fsdp: bool) -> None:

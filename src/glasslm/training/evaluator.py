@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from glasslm.core.config import ModelConfig
 from glasslm.core.layers import cross_entropy
 from glasslm.core.model import TransformerLM
-from glasslm.data import get_batch
+from glasslm.training.batches import BatchSource, as_batch_source
 from glasslm.training.config import TrainConfig
 from glasslm.training.distributed import DistributedContext, all_reduce_mean, resolve_device
 from glasslm.training.result import TrainResult
@@ -32,10 +32,11 @@ from glasslm.training.step import autocast_context, rank_slice
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, tokens: Tensor, cfg: TrainConfig, generator: torch.Generator | None = None,
+    model: nn.Module, tokens: Tensor | BatchSource, cfg: TrainConfig, generator: torch.Generator | None = None,
     ctx: DistributedContext | None = None, device: str | None = None,
 ) -> float:
-    """Mean loss over cfg.eval_iters batches of validation windows.
+    """Mean loss over cfg.eval_iters batches of validation windows (a token stream), or over the
+    batches a batch source gives (fine-tuning: every held-out conversation's assistant tokens).
 
     With no generator the batches come from a fresh generator seeded with seed + 1, i.e. the
     same windows at every evaluation: the curve then shows the model changing, not the sample.
@@ -44,17 +45,18 @@ def evaluate(
     ctx = ctx or DistributedContext()
     device = device or resolve_device(cfg.device)
     generator = generator or torch.Generator().manual_seed(cfg.seed + 1)
-    context_length = config_of(model).context_length
+    source = as_batch_source(tokens, config_of(model).context_length)
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
-    for _ in range(cfg.eval_iters):
-        x, y = get_batch(tokens, cfg.batch_size * ctx.world_size, context_length, generator=generator)
+    weights = 0.0
+    for x, y, weight in source.eval_batches(cfg.batch_size * ctx.world_size, cfg.eval_iters, generator):
         x, y = rank_slice(x, ctx.rank, ctx.world_size).to(device), rank_slice(y, ctx.rank, ctx.world_size).to(device)
         with autocast_context(cfg, device):
-            total += cross_entropy(model(x), y).float()
+            total += cross_entropy(model(x), y).float() * weight  # x, y: (rows, seq)
+        weights += weight
     model.train(was_training)
-    return all_reduce_mean(total / cfg.eval_iters, ctx).item()
+    return all_reduce_mean(total / weights, ctx).item()
 
 
 def config_of(model: nn.Module) -> ModelConfig:
@@ -67,7 +69,7 @@ def config_of(model: nn.Module) -> ModelConfig:
 class Evaluator:
     """Validation loss every `eval_interval` steps and at the end; keeps the best one."""
 
-    def __init__(self, model: nn.Module, tokens: Tensor | None, cfg: TrainConfig, ctx: DistributedContext,
+    def __init__(self, model: nn.Module, tokens: BatchSource | None, cfg: TrainConfig, ctx: DistributedContext,
                  device: str, tokens_per_step: int, best: float, result: TrainResult,
                  on_eval: Callable[[int, float, TransformerLM], None] | None):
         self.model, self.tokens, self.cfg, self.ctx, self.device = model, tokens, cfg, ctx, device

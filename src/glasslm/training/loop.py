@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
 from glasslm.io.checkpoint import checkpoint_name, resolve_checkpoint
+from glasslm.training.batches import BatchSource
 from glasslm.training.checkpointer import Checkpointer
 from glasslm.training.config import TrainConfig
 from glasslm.training.distributed import DistributedContext, any_process, resolve_device
@@ -79,8 +80,8 @@ def keeps_global_rng(fn: Callable[..., Any]) -> Callable[..., Any]:
 def train(
     model: ModelConfig | TransformerLM,
     cfg: TrainConfig,
-    train_tokens: Int[Tensor, "n"],
-    val_tokens: Int[Tensor, "m"] | None = None,
+    train_tokens: Int[Tensor, "n"] | BatchSource,
+    val_tokens: Int[Tensor, "m"] | BatchSource | None = None,
     on_eval: Callable[[int, float, TransformerLM], None] | None = None,
     *,
     run_dir: str | os.PathLike | None = None,
@@ -92,7 +93,9 @@ def train(
     overwrite: bool = False,
 ) -> TrainResult:
     """Train `model` (a TransformerLM with its weights, or a fresh one from a ModelConfig, seeded by
-    cfg.seed) on 1-D token ids (anything `get_batch` indexes).
+    cfg.seed) on 1-D token ids (anything `get_batch` indexes), or on a batch source
+    (glasslm.training.batches: `SFTBatches` for fine-tuning on conversations). Only parameters
+    that require gradients are trained (LoRA: the adapters).
 
     With `run_dir`, checkpoints (ckpt-NNNNNN/ plus `latest` and `best` pointers) and
     metrics.jsonl are written there. `resume` (a run or checkpoint directory) continues a run
@@ -135,7 +138,8 @@ def claim_run(run_dir: str | os.PathLike | None, resume_dir: str | os.PathLike |
 
 
 def _train(
-    model: ModelConfig | TransformerLM, cfg: TrainConfig, train_tokens: Tensor, val_tokens: Tensor | None,
+    model: ModelConfig | TransformerLM, cfg: TrainConfig, train_tokens: Tensor | BatchSource,
+    val_tokens: Tensor | BatchSource | None,
     on_eval: Callable[[int, float, TransformerLM], None] | None, run_dir: str | os.PathLike | None,
     resume_dir: Path | None, tokenizer: Any, meta: dict[str, Any] | None, ctx: DistributedContext,
     loggers: list[MetricsLogger] | None,
@@ -150,7 +154,7 @@ def _train(
     result = TrainResult(parts.model, step=point.step, best_val_loss=point.best_val_loss)
     duties = _Duties(
         window=MetricsWindow(cfg, ctx, parts.tokens_per_step, point, result, parts.scaler is not None),
-        evaluator=Evaluator(parts.eval_model, val_tokens, cfg, ctx, device, parts.tokens_per_step,
+        evaluator=Evaluator(parts.eval_model, parts.val_source, cfg, ctx, device, parts.tokens_per_step,
                             point.best_val_loss, result, on_eval),
         checkpointer=Checkpointer(run_path, cfg, ctx, parts, tokenizer, meta, result),
         loggers=metrics_loggers(run_path, loggers, ctx, point.step if resume_dir else None),
@@ -159,7 +163,7 @@ def _train(
     )
     try:
         with StopRequest() as stop:
-            _loop(parts, train_tokens, duties, stop, result)
+            _loop(parts, duties, stop, result)
     finally:
         duties.bar.close()
         for logger in duties.loggers:
@@ -178,7 +182,7 @@ class _Duties:
     bar: Any  # tqdm
 
 
-def _loop(parts: TrainingParts, train_tokens: Tensor, duties: _Duties, stop: StopRequest,
+def _loop(parts: TrainingParts, duties: _Duties, stop: StopRequest,
           result: TrainResult) -> None:
     """One `train_step` per step; the metrics window, the evaluator and the checkpointer each decide
     when they have something to do, and a stop request ends the run after a checkpoint."""
@@ -191,7 +195,7 @@ def _loop(parts: TrainingParts, train_tokens: Tensor, duties: _Duties, stop: Sto
         started = time.perf_counter()
         lr = apply_schedule(parts.optimizer, cfg, step)
         before = _generator_states(parts) if interrupted is not None else None
-        stepped = train_step(parts, *parts.next_batch(train_tokens), interrupted=interrupted)
+        stepped = train_step(parts, *parts.next_batch(), interrupted=interrupted)
         if stepped is None:
             _stop_before_step(parts, duties, stop, result, step, before)
             return

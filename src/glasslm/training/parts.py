@@ -17,7 +17,7 @@ Example:
     >>> cfg = get_preset("shakespeare-char-cpu", vocab_size=4, n_layers=1, context_length=8)
     >>> tokens = torch.randint(0, 4, (100,))
     >>> parts = TrainingParts.build(cfg, TrainConfig(batch_size=3), DistributedContext(), "cpu", None, (tokens, None))
-    >>> x, y = parts.next_batch(tokens)
+    >>> x, y = parts.next_batch()
     >>> x.shape, parts.point.step
     (torch.Size([3, 8]), 0)
 """
@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
-from glasslm.data import get_batch
+from glasslm.training.batches import BatchSource, as_batch_source
 from glasslm.training.checkpointer import load_checkpoint_weights, load_optimizer
 from glasslm.training.config import TrainConfig
 from glasslm.training.distributed import DistributedContext
@@ -58,19 +58,24 @@ class TrainingParts:
     batch_rng: torch.Generator
     point: ResumePoint
     fsdp: bool
+    train_source: BatchSource
+    val_source: BatchSource | None
 
     @classmethod
     def build(cls, model: ModelConfig | TransformerLM, cfg: TrainConfig, ctx: DistributedContext, device: str,
-              resume_dir: Path | None, data: tuple[Tensor, Tensor | None]) -> "TrainingParts":
+              resume_dir: Path | None, data: tuple[Tensor | BatchSource, Tensor | BatchSource | None],
+              ) -> "TrainingParts":
         """The parts for `model` (a config is built with weights seeded by cfg.seed, the same on every
-        process), resumed from `resume_dir` if given."""
+        process), resumed from `resume_dir` if given. `data` is (training, validation): token
+        streams (pretraining's windows) or batch sources (glasslm.training.batches)."""
         torch.manual_seed(cfg.seed)  # every process builds identical initial weights
         model = model if isinstance(model, TransformerLM) else TransformerLM(model)
         model.to(device).train()
-        context = model.config.context_length
-        for name, tokens in zip(("training", "validation"), data):
-            if tokens is not None and len(tokens) <= context:
-                raise ValueError(f"{name} data has {len(tokens)} tokens; need more than context_length={context}")
+        train_source, val_source = (as_batch_source(d, model.config.context_length) for d in data)
+        assert train_source is not None
+        for name, source in (("training", train_source), ("validation", val_source)):
+            if source is not None:
+                source.check(name)
         batch_rng = seed_processes(cfg.seed, ctx.rank)
         if resume_dir is not None:
             load_checkpoint_weights(model, resume_dir, device)
@@ -86,19 +91,20 @@ class TrainingParts:
                 scaler.load_state_dict(point.grad_scaler)
             # The run's schedule goes on (see schedule_end), saved explicitly so a later resume keeps it too.
             cfg = dataclasses.replace(cfg, lr_decay_steps=schedule_end(cfg, point.train_config))
-        return cls(cfg, ctx, device, model, step_model, eval_model, optimizer, scaler, batch_rng, point, fsdp)
+        return cls(cfg, ctx, device, model, step_model, eval_model, optimizer, scaler, batch_rng, point, fsdp,
+                   train_source, val_source)
 
     @property
     def tokens_per_step(self) -> int:
         """Tokens one optimizer step trains on, over all processes."""
         cfg = self.cfg
-        return cfg.batch_size * cfg.grad_accum_steps * self.ctx.world_size * self.model.config.context_length
+        rows = cfg.batch_size * cfg.grad_accum_steps * self.ctx.world_size
+        return round(rows * self.train_source.tokens_per_row())
 
-    def next_batch(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """This process's slice of the step's global batch (see the module docstring): x, y (rows, context)."""
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        """This process's slice of the step's global batch (see the module docstring): x, y (rows, seq)."""
         cfg, ctx = self.cfg, self.ctx
-        x, y = get_batch(tokens, cfg.batch_size * cfg.grad_accum_steps * ctx.world_size,
-                         self.model.config.context_length, generator=self.batch_rng)
+        x, y = self.train_source.draw(cfg.batch_size * cfg.grad_accum_steps * ctx.world_size, self.batch_rng)
         x = rank_slice(x, ctx.rank, ctx.world_size).to(self.device, non_blocking=True)
         return x, rank_slice(y, ctx.rank, ctx.world_size).to(self.device, non_blocking=True)
 

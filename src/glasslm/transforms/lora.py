@@ -196,6 +196,20 @@ def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
     return {name: p.detach() for name, p in model.named_parameters() if ".lora_a." in name or ".lora_b." in name}
 
 
+def load_lora_state_dict(model: nn.Module, weights: dict[str, Tensor], source: str = "adapters") -> None:
+    """Copy adapter tensors (as `lora_state_dict` gives them) into `model`'s adapters, naming any
+    missing, unexpected or mis-shaped one; the base weights are left as they are."""
+    expected = lora_state_dict(model)
+    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{source}: the adapters do not match the model's: missing {missing}, unexpected {unexpected}")
+    for name, tensor in weights.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(f"{source}: adapter {name} has shape {tuple(tensor.shape)}, "
+                             f"the model's is {tuple(expected[name].shape)}")
+    model.load_state_dict(weights, strict=False)
+
+
 def merge_lora(model: nn.Module) -> None:
     """Write every adapter into its base weight; the model then computes the same without adapters."""
     for layer in lora_layers(model).values():

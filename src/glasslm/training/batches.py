@@ -1,0 +1,112 @@
+"""Where a run's batches come from: the seam between the training loop and its data.
+
+A batch source draws one *global* batch of (inputs, labels) rows from a generator (the loop's
+batch sampler, saved in every checkpoint, so a resumed run draws what the uninterrupted run drew)
+and gives the validation batches. Labels equal to IGNORE_INDEX are left out of the loss.
+
+- `WindowBatches` (pretraining): random contiguous windows of a 1-D token stream.
+- `SFTBatches` (supervised fine-tuning): whole conversations (glasslm.data.sft), right-padded to
+  the longest row, labels only on the assistant's tokens; validation runs over every held-out
+  conversation once, in a fixed order, the loss a mean over their assistant tokens.
+
+Example:
+    >>> import torch
+    >>> from glasslm.data.sft import IGNORE_INDEX, SFTExample
+    >>> source = SFTBatches([SFTExample([5, 6, 7], [IGNORE_INDEX, 7, IGNORE_INDEX])], context_length=8)
+    >>> x, y = source.draw(2, torch.Generator().manual_seed(0))
+    >>> x.tolist(), y.tolist()
+    ([[5, 6, 7], [5, 6, 7]], [[-100, 7, -100], [-100, 7, -100]])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from glasslm.data import get_batch
+from glasslm.data.sft import IGNORE_INDEX, SFTExample, padded_batch
+
+
+class BatchSource(Protocol):
+    """What the training loop needs of its data."""
+
+    def check(self, name: str) -> None:
+        """Raise a ValueError (naming `name`: training / validation) if there is too little data."""
+
+    def draw(self, rows: int, generator: torch.Generator) -> tuple[Int[Tensor, "rows t"], Int[Tensor, "rows t"]]:
+        """One global batch of (inputs, labels)."""
+
+    def eval_batches(self, rows: int, iters: int,
+                     generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor, float]]:
+        """Validation batches (inputs, labels, weight); the validation loss is their weighted mean."""
+
+    def tokens_per_row(self) -> float:
+        """Positions per row, on average (for tokens/s)."""
+
+
+class WindowBatches:
+    """Random windows of `context_length` tokens from a 1-D stream (anything `get_batch` indexes)."""
+
+    def __init__(self, tokens: Tensor, context_length: int):
+        self.tokens, self.context_length = tokens, context_length
+
+    def check(self, name: str) -> None:
+        if len(self.tokens) <= self.context_length:
+            raise ValueError(f"{name} data has {len(self.tokens)} tokens; need more than "
+                             f"context_length={self.context_length}")
+
+    def draw(self, rows: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        return get_batch(self.tokens, rows, self.context_length, generator=generator)  # each (rows, context)
+
+    def eval_batches(self, rows: int, iters: int, generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor, float]]:
+        for _ in range(iters):  # every batch holds rows * context positions: equal weights
+            yield *self.draw(rows, generator), 1.0
+
+    def tokens_per_row(self) -> float:
+        return float(self.context_length)
+
+
+class SFTBatches:
+    """Conversations drawn uniformly at random (with replacement) from the generator, padded per batch."""
+
+    def __init__(self, examples: Sequence[SFTExample], context_length: int, pad_id: int = 0):
+        self.examples, self.context_length, self.pad_id = list(examples), context_length, pad_id
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def check(self, name: str) -> None:
+        if not self.examples:
+            raise ValueError(f"{name} data holds no conversations")
+        if not any(self._trained(e) for e in self.examples):
+            raise ValueError(f"{name} data has no assistant token within context_length={self.context_length}")
+
+    def _trained(self, example: SFTExample) -> int:
+        # padded_batch drops the last kept label of a cut example (its target is never seen)
+        kept = example.labels[:min(len(example.ids), self.context_length) - 1]
+        return sum(label != IGNORE_INDEX for label in kept)
+
+    def draw(self, rows: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        chosen = torch.randint(len(self.examples), (rows,), generator=generator).tolist()
+        return padded_batch([self.examples[i] for i in chosen], self.context_length, self.pad_id)  # (rows, width)
+
+    def eval_batches(self, rows: int, iters: int, generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor, float]]:
+        """Every example once (`iters` and `generator` are not needed), each batch weighted by its
+        trained tokens, so the loss is the mean over all held-out assistant tokens."""
+        for start in range(0, len(self.examples), rows):
+            x, y = padded_batch(self.examples[start:start + rows], self.context_length, self.pad_id)
+            yield x, y, float((y != IGNORE_INDEX).sum())
+
+    def tokens_per_row(self) -> float:
+        return sum(min(len(e.ids), self.context_length) for e in self.examples) / max(1, len(self.examples))
+
+
+def as_batch_source(data: Tensor | BatchSource | None, context_length: int) -> BatchSource | None:
+    """A batch source as given, or the windows of a token stream."""
+    if data is None or hasattr(data, "draw"):
+        return data  # type: ignore[return-value]
+    return WindowBatches(data, context_length)  # type: ignore[arg-type]

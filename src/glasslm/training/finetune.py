@@ -1,0 +1,177 @@
+"""Fine-tuning a pretrained model on conversations: LoRA, QLoRA (a quantized frozen base) or every
+weight, trained by the same loop as pretraining (glasslm.training.loop) on padded conversations
+whose loss covers only the assistant's tokens (glasslm.training.batches.SFTBatches).
+
+- `FinetuneConfig`: the method and the adapters' shape.
+- `prepare_model`: the base (any checkpoint `glasslm.hf.load_model` reads), quantized and given
+  adapters as asked; returns the metadata that makes the run's checkpoints adapter checkpoints
+  (only the adapters' tensors, plus the base's path and a hash of its weights).
+- `chat_batches`: a chat / instruction JSONL rendered with the chat template, split into training
+  and held-out conversations.
+- `merge_adapters`: a plain model with the adapters written into its weights (a QLoRA base is
+  dequantized first: the merged weights are the dequantized base plus the update).
+
+Example (a LoRA model on a tiny base: only the adapters train):
+    >>> import tempfile
+    >>> from glasslm.core.model import TransformerLM
+    >>> from glasslm.io.checkpoint import save_checkpoint
+    >>> from glasslm.presets import get_preset
+    >>> base = save_checkpoint(tempfile.mkdtemp() + "/base", TransformerLM(get_preset("llama-tiny", n_layers=1)))
+    >>> model, _, meta = prepare_model(str(base), FinetuneConfig(lora_rank=2))
+    >>> sorted({n.split(".")[-2] for n, p in model.named_parameters() if p.requires_grad}), "adapter_of" in meta
+    (['lora_a', 'lora_b'], True)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from glasslm.core.layers import Linear
+from glasslm.core.model import TransformerLM
+from glasslm.data.sft import load_sft_examples, split_examples
+from glasslm.io.checkpoint import ADAPTER_BASE_KEY, weights_sha256
+from glasslm.tokenizers.chat import find_chat_template
+from glasslm.training.batches import SFTBatches
+from glasslm.transforms import applied_transforms, apply_transform, transform_names
+from glasslm.transforms.lora import SITES, LoRAConfig, lora_layers, remove_lora
+from glasslm.transforms.quantize import Int4Linear, Int8Linear
+
+FINETUNE_KEY = "finetune"  # meta.json: how the run was set up (base, method, data), for --resume
+
+
+@dataclass
+class FinetuneConfig:
+    """fine-tuning method"""
+
+    full: bool = False  # train every weight instead of LoRA adapters
+    lora_rank: int = field(default=8, metadata={"minimum": 1})  # LoRA: the adapters' inner width r
+    lora_alpha: float = 16.0  # LoRA: the update is scaled by alpha / rank
+    lora_sites: str = "q,v"  # LoRA: comma-separated sites: q, k, v, attn_out, mlp_up, mlp_gate, mlp_down, unembed
+    lora_dropout: float = 0.05  # LoRA: dropout on the adapters' input while training
+    # hold the frozen base in int8 or int4 (QLoRA); none: fp32
+    quantize: Literal["none", "int8", "int4"] = "none"
+    chat_template: str | None = field(default=None, metadata={"metavar": "FILE"})  # Jinja chat template; none: the base's
+    val_fraction: float = 0.1  # share of the conversations held out for the validation loss
+
+    def lora(self) -> LoRAConfig:
+        sites = tuple(s.strip() for s in self.lora_sites.split(",") if s.strip())
+        try:
+            return LoRAConfig(rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout, sites=sites)
+        except ValueError as err:
+            raise ValueError(f"--lora-sites/--lora-rank/--lora-dropout: {err} (sites: {', '.join(SITES)})") from None
+
+    def check(self) -> None:
+        if self.quantize != "none" and self.quantize not in transform_names("quantization"):
+            raise ValueError(f"quantize: unknown method {self.quantize!r}")
+        if self.full and self.quantize != "none":
+            raise ValueError("--full trains every weight, which a quantized base cannot; drop --quantize "
+                             "(QLoRA is LoRA on a quantized base)")
+        if not self.full:
+            self.lora()
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+
+
+def base_reference(path: str | os.PathLike) -> str:
+    """How a checkpoint names its base: an absolute path if it is a local directory, else the hub name."""
+    return str(Path(path).resolve()) if Path(path).exists() else str(path)
+
+
+def prepare_model(base: str, config: FinetuneConfig, device: torch.device | str = "cpu",
+                  seed: int = 0) -> tuple[TransformerLM, Any, dict[str, Any]]:
+    """(model to train, tokenizer, meta for its checkpoints) from the base checkpoint `base`.
+
+    LoRA: every base weight frozen, adapters added (after quantizing the base for QLoRA), and the
+    meta names the base and its weights' hash so checkpoints hold only the adapters; the adapters'
+    initial A matrices are drawn from `seed` (the caller's random stream is left alone). Full: all
+    weights train and checkpoints are whole models.
+    """
+    from glasslm.hf import load_model
+
+    config.check()
+    model, tokenizer = load_model(base, device)
+    if applied_transforms(model):
+        raise ValueError(f"--checkpoint {base} is already transformed ({applied_transforms(model)}); "
+                         "fine-tune plain weights (merge an adapter checkpoint first: glasslm merge)")
+    record = {"base": base_reference(base), **asdict(config)}
+    meta: dict[str, Any] = {FINETUNE_KEY: record}
+    if config.full:
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return model.train(), tokenizer, meta
+    meta[ADAPTER_BASE_KEY] = {"path": record["base"], "sha256": weights_sha256(model.state_dict())}
+    if config.quantize != "none":
+        apply_transform(model, config.quantize)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        apply_transform(model, "lora", config.lora())
+    return model.train(), tokenizer, meta
+
+
+def chat_template(base: str, config: FinetuneConfig) -> str:
+    """The template conversations are rendered with: --chat-template FILE, else the base's own."""
+    from glasslm.hf import resolve_model_path
+
+    if config.chat_template:
+        path = Path(config.chat_template)
+        if not path.is_file():
+            raise FileNotFoundError(f"--chat-template {path} is not a file")
+        return path.read_text(encoding="utf-8")
+    directory = resolve_model_path(base)
+    found = find_chat_template(directory) if Path(directory).is_dir() else None
+    if found is None:
+        raise ValueError(f"--checkpoint {base} has no chat template (chat_template.jinja or tokenizer_config.json); "
+                         "give one with --chat-template FILE")
+    return found
+
+
+def chat_batches(data: str | os.PathLike, tokenizer: Any, template: str, context_length: int,
+                 val_fraction: float, seed: int) -> tuple[SFTBatches, SFTBatches | None]:
+    """(training, validation) batch sources from a chat / instruction JSONL file."""
+    if tokenizer is None:
+        raise ValueError("the base holds no tokenizer, so the conversations cannot be encoded")
+    examples = load_sft_examples(data, tokenizer, template)
+    train_examples, val_examples = split_examples(examples, val_fraction, seed)
+    return (SFTBatches(train_examples, context_length),
+            SFTBatches(val_examples, context_length) if val_examples else None)
+
+
+@torch.no_grad()
+def dequantize(model: nn.Module) -> int:
+    """Replace every int8/int4 layer by a float `Linear` holding its dequantized weight, in place;
+    returns how many were replaced. The model then computes what it computed quantized."""
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, (Int8Linear, Int4Linear)):
+            continue
+        weight = module.dequantized_weight(torch.float32)                            # (d_out, d_in)
+        linear = Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None).to(weight.device)
+        linear.weight.copy_(weight)
+        if module.bias is not None:
+            linear.bias.copy_(module.bias)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)
+        replaced += 1
+    return replaced
+
+
+def merge_adapters(model: TransformerLM) -> tuple[TransformerLM, bool]:
+    """(plain model with the adapters merged into its weights, whether a quantized base was
+    dequantized first). The transform record is cleared: the result is ordinary weights."""
+    if not lora_layers(model):
+        raise ValueError("this model has no LoRA adapters to merge")
+    dequantized = False
+    for layer in lora_layers(model).values():
+        dequantized |= dequantize(layer) > 0 if isinstance(layer.base, (Int8Linear, Int4Linear)) else False
+    remove_lora(model, merge=True)
+    dequantized |= dequantize(model) > 0  # the unadapted quantized layers of a QLoRA base
+    model.applied_transforms = []
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, dequantized
