@@ -211,7 +211,8 @@ async def mixed_load(host: str, port: int, clients: int, duration: float, max_to
     async def one(kind: str, rng: random.Random) -> int:
         prompt, seed = rng.choice(PROMPTS), rng.randrange(1 << 30)
         if kind == "echo":
-            answer = await post_json(host, port, "/v1/completions", {"prompt": prompt * 4, "max_tokens": 0,
+            # A longer text to score, cut to 48 characters: at most 48 tokens, within the default model's context of 64.
+            answer = await post_json(host, port, "/v1/completions", {"prompt": (prompt * 4)[:48], "max_tokens": 0,
                                      "echo": True, "logprobs": 1}, timeout)
             return answer["usage"]["prompt_tokens"]
         if kind == "chat":
