@@ -10,9 +10,11 @@ import glasslm
 
 # walk_packages: the core's modules live in the glasslm.core subpackage.
 MODULES = sorted(m.name for m in pkgutil.walk_packages(glasslm.__path__, "glasslm.") if m.name != "glasslm.__main__")
+# Examples that take seconds (lm-eval loads every task definition it has): run by CI, not the inner loop.
+SLOW_EXAMPLES = {"glasslm.evaluation.harness"}
 
 
-@pytest.mark.parametrize("name", MODULES)
+@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_EXAMPLES else m for m in MODULES])
 def test_docstring_examples(name):
     try:
         module = importlib.import_module(name)

@@ -116,12 +116,14 @@ def test_glasslm_and_hf_routes_agree_on_every_task(exported, monkeypatch):
     assert _per_sample(ours, "tiny_until") == _per_sample(theirs, "tiny_until")
 
 
+@pytest.mark.slow  # lm-eval reads every task definition it ships (~6 s)
 def test_an_unknown_task_is_named(exported):
     model, tokenizer, folder = exported
     with pytest.raises(ValueError, match="unknown lm-eval task.*tiny_chioce"):
         evaluate_tasks(model, tokenizer, ["tiny_chioce"], include_path=folder)
 
 
+@pytest.mark.slow
 def test_evaluating_leaves_the_callers_random_streams_alone(exported):
     import random
 

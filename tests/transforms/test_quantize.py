@@ -187,6 +187,7 @@ def test_int8_decoding_steps_keep_perplexity_and_greedy_tokens(trained):
     assert same >= 0.95, same
 
 
+@pytest.mark.slow  # trains its fixture model (~6 s)
 def test_quantized_checkpoint_round_trips_and_loads_from_the_cli(trained, tmp_path, capsys):
     model, tokenizer, _ = trained
     source = save_checkpoint(tmp_path / "fp32", model, tokenizer)
