@@ -46,6 +46,21 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+def finite_number(v: float) -> float:
+    """A field validator (completions and chat share it): inf and nan are refused."""
+    if not math.isfinite(v):
+        raise ValueError("must be a finite number")
+    return v
+
+
+def stop_strings(v: str | list[str] | None) -> list[str]:
+    """A field validator (completions and chat share it): `stop` as a list of at most 8 non-empty strings."""
+    stops = [v] if isinstance(v, str) else list(v or [])
+    if len(stops) > 8 or any(not s for s in stops):
+        raise ValueError("give at most 8 stop strings, none empty")
+    return stops
+
+
 class CompletionRequest(_Strict):
     """OpenAI's POST /v1/completions body; `top_k`, `min_p` and `return_token_ids` are extensions.
 
@@ -77,20 +92,8 @@ class CompletionRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
 
-    @field_validator("temperature")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v: str | list[str] | None) -> list[str]:
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 8 or any(not s for s in stops):
-            raise ValueError("give at most 8 stop strings, none empty")
-        return stops
+    _finite = field_validator("temperature")(finite_number)
+    _stops = field_validator("stop")(stop_strings)
 
     @field_validator("frequency_penalty", "presence_penalty", "suffix", "logit_bias")
     @classmethod

@@ -22,9 +22,7 @@ Example (a few steps on a toy corpus):
 
 from __future__ import annotations
 
-import functools
 import os
-import random
 import signal
 import sys
 import time
@@ -33,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from jaxtyping import Int
 from torch import Tensor
@@ -55,25 +52,7 @@ from glasslm.training.rundir import RunDirError, claim_run_dir
 from glasslm.training.schedule import apply_schedule
 from glasslm.training.signals import StopRequest
 from glasslm.training.step import train_step
-
-
-def keeps_global_rng(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run `fn` with torch's, Python's and NumPy's global generators put back afterwards.
-
-    Training seeds them (dropout has no generator argument, so it draws from torch's), but the
-    caller's own random stream must not be reset by calling a library function.
-    """
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        python_state, numpy_state = random.getstate(), np.random.get_state()
-        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=cuda):
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                random.setstate(python_state)
-                np.random.set_state(numpy_state)
-    return wrapper
+from glasslm.runtime import keeps_global_rng
 
 
 @keeps_global_rng

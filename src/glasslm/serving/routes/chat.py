@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from glasslm.generation.engine import Job, Overloaded, Sampling, ShuttingDown
 from glasslm.serving.context import Served, ServedDep
 from glasslm.serving.errors import error_response
-from glasslm.serving.schemas import BadRequest, StreamOptions
+from glasslm.serving.schemas import BadRequest, StreamOptions, finite_number, stop_strings
 from glasslm.tokenizers.chat import ChatTemplateError, chat_prompt
 
 router = APIRouter()
@@ -66,20 +65,8 @@ class ChatRequest(BaseModel):
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
     user: str | None = None
 
-    @field_validator("temperature")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v: str | list[str] | None) -> list[str]:
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 8 or any(not s for s in stops):
-            raise ValueError("give at most 8 stop strings, none empty")
-        return stops
+    _finite = field_validator("temperature")(finite_number)
+    _stops = field_validator("stop")(stop_strings)
 
     @field_validator("top_logprobs")
     @classmethod
