@@ -87,6 +87,18 @@ def test_full_decomposition_adds_up_to_the_stream(shape):
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("expand_neurons", [True, False])
+def test_full_decomposition_of_an_attention_only_model_has_no_mlp_parts(expand_neurons):
+    torch.manual_seed(0)
+    model = TransformerLM(get_preset("induction-attn-only")).eval()
+    with torch.no_grad():
+        _, cache = run_with_cache(model, TOKENS)
+    stack, labels = cache.get_full_resid_decomposition(expand_neurons=expand_neurons, return_labels=True)
+    assert not any("mlp" in label or "N" in label for label in labels)
+    assert cache.decompose_resid(return_labels=True)[1] == ["embed", "0_attn_out", "1_attn_out"]
+    torch.testing.assert_close(stack.sum(0), cache["blocks.1.hook_resid_post"], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("step", ["fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases"])
 def test_each_weight_processing_step_keeps_log_probs(shape, step):

@@ -5,7 +5,8 @@
   `cache.logit_attrs(cache.stack_head_results(...))`).
 * `previous_token_score`, `duplicate_token_score`, `induction_score`: per (layer, head), the mean
   attention paid to the position that head type attends to (the previous token; the earlier
-  copy of the same token; the token after that earlier copy).
+  copy of the same token; the token after that earlier copy), averaged over the queries that have
+  such a position (`previous_token_targets`, `duplicate_token_targets`, `induction_targets` say which).
 
 Example:
     >>> import torch
@@ -74,22 +75,37 @@ def _mean_attention(model: nn.Module, tokens: Tensor, target: Bool[Tensor, "batc
     return torch.stack(scores)
 
 
+def previous_token_targets(tokens: Int[Tensor, "batch seq"]) -> Bool[Tensor, "batch query key"]:
+    """Where a previous-token head attends: key = query - 1."""
+    seq = tokens.shape[1]
+    target = torch.eye(seq, dtype=torch.bool, device=tokens.device).roll(-1, dims=1).tril(-1)
+    return target.expand(tokens.shape[0], seq, seq)
+
+
+def duplicate_token_targets(tokens: Int[Tensor, "batch seq"]) -> Bool[Tensor, "batch query key"]:
+    """Where a duplicate-token head attends: earlier positions holding the query's token."""
+    same = tokens[:, :, None] == tokens[:, None, :]  # (batch, query, key)
+    return same.tril(-1)
+
+
+def induction_targets(tokens: Int[Tensor, "batch seq"]) -> Bool[Tensor, "batch query key"]:
+    """Where an induction head attends: the token *after* an earlier copy of the query's token."""
+    same = tokens[:, :, None] == tokens[:, None, :]  # (batch, query, key)
+    after_copy = torch.zeros_like(same)
+    after_copy[:, :, 1:] = same[:, :, :-1]  # key k is induction's target if token k-1 equals the query's
+    return after_copy.tril(-1)
+
+
 def previous_token_score(model: nn.Module, tokens: Int[Tensor, "batch seq"]) -> Float[Tensor, "layers heads"]:
     """Mean attention from each position to the one before it."""
-    seq = tokens.shape[1]
-    target = torch.eye(seq, dtype=torch.bool).roll(-1, dims=1).tril(-1)  # key = query - 1
-    return _mean_attention(model, tokens, target.expand(tokens.shape[0], seq, seq))
+    return _mean_attention(model, tokens, previous_token_targets(tokens))
 
 
 def duplicate_token_score(model: nn.Module, tokens: Int[Tensor, "batch seq"]) -> Float[Tensor, "layers heads"]:
     """Mean attention from each position to earlier positions holding the same token."""
-    same = tokens[:, :, None] == tokens[:, None, :]  # (batch, query, key)
-    return _mean_attention(model, tokens, same.tril(-1))
+    return _mean_attention(model, tokens, duplicate_token_targets(tokens))
 
 
 def induction_score(model: nn.Module, tokens: Int[Tensor, "batch seq"]) -> Float[Tensor, "layers heads"]:
     """Mean attention from each position to the token *after* an earlier copy of the current token."""
-    same = tokens[:, :, None] == tokens[:, None, :]  # (batch, query, key)
-    after_copy = torch.zeros_like(same)
-    after_copy[:, :, 1:] = same[:, :, :-1]  # key k is induction's target if token k-1 equals the query's
-    return _mean_attention(model, tokens, after_copy.tril(-1))
+    return _mean_attention(model, tokens, induction_targets(tokens))

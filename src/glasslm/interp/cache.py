@@ -146,7 +146,7 @@ class ActivationCache(dict):
         for index in range(layer):
             if mode != "mlp":
                 parts.append((f"{index}_attn_out", self["attn_out", index]))
-            if mode != "attn":
+            if mode != "attn" and self.model.blocks[index].mlp is not None:  # attention-only blocks have none
                 parts.append((f"{index}_mlp_out", self["mlp_out", index]))
         if mlp_input and mode != "mlp":
             parts.append((f"{layer}_attn_out", self["attn_out", layer]))
@@ -260,7 +260,7 @@ class ActivationCache(dict):
             block = self.model.blocks[index]
             if block.attn.out.bias is not None:
                 total = total + block.attn.out.bias
-            if include_mlp_biases and index < layer and block.mlp.down.bias is not None:
+            if include_mlp_biases and index < layer and block.mlp is not None and block.mlp.down.bias is not None:
                 total = total + block.mlp.down.bias
         return total
 
@@ -273,7 +273,7 @@ class ActivationCache(dict):
         stack, labels = self.stack_head_results(layer + (1 if mlp_input else 0), pos_slice=pos_slice,
                                                 return_labels=True)
         parts = [stack]
-        if layer > 0:
+        if layer > 0 and any(self.model.blocks[index].mlp is not None for index in range(layer)):
             if expand_neurons:
                 mlp, mlp_labels = self.stack_neuron_results(layer, pos_slice=pos_slice, return_labels=True)
             else:
