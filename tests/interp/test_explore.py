@@ -8,7 +8,9 @@ from glasslm.interp import explore
 from glasslm.presets import get_preset
 from glasslm.evaluation.perplexity import evaluate_tokens
 from glasslm.interp.hooks import logit_lens as hooks_logit_lens
+from glasslm.interp.attribution import head_logit_attribution, induction_score, repeated_random_tokens
 from glasslm.interp.hooks import run_with_cache
+from glasslm.interp.patching import patch_attn_out, patch_residual_stream
 from glasslm.core.model import TransformerLM
 from glasslm.tokenizers import CharTokenizer
 
@@ -137,3 +139,105 @@ def test_too_long_or_empty_input_is_refused(setup):
         explore.logit_lens(model, tok, [0] * 33)
     with pytest.raises(ValueError, match="no tokens"):
         explore.logit_lens(model, tok, [])
+
+
+def perturbed(preset: str, **extra) -> TransformerLM:
+    """A random model whose norm gains and biases are not 1 and 0, so weight processing has work to do."""
+    torch.manual_seed(0)
+    model = TransformerLM(get_preset(preset, vocab_size=28, n_layers=2, d_model=32, n_heads=4, context_length=32,
+                                     **extra)).eval()
+    for p in model.parameters():
+        p.add_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.05))
+    return model
+
+
+ATTRIBUTION_MODELS = {"gpt2": ("gpt2-small", {}), "llama": ("llama-tiny", {"n_kv_heads": 2}),
+                      "attention-only": ("induction-attn-only", {}),
+                      "tied, unembed bias": ("shakespeare-char-cpu", {"tie_embeddings": True, "unembed_bias": True})}
+
+
+@pytest.mark.parametrize("shape", ATTRIBUTION_MODELS)
+def test_logit_attribution_adds_up_to_the_logit_minus_its_mean(setup, shape):
+    preset, extra = ATTRIBUTION_MODELS[shape]
+    model, tok, ids = perturbed(preset, **extra), setup[1], setup[2]
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    logits = model(torch.tensor([ids]))[0, -1]
+    for token in (None, 7):
+        result = explore.logit_attribution(model, tok, ids, token=token)
+        chosen = int(logits.argmax()) if token is None else token
+        assert result["token"]["id"] == chosen and result["token"]["rank"] == int((logits > logits[chosen]).sum())
+        total = (sum(map(sum, result["heads"])) + sum(c["value"] for c in result["components"])
+                 + result["unembed_bias"])
+        # The model's own logit, centred over the vocabulary (softmax ignores the mean): an independent reference.
+        assert total == pytest.approx(float(logits[chosen] - logits.mean()), abs=2e-5)
+        assert result["logit_minus_mean"] == pytest.approx(float(logits[chosen] - logits.mean()), abs=2e-5)
+        assert result["token"]["prob"] == pytest.approx(float(torch.softmax(logits, -1)[chosen]), rel=1e-5)
+    labels = [c["label"] for c in result["components"]]
+    assert labels[-1] == "bias" and "embed" in labels and len(result["heads"]) == 2 and len(result["heads"][0]) == 4
+    assert ("0_mlp_out" in labels) == (shape != "attention-only")
+    assert all(torch.equal(p, before[name]) for name, p in model.state_dict().items())  # the served model is untouched
+
+
+def test_logit_attribution_heads_are_head_logit_attribution_on_processed_weights(setup):
+    model, tok, ids = perturbed("gpt2-small"), setup[1], setup[2]
+    result = explore.logit_attribution(model, tok, ids, token=4)
+    direct = head_logit_attribution(explore.processed_copy(model), torch.tensor([ids]), token=4)[:, -1]
+    torch.testing.assert_close(torch.tensor(result["heads"]), direct.view(2, 4))
+    assert [row["id"] for row in result["top"]] == model(torch.tensor([ids]))[0, -1].topk(10).indices.tolist()
+    with pytest.raises(ValueError, match="token id 28 is outside"):
+        explore.logit_attribution(model, tok, ids, token=28)
+
+
+def hand_scores(pattern: torch.Tensor, ids: list[int]) -> dict[str, torch.Tensor]:
+    """The three head scores written out as loops over one sequence's (layers, heads, query, key) patterns."""
+    targets = {"previous_token": lambda q: [q - 1] if q else [],
+               "duplicate_token": lambda q: [k for k in range(q) if ids[k] == ids[q]],
+               "induction": lambda q: [k for k in range(1, q) if ids[k - 1] == ids[q]]}
+    scores = {}
+    for name, keys in targets.items():
+        rows = [pattern[..., q, keys(q)].sum(-1) for q in range(len(ids)) if keys(q)]
+        scores[name] = torch.stack(rows).mean(0) if rows else None
+    return scores
+
+
+def test_head_scores_are_the_attention_to_each_heads_target(setup):
+    model, tok, ids = setup
+    result = explore.head_scores(model, tok, ids)
+    names = [f"blocks.{i}.attn.hook_pattern" for i in range(2)]
+    _, cache = run_with_cache(model, torch.tensor([ids]), names_filter=names)
+    pattern = torch.stack([cache[name][0] for name in names])  # (layers, heads, query, key)
+    for name, expected in hand_scores(pattern, ids).items():
+        torch.testing.assert_close(torch.tensor(result["prompt"][name]["scores"]), expected)
+    assert result["prompt"]["previous_token"]["queries"] == len(ids) - 1
+    repeated = result["repeated_random"]
+    assert (repeated["half"], repeated["batch"]) == (16, 10)  # min(50, context // 2) tokens, repeated
+    tokens = repeated_random_tokens(tok.vocab_size, 16, 10, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(torch.tensor(repeated["induction"]["scores"]), induction_score(model, tokens))
+    assert repeated["induction"]["queries"] >= 10 * 16  # every second-half position has one (first halves may too)
+    # No token repeats: duplicate-token and induction scores have no query to average, so they are None.
+    unique = explore.head_scores(model, tok, tok.encode("abc"))["prompt"]
+    assert unique["induction"] == {"scores": None, "queries": 0} and unique["duplicate_token"]["scores"] is None
+
+
+@pytest.mark.parametrize("hook,patch", [("resid_pre", patch_residual_stream), ("attn_out", patch_attn_out)])
+def test_activation_patching_is_the_interp_grid_normalised_clean_1_corrupted_0(setup, hook, patch):
+    model, tok, _ = setup
+    clean, corrupted = tok.encode("the cat sat on a mat"), tok.encode("the bat sat on a mat")  # one token differs
+    answer, wrong = tok.encode("s")[0], tok.encode("t")[0]
+    result = explore.activation_patching(model, tok, clean, corrupted, answer, wrong, hook)
+
+    def metric(logits):
+        return logits[0, -1, answer] - logits[0, -1, wrong]
+
+    clean_value, corrupted_value = (float(metric(model(torch.tensor([ids])))) for ids in (clean, corrupted))
+    assert (result["clean_logit_diff"], result["corrupted_logit_diff"]) == pytest.approx((clean_value, corrupted_value))
+    grid = patch(model, torch.tensor([clean]), torch.tensor([corrupted]), metric)
+    torch.testing.assert_close(torch.tensor(result["logit_diff"]), grid)
+    normalised = torch.tensor(result["patched"])
+    torch.testing.assert_close(normalised, (grid - corrupted_value) / (clean_value - corrupted_value))
+    if hook == "resid_pre":  # layer 0's input is the embeddings: the changed token's position restores it all
+        expected = torch.zeros(len(clean))
+        expected[4] = 1.0
+        torch.testing.assert_close(normalised[0], expected, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="must be as long"):
+        explore.activation_patching(model, tok, clean, corrupted[:-1], answer, wrong)

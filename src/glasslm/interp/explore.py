@@ -1,10 +1,12 @@
 """The numbers behind the explorer page, as plain JSON-able dicts: next-token tables, per-token
-loss, attention patterns and the logit lens for one short text.
+loss, attention patterns, the logit lens, direct logit attribution, head scores and activation
+patching for one short text.
 
 Each function takes token ids (a list, at most the model's context length) and returns lists and
 floats, so the server only has to encode the request and send the result. The work is done by
 glasslm's own tools: `inspection.attention_pattern` and `inspection.logit_lens_top` (both on
-`hooks.run_with_cache`) and `generate.filter_logits`, so the page shows exactly what the library
+`hooks.run_with_cache`), `generate.filter_logits`, the activation cache's `logit_attrs`, the head
+scores of `interp.attribution` and `interp.patching`, so the page shows exactly what the library
 computes.
 
 Example:
@@ -18,10 +20,16 @@ Example:
     [1.0, 1.0]
     >>> len(logit_lens(model, tok, tok.encode("ab"))["layers"])  # one row per layer
     2
+    >>> len(logit_attribution(model, tok, tok.encode("abca"))["heads"])  # (layers, heads)
+    2
+    >>> grid = activation_patching(model, tok, tok.encode("abca"), tok.encode("cbca"), answer=1, wrong_answer=2)
+    >>> [round(v, 4) + 0.0 for v in grid["patched"][0]]  # layer 0: the changed token carries it all (+ 0.0: no -0.0)
+    [1.0, 0.0, 0.0, 0.0]
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -32,7 +40,13 @@ from torch import Tensor
 
 from glasslm.evaluation.perplexity import sliding_windows
 from glasslm.generation import filter_logits
+from glasslm.interp.attribution import (duplicate_token_score, duplicate_token_targets, induction_score,
+                                        induction_targets, previous_token_score, previous_token_targets,
+                                        repeated_random_tokens)
+from glasslm.interp.hooks import run_with_cache
 from glasslm.interp.inspection import attention_pattern, logit_lens_top
+from glasslm.interp.patching import patch_attn_out, patch_mlp_out, patch_residual_stream
+from glasslm.interp.weights import process_weights
 from glasslm.core.model import TransformerLM
 
 
@@ -126,3 +140,120 @@ def logit_lens(model: TransformerLM, tokenizer: Any, ids: Sequence[int]) -> dict
     layers = [[{"id": int(i), "text": tokenizer.decode([int(i)]), "prob": float(p)}
                for i, p in zip(row_ids, row_probs)] for row_ids, row_probs in zip(top_ids, top_probs)]
     return {"tokens": list(map(int, ids)), "texts": token_texts(tokenizer, ids), "layers": layers}
+
+
+def processed_copy(model: TransformerLM) -> TransformerLM:
+    """A copy of `model` with TransformerLens's default weight processing (`weights.process_weights`):
+    same log-probs, and the final norm's gain and bias folded into the unembedding, so direct logit
+    attributions add up to the logit (minus its mean over the vocabulary, minus the unembed bias)."""
+    processed = copy.deepcopy(model)
+    try:
+        process_weights(processed)
+    except (ValueError, AttributeError) as err:
+        raise ValueError(f"logit attribution processes the weights as TransformerLens does (fold_ln, "
+                         f"center_writing_weights, center_unembed, fold_value_biases); this model cannot be: {err}") from None
+    return processed.eval()
+
+
+def _attribution_hook(name: str) -> bool:
+    return name in ("hook_embed", "hook_pos_embed", "ln_final.hook_scale") or name.endswith(("attn.hook_z", "hook_mlp_out"))
+
+
+@torch.no_grad()
+def logit_attribution(model: TransformerLM, tokenizer: Any, ids: Sequence[int], token: int | None = None,
+                      k: int = 10) -> dict[str, Any]:
+    """Direct logit attribution of the next token after `ids` (`token`, default the top prediction):
+    each head's, MLP's, embedding's and the biases' direct share of its logit at the last position.
+
+    Computed on `processed_copy(model)` as TransformerLens computes it on its default (processed)
+    weights: `cache.get_full_resid_decomposition(expand_neurons=False)` then `cache.logit_attrs`. The
+    `heads` (layers x heads), the `components` and `unembed_bias` add up to `logit_minus_mean`.
+    """
+    processed = processed_copy(model)
+    logits, cache = run_with_cache(processed, _tensor(model, ids), names_filter=_attribution_hook)
+    last = logits[0, -1].float()  # the processed unembedding is centred: these are logit - mean logit
+    probs = torch.softmax(last, dim=-1)
+    token = int(last.argmax()) if token is None else int(token)
+    if not 0 <= token < last.shape[-1]:
+        raise ValueError(f"token id {token} is outside [0, {last.shape[-1]})")
+    stack, labels = cache.get_full_resid_decomposition(expand_neurons=False, pos_slice=-1, return_labels=True)
+    attrs = cache.logit_attrs(stack, token, pos_slice=-1)[:, 0].float().cpu()  # (components,)
+    n_layers, n_heads = len(processed.blocks), processed.config.n_heads
+    bias = processed.unembed_bias
+    top = probs.topk(min(k, probs.shape[-1]))
+
+    def row(i: int) -> dict[str, Any]:
+        return {"id": i, "text": tokenizer.decode([i]), "prob": float(probs[i]), "logit_minus_mean": float(last[i])}
+
+    return {"tokens": list(map(int, ids)), "texts": token_texts(tokenizer, ids), "position": len(ids) - 1,
+            "token": {**row(token), "rank": int((last > last[token]).sum())},
+            "top": [row(int(i)) for i in top.indices],
+            "heads": attrs[:n_layers * n_heads].view(n_layers, n_heads).tolist(),
+            "components": [{"label": label, "value": float(value)}
+                           for label, value in zip(labels[n_layers * n_heads:], attrs[n_layers * n_heads:])],
+            "unembed_bias": 0.0 if bias is None else float(bias[token]),
+            "logit_minus_mean": float(last[token])}
+
+
+HEAD_SCORES = {"previous_token": (previous_token_score, previous_token_targets),
+               "duplicate_token": (duplicate_token_score, duplicate_token_targets),
+               "induction": (induction_score, induction_targets)}
+RANDOM_HALF, RANDOM_BATCH = 50, 10  # as ARENA's induction exercises: 50 random tokens repeated, 10 sequences
+
+
+def _scores(model: TransformerLM, tokens: Tensor) -> dict[str, Any]:
+    """Each head score (layers x heads), and how many queries it averages over (None when none has a target)."""
+    result = {}
+    for name, (score, targets) in HEAD_SCORES.items():
+        queries = int(targets(tokens).any(dim=-1).sum())
+        result[name] = {"scores": score(model, tokens).tolist() if queries else None, "queries": queries}
+    return result
+
+
+@torch.no_grad()
+def head_scores(model: TransformerLM, tokenizer: Any, ids: Sequence[int], seed: int = 0) -> dict[str, Any]:
+    """Previous-token, duplicate-token and induction score of every head (`interp.attribution`), on
+    the text itself and on repeated random tokens (`repeated_random_tokens`, seeded), as TransformerLens
+    and ARENA measure induction: min(50, context // 2) random tokens then the same again, 10 sequences."""
+    tokens = _tensor(model, ids)
+    half = min(RANDOM_HALF, model.config.context_length // 2)
+    if half < 2:
+        raise ValueError(f"a context of {model.config.context_length} tokens is too short for repeated random tokens")
+    generator = torch.Generator().manual_seed(seed)
+    repeated = repeated_random_tokens(model.config.vocab_size, half, RANDOM_BATCH, generator=generator)
+    return {"tokens": list(map(int, ids)), "texts": token_texts(tokenizer, ids), "prompt": _scores(model, tokens),
+            "repeated_random": {"half": half, "batch": RANDOM_BATCH, "seed": seed,
+                                **_scores(model, repeated.to(tokens.device))}}
+
+
+PATCHED_HOOKS = {"resid_pre": patch_residual_stream, "attn_out": patch_attn_out, "mlp_out": patch_mlp_out}
+
+
+@torch.no_grad()
+def activation_patching(model: TransformerLM, tokenizer: Any, clean_ids: Sequence[int], corrupted_ids: Sequence[int],
+                        answer: int, wrong_answer: int, hook: str = "resid_pre") -> dict[str, Any]:
+    """Patch `blocks.{layer}.hook_{hook}` at each (layer, position) from the clean run into the corrupted one.
+
+    The metric is the logit difference answer - wrong_answer at the last position; `patched` is it
+    normalised as TransformerLens and ARENA do, (patched - corrupted) / (clean - corrupted): 1 where
+    the patch restores the clean run, 0 where it changes nothing (None when clean equals corrupted).
+    """
+    if len(clean_ids) != len(corrupted_ids):
+        raise ValueError(f"the clean text is {len(clean_ids)} tokens and the corrupted {len(corrupted_ids)}; "
+                         "patching pairs positions, so they must be as long")
+    if hook not in PATCHED_HOOKS:
+        raise ValueError(f"hook must be one of {sorted(PATCHED_HOOKS)}")
+    clean, corrupted = _tensor(model, clean_ids), _tensor(model, corrupted_ids)
+
+    def metric(logits: Float[Tensor, "1 seq vocab"]) -> Tensor:
+        return logits[0, -1, answer].float() - logits[0, -1, wrong_answer].float()
+
+    clean_value, corrupted_value = float(metric(model(clean))), float(metric(model(corrupted)))
+    grid = PATCHED_HOOKS[hook](model, clean, corrupted, metric)  # (layers, seq)
+    spread = clean_value - corrupted_value
+    return {"tokens": list(map(int, clean_ids)), "texts": token_texts(tokenizer, clean_ids),
+            "corrupted_tokens": list(map(int, corrupted_ids)), "corrupted_texts": token_texts(tokenizer, corrupted_ids),
+            "answer": {"id": answer, "text": tokenizer.decode([answer])},
+            "wrong_answer": {"id": wrong_answer, "text": tokenizer.decode([wrong_answer])}, "hook": hook,
+            "clean_logit_diff": clean_value, "corrupted_logit_diff": corrupted_value, "logit_diff": grid.tolist(),
+            "patched": ((grid - corrupted_value) / spread).tolist() if spread != 0 else None}

@@ -23,7 +23,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -152,6 +152,35 @@ class NextTokenRequest(TextRequest):
 class AttentionRequest(TextRequest):
     layer: int = Field(0, ge=0)
     head: int | None = Field(None, ge=0)  # None: every head of the layer
+
+
+class AttributionRequest(TextRequest):
+    token: int | str | None = None  # an id, or a text of one token; None: the model's top prediction
+    k: int = Field(10, ge=1, le=100)  # how many top predictions to list beside it
+
+
+class HeadScoresRequest(TextRequest):
+    seed: int = Field(0, ge=0, le=2**31 - 1)  # of the repeated random tokens
+
+
+class PatchingRequest(TextRequest):
+    """`text`/`tokens` is the clean prompt; `corrupted_text`/`corrupted_tokens` one of the same token length."""
+
+    corrupted_text: str | None = None
+    corrupted_tokens: list[int] | None = None
+    answer: int | str  # an id, or a text of one token
+    wrong_answer: int | str
+    hook: Literal["resid_pre", "attn_out", "mlp_out"] = "resid_pre"
+
+    def corrupted_ids(self, encode: Callable[[Any, str], list[int]]) -> list[int]:
+        """`TextRequest.ids` for the corrupted prompt."""
+        if (self.corrupted_text is None) == (self.corrupted_tokens is None):
+            raise BadRequest("corrupted_text: give exactly one of corrupted_text and corrupted_tokens", "corrupted_text")
+        if self.corrupted_text == "":
+            raise BadRequest("corrupted_text: the text is empty", "corrupted_text")
+        if self.corrupted_text is not None:
+            return encode(self.corrupted_text, "corrupted_text")
+        return encode(self.corrupted_tokens, "corrupted_tokens")
 
 
 def describe_validation_error(problem: dict[str, Any]) -> str:

@@ -1,5 +1,8 @@
 """The explorer page (/ and /static) and its JSON endpoints: thin wrappers around `glasslm.interp.explore`.
 
+The routes check what a request itself gets wrong (token ids, lengths, one-token answers) and
+answer 400 naming the field; the numbers are `explore`'s.
+
 Each endpoint takes the engine's model lock (`Served.run_locked`), which the worker holds during
 a decode step, so hooks never see a decode step's activations.
 
@@ -7,8 +10,11 @@ Example:
     >>> from fastapi import FastAPI
     >>> app = FastAPI()
     >>> app.include_router(router)
-    >>> sorted(p for p in app.openapi()["paths"] if p.startswith("/api"))
-    ['/api/attention', '/api/info', '/api/logit-lens', '/api/next-token', '/api/token-loss', '/api/tokenize']
+    >>> paths = sorted(p for p in app.openapi()["paths"] if p.startswith("/api"))
+    >>> paths[:5]
+    ['/api/attention', '/api/head-scores', '/api/info', '/api/logit-attribution', '/api/logit-lens']
+    >>> paths[5:]
+    ['/api/next-token', '/api/patching', '/api/token-loss', '/api/tokenize']
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-from glasslm.interp.explore import attention, logit_lens, next_token, token_loss, token_texts
+from glasslm.interp.explore import (activation_patching, attention, head_scores, logit_attribution, logit_lens,
+                                    next_token, token_loss, token_texts)
 from glasslm.serving import schemas
 from glasslm.serving.context import ServedDep
 
@@ -80,3 +87,48 @@ def api_attention(body: schemas.AttentionRequest, served: ServedDep) -> Any:
 @router.post("/api/logit-lens")
 def api_logit_lens(body: schemas.TextRequest, served: ServedDep) -> Any:
     return served.run_locked(logit_lens, body.ids(lambda value, what: served.encode(value, what=what)))
+
+
+def one_token(served: Any, value: int | str, field: str) -> int:
+    """A request's token: an id in the vocabulary, or a text that encodes to exactly one token."""
+    if isinstance(value, int):
+        return served.encode([value], what=field)[0]
+    if value == "":
+        raise schemas.BadRequest(f"{field}: the text is empty; give one token's text or its id", field)
+    ids = served.encode(value, what=field)
+    if len(ids) != 1:
+        pieces = ", ".join(repr(t) for t in token_texts(served.tokenizer, ids[:8]))
+        raise schemas.BadRequest(f"{field}: {value!r} is {len(ids)} tokens ({pieces}); give one token's text or its id",
+                                 field)
+    return ids[0]
+
+
+@router.post("/api/logit-attribution")
+def api_logit_attribution(body: schemas.AttributionRequest, served: ServedDep) -> Any:
+    ids = body.ids(lambda value, what: served.encode(value, what=what))
+    token = None if body.token is None else one_token(served, body.token, "token")
+    return served.run_locked(logit_attribution, ids, token, body.k)
+
+
+@router.post("/api/head-scores")
+def api_head_scores(body: schemas.HeadScoresRequest, served: ServedDep) -> Any:
+    return served.run_locked(head_scores, body.ids(lambda value, what: served.encode(value, what=what)), body.seed)
+
+
+@router.post("/api/patching")
+def api_patching(body: schemas.PatchingRequest, served: ServedDep) -> Any:
+    clean = body.ids(lambda value, what: served.encode(value, what=what))
+    corrupted = body.corrupted_ids(lambda value, what: served.encode(value, what=what))
+    field = "corrupted_text" if body.corrupted_text is not None else "corrupted_tokens"
+    if len(corrupted) != len(clean):
+        raise schemas.BadRequest(f"{field}: the corrupted prompt is {len(corrupted)} tokens and the clean one "
+                                 f"{len(clean)}; patching pairs positions, so give one of {len(clean)} tokens", field)
+    if corrupted == clean:
+        raise schemas.BadRequest(f"{field}: the corrupted prompt is the clean one; change at least one token", field)
+    answer, wrong = one_token(served, body.answer, "answer"), one_token(served, body.wrong_answer, "wrong_answer")
+    if answer == wrong:
+        raise schemas.BadRequest("wrong_answer: it is the answer's token; the metric is the logit difference "
+                                 "answer - wrong_answer, so give another", "wrong_answer")
+    if body.hook == "mlp_out" and any(block.mlp is None for block in served.model.blocks):
+        raise schemas.BadRequest("hook: this model is attention-only (no MLPs); patch resid_pre or attn_out", "hook")
+    return served.run_locked(activation_patching, clean, corrupted, answer, wrong, body.hook)
