@@ -38,6 +38,8 @@ def _status(url: str, path: str, key: str | None, body: bytes | None = None) -> 
 
 @pytest.mark.parametrize("path,body", [
     ("/", None), ("/static/app.js", None), ("/api/info", None), ("/api/tokenize", b'{"text": "hi"}'),
+    ("/api/logit-attribution", b'{"text": "hi"}'), ("/api/head-scores", b'{"text": "hi"}'),
+    ("/api/patching", b'{"text": "hi", "corrupted_text": "ho", "answer": "a", "wrong_answer": "e"}'),
     ("/v1/models", None), ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1}'),
     ("/tokenize", b'{"prompt": "hi"}'), ("/openapi.json", None), ("/docs", None), ("/no-such-page", None),
 ])

@@ -240,6 +240,59 @@ def test_explorer_endpoints_return_the_explore_numbers(served):
         assert status == 400 and words in reply["error"]["message"], (path, reply)
 
 
+def test_attribution_head_score_and_patching_endpoints_return_the_explore_numbers(served):
+    url, model, tok, _ = served
+    text, corrupted = "To be or not", "To be or ton"
+    ids, bad_ids = tok.encode(text), tok.encode(corrupted)
+    as_json = lambda value: json.loads(json.dumps(value))  # noqa: E731
+    status, got = call(url, "/api/logit-attribution", {"text": text})
+    assert status == 200 and got == as_json(explore.logit_attribution(model, tok, ids))
+    e = tok.encode("e")[0]
+    assert call(url, "/api/logit-attribution", {"tokens": ids, "token": "e", "k": 3})[1] == as_json(
+        explore.logit_attribution(model, tok, ids, e, 3))
+    assert call(url, "/api/logit-attribution", {"text": text, "token": e})[1]["token"]["id"] == e
+    assert call(url, "/api/head-scores", {"text": text, "seed": 3})[1] == as_json(explore.head_scores(model, tok, ids, 3))
+    body = {"text": text, "corrupted_text": corrupted, "answer": "e", "wrong_answer": tok.encode("t")[0]}
+    status, got = call(url, "/api/patching", body | {"hook": "mlp_out"})
+    assert status == 200 and got == as_json(explore.activation_patching(model, tok, ids, bad_ids, e, tok.encode("t")[0],
+                                                                         "mlp_out"))
+    assert call(url, "/api/patching", body | {"text": None, "tokens": ids})[1]["hook"] == "resid_pre"
+    for path, extra, field, words in [
+            ("/api/logit-attribution", {"token": "ee"}, "token", "'ee' is 2 tokens"),
+            ("/api/logit-attribution", {"token": len(CHARS)}, "token", f"token id {len(CHARS)} is outside"),
+            ("/api/logit-attribution", {"token": ""}, "token", "empty"),
+            ("/api/logit-attribution", {"token": "0"}, "token", "token"),  # a character the tokenizer lacks
+            ("/api/head-scores", {"seed": -1}, "seed", "greater than or equal to 0"),
+            ("/api/patching", {"corrupted_text": "To be or no"}, "corrupted_text", "11 tokens and the clean one 12"),
+            ("/api/patching", {"corrupted_text": text}, "corrupted_text", "is the clean one"),
+            ("/api/patching", {"corrupted_text": None, "corrupted_tokens": [0] * 11 + [999]}, "corrupted_tokens",
+             "token id 999 is outside"),
+            ("/api/patching", {"corrupted_text": "a" * (CONTEXT + 1)}, "corrupted_text", f"at most {CONTEXT}"),
+            ("/api/patching", {"corrupted_text": None}, "corrupted_text", "exactly one"),
+            ("/api/patching", {"wrong_answer": "e"}, "wrong_answer", "the answer's token"),
+            ("/api/patching", {"answer": "be"}, "answer", "'be' is 2 tokens"),
+            ("/api/patching", {"hook": "resid_post"}, "hook", "resid_pre"),
+            ("/api/patching", {"text": "a" * (CONTEXT + 1)}, "text", f"at most {CONTEXT}")]:
+        base = {"text": text} if path != "/api/patching" else body
+        status, reply = call(url, path, base | extra)
+        assert status == 400 and words in reply["error"]["message"] and reply["error"]["param"] == field, (extra, reply)
+
+
+def test_patching_an_attention_only_model_refuses_mlp_out_by_name():
+    tok = CharTokenizer(list(CHARS))
+    model = TransformerLM(get_preset("induction-attn-only", vocab_size=tok.vocab_size)).eval()
+    with serving_in_thread(create_app(model, tok, ServeConfig(name="attn-only"))) as url:
+        body = {"text": "ab ab", "corrupted_text": "ab cb", "answer": "a", "wrong_answer": "c"}
+        status, reply = call(url, "/api/patching", body | {"hook": "mlp_out"})
+        assert status == 400 and reply["error"]["param"] == "hook" and "attention-only" in reply["error"]["message"]
+        status, got = call(url, "/api/patching", body | {"hook": "attn_out"})
+        ids, bad = tok.encode("ab ab"), tok.encode("ab cb")
+        expected = explore.activation_patching(model, tok, ids, bad, tok.encode("a")[0], tok.encode("c")[0], "attn_out")
+        assert status == 200 and got == json.loads(json.dumps(expected))
+        labels = [c["label"] for c in call(url, "/api/logit-attribution", {"text": "ab ab"})[1]["components"]]
+        assert labels == ["embed", "bias"]  # rotary positions, no MLPs: the heads and these are all
+
+
 def test_a_full_queue_answers_429_at_once():
     model, tok = tiny_model()
     app = create_app(model, tok, ServeConfig(name="tiny", max_batch=1, max_queue=1, max_tokens_limit=100_000))
