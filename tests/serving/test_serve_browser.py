@@ -205,3 +205,102 @@ def test_the_demo_shaped_model_keeps_text_and_generation_apart_and_in_context(pa
     assert len(lens) == len(layers) * context
     assert all(layers[layer][pos]["id"] == token for layer, pos, token in lens)
     assert "showing its last" in page.inner_text("#inspect-status")
+
+
+def grid_cells(page, where: str) -> list[tuple[int, int, float]]:
+    return [tuple(cell) for cell in page.locator(f"{where} rect.cell").evaluate_all(
+        "els => els.map(e => [Number(e.dataset.row), Number(e.dataset.col), Number(e.dataset.value)])")]
+
+
+def assert_grid_shows(page, where: str, expected: list[list[float]]) -> None:
+    cells = grid_cells(page, where)
+    assert len(cells) == len(expected) * len(expected[0])
+    for row, col, value in cells:
+        assert value == pytest.approx(expected[row][col], abs=1e-7), (where, row, col)
+
+
+def test_logit_attribution_view_shows_the_apis_numbers(page_and_server, tmp_path):
+    page, url, model, tok, engine = page_and_server
+    text = "To be, or not to be"
+    ids = tok.encode(text)
+    page.fill("#inspect-text", text)
+    page.click("#show-dla")
+    expected = api(url, "/api/logit-attribution", {"tokens": ids})
+    page.wait_for_selector(f"#dla-map svg[data-token='{expected['token']['id']}']")  # the top prediction by default
+    assert_grid_shows(page, "#dla-map", expected["heads"])
+    shown = dict(page.locator("#dla-components td[data-label]").evaluate_all(
+        "els => els.map(e => [e.dataset.label, Number(e.dataset.value)])"))
+    assert shown == pytest.approx({"all heads (the grid)": sum(map(sum, expected["heads"])),
+                                   **{c["label"]: c["value"] for c in expected["components"]},
+                                   "unembed bias": expected["unembed_bias"]}, abs=1e-6)
+    total = float(page.get_attribute("#dla-components td[data-total]", "data-total"))
+    assert total == pytest.approx(expected["logit_minus_mean"], abs=1e-7)
+    assert total == pytest.approx(sum(shown.values()), abs=1e-4)  # the page's rows add up to what it says
+
+    # Another token from the list of top predictions, then one typed as text.
+    second = expected["top"][1]["id"]
+    page.select_option("#dla-token", str(second))
+    page.wait_for_selector(f"#dla-map svg[data-token='{second}']")
+    assert_grid_shows(page, "#dla-map", api(url, "/api/logit-attribution", {"tokens": ids, "token": second})["heads"])
+    typed = tok.encode("q")[0]
+    page.fill("#dla-token-text", "q")
+    page.click("#show-dla")
+    page.wait_for_selector(f"#dla-map svg[data-token='{typed}']")
+    assert_grid_shows(page, "#dla-map", api(url, "/api/logit-attribution", {"tokens": ids, "token": typed})["heads"])
+    page.fill("#dla-token-text", "qq")
+    page.click("#show-dla")
+    page.wait_for_selector("#analysis-status.error")
+    assert "token: 'qq' is 2 tokens" in page.inner_text("#analysis-status")
+    page.fill("#dla-token-text", "")
+    page.screenshot(path=tmp_path / "attribution.png", full_page=True)
+
+
+def test_head_score_table_shows_the_apis_numbers(page_and_server):
+    page, url, model, tok, engine = page_and_server
+    text = "abc abc abc"  # repeated tokens: duplicate-token and induction scores exist on the text too
+    page.fill("#inspect-text", text)
+    page.click("#show-scores")
+    page.wait_for_function("document.querySelector('#analysis-status').textContent.startsWith('11 tokens')")
+    expected = api(url, "/api/head-scores", {"tokens": tok.encode(text)})
+    cells = page.locator("#scores td[data-source]").evaluate_all(
+        "els => els.map(e => [e.dataset.source, e.dataset.score, Number(e.dataset.layer), Number(e.dataset.head),"
+        " e.dataset.value === undefined ? null : Number(e.dataset.value)])")
+    assert len(cells) == 2 * 3 * 2 * 4  # (text, random) x three scores x 2 layers x 4 heads
+    for source, score, layer, head, value in cells:
+        assert value == pytest.approx(expected[source][score]["scores"][layer][head], abs=1e-7)
+    random = expected["repeated_random"]
+    assert f"{random['batch']} sequences of {random['half']} random tokens" in page.inner_text("#scores-title")
+
+    page.fill("#inspect-text", "abc")  # nothing repeats: the page says so instead of showing 0
+    page.click("#show-scores")
+    page.wait_for_function("document.querySelector('#analysis-status').textContent.startsWith('3 tokens')")
+    blank = page.locator("#scores td[data-source=prompt][data-score=induction]").all_inner_texts()
+    assert blank == ["–"] * 8
+
+
+def test_patching_heat_map_shows_the_apis_numbers(page_and_server, tmp_path):
+    page, url, model, tok, engine = page_and_server
+    clean, corrupted = "To be, or not to be", "To be, or not to me"
+    page.fill("#inspect-text", clean)
+    page.fill("#corrupted-text", corrupted)
+    page.fill("#answer", ",")
+    page.fill("#wrong-answer", "!")
+    body = {"text": clean, "corrupted_text": corrupted, "answer": ",", "wrong_answer": "!"}
+    for hook in ("attn_out", "resid_pre"):
+        page.select_option("#patch-hook", hook)
+        page.click("#show-patching")
+        page.wait_for_selector(f"#patch-map svg[data-hook='{hook}']")
+        expected = api(url, "/api/patching", body | {"hook": hook})
+        assert_grid_shows(page, "#patch-map", expected["patched"])
+    # resid_pre of layer 0 is the embedding: the changed position restores the clean run (1), the rest nothing (0).
+    changed = [i for i, (a, b) in enumerate(zip(tok.encode(clean), tok.encode(corrupted))) if a != b]
+    layer0 = {col: value for row, col, value in grid_cells(page, "#patch-map") if row == 0}
+    assert layer0 == pytest.approx({col: 1.0 if col in changed else 0.0 for col in layer0}, abs=1e-5)
+    page.screenshot(path=tmp_path / "patching.png", full_page=True)
+    if os.environ.get("GLASSLM_SCREENSHOT"):
+        shutil.copy(tmp_path / "patching.png", Path(os.environ["GLASSLM_SCREENSHOT"]).with_suffix(".patching.png"))
+
+    page.fill("#corrupted-text", corrupted + "!")  # one token too many: the server's 400 names the field
+    page.click("#show-patching")
+    page.wait_for_selector("#patch-status.error")
+    assert "corrupted_text: the corrupted prompt is 20 tokens and the clean one 19" in page.inner_text("#patch-status")

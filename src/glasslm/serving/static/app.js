@@ -276,6 +276,161 @@ async function showLens() {
   } catch (err) { showError(status, err); }
 }
 
+// --- direct logit attribution, head scores, activation patching ---
+
+const svgNS = "http://www.w3.org/2000/svg";
+
+// Blue for positive, red for negative, opacity |value| / scale (capped at 1).
+function diverging(value, scale) {
+  const a = Math.min(1, Math.abs(value) / (scale || 1)).toFixed(3);
+  return value >= 0 ? `rgba(26, 115, 232, ${a})` : `rgba(214, 39, 40, ${a})`;
+}
+
+// An SVG grid: one rect.cell per (row, column), carrying data-row, data-col and data-value.
+function drawGrid(where, values, rowLabels, colLabels, scale, describe) {
+  const cell = Math.max(12, Math.min(36, Math.floor(480 / colLabels.length))), left = 64, top = 64;
+  const svg = document.createElementNS(svgNS, "svg");
+  svg.setAttribute("width", left + colLabels.length * cell + 4); svg.setAttribute("height", top + rowLabels.length * cell + 4);
+  const add = (tag, attrs, text) => {
+    const e = document.createElementNS(svgNS, tag);
+    for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+    if (text !== undefined) e.textContent = text;
+    svg.appendChild(e); return e;
+  };
+  rowLabels.forEach((label, r) => add("text", { x: left - 4, y: top + r * cell + cell * 0.65, "text-anchor": "end",
+                                                "font-size": 10 }, label));
+  colLabels.forEach((label, c) => add("text", { x: 0, y: 0, "font-size": 10,
+    transform: `translate(${left + c * cell + cell * 0.65},${top - 4}) rotate(-90)` }, label));
+  values.forEach((row, r) => row.forEach((value, c) => {
+    const rect = add("rect", { x: left + c * cell, y: top + r * cell, width: cell - 1, height: cell - 1, class: "cell",
+                               fill: diverging(value, scale) });
+    rect.dataset.row = r; rect.dataset.col = c; rect.dataset.value = value;
+    const title = document.createElementNS(svgNS, "title");
+    title.textContent = describe(r, c, value);
+    rect.appendChild(title);
+  }));
+  where.textContent = ""; where.appendChild(svg);
+  return svg;
+}
+
+const maxAbs = (rows) => Math.max(1e-9, ...rows.flat().map(Math.abs));
+const fixed = (x) => (x === null ? "–" : x.toFixed(3));
+
+function attributionBody(shown) {
+  const typed = $("dla-token-text").value, picked = $("dla-token").value;
+  if (typed !== "") return { ...shown.body, token: typed };  // the server checks it is one token
+  return picked === "" ? shown.body : { ...shown.body, token: Number(picked) };
+}
+
+async function showAttribution() {
+  const status = $("analysis-status");
+  try {
+    const shown = await inspectWindow();
+    const result = await post("/api/logit-attribution", attributionBody(shown));
+    const token = result.token, n = result.heads.length;
+    const svg = drawGrid($("dla-map"), result.heads, result.heads.map((_, l) => `layer ${l}`),
+                         result.heads[0].map((_, h) => `head ${h}`), maxAbs(result.heads),
+                         (l, h, v) => `L${l}H${h}: ${v.toFixed(4)}`);
+    svg.dataset.token = token.id;
+    $("dla-title").textContent = `of ${visible(token.text)} (p = ${token.prob.toFixed(3)}, rank ${token.rank + 1}) ` +
+                                 `after ${visible(result.texts[result.position])}`;
+    drawComponents(result);
+    fillTokenChoices(result);
+    showStatus(status, `${result.texts.length} tokens, ${n} layers${shown.note}`);
+  } catch (err) { showError(status, err); }
+}
+
+function drawComponents(result) {
+  const headSum = result.heads.flat().reduce((a, b) => a + b, 0);
+  const rows = [["all heads (the grid)", headSum], ...result.components.map((c) => [c.label, c.value]),
+                ["unembed bias", result.unembed_bias]];
+  const table = document.createElement("table");
+  for (const [label, value] of rows) {
+    const row = table.insertRow();
+    row.insertCell().textContent = label;
+    const td = row.insertCell();
+    td.textContent = value.toFixed(4); td.dataset.label = label; td.dataset.value = value;
+    td.style.background = diverging(value, Math.abs(result.logit_minus_mean) || 1);
+  }
+  const total = table.insertRow();
+  total.insertCell().textContent = "sum = logit − mean logit";
+  const td = total.insertCell();
+  td.textContent = result.logit_minus_mean.toFixed(4); td.dataset.total = result.logit_minus_mean;
+  $("dla-components").textContent = ""; $("dla-components").appendChild(table);
+}
+
+// The token box offers the top predictions of the last run, keeping the chosen token selected.
+function fillTokenChoices(result) {
+  const select = $("dla-token"), chosen = select.value;
+  select.length = 1;
+  for (const row of result.top) select.add(new Option(`${visible(row.text)} (p = ${row.prob.toFixed(3)})`, String(row.id)));
+  if (chosen !== "" && ![...select.options].some((o) => o.value === chosen)) {
+    select.add(new Option(visible(result.token.text), chosen));
+  }
+  select.value = chosen;
+}
+
+const SCORE_NAMES = { previous_token: "previous token", duplicate_token: "duplicate token", induction: "induction" };
+
+async function showHeadScores() {
+  const status = $("analysis-status");
+  try {
+    const shown = await inspectWindow();
+    const result = await post("/api/head-scores", shown.body), random = result.repeated_random;
+    const table = document.createElement("table");
+    const groups = table.insertRow();
+    groups.innerHTML = `<th></th><th colspan="3">this text (${result.texts.length} tokens)</th>` +
+                       `<th colspan="3">repeated random tokens</th>`;
+    const header = table.insertRow();
+    header.innerHTML = "<th>head</th>" + Object.values(SCORE_NAMES).concat(Object.values(SCORE_NAMES))
+      .map((name) => `<th>${name}</th>`).join("");
+    const layers = random.induction.scores.length, heads = random.induction.scores[0].length;
+    for (let l = 0; l < layers; l++) for (let h = 0; h < heads; h++) {
+      const row = table.insertRow();
+      row.insertCell().outerHTML = `<th>L${l}H${h}</th>`;
+      for (const [source, scores] of [["prompt", result.prompt], ["repeated_random", random]]) {
+        for (const name of Object.keys(SCORE_NAMES)) scoreCell(row.insertCell(), source, name, l, h, scores[name]);
+      }
+    }
+    $("scores").textContent = ""; $("scores").appendChild(table);
+    $("scores-title").textContent = `(mean attention to each head type's target; random: ${random.batch} sequences of ` +
+      `${random.half} random tokens then the same again, seed ${random.seed})`;
+    showStatus(status, `${result.texts.length} tokens${shown.note}`);
+  } catch (err) { showError(status, err); }
+}
+
+function scoreCell(td, source, name, layer, head, score) {
+  td.dataset.source = source; td.dataset.score = name; td.dataset.layer = layer; td.dataset.head = head;
+  if (score.scores === null) {
+    td.textContent = "–"; td.title = "no position of this text has such a target (no repeated token)";
+    return;
+  }
+  const value = score.scores[layer][head];
+  td.textContent = value.toFixed(3); td.dataset.value = value;
+  td.style.background = `rgba(46, 160, 67, ${Math.min(1, value).toFixed(3)})`;
+  td.title = `${SCORE_NAMES[name]} score of L${layer}H${head}, averaged over ${score.queries} positions`;
+}
+
+async function showPatching() {
+  const status = $("patch-status"), hook = $("patch-hook").value;
+  try {
+    const body = { text: $("inspect-text").value, corrupted_text: $("corrupted-text").value,
+                   answer: $("answer").value, wrong_answer: $("wrong-answer").value, hook };
+    const result = await post("/api/patching", body);
+    if (result.patched === null) throw new Error("the clean and corrupted texts give the same logit difference");
+    const labels = result.texts.map((t, i) => (t === result.corrupted_texts[i] ? visible(t)
+                                                : `${visible(t)}/${visible(result.corrupted_texts[i])}`));
+    const svg = drawGrid($("patch-map"), result.patched, result.patched.map((_, l) => `layer ${l}`), labels, 1,
+                         (l, p, v) => `${hook} of layer ${l} at ${labels[p]}: ${v.toFixed(4)} ` +
+                                      `(logit difference ${result.logit_diff[l][p].toFixed(4)})`);
+    svg.dataset.hook = hook;
+    $("patch-title").textContent = `${hook}: logit difference ${visible(result.answer.text)} − ` +
+      `${visible(result.wrong_answer.text)}, clean ${result.clean_logit_diff.toFixed(3)}, ` +
+      `corrupted ${result.corrupted_logit_diff.toFixed(3)}`;
+    showStatus(status, `${result.texts.length} positions × ${result.patched.length} layers (label: clean/corrupted token)`);
+  } catch (err) { showError(status, err); }
+}
+
 // --- start ---
 
 // The box's default: 80 new tokens, or fewer where the default prompt + 80 would overflow the context.
@@ -300,6 +455,11 @@ async function start() {
   $("show-attention").onclick = showAttention;
   $("layer").onchange = $("head").onchange = showAttention;
   $("show-lens").onclick = showLens;
+  $("show-dla").onclick = showAttribution;
+  $("dla-token").onchange = showAttribution;
+  $("inspect-text").addEventListener("input", () => { $("dla-token").value = ""; });  // a new text: its top prediction
+  $("show-scores").onclick = showHeadScores;
+  $("show-patching").onclick = showPatching;
   for (const id of ["temperature", "top-k", "top-p"]) $(id).oninput = controlsChanged;
   document.body.dataset.ready = "true";
 }
