@@ -247,6 +247,10 @@ def test_logit_attribution_view_shows_the_apis_numbers(page_and_server, tmp_path
     page.click("#show-dla")
     page.wait_for_selector(f"#dla-map svg[data-token='{typed}']")
     assert_grid_shows(page, "#dla-map", api(url, "/api/logit-attribution", {"tokens": ids, "token": typed})["heads"])
+    third = expected["top"][2]["id"]  # picking from the list again clears the typed token
+    page.select_option("#dla-token", str(third))
+    page.wait_for_selector(f"#dla-map svg[data-token='{third}']")
+    assert page.input_value("#dla-token-text") == ""
     page.fill("#dla-token-text", "qq")
     page.click("#show-dla")
     page.wait_for_selector("#analysis-status.error")

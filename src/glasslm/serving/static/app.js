@@ -402,7 +402,7 @@ async function showHeadScores() {
 function scoreCell(td, source, name, layer, head, score) {
   td.dataset.source = source; td.dataset.score = name; td.dataset.layer = layer; td.dataset.head = head;
   if (score.scores === null) {
-    td.textContent = "–"; td.title = "no position of this text has such a target (no repeated token)";
+    td.textContent = "–"; td.title = "no position of this text has such a target (duplicate-token and induction need a repeated token)";
     return;
   }
   const value = score.scores[layer][head];
@@ -456,7 +456,7 @@ async function start() {
   $("layer").onchange = $("head").onchange = showAttention;
   $("show-lens").onclick = showLens;
   $("show-dla").onclick = showAttribution;
-  $("dla-token").onchange = showAttribution;
+  $("dla-token").onchange = () => { $("dla-token-text").value = ""; showAttribution(); };  // the list's token wins
   $("inspect-text").addEventListener("input", () => { $("dla-token").value = ""; });  // a new text: its top prediction
   $("show-scores").onclick = showHeadScores;
   $("show-patching").onclick = showPatching;
