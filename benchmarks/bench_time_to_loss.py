@@ -164,6 +164,8 @@ def main() -> None:
     text = _shakespeare(args.data_dir)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # nanoGPT's shakespeare_char vocabulary for both runs: the 65 characters, without the
+    # <|endoftext|> that glasslm's own char tokenizer adds (never in this text, one more logit).
     chars = sorted(set(text))
     ids = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
     n_train = int(0.9 * len(ids))  # nanoGPT's prepare.py split

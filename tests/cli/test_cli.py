@@ -69,4 +69,6 @@ def test_train_tokenizer_then_prepare(tmp_path, shakespeare_text, capsys):
     model, tokenizer, _ = load_checkpoint(tmp_path / "run")
     assert model.config.vocab_size == tokenizer.vocab_size == 400
     assert main(["prepare", str(text), "--out", str(tmp_path / "char"), "--quiet"]) == 0
-    assert load_prepared(tmp_path / "char").tokenizer.vocab_size == len(set(shakespeare_text[:30000]))
+    char = load_prepared(tmp_path / "char").tokenizer  # the characters, then <|endoftext|>
+    assert char.vocab_size == len(set(shakespeare_text[:30000])) + 1
+    assert char.special_tokens == {"<|endoftext|>": char.vocab_size - 1}

@@ -217,8 +217,9 @@ def test_checkpoints_of_the_previous_version_load_and_resume(tmp_path, capsys):
     from glasslm.io.checkpoint import load_checkpoint
 
     text = tmp_path / "t.txt"
-    chars = "".join(sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")))  # 52 characters
-    text.write_text((chars + "\n")[:52] * 60)
+    # 51 characters and <|endoftext|>: the old config's vocabulary of 52.
+    chars = "".join(sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")))[:51]
+    text.write_text(chars * 60)
     run = tmp_path / "run"
     assert main(["train", "--preset", "shakespeare-char-cpu-nanogpt", "--data", str(text), "--out", str(run),
                  "--max-steps", "4", "--eval-interval", "2",

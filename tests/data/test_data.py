@@ -110,6 +110,34 @@ def test_prepare_splits_losslessly_at_a_line_start(tmp_path, shakespeare_text):
     assert (meta["train_tokens"], meta["val_tokens"]) == (len(train_text), len(val_text))
 
 
+def test_prepare_puts_the_end_of_text_between_files(tmp_path, shakespeare_text):
+    from glasslm.data import split_offset
+    from glasslm.tokenizers import ENDOFTEXT, train_tokenizer_from_text
+
+    texts = [shakespeare_text[:3000], shakespeare_text[5000:9000], shakespeare_text[20000:22000]]
+    paths = []
+    for k, text in enumerate(texts):
+        paths.append(tmp_path / f"{k}.txt")
+        paths[-1].write_text(text)
+    cuts = [split_offset(p, 0.1) for p in paths]  # all ASCII: byte offsets are character offsets
+    train_docs = [t[:c] for t, c in zip(texts, cuts)]
+    val_docs = [t[c:] for t, c in zip(texts, cuts)]
+    char = CharTokenizer.from_text(shakespeare_text)
+    bpe = train_tokenizer_from_text(shakespeare_text[:30_000], vocab_size=300)
+    for name, tok in (("char", char), ("bpe", bpe)):
+        end = tok.special_tokens[ENDOFTEXT]
+        prepare(paths, tok, tmp_path / name, progress=False)
+        data = load_prepared(tmp_path / name)
+        for split, docs in ((data.train, train_docs), (data.val, val_docs)):
+            expected = tok.encode(docs[0]) + [end] + tok.encode(docs[1]) + [end] + tok.encode(docs[2])
+            assert split.tolist() == expected, name
+            assert tok.decode(split.tolist()) == ENDOFTEXT.join(docs)
+    # A tokenizer with no end-of-text (one saved before char tokenizers had it) runs the files together.
+    old = CharTokenizer(char.chars)
+    prepare(paths, old, tmp_path / "old", progress=False)
+    assert load_prepared(tmp_path / "old").train.tolist() == old.encode("".join(train_docs))
+
+
 def test_large_vocabularies_use_uint32(tmp_path):
     class Wide(CharTokenizer):
         vocab_size = 70_000

@@ -50,13 +50,32 @@ def test_a_trained_bpe_ends_at_endoftext_and_an_empty_prompt_starts_from_it(tmp_
     assert text == from_bos
 
 
-def test_a_character_model_has_no_eos_and_starts_from_a_newline():
-    tok = CharTokenizer.from_text("ab\n")
+def test_an_old_character_model_has_no_eos_and_starts_from_a_newline():
+    tok = CharTokenizer(["\n", "a", "b"])  # as a tokenizer.json from before char tokenizers had <|endoftext|>
+    assert eos_token_ids(tok) == ()
     model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=3, n_layers=1)).eval()
     pieces = "".join(stream_text(model, tok, "", max_new_tokens=6, temperature=0.0))
     assert pieces == tok.decode(list(generate_tokens(model, tok.encode("\n"), max_new_tokens=6, temperature=0.0)))
     assert len(pieces) == 6
 
+
+def test_a_character_model_ends_at_endoftext_and_an_empty_prompt_starts_from_it():
+    tok = CharTokenizer.from_text("abcdefghij \n")
+    end = tok.special_tokens["<|endoftext|>"]
+    assert end == tok.vocab_size - 1 == 12 and eos_token_ids(tok) == (end,)
+    torch.manual_seed(0)
+    model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=tok.vocab_size, n_layers=1,
+                                     tie_embeddings=False)).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # far from the init's near-uniform logits: varied text
+            p.normal_(0.0, 0.5)
+    before = _greedy_run(model, [end], n=12)  # from bos
+    with torch.no_grad():  # rigged: <|endoftext|> scores 1% above the 5th token, so it takes its place
+        model.unembed.weight[end] = 1.01 * model.unembed.weight[before[4]]
+    full = _greedy_run(model, [end], n=12)  # going on past every eos
+    assert full[:5] == before[:4] + [end] and end not in before[:4]
+    text = generate_text(model, tok, "", max_new_tokens=12, temperature=0.0)  # from bos, stopping at eos
+    assert text == tok.decode(before[:4])
 
 def _hf_greedy(hf_model, ids, n=16):
     out = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)

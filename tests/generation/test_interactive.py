@@ -51,9 +51,9 @@ def test_ctrl_c_stops_the_answer_not_the_session(checkpoint):
     import pty
 
     leader, follower = pty.openpty()  # stdin is a terminal, as for a person typing
-    # An answer of a million tokens never ends by itself: only Ctrl-C can end it.
+    # An answer of a million tokens past every <|endoftext|> never ends by itself: only Ctrl-C can end it.
     proc = subprocess.Popen([sys.executable, "-m", "glasslm.cli", "generate", "--checkpoint", str(checkpoint),
-                             "--interactive", "--max-new-tokens", "1000000"],
+                             "--interactive", "--max-new-tokens", "1000000", "--ignore-eos"],
                             stdin=follower, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     os.close(follower)
     out, err = Reader(proc.stdout), Reader(proc.stderr)

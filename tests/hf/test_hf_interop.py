@@ -70,9 +70,20 @@ def test_every_glasslm_tokenizer_saves_as_files_autotokenizer_loads(kind, tmp_pa
         assert auto.decode(ids) == ours_again.decode(ids) == tokenizer.decode(ids)
     roles = special_token_ids(tokenizer)
     assert (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id) == (roles["bos"], roles["eos"], roles["pad"])
-    if kind == "char":
-        assert roles == {"bos": None, "eos": None, "pad": None, "unk": None}
+    assert auto.eos_token == "<|endoftext|>" and roles["eos"] == tokenizer.special_tokens["<|endoftext|>"]
+    if kind == "char":  # the end-of-text follows the characters, and its text encodes to it
+        assert roles == {"bos": tokenizer.vocab_size - 1, "eos": tokenizer.vocab_size - 1, "pad": None, "unk": None}
         assert auto.encode("ROMEO:", add_special_tokens=False) == tokenizer.encode("ROMEO:") != []
+        assert auto.encode("a<|endoftext|>", add_special_tokens=False) == tokenizer.encode("a") + [roles["eos"]]
+
+
+def test_a_char_tokenizer_from_before_end_of_text_exports_without_special_tokens(tmp_path, shakespeare_text):
+    tokenizer = CharTokenizer(sorted(set(shakespeare_text)))  # as an old tokenizer.json loads: no specials
+    save_hf_tokenizer(tokenizer, tmp_path)
+    auto = AutoTokenizer.from_pretrained(tmp_path)
+    assert (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id) == (None, None, None)
+    assert len(auto) == tokenizer.vocab_size == 65
+    assert auto.encode("ROMEO:\n", add_special_tokens=False) == tokenizer.encode("ROMEO:\n")
 
 
 def llama_style_tokenizer(text: str):
@@ -160,8 +171,9 @@ def test_sentencepiece_tokenizer_model(tmp_path, shakespeare_text, monkeypatch):
 # --- export ----------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def test_exported_char_model_has_its_tokenizer_and_no_special_ids(tmp_path, shakespeare_text):
+def test_exported_char_model_has_its_tokenizer_and_its_end_of_text(tmp_path, shakespeare_text):
     tokenizer = CharTokenizer.from_text(shakespeare_text)
+    end = tokenizer.special_tokens["<|endoftext|>"]
     model = TransformerLM(get_preset("shakespeare-char-cpu-nanogpt", n_layers=1, vocab_size=tokenizer.vocab_size)).eval()
     out = export_hf(model, tmp_path / "hf", tokenizer, {"data": "tinyshakespeare", "step": 5000, "val_loss": 1.4697},
                     zero_biases=True)
@@ -169,9 +181,13 @@ def test_exported_char_model_has_its_tokenizer_and_no_special_ids(tmp_path, shak
     ids = auto.encode("ROMEO:\nWhat say'st thou?", add_special_tokens=False)
     assert ids == tokenizer.encode("ROMEO:\nWhat say'st thou?")  # before: GPT2Tokenizer, "ROMEO:" -> []
     hf_model = AutoModelForCausalLM.from_pretrained(out).eval()
-    # Before: 50256 on a 65-token vocabulary.
-    assert (hf_model.config.bos_token_id, hf_model.config.eos_token_id, hf_model.config.pad_token_id) == (None,) * 3
-    assert GenerationConfig.from_pretrained(out).eos_token_id is None
+    # Before: 50256 on a 65-token vocabulary; then none at all, which lm-eval's hf model cannot stop on.
+    assert (hf_model.config.bos_token_id, hf_model.config.eos_token_id, hf_model.config.pad_token_id) == (end, end, None)
+    assert end == tokenizer.vocab_size - 1 == len(set(shakespeare_text))
+    assert GenerationConfig.from_pretrained(out).eos_token_id == end and auto.eos_token_id == end
+    old = export_hf(model, tmp_path / "old", CharTokenizer(tokenizer.chars), zero_biases=True)  # a pre-eos tokenizer
+    assert GenerationConfig.from_pretrained(old).eos_token_id is None
+    assert AutoModelForCausalLM.from_pretrained(old).config.eos_token_id is None
     torch.testing.assert_close(hf_model(torch.tensor([ids])).logits, model(torch.tensor([ids])), atol=1e-5, rtol=0)
     card = (out / "README.md").read_text()
     assert f"{model.num_parameters():,}" in card and "tinyshakespeare" in card and "1.4697" in card and "5000" in card
@@ -269,7 +285,7 @@ def test_info_and_init_from_refuse_a_different_vocabulary(tmp_path, shakespeare_
     model = TransformerLM(get_preset("llama-tiny", n_layers=1, vocab_size=tokenizer.vocab_size))
     hf_dir = export_hf(model, tmp_path / "hf", tokenizer)
     info = run_cli("info", "--checkpoint", hf_dir).stdout
-    assert "Hugging Face directory" in info and f"{model.num_parameters():,}" in info and "65 tokens" in info
+    assert "Hugging Face directory" in info and f"{model.num_parameters():,}" in info and f"{tokenizer.vocab_size} tokens" in info
     from glasslm.cli import main
 
     (tmp_path / "other.txt").write_text("plain ascii text, a little of it. " * 400)

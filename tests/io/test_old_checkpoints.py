@@ -49,3 +49,21 @@ def test_a_0_1_0_quantization_reads_as_a_transform_and_saves_in_the_new_form(met
     assert meta == {"transforms": [{"name": method}]}
     with torch.no_grad():
         assert torch.equal(again(EXPECTED["ids"]), model(EXPECTED["ids"]))
+
+
+def test_a_0_1_0_char_tokenizer_has_no_end_of_text_and_keeps_its_ids(tmp_path):
+    """Char tokenizers gained <|endoftext|> later: an old one keeps exactly its characters and ids."""
+    import json
+
+    from glasslm.hf import export_hf
+    from glasslm.tokenizers import CharTokenizer
+
+    chars = json.loads((FIXTURES / "char-run-step3" / "tokenizer.json").read_text())["chars"]
+    model, tokenizer, _ = load_checkpoint(FIXTURES / "char-run-step3")
+    assert isinstance(tokenizer, CharTokenizer) and tokenizer.special_tokens == {}
+    assert tokenizer.vocab_size == len(chars) == model.config.vocab_size
+    assert tokenizer.encode("".join(chars)) == list(range(len(chars)))
+    assert model.eos_token_ids == ()
+    out = export_hf(model, tmp_path / "hf", tokenizer)
+    assert json.loads((out / "generation_config.json").read_text()).get("eos_token_id") is None
+    assert "eos_token" not in json.loads((out / "tokenizer_config.json").read_text())

@@ -304,3 +304,17 @@ def test_readme_seed_table_is_true():
         assert f"{params:,}" == count.split()[0], (name, params)
         assert ("refused" in recipe) == (PRESETS[name].recipe is None), name
         assert FORMATS[fmt].preset == name
+
+
+def test_readme_counts_for_the_char_seed_presets_trained_with_glasslms_tokenizer_are_true(shakespeare_text):
+    """The seeds' vocabulary 65 is tiny Shakespeare's characters; glasslm's char tokenizer adds
+    <|endoftext|>, and the README gives the counts the presets then have."""
+    from glasslm.tokenizers import CharTokenizer
+
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())  # line breaks as spaces
+    vocab = CharTokenizer.from_text(shakespeare_text).vocab_size
+    assert vocab == len(set(shakespeare_text)) + 1 == 66
+    with torch.device("meta"):
+        counts = [TransformerLM(get_preset(name, vocab_size=vocab)).num_parameters()
+                  for name in ("lightning-char-gpt", "tiny-transformer")]
+    assert f"vocabulary {vocab} ({counts[0]:,} and {counts[1]:,} parameters)" in readme

@@ -209,6 +209,62 @@ def test_char_save_load_keeps_old_format(tmp_path):
         tok.encode("z")
 
 
+def test_a_char_tokenizer_from_text_ends_with_endoftext_and_saves_it(tmp_path):
+    tok = CharTokenizer.from_text("hello wörld")
+    end = len(set("hello wörld"))
+    assert tok.special_tokens == {EOT: end} and tok.vocab_size == end + 1
+    # The special token's text is its one id, as in the BPE tokenizer; its characters need not be in the vocabulary.
+    assert tok.encode(f"he{EOT}lo{EOT}") == tok.encode("he") + [end] + tok.encode("lo") + [end]
+    assert tok.decode([0, end, 1]) == tok.chars[0] + EOT + tok.chars[1]
+    tok.save(tmp_path)
+    saved = json.loads((tmp_path / "tokenizer.json").read_text())
+    assert saved == {"kind": "char", "chars": tok.chars, "special_tokens": {EOT: end}}
+    again = load_tokenizer(tmp_path)
+    assert isinstance(again, CharTokenizer) and again.special_tokens == tok.special_tokens
+    assert again.encode(f"ol{EOT}") == tok.encode(f"ol{EOT}") and again.vocab_size == tok.vocab_size
+    small = BPETokenizer({i: bytes([i]) for i in range(256)}, [], special_tokens=[EOT])
+    brackets = CharTokenizer.from_text("<|>endoftxh")
+    for text in (f"{EOT}h{EOT}{EOT}", "<|endoftext|", f"<{EOT}>"):  # the same cut as BPE's
+        ids = brackets.encode(text)
+        assert [i == brackets.vocab_size - 1 for i in ids] == [i == 256 for i in small.encode(text)]
+
+
+def test_a_char_tokenizer_file_from_before_special_tokens_loads_unchanged(tmp_path):
+    chars = ["\n", " ", "a", "b"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"kind": "char", "chars": chars}))
+    tok = load_tokenizer(tmp_path)
+    assert tok.special_tokens == {} and tok.vocab_size == 4
+    assert tok.encode("ab \n") == [2, 3, 1, 0]
+    with pytest.raises(ValueError, match="'<' is not in this tokenizer's vocabulary"):
+        tok.encode(EOT)  # no end-of-text: its text is characters it does not have
+    before = (tmp_path / "tokenizer.json").read_bytes()
+    tok.save(tmp_path)
+    assert json.loads((tmp_path / "tokenizer.json").read_bytes()) == json.loads(before)  # saved as it was
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"<|endoftext|>": 3}, r"special token ids must follow the 2 characters \(2..2\), got"),
+    ({"<|endoftext|>": "2"}, "special token ids must follow"),
+    (["<|endoftext|>"], "\"special_tokens\" must map each special token to its id; got list"),
+    ({"x": 2}, "special tokens must be distinct strings of two or more characters"),
+])
+def test_a_bad_char_tokenizer_file_is_named(tmp_path, bad, message):
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"kind": "char", "chars": ["a", "b"], "special_tokens": bad}))
+    with pytest.raises(ValueError, match=f"tokenizer.json: {message}"):
+        load_tokenizer(tmp_path)
+
+
+@given(st.lists(st.sampled_from(["a", "<", "|", "<|end", "oftext|>", EOT, "\n"]), max_size=12), st.data())
+@settings(max_examples=200, deadline=None)
+def test_char_encode_iterable_finds_special_tokens_cut_across_chunks(pieces, data):
+    tok = CharTokenizer.from_text("a<|endoftext>\n")
+    text = "".join(pieces)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=4)))
+    chunks = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+    assert list(tok.encode_iterable(chunks)) == tok.encode(text)
+    assert tok.decode(tok.encode(text)) == text
+
+
 # --------------------------------------------------------------------------- BPE training
 
 

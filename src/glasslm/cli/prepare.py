@@ -23,12 +23,12 @@ class PrepareConfig:
 def prepare(config: PrepareConfig, output: OutputOption) -> int:
     from glasslm.data import char_vocabulary, prepare as prepare_files, resolve_text
     from glasslm.locations import check_output_dir
-    from glasslm.tokenizers import CharTokenizer, get_tokenizer
+    from glasslm.tokenizers import ENDOFTEXT, CharTokenizer, get_tokenizer
 
     paths = [resolve_text(source, config.data_dir) for source in config.inputs]
     check_output_dir(output.out, output.overwrite, inputs=paths, what="dataset")  # before the slow part
     if config.tokenizer == "char":
-        tokenizer = CharTokenizer(char_vocabulary(paths))
+        tokenizer = CharTokenizer(char_vocabulary(paths), special_tokens=[ENDOFTEXT])  # as CharTokenizer.from_text
     else:
         tokenizer = get_tokenizer(config.tokenizer, data_dir=config.data_dir)
     meta = prepare_files(paths, tokenizer, output.out, config.val_fraction, progress=not config.quiet,

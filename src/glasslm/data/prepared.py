@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from glasslm.data.splits import VAL_FRACTION, check_val_fraction, split_offset
 from glasslm.locations import INCOMPLETE_MARKER, check_output_dir
-from glasslm.tokenizers import Tokenizer, load_tokenizer
+from glasslm.tokenizers import Tokenizer, load_tokenizer, special_token_ids
 
 META_FILE = "meta.json"  # written last: a directory with it (and no INCOMPLETE_MARKER) is complete
 TOKEN_FILE_SUFFIX = ".bin"  # train.bin, val.bin
@@ -94,7 +94,10 @@ def prepare(
 
     Split rule (`split_offset`): in each source file, text before the first line start at or after
     (1 - val_fraction) of its bytes goes to train.bin, the rest to val.bin, so every file
-    contributes to both. Text is streamed in chunks, so memory does not grow with the corpus.
+    contributes to both. Each file is a document: where the tokenizer has an end-of-text (eos)
+    token, its id goes between two files' text in each split, so a model learns where documents
+    end (one file gives exactly its own tokens). Text is streamed in chunks, so memory does not
+    grow with the corpus.
 
     `out_dir` must be new or empty; `overwrite=True` deletes what it holds first. A marker file
     stays in the directory until `meta.json`, written last, completes it: a killed `prepare` leaves
@@ -148,14 +151,14 @@ def _prepare_into(paths: list[Path], tokenizer: Tokenizer, out: Path, val_fracti
     counts = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not progress) as bar:
         for split in ("train", "val"):
-            def texts() -> Iterator[str]:
-                for p in paths:
-                    start, end = (0, splits[p]) if split == "train" else (splits[p], p.stat().st_size)
-                    yield from _read_text(p, start, end, chunk_bytes, bar)
+            def texts(p: Path) -> Iterator[str]:
+                start, end = (0, splits[p]) if split == "train" else (splits[p], p.stat().st_size)
+                return _read_text(p, start, end, chunk_bytes, bar)
 
             final = token_file(out, split)
             tmp = out / f".{final.name}.tmp"
-            counts[split] = _write_tokens(tokenizer.encode_iterable(texts()), tmp, dtype, tokenizer.vocab_size)
+            ids = _document_ids(tokenizer, [texts(p) for p in paths])
+            counts[split] = _write_tokens(ids, tmp, dtype, tokenizer.vocab_size)
             os.replace(tmp, final)
     tokenizer.save(out)
     meta = {
@@ -165,6 +168,19 @@ def _prepare_into(paths: list[Path], tokenizer: Tokenizer, out: Path, val_fracti
     }
     (out / META_FILE).write_text(json.dumps(meta, indent=2))  # written last: marks the set complete
     return meta
+
+
+def _document_ids(tokenizer: Tokenizer, documents: list[Iterator[str]]) -> Iterator[int]:
+    """The ids of the documents (one per file) one after another, the tokenizer's end-of-text (its
+    eos: `<|endoftext|>` for glasslm's char and BPE tokenizers, GPT-2's) between each two, as GPT-2's
+    training text marks where one document ends. A tokenizer with no eos gets the files' text
+    run together, as prepare always did."""
+    eos = special_token_ids(tokenizer)["eos"]
+    if eos is None:
+        return tokenizer.encode_iterable(itertools.chain.from_iterable(documents))
+    parts = ([eos] if k else [] for k in range(len(documents)))  # nothing before the first document
+    return itertools.chain.from_iterable(
+        itertools.chain(before, tokenizer.encode_iterable(doc)) for before, doc in zip(parts, documents))
 
 
 def char_vocabulary(paths: Sequence[str | os.PathLike], chunk_bytes: int = CHUNK_BYTES) -> list[str]:

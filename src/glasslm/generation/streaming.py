@@ -89,7 +89,9 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     starts), else a newline, the most neutral context a text model without one knows.
 
     >>> from glasslm.tokenizers import CharTokenizer
-    >>> encode_prompt(CharTokenizer.from_text("ab\\n"), "")
+    >>> encode_prompt(CharTokenizer.from_text("ab\\n"), "")  # its bos, <|endoftext|>
+    [3]
+    >>> encode_prompt(CharTokenizer(["\\n", "a", "b"]), "")  # no bos (a file from before it had one)
     [0]
     """
     if prompt:

@@ -6,7 +6,7 @@ Every tokenizer has `vocab_size`, `special_tokens` (str -> id), `encode(text) ->
 from "char", "gpt2" or a saved directory.
 
 Kinds, one module each:
-    * `CharTokenizer` (`char`): one id per character seen in the training text.
+    * `CharTokenizer` (`char`): one id per character seen in the training text, then `<|endoftext|>`.
     * `BPETokenizer` (`bpe`): byte-level BPE, trained here (`train_tokenizer`, `trainer`) or
       GPT-2's released vocabulary (`gpt2_tokenizer`, `gpt2`), optionally encoding through tiktoken.
     * `HFTokenizer` (`hf`): any Hugging Face `tokenizer.json` run by the `tokenizers` library, with

@@ -3,12 +3,14 @@
 `generate` in transformers stops at the model's `eos_token_id` from `generation_config.json`
 (an id or a list: Llama 3 lists `<|eot_id|>` and `<|end_of_text|>`), falling back to config.json's.
 glasslm does the same, and where a checkpoint records no ids, uses its tokenizer's eos
-(`special_token_ids`: tokenizer_config.json's `eos_token`, else a BPE vocabulary's
+(`special_token_ids`: tokenizer_config.json's `eos_token`, else a char or BPE vocabulary's
 `<|endoftext|>`). An empty prompt starts from the tokenizer's bos where it has one.
 
 Example:
     >>> from glasslm.tokenizers.char import CharTokenizer
-    >>> eos_token_ids(CharTokenizer.from_text("ab"))
+    >>> eos_token_ids(CharTokenizer.from_text("ab"))  # a, b, then <|endoftext|>
+    (2,)
+    >>> eos_token_ids(CharTokenizer(["a", "b"]))  # a char tokenizer saved before it had one
     ()
     >>> eos_token_ids(CharTokenizer.from_text("ab"), {"eos_token_id": [1, 0]})
     (1, 0)

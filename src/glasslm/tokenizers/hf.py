@@ -117,15 +117,17 @@ class HFTokenizer:
 def special_token_ids(tokenizer) -> dict[Role, int | None]:
     """Which ids are bos / eos / pad / unk for any glasslm tokenizer (None where it has none).
 
-    A character tokenizer has none. A BPE vocabulary's `<|endoftext|>` is both bos and eos, as in
-    GPT-2; `<s>`/`</s>` and Llama 3's names are recognised too. Hugging Face and SentencePiece
-    tokenizers say themselves.
+    A char or BPE vocabulary's `<|endoftext|>` is both bos and eos, as in GPT-2 (a char tokenizer
+    saved before it had one has none); `<s>`/`</s>` and Llama 3's names are recognised too.
+    Hugging Face and SentencePiece tokenizers say themselves.
 
     Example:
         >>> special_token_ids(CharTokenizer.from_text("ab"))
+        {'bos': 2, 'eos': 2, 'pad': None, 'unk': None}
+        >>> special_token_ids(CharTokenizer(["a", "b"]))
         {'bos': None, 'eos': None, 'pad': None, 'unk': None}
     """
-    if tokenizer is None or isinstance(tokenizer, CharTokenizer):
+    if tokenizer is None:
         return {role: None for role in SPECIAL_ROLES}
     if hasattr(tokenizer, "role_ids"):
         return tokenizer.role_ids()
@@ -159,7 +161,8 @@ def to_hf_json(tokenizer) -> dict:
     """A Hugging Face `tokenizer.json` (as a dict) that encodes exactly as `tokenizer` does.
 
     * char: a WordLevel model over the characters, after a pre-tokenizer that isolates every
-      character, decoded by fusing the characters back together (no spaces added).
+      character, decoded by fusing the characters back together (no spaces added); its special
+      tokens (`<|endoftext|>`) as added tokens, as for BPE.
     * byte-level BPE (ours or GPT-2's): a BPE model over GPT-2's byte alphabet with the same
       merges, GPT-2's pre-tokenizer regex, and the special tokens as added tokens.
     * an `HFTokenizer`: its own JSON.
@@ -175,14 +178,18 @@ def to_hf_json(tokenizer) -> dict:
 
 
 def _char_json(tokenizer: CharTokenizer) -> dict:
+    # Special tokens are added tokens (split out before pre-tokenizing, as glasslm's encode does)
+    # and in the vocabulary too, as GPT-2's vocab.json holds <|endoftext|>.
+    specials = sorted(tokenizer.special_tokens.items(), key=lambda item: item[1])
+    vocab = {c: i for i, c in enumerate(tokenizer.chars)} | dict(specials)
     return {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [_added_token(s, i) for s, i in specials], "normalizer": None,
         # [\s\S] is any one character, newlines included: each character becomes its own piece.
         "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated", "invert": False},
         "post_processor": None,
         "decoder": {"type": "Fuse"},
-        "model": {"type": "WordLevel", "vocab": {c: i for i, c in enumerate(tokenizer.chars)},
-                  "unk_token": "<unk>"},
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
     }
 
 

@@ -61,13 +61,13 @@ def get_tokenizer(
 ) -> Tokenizer:
     """Make a tokenizer from a short spec.
 
-    * "char": a `CharTokenizer` over the characters of `text` (required).
+    * "char": a `CharTokenizer` over the characters of `text` (required), then `<|endoftext|>`.
     * "gpt2": GPT-2's tokenizer from local files (see `gpt2_tokenizer`; `data_dir`, `backend`).
     * a directory written by a tokenizer's `save`.
 
     Example:
-        >>> get_tokenizer("char", text="abc").vocab_size
-        3
+        >>> get_tokenizer("char", text="abc").vocab_size  # a, b, c and <|endoftext|>
+        4
     """
     if spec == CharTokenizer.kind:
         if text is None:
