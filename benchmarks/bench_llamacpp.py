@@ -10,6 +10,7 @@ f32 / f16 / q8_0 / q4_0.
     pip install -e '.[bench]'      # llama-cpp-python (builds llama.cpp, ~10 min on 2 cores) and gguf
     python benchmarks/bench_llamacpp.py                       # GPT-2 small, batch 1, threads 1 and 2
     python benchmarks/bench_llamacpp.py --models gpt2,llama --batches 1,8 --prefill
+    python benchmarks/bench_llamacpp.py --full        # batch 1 and 8, threads 1 and 2, prefill, profile
 
 Each row prints tokens/s, the glasslm / llama.cpp ratio, bytes read per token and the share of the
 memory-bandwidth bound (measured bandwidth / bytes per token) each side reaches. Before timing, the
@@ -321,6 +322,19 @@ def check_same_weights(ours, theirs: LlamaCpp, vocab: int, steps: int = 8) -> No
         raise SystemExit("glasslm and llama.cpp disagree from the first tokens: the GGUF weights are not the same")
 
 
+def new_tokens(args, batch: int) -> int:
+    """New tokens per row: --new-tokens at batch 1, --batch-new-tokens (if given) at larger batches."""
+    return args.new_tokens if batch == 1 or not args.batch_new_tokens else args.batch_new_tokens
+
+
+def paired_ratio(times: dict, key: tuple, ours: str = "glasslm", theirs: str = "llama.cpp") -> tuple[float, float, float]:
+    """Median, min and max over repeats of glasslm / llama.cpp, each repeat's two runs taken back to
+    back: on a loaded machine the load drifts between repeats, and a ratio of neighbours follows it
+    better than a ratio of the two sides' separate medians."""
+    ratios = [a / b for a, b in zip(times[(*key, ours)], times[(*key, theirs)])]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def time_rows(kind: str, ours: dict, theirs: dict, args, vocab: int, report) -> dict:
     """{(batch, threads, pair, side): [tokens/s per repeat]}, every pair timed in turns."""
     generator = torch.Generator().manual_seed(1)
@@ -338,10 +352,11 @@ def time_rows(kind: str, ours: dict, theirs: dict, args, vocab: int, report) -> 
                 for ours_name, theirs_name in PAIRS:
                     llama = theirs[theirs_name, batch]
                     llama.set_threads(threads)
-                    runs = [("glasslm", lambda: glasslm_greedy(ours[ours_name], prompts, args.new_tokens)),
-                            ("llama.cpp", lambda: llama.greedy(prompts, args.new_tokens))]
+                    n_new = new_tokens(args, batch)
+                    runs = [("glasslm", lambda: glasslm_greedy(ours[ours_name], prompts, n_new)),
+                            ("llama.cpp", lambda: llama.greedy(prompts, n_new))]
                     for side, run in runs[::1 if repeat % 2 == 0 else -1]:  # alternate who goes first
-                        rate = batch * args.new_tokens / seconds(run)
+                        rate = batch * n_new / seconds(run)
                         times.setdefault((batch, threads, ours_name, side), []).append(rate)
                     if args.prefill and batch == 1:
                         prompt = torch.randint(0, vocab, (512,), generator=generator).tolist()
@@ -354,10 +369,53 @@ def time_rows(kind: str, ours: dict, theirs: dict, args, vocab: int, report) -> 
     return times
 
 
+MATMULS = {"aten::addmm", "aten::mm", "aten::bmm", "quantized::linear_dynamic", "aten::_weight_int8pack_mm",
+           "aten::_weight_int4pack_mm_for_cpu"}
+
+
+def op_times(run, steps: int) -> dict[str, float]:
+    """Seconds per call of `run` by kind of operator (torch.profiler self times), plus wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            run()
+    kinds = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
+    for event in prof.key_averages():
+        kind = ("matmul" if event.key in MATMULS else
+                "attention" if "scaled_dot_product" in event.key else "other ops")
+        kinds[kind] += event.self_cpu_time_total / 1e6 / steps
+    return kinds
+
+
+def profile_step(name: str, model, steps: int = 32) -> None:
+    """Where one batch-1 decoding step's time goes: the unembedding matmul, the blocks' matmuls,
+    attention, other operators (norms, GELU, adds, copies) and the host (Python, module calls, the
+    dispatcher), the host being the step's wall time that no operator's self time accounts for."""
+    from glasslm.generation.decoding import DecodeWindow, onednn_disabled
+
+    window = DecodeWindow(model, 1, 4 + 3 * steps)
+    token = torch.tensor([5])
+    with torch.inference_mode():
+        window.prefill([[1, 2]])
+        for _ in range(steps):  # first calls pack kernels' weights
+            window.decode(token)
+        wall = statistics.median(seconds(lambda: window.decode(token)) for _ in range(steps))
+        ops = op_times(lambda: window.decode(token), steps)
+        resid = torch.randn(1, 1, model.config.d_model, dtype=model.embed.weight.dtype)
+        with onednn_disabled(window.use_native_gemv):
+            head = op_times(lambda: model.logits(resid), steps)["matmul"]
+    host = max(wall - sum(ops.values()), 0.0)
+    parts = {"unembedding matmul": head, "block matmuls": ops["matmul"] - head, "attention": ops["attention"],
+             "other ops": ops["other ops"], "host (Python)": host}
+    print(f"| {name} | {wall * 1e3:.2f} | " + " | ".join(f"{t * 1e3:.2f} ({t / wall:.0%})" for t in parts.values()) + " |")
+
+
 def print_table(kind: str, times: dict, bytes_ours: dict, bytes_theirs: dict, bandwidth: dict, args,
                 repeats: int) -> None:
-    print(f"\n{kind}: decode tokens/s (batch x {args.new_tokens} new tokens after a 2-token prompt), "
-          f"median of {repeats}; bound = bandwidth / bytes per token (batch 1)")
+    tokens = ", ".join(f"batch {b}: {b} x {new_tokens(args, b)}" for b in args.batches)
+    print(f"\n{kind}: decode tokens/s ({tokens} new tokens after a 2-token prompt), median of {repeats}; "
+          "ratio = median of each repeat's back-to-back ratio (range); bound = bandwidth / bytes per step")
     print("| batch | threads | glasslm | llama.cpp | llama.cpp tok/s | glasslm tok/s | glasslm / llama.cpp "
           "| MB/token (llama.cpp, glasslm) | share of bound (llama.cpp, glasslm) |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -366,11 +424,12 @@ def print_table(kind: str, times: dict, bytes_ours: dict, bytes_theirs: dict, ba
             for ours_name, theirs_name in PAIRS:
                 ours = statistics.median(times[batch, threads, ours_name, "glasslm"])
                 theirs = statistics.median(times[batch, threads, ours_name, "llama.cpp"])
+                ratio, low, high = paired_ratio(times, (batch, threads, ours_name))
                 b_theirs, b_ours = bytes_theirs[theirs_name][0], bytes_ours[ours_name]
-                bound = bandwidth[threads]
+                bound = bandwidth[threads]  # a step of the whole batch reads the weights once
                 share = f"{theirs / batch * b_theirs / bound:.0%}, {ours / batch * b_ours / bound:.0%}"
                 print(f"| {batch} | {threads} | {ours_name} | {theirs_name} | {theirs:.1f} | {ours:.1f} | "
-                      f"**{ours / theirs:.2f}x** | {b_theirs / 1e6:.0f}, {b_ours / 1e6:.0f} | {share} |")
+                      f"**{ratio:.2f}x** ({low:.2f}-{high:.2f}) | {b_theirs / 1e6:.0f}, {b_ours / 1e6:.0f} | {share} |")
     if args.prefill:
         print(f"\n{kind}: prefill of 512 tokens, tokens/s, batch 1")
         print("| threads | glasslm | llama.cpp | llama.cpp tok/s | glasslm tok/s | glasslm / llama.cpp |")
@@ -379,7 +438,9 @@ def print_table(kind: str, times: dict, bytes_ours: dict, bytes_theirs: dict, ba
             for ours_name, theirs_name in PAIRS:
                 ours = statistics.median(times[1, threads, ours_name, "glasslm prefill"])
                 theirs = statistics.median(times[1, threads, ours_name, "llama.cpp prefill"])
-                print(f"| {threads} | {ours_name} | {theirs_name} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f}x |")
+                ratio, low, high = paired_ratio(times, (1, threads, ours_name), "glasslm prefill", "llama.cpp prefill")
+                print(f"| {threads} | {ours_name} | {theirs_name} | {theirs:.1f} | {ours:.1f} | "
+                      f"{ratio:.2f}x ({low:.2f}-{high:.2f}) |")
 
 
 def run_model(kind: str, folder: Path, args, bandwidth: dict) -> None:
@@ -404,6 +465,13 @@ def run_model(kind: str, folder: Path, args, bandwidth: dict) -> None:
     torch.set_num_threads(args.threads[0])
     theirs["f32", args.batches[0]].set_threads(args.threads[0])
     check_same_weights(ours["fp32"], theirs["f32", args.batches[0]], vocab)
+    if args.profile:
+        print(f"\n{kind}: one batch-1 decoding step, ms (share), {args.threads[0]} thread(s), torch.profiler self "
+              "times; operators' times include the profiler's own cost, so host time is an underestimate")
+        print("| glasslm | step | unembedding matmul | block matmuls | attention | other ops | host (Python) |")
+        print("|---|---|---|---|---|---|---|")
+        for name, model in ours.items():
+            profile_step(name, model)
     def report(times: dict, repeats: int) -> None:
         print_table(kind, times, bytes_ours, bytes_theirs, bandwidth, args, repeats)
         print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
@@ -419,9 +487,19 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill", action="store_true", help="also time a 512-token prefill")
+    parser.add_argument("--batch-new-tokens", type=int, default=0, metavar="N",
+                        help="new tokens per row at batch sizes above 1 (default: --new-tokens)")
     parser.add_argument("--busy", type=int, default=0, metavar="N",
                         help="run N busy-loop processes beside the benchmark (a loaded machine)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also break one batch-1 decoding step of each glasslm model down (torch.profiler)")
+    parser.add_argument("--full", action="store_true",
+                        help="the whole table in about 10 minutes on 2 cores: batches 1,8, threads 1,2, a 512-token "
+                             "prefill, 128 new tokens at batch 1 and 32 per row at batch 8, 3 repeats, --profile")
     args = parser.parse_args()
+    if args.full:
+        args.batches, args.threads, args.prefill, args.profile = "1,8", "1,2", True, True
+        args.new_tokens, args.batch_new_tokens, args.repeats = 128, 32, 3
     args.batches = [int(b) for b in args.batches.split(",")]
     args.threads = [int(t) for t in args.threads.split(",")]
     import llama_cpp
@@ -439,10 +517,12 @@ def main() -> None:
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     if busy:
         print(f"{args.busy} busy-loop process(es) running beside the benchmark")
+    start = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory() as folder:
             for kind in args.models.split(","):
                 run_model(kind, Path(folder), args, bandwidth)
+        print(f"\nbenchmark took {(time.perf_counter() - start) / 60:.1f} minutes")
     finally:
         for process in busy:
             process.kill()

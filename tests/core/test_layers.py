@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from glasslm.core.attention import CausalSelfAttention, causal_mask, scaled_dot_product_attention, softmax
 from glasslm.core.layers import (
-    MLP, Embedding, LayerNorm, Linear, RMSNorm, SwiGLU, activation, cross_entropy, dropout, gelu, gelu_tanh,
+    MLP, Embedding, HookPoint, LayerNorm, Linear, RMSNorm, SwiGLU, activation, cross_entropy, dropout, gelu, gelu_tanh,
     relu, silu,
 )
 from glasslm.core.positions import RotaryPositions, sinusoidal_table
@@ -243,3 +243,21 @@ def test_mlp_and_swiglu_match_manual_formulas():
     swiglu = SwiGLU(8, 20, "silu", bias=False, impl="fast")
     expected = (F.silu(x @ swiglu.gate.weight.T) * (x @ swiglu.up.weight.T)) @ swiglu.down.weight.T
     torch.testing.assert_close(swiglu(x), expected)
+
+
+def test_hook_point_skips_module_machinery_only_while_nothing_is_hooked():
+    point, x = HookPoint(), torch.randn(3)
+    assert point(x) is x  # unhooked: the input itself, no copy
+    handle = point.register_forward_hook(lambda module, args, out: out * 2)
+    assert torch.equal(point(x), x * 2)
+    handle.remove()
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: seen.append(module))
+    try:
+        point(x)  # a hook on every module reaches hook points too
+    finally:
+        handle.remove()
+    assert seen == [point]
+    pre = point.register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+    assert torch.equal(point(x), x + 1)
+    pre.remove()

@@ -77,6 +77,10 @@ def test_one_row_int8_activation_path_stays_within_its_rounding_bound(d_in, dtyp
     assert not torch.allclose(rows, batched)  # different kernels ...
     reference = F.linear(batch.float(), fast.dequantized_weight(), bias)
     assert torch.allclose(batched.float(), reference, atol=3e-2 * reference.abs().max().item())  # ... bf16 rows
+    # The kernel holds a packed copy of weight and bias: new ones loaded are packed anew.
+    fast.load_state_dict(Int8Linear.from_weight(-weight, bias + 1).to(dtype).state_dict())
+    expected = F.linear(x.float().reshape(1, d_in), fast.dequantized_weight(), fast.bias.float())
+    assert torch.all((fast(x).float()[0] - expected).abs() <= bound + slack + output_rounding * expected.abs())
 
 
 def test_int4_rounding_error_is_at_most_half_a_step_per_group():

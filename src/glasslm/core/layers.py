@@ -18,6 +18,12 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
+from torch.nn.modules import module as _torch_module
+
+# Whether any hook is registered on all modules at once (torch.nn.modules.module.register_module_*
+# hooks). A private torch helper: where a torch version lacks it, every hook point takes nn.Module's
+# full call, which is always correct.
+_has_any_global_hook = getattr(_torch_module, "_has_any_global_hook", lambda: True)
 
 
 def upcast(x: Tensor) -> Tensor:
@@ -28,8 +34,14 @@ def upcast(x: Tensor) -> Tensor:
 class HookPoint(nn.Module):
     """An identity function with a name, where hooks can read or replace an activation.
 
-    With no hook registered, calling it costs one Python call and no copy.
+    With no hook registered, calling it costs one Python call and no copy: it returns `x` without
+    nn.Module's call machinery (about 1 µs, and a one-token GPT-2 step passes ~170 hook points).
     """
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.active or self._backward_hooks or self._backward_pre_hooks or _has_any_global_hook():
+            return super().__call__(x)
+        return x
 
     def forward(self, x: Tensor) -> Tensor:
         return x

@@ -49,6 +49,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Any
@@ -77,8 +78,10 @@ def int8_per_channel(weight: Float[Tensor, "d_out d_in"]) -> tuple[Tensor, Float
     return quantized, scales
 
 
+@functools.cache
 def dynamic_int8_available() -> bool:
-    """True where PyTorch has fbgemm's dynamic quantized linear (x86 CPUs)."""
+    """True where PyTorch has fbgemm's dynamic quantized linear (x86 CPUs). Cached: asked once per
+    layer per token, and torch builds the engine list anew each time (~3 µs)."""
     return bool({"fbgemm", "x86"} & set(torch.backends.quantized.supported_engines))
 
 
@@ -152,11 +155,11 @@ class Int8Linear(nn.Module):
 
     def _kernel_forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
         if x.numel() == self.d_in and dynamic_int8_available():
-            # One row: int8 activations and int8 dot products, (1, d_in) -> (1, d_out) in fp32.
-            y = torch.ops.quantized.linear_dynamic(x.reshape(1, self.d_in).float(), self._dynamic_packed(),
-                                                   dynamic_int8_reduce_range())
-            y = y.to(x.dtype).reshape(*x.shape[:-1], self.d_out)
-            return y if self.bias is None else y + self.bias.to(x.dtype)
+            # One row: int8 activations and int8 dot products, (1, d_in) -> (1, d_out) in fp32, the
+            # bias added inside the kernel (it is packed with the weight).
+            packed, reduce_range = self._dynamic_packed()
+            y = torch.ops.quantized.linear_dynamic(x.reshape(1, self.d_in).float(), packed, reduce_range)
+            return y.to(x.dtype).reshape(*x.shape[:-1], self.d_out)
         if self.weight_int8.data_ptr() % 64 or not self.weight_int8.is_contiguous():
             # Tensors read from a safetensors file can start anywhere in it; the kernel's vector
             # loads need the allocator's 64-byte alignment (an unaligned weight crashed it).
@@ -167,9 +170,10 @@ class Int8Linear(nn.Module):
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.d_out)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
-    def _dynamic_packed(self) -> Any:
-        """fbgemm's packed copy of the int8 weight and its scales, made on first use (kept beside
-        `weight_int8`, which stays the saved form and feeds the other paths)."""
+    def _dynamic_packed(self) -> tuple[Any, bool]:
+        """fbgemm's packed copy of the int8 weight, its scales and the float32 bias, made on first
+        use (kept beside `weight_int8`, which stays the saved form and feeds the other paths), and
+        whether this CPU needs 7-bit activations (`dynamic_int8_reduce_range`)."""
         packed = getattr(self, "_packed", None)
         if packed is None:
             zero_points = torch.zeros(self.d_out, dtype=torch.long)
@@ -178,7 +182,9 @@ class Int8Linear(nn.Module):
                 warnings.simplefilter("ignore", UserWarning)
                 weight = torch._make_per_channel_quantized_tensor(
                     self.weight_int8.cpu(), self.scales.double().cpu(), zero_points, 0)
-                packed = self._packed = torch.ops.quantized.linear_prepack(weight, None)
+                # (The CPU check is made here, once, not per call: a compiled step cannot read /proc.)
+                bias = None if self.bias is None else self.bias.detach().float().cpu()
+                packed = self._packed = torch.ops.quantized.linear_prepack(weight, bias), dynamic_int8_reduce_range()
         return packed
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
@@ -271,7 +277,9 @@ class Int4Linear(nn.Module):
         weight, scales_and_zeros = self._kernel_operands()
         rows = x.reshape(-1, self.d_in).to(torch.bfloat16)  # the kernel takes 2-D bf16 input
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, self.group_size, scales_and_zeros)
-        y = y[:, :self.d_out].to(x.dtype).reshape(*x.shape[:-1], self.d_out)  # drop the padding rows
+        if y.shape[1] != self.d_out:
+            y = y[:, :self.d_out]  # drop the padding rows
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.d_out)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
