@@ -54,6 +54,10 @@ class Preset:
     recipe: dict[str, Any] | None  # the TrainConfig fields that differ from TrainConfig's defaults;
                                    # None: no recipe (pretrained weights, or a schedule TrainConfig lacks)
     about: str = ""  # where the numbers come from
+    # Whether a character vocabulary built for this preset ends with <|endoftext|> (glasslm's char
+    # tokenizer does, so exports have an eos); False where the preset reproduces a reference whose
+    # character vocabulary has none (nanoGPT's shakespeare_char, seeds 001 and 004: vocabulary 65).
+    char_end_of_text: bool = True
 
 
 # One registry: every preset name maps to its architecture and its training recipe.
@@ -110,7 +114,8 @@ PRESETS: dict[str, Preset] = {
     "shakespeare-char": Preset(
         _char(context_length=256, d_model=384, n_layers=6, n_heads=6, dropout=0.2),
         about="nanoGPT's config/train_shakespeare_char.py",
-        recipe=dict(max_steps=5000, batch_size=64, warmup_steps=100, eval_interval=250, eval_iters=200)),
+        recipe=dict(max_steps=5000, batch_size=64, warmup_steps=100, eval_interval=250, eval_iters=200),
+        char_end_of_text=False),
     "shakespeare-char-cpu": Preset(
         _char_llama(context_length=64, d_model=128, n_layers=4, n_heads=4, d_mlp=336),
         about="nanoGPT's CPU tiny-Shakespeare size (4 layers, d_model 128, context 64) with Llama parts (RoPE, "
@@ -121,7 +126,7 @@ PRESETS: dict[str, Preset] = {
     "shakespeare-char-cpu-nanogpt": Preset(
         _char(context_length=64, d_model=128, n_layers=4, n_heads=4, dropout=0.0),
         about="nanoGPT's CPU recipe for tiny Shakespeare (TrainConfig's defaults are that recipe)",
-        recipe={}),
+        recipe={}, char_end_of_text=False),
     # --- the five seed systems (../shared/seeds), each reproduced exactly: tests/io/test_seeds.py ---
     "arena-gpt2": Preset(
         _gpt2(768, 12, 12).replace(tie_embeddings=False, unembed_bias=True, init_residual_scaling=False),
@@ -139,7 +144,8 @@ PRESETS: dict[str, Preset] = {
               "not print its sizes: these are character-level Shakespeare's usual ones (nanoGPT's). Recipe: plain "
               "Adam (AdamW with no weight decay), constant learning rate, no gradient clipping (Lightning's default)",
         recipe=dict(max_steps=5000, batch_size=64, lr=3e-4, min_lr=3e-4, warmup_steps=0, weight_decay=0.0,
-                    grad_clip=0.0, eval_interval=250, eval_iters=200)),
+                    grad_clip=0.0, eval_interval=250, eval_iters=200),
+        char_end_of_text=False),
     "aiayn-decoder-prenorm": Preset(
         ModelConfig(vocab_size=37000, context_length=512, d_model=512, n_layers=6, n_heads=8, d_mlp=2048,
                     positional="sinusoidal", norm="layernorm", norm_unbiased_std=True, norm_eps=1e-6, activation="relu",
@@ -169,7 +175,8 @@ PRESETS: dict[str, Preset] = {
               "Its printed multihead calls head(head_size), which cannot run; the text (head(embeds, block, "
               "head_size)) is followed. Recipe: the tutorial's batch 64, lr 9e-4, 5000 iterations, eval every 300 "
               "(optimizer settings it does not state are TrainConfig's)",
-        recipe=dict(max_steps=5000, batch_size=64, lr=9e-4, eval_interval=300)),
+        recipe=dict(max_steps=5000, batch_size=64, lr=9e-4, eval_interval=300),
+        char_end_of_text=False),
     "induction-attn-only": Preset(
         ModelConfig(vocab_size=64, context_length=48, d_model=64, n_layers=2, n_heads=4, mlp="none",
                     positional="rope", tie_embeddings=False, dropout=0.0),

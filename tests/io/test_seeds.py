@@ -306,15 +306,35 @@ def test_readme_seed_table_is_true():
         assert FORMATS[fmt].preset == name
 
 
-def test_readme_counts_for_the_char_seed_presets_trained_with_glasslms_tokenizer_are_true(shakespeare_text):
-    """The seeds' vocabulary 65 is tiny Shakespeare's characters; glasslm's char tokenizer adds
-    <|endoftext|>, and the README gives the counts the presets then have."""
-    from glasslm.tokenizers import CharTokenizer
+@pytest.mark.parametrize("name", ["lightning-char-gpt", "tiny-transformer"])
+def test_char_seed_presets_train_on_the_seeds_vocabulary(name, shakespeare_text):
+    """The seeds' vocabulary 65 is tiny Shakespeare's characters with no end-of-text; glasslm's char
+    tokenizer adds <|endoftext|> for other presets, but a seed preset keeps the seed's count."""
+    from glasslm.data import load_training_data
+    from glasslm.presets import PRESETS
 
-    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())  # line breaks as spaces
-    vocab = CharTokenizer.from_text(shakespeare_text).vocab_size
-    assert vocab == len(set(shakespeare_text)) + 1 == 66
+    own = load_training_data("tinyshakespeare", char_end_of_text=PRESETS[name].char_end_of_text).tokenizer
+    default = load_training_data("tinyshakespeare").tokenizer
+    assert own.vocab_size == len(set(shakespeare_text)) == 65 and own.special_tokens == {}
+    assert default.vocab_size == 66
     with torch.device("meta"):
-        counts = [TransformerLM(get_preset(name, vocab_size=vocab)).num_parameters()
-                  for name in ("lightning-char-gpt", "tiny-transformer")]
-    assert f"vocabulary {vocab} ({counts[0]:,} and {counts[1]:,} parameters)" in readme
+        model = TransformerLM(get_preset(name, vocab_size=own.vocab_size))
+    assert model.num_parameters() == TransformerLM(get_preset(name)).num_parameters()
+
+
+def test_glasslm_train_builds_a_seed_presets_vocabulary_without_end_of_text(tmp_path, shakespeare_text):
+    from glasslm.cli import main
+    from glasslm.io.checkpoint import load_checkpoint
+
+    text = tmp_path / "text.txt"
+    text.write_text(shakespeare_text[:5_000])
+    runs = {}
+    for name in ("tiny-transformer", "shakespeare-char-cpu"):
+        assert main(["train", "--preset", name, "--data", str(text), "--out", str(tmp_path / name), "--max-steps", "1",
+                     "--n-layers", "1", "--d-model", "20", "--n-heads", "2", "--context-length", "16", "--batch-size",
+                     "2", "--eval-iters", "1", "--no-progress", "--sample-tokens", "0"]) == 0
+        model, tokenizer, _ = load_checkpoint(tmp_path / name)
+        runs[name] = (model.config.vocab_size, tokenizer.vocab_size, dict(tokenizer.special_tokens))
+    chars = len(set(shakespeare_text[:5_000]))
+    assert runs["tiny-transformer"] == (chars, chars, {})
+    assert runs["shakespeare-char-cpu"] == (chars + 1, chars + 1, {"<|endoftext|>": chars})

@@ -19,7 +19,7 @@ from glasslm.cli.command import Command
 from glasslm.cli.options import Group
 from glasslm.cli.run_config import CONFIG_TABLES, RunConfig, load_config_file
 from glasslm.core.config import ModelConfig
-from glasslm.presets import get_preset
+from glasslm.presets import get_preset, lookup_preset
 from glasslm.training.config import TrainConfig, get_recipe
 from glasslm.training.rundir import ResumedRun
 from glasslm.data.splits import VAL_FRACTION
@@ -176,9 +176,10 @@ def _data_and_model(plan: _Plan) -> tuple[Any, ModelConfig, str]:
         init_cfg, tokenizer = _init_from_checkpoint(plan.init_from, run.tokenizer if plan.tokenizer_given else None,
                                                     run.data_dir)
         init_tokenizer = tokenizer
-    else:  # char: built from the text
+    else:  # char: built from the text (with <|endoftext|> unless the preset reproduces a vocabulary without it)
         tokenizer = None if run.tokenizer == "char" else get_tokenizer(run.tokenizer, data_dir=run.data_dir)
-    data = load_training_data(run.data, run.data_dir, run.val_fraction, tokenizer=tokenizer)
+    data = load_training_data(run.data, run.data_dir, run.val_fraction, tokenizer=tokenizer,
+                              char_end_of_text=tokenizer is not None or lookup_preset(run.preset).char_end_of_text)
     if plan.init_from:
         return data, _fine_tune_config(init_cfg, plan.model_overrides, data.tokenizer, init_tokenizer, run.data,
                                        plan.init_from), f"init-from {plan.init_from}"

@@ -21,7 +21,7 @@ from torch import Tensor
 from glasslm.data.datasets import resolve_text
 from glasslm.data.prepared import TokenData, is_prepared, load_prepared
 from glasslm.data.splits import VAL_FRACTION, split_texts
-from glasslm.tokenizers import CharTokenizer
+from glasslm.tokenizers import ENDOFTEXT, CharTokenizer
 
 
 def get_batch(
@@ -62,16 +62,17 @@ def get_batch(
 
 
 def load_training_data(source: str, directory: str | os.PathLike | None = None, val_fraction: float = VAL_FRACTION,
-                       tokenizer: Any | None = None) -> TokenData:
+                       tokenizer: Any | None = None, char_end_of_text: bool = True) -> TokenData:
     """A prepared dataset directory, or a text file / dataset name tokenized in memory
-    (character-level unless a tokenizer is given)."""
+    (character-level unless a tokenizer is given: the text's characters, then `<|endoftext|>`
+    unless `char_end_of_text` is False, as for presets reproducing a vocabulary without one)."""
     if is_prepared(source):
         return load_prepared(source)
     path = resolve_text(source, directory)
     if path.stat().st_size == 0:
         raise ValueError(f"{path} is empty")
     train_text, val_text = split_texts(path, val_fraction)  # the same split as `prepare`
-    tokenizer = tokenizer or CharTokenizer.from_text(train_text + val_text)
+    tokenizer = tokenizer or CharTokenizer.from_text(train_text + val_text, (ENDOFTEXT,) if char_end_of_text else ())
     train = torch.tensor(tokenizer.encode(train_text), dtype=torch.long)
     val = torch.tensor(tokenizer.encode(val_text), dtype=torch.long)
     return TokenData(train, val, tokenizer, f"{path} ({len(train_text) + len(val_text):,} characters, "
