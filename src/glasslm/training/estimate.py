@@ -32,7 +32,10 @@ from glasslm.training.parts import TrainingParts
 from glasslm.training.step import autocast_context
 
 DAY_S = 24 * 3600.0
-PROBE_WARM_S = 0.5  # a first micro-batch faster than this is timed again, warm (a slow one is the estimate)
+# Micro-batches are timed until this much time has passed (at most PROBE_RUNS): a fast one is then
+# the fastest warm one (a busy machine's stalls only ever add time); a slow first one is the estimate.
+PROBE_S = 0.5
+PROBE_RUNS = 5
 FORWARD_SHARE = 1 / 3  # a forward pass costs about a third of forward + backward
 
 
@@ -56,7 +59,8 @@ class TrainingEstimate:
 
     def describe(self) -> str:
         """'about T: steps x micro-batches x seconds (what was timed)'."""
-        return (f"about {format_duration(self.seconds)}: {self.steps:,} steps x {self.micro_batches:,} micro-batches x "
+        batches = f"{self.micro_batches:,} micro-batch" + ("es" if self.micro_batches != 1 else "")
+        return (f"about {format_duration(self.seconds)}: {self.steps:,} steps x {batches} x "
                 f"{self.micro_batch_s:.2f} s (one micro-batch of {self.rows} x {self.tokens_per_row:.0f} tokens, "
                 f"timed on {self.device})")
 
@@ -101,8 +105,8 @@ def time_micro_batch(parts: TrainingParts) -> float:
     x, y = parts.next_batch()
     xc, yc = x.tensor_split(cfg.grad_accum_steps)[0], y.tensor_split(cfg.grad_accum_steps)[0]
     timings: list[float] = []
-    # A compiled model's first call is mostly compilation; a fast first call, mostly warming up.
-    while not timings or (len(timings) == 1 and (cfg.compile or timings[0] < PROBE_WARM_S)):
+    least = 2 if cfg.compile else 1  # a compiled model's first call is mostly compilation
+    while len(timings) < least or (sum(timings) < PROBE_S and len(timings) < PROBE_RUNS):
         started = time.perf_counter()
         with autocast_context(cfg, parts.device):
             loss = cross_entropy(parts.step_model(xc), yc)  # (b / accum, t) -> ()
@@ -115,4 +119,4 @@ def time_micro_batch(parts: TrainingParts) -> float:
     torch.set_rng_state(states[1])
     if cuda_state is not None:
         torch.cuda.set_rng_state(cuda_state, parts.device)
-    return timings[-1]
+    return min(timings[1:]) if len(timings) > 1 else timings[0]
