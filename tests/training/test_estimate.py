@@ -54,11 +54,12 @@ def _cli_run(tmp_path, *extra):
 def test_train_refuses_a_run_over_a_day_and_yes_starts_it(tmp_path, shakespeare_text, capsys, monkeypatch):
     (tmp_path / "text.txt").write_text(shakespeare_text[:5000])
     # 10^9 steps of any model take more than a day; for --yes, a day is made a microsecond instead.
-    assert main(_cli_run(tmp_path, "--max-steps", str(10**9))) == 1
+    assert main(_cli_run(tmp_path, "--preset", "llama-tiny", "--max-steps", str(10**9))) == 1
     err = capsys.readouterr().err
-    assert "would take about" in err and "micro-batches x" in err and "timed on cpu" in err, err
+    assert "would take about" in err and "steps x 1 micro-batch x" in err and "timed on cpu" in err, err
     assert "nothing was written" in err and "--yes" in err and "--max-steps" in err
-    assert "glasslm train --preset shakespeare-char-cpu-nanogpt" in err  # the default preset: the other CPU one
+    for preset in ("shakespeare-char-cpu", "shakespeare-char-cpu-nanogpt"):  # CPU-sized, with the data and --out typed
+        assert f"glasslm train --preset {preset} --data {tmp_path / 'text.txt'} --out {tmp_path / 'run'} (" in err
     assert not (tmp_path / "run").exists()  # no run directory, no lock
     monkeypatch.setattr("glasslm.training.estimate.DAY_S", 1e-6)
     assert main(_cli_run(tmp_path, "--max-steps", "3")) == 1

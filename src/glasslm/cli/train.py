@@ -237,29 +237,27 @@ def _fit(plan: _Plan, model_cfg: ModelConfig, data: Any, label: str, ctx: Any, o
 
 
 def _too_long_message(refusal: Any, plan: _Plan, options: TrainOptions, vocab_size: int) -> str:
-    """Why the run was not started, and runs that fit: fewer steps, a CPU-sized preset, or --yes."""
+    """Why the run was not started, and what fits: fewer steps, a CPU-sized preset, or --yes."""
+    import shlex
+
     from glasslm.interp.accounting import parameter_count
     from glasslm.training.estimate import format_duration
 
-    estimate = refusal.estimate
-    per_step = estimate.seconds / max(estimate.steps, 1)
+    estimate, limit = refusal.estimate, format_duration(refusal.limit_s)
     done = plan.train.max_steps - estimate.steps
-    in_a_day = done + int(refusal.limit_s / per_step)
-    ways = []
-    if in_a_day > done:
-        ways.append(f"fewer steps: --max-steps {in_a_day} takes about {format_duration(refusal.limit_s)} here")
-    if plan.resumed is None and plan.init_from is None:
-        keep = "".join(f" --{name.replace('_', '-')} {value}" for name, value in (
-            ("data", plan.run.data), ("tokenizer", plan.run.tokenizer if plan.tokenizer_given else None),
-            ("data_dir", plan.run.data_dir), ("out", plan.run.out)) if value)
+    in_limit = done + int(refusal.limit_s / (estimate.seconds / max(estimate.steps, 1)))
+    ways = [f"fewer steps (--max-steps {in_limit} takes about {limit} here)"] if in_limit > done else []
+    if plan.resumed is None and plan.init_from is None and plan.run.preset not in CPU_PRESETS:
+        typed = (("data", plan.run.data), ("tokenizer", plan.run.tokenizer if plan.tokenizer_given else None),
+                 ("data-dir", plan.run.data_dir), ("out", plan.run.out))
+        keep = "".join(f" --{name} {shlex.quote(str(value))}" for name, value in typed if value)
         keep += " --overwrite" if options.overwrite else ""
-        presets = [f"glasslm train --preset {name}{keep} ({parameter_count(get_preset(name, vocab_size=vocab_size)) / 1e6:.1f}M "
-                   f"parameters, {get_recipe(name).max_steps:,} steps)" for name in CPU_PRESETS if name != plan.run.preset]
-        if presets:
-            ways.append("a model sized for a CPU: " + " or ".join(presets))
-    ways.append("or start this run anyway: add --yes")
-    return (f"this run would take {estimate.describe()}: more than {format_duration(refusal.limit_s)}, so it was not "
-            f"started and nothing was written to {plan.out}. Runs that fit: " + "; ".join(ways))
+        ways.append("a model sized for a CPU: " + " or ".join(
+            f"glasslm train --preset {name}{keep} ({parameter_count(get_preset(name, vocab_size=vocab_size)) / 1e6:.1f}M "
+            f"parameters, {get_recipe(name).max_steps:,} steps)" for name in CPU_PRESETS))
+    ways.append("or start it anyway: add --yes")
+    return (f"this run would take {estimate.describe()}: more than {limit}, so it was not started and nothing was "
+            f"written to {plan.out}. Instead: " + "; ".join(ways))
 
 
 # Presets whose recipes train in minutes on a laptop CPU (the README's demo: shakespeare-char-cpu's
