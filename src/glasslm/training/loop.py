@@ -172,7 +172,7 @@ class _Duties:
     evaluator: Evaluator
     checkpointer: Checkpointer
     loggers: list[MetricsLogger]
-    bar: Any  # tqdm
+    bar: Any  # glasslm.progress.progress_bar: tqdm, or PlainProgress off a terminal
 
 
 def _loop(parts: TrainingParts, duties: _Duties, stop: StopRequest,
