@@ -148,3 +148,9 @@ def test_an_hf_export_has_no_local_paths_and_info_does_not_call_it_converted_fro
     capsys.readouterr()
     assert main(["info", "--checkpoint", str(hf)]) == 0
     assert "converted" not in capsys.readouterr().out
+
+
+def test_threads_help_speaks_of_the_command_not_library_internals(capsys):
+    text = " ".join(_help(capsys, "train").split())
+    threads = text.split("--threads INT", 1)[1].split(" --", 1)[0]
+    assert "CPU threads for training" in threads and "train()" not in threads

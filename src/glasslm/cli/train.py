@@ -39,6 +39,9 @@ class TrainOptions:
     # with --resume: stretch the cosine learning-rate decay to the new --max-steps (without it a
     # resumed run keeps its schedule and trains on at min_lr past its end)
     extend_schedule: bool = False
+    # start even when the run is estimated to take more than a day on this device (the estimate
+    # times one micro-batch before the first step; without --yes such a run is refused, nothing written)
+    yes: bool = False
 
 
 DEFAULT_PRESET = RunConfig.preset  # what `glasslm train` trains without --preset: its defaults are the ones shown
@@ -98,7 +101,7 @@ def train(options: TrainOptions, run: Annotated[dict[str, Any], RunConfig, RUN],
             "its old metrics.jsonl kept aside (renamed metrics.jsonl.unfinished)")
     _say_start(say, plan, data, model_cfg, label, ctx)
     try:
-        result = _fit(plan, model_cfg, data, label, ctx, options.overwrite)
+        result = _fit(plan, model_cfg, data, label, ctx, options)
     finally:
         shutdown_distributed()
     if result.stopped_by_signal is not None:
@@ -208,10 +211,11 @@ def _say_start(say: Any, plan: _Plan, data: Any, model_cfg: ModelConfig, label: 
                 f"{plan.train.min_lr:g} (--extend-schedule stretches the cosine to --max-steps instead)")
 
 
-def _fit(plan: _Plan, model_cfg: ModelConfig, data: Any, label: str, ctx: Any, overwrite: bool) -> Any:
+def _fit(plan: _Plan, model_cfg: ModelConfig, data: Any, label: str, ctx: Any, options: TrainOptions) -> Any:
     """Train; `train` claims the run directory (checked, locked, cleared for --overwrite) once,
-    before the first logger writes into it."""
+    before the first logger writes into it, and only after the estimate allowed the run."""
     from glasslm.training.distributed import barrier
+    from glasslm.training.estimate import DAY_S, TrainingTooLong
     from glasslm.training.loop import train as train_model
 
     meta = {"preset": label, "data": data.source, "val_fraction": plan.run.val_fraction,
@@ -219,14 +223,47 @@ def _fit(plan: _Plan, model_cfg: ModelConfig, data: Any, label: str, ctx: Any, o
     loggers = _optional_loggers(plan.train, plan.out, {"model": model_cfg.to_dict(), "train": plan.train.to_dict()}) \
         if ctx.is_main else []
     model = _fine_tune_model(model_cfg, plan.init_from) if plan.init_from else model_cfg
-    result = train_model(model, plan.train, data.train, data.val, run_dir=plan.out,
-                         resume=plan.resumed.checkpoint if plan.resumed else None, tokenizer=data.tokenizer,
-                         meta=meta, dist_ctx=ctx, loggers=loggers, overwrite=overwrite)
+    try:
+        result = train_model(model, plan.train, data.train, data.val, run_dir=plan.out,
+                             resume=plan.resumed.checkpoint if plan.resumed else None, tokenizer=data.tokenizer,
+                             meta=meta, dist_ctx=ctx, loggers=loggers, overwrite=options.overwrite,
+                             refuse_longer_than_s=None if options.yes else DAY_S)
+    except TrainingTooLong as refusal:
+        raise ValueError(_too_long_message(refusal, plan, options, data.tokenizer.vocab_size)) from None
     # Every process reaches the end before any tears its connections down: once, under load, a
     # rank aborted at exit ("terminate called without an active exception") after a good FSDP
     # run; a peer closing the gloo pair early is the likely cause this rules out.
     barrier(ctx)
     return result
+
+
+def _too_long_message(refusal: Any, plan: _Plan, options: TrainOptions, vocab_size: int) -> str:
+    """Why the run was not started, and what fits: fewer steps, a CPU-sized preset, or --yes."""
+    import shlex
+
+    from glasslm.interp.accounting import parameter_count
+    from glasslm.training.estimate import format_duration
+
+    estimate, limit = refusal.estimate, format_duration(refusal.limit_s)
+    done = plan.train.max_steps - estimate.steps
+    in_limit = done + int(refusal.limit_s / (estimate.seconds / max(estimate.steps, 1)))
+    ways = [f"fewer steps (--max-steps {in_limit} takes about {limit} here)"] if in_limit > done else []
+    if plan.resumed is None and plan.init_from is None and plan.run.preset not in CPU_PRESETS:
+        typed = (("data", plan.run.data), ("tokenizer", plan.run.tokenizer if plan.tokenizer_given else None),
+                 ("data-dir", plan.run.data_dir), ("out", plan.run.out))
+        keep = "".join(f" --{name} {shlex.quote(str(value))}" for name, value in typed if value)
+        keep += " --overwrite" if options.overwrite else ""
+        ways.append("a model sized for a CPU: " + " or ".join(
+            f"glasslm train --preset {name}{keep} ({parameter_count(get_preset(name, vocab_size=vocab_size)) / 1e6:.1f}M "
+            f"parameters, {get_recipe(name).max_steps:,} steps)" for name in CPU_PRESETS))
+    ways.append("or start it anyway: add --yes")
+    return (f"this run would take {estimate.describe()}: more than {limit}, so it was not started and nothing was "
+            f"written to {plan.out}. Instead: " + "; ".join(ways))
+
+
+# Presets whose recipes train in minutes on a laptop CPU (the README's demo: shakespeare-char-cpu's
+# 600 steps in under a minute on 2 cores).
+CPU_PRESETS = ("shakespeare-char-cpu", "shakespeare-char-cpu-nanogpt")
 
 
 def _fine_tune_model(config: ModelConfig, path: str) -> Any:
@@ -333,4 +370,5 @@ COMMAND = Command("train", train, "train a model on a text file or a named datas
                       "glasslm train --resume runs/shakespeare-char-cpu --max-steps 1200 --extend-schedule",
                       "glasslm train --preset gpt2-small --init-from gpt2 --data data/mine --max-steps 200",
                       "glasslm info --preset gpt2-small                # a preset's size before training it",
+                      "glasslm train --preset gpt2-small --yes         # even if it would take more than a day here",
                   ))

@@ -22,10 +22,10 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from glasslm.data.splits import VAL_FRACTION, check_val_fraction, split_offset
 from glasslm.locations import INCOMPLETE_MARKER, check_output_dir
+from glasslm.progress import progress_bar
 from glasslm.tokenizers import Tokenizer, load_tokenizer, special_token_ids
 
 META_FILE = "meta.json"  # written last: a directory with it (and no INCOMPLETE_MARKER) is complete
@@ -149,7 +149,7 @@ def _prepare_into(paths: list[Path], tokenizer: Tokenizer, out: Path, val_fracti
     dtype = token_dtype(tokenizer.vocab_size)
     splits = {p: split_offset(p, val_fraction) for p in paths}
     counts = {}
-    with tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not progress) as bar:
+    with progress_bar(total=total, unit="B", unit_scale=True, desc="prepare", disable=not progress) as bar:
         for split in ("train", "val"):
             def texts(p: Path) -> Iterator[str]:
                 start, end = (0, splits[p]) if split == "train" else (splits[p], p.stat().st_size)

@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Int
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from glasslm.core.model import TransformerLM
+from glasslm.progress import progress_bar
 
 
 def sliding_windows(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
@@ -65,7 +65,7 @@ def evaluate_tokens(
     """Summed and mean negative log-likelihood (nats) of tokens[1:] given what precedes each.
 
     Returns dict(loss, nll, tokens): `loss` the mean over the `tokens` targets, `nll` their sum.
-    `progress` shows a tqdm bar on stderr, counted in scored tokens.
+    `progress` shows a tqdm bar on stderr (plain lines when it is not a terminal), counted in scored tokens.
     """
     model.eval()
     device = model.embed.weight.device
@@ -76,8 +76,8 @@ def evaluate_tokens(
     windows = sliding_windows(len(tokens), context, stride or context)
     total_nll = torch.zeros((), dtype=torch.float64)
     n_scored = 0
-    bar = tqdm(total=len(tokens) - 1, unit="tok", unit_scale=True, desc="eval", disable=not progress,
-               file=sys.stderr)
+    bar = progress_bar(total=len(tokens) - 1, unit="tok", unit_scale=True, desc="eval", disable=not progress,
+                       file=sys.stderr)
     # Full-length windows are stacked into batches; a shorter final window runs on its own.
     for i in range(0, len(windows), batch_size):
         group = windows[i:i + batch_size]

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,9 @@ from torch import Tensor
 
 from glasslm.interp.hooks import logit_lens, run_with_cache
 from glasslm.core.model import TransformerLM
+
+TITLE_POINTS = 11
+LOGIT_LENS_TITLE = "logit lens: top next token decoded from each layer's residual stream"
 
 
 @torch.no_grad()
@@ -86,7 +90,7 @@ def plot_attention(
     ax.set_yticks(range(seq), shown_labels, fontsize=8)
     ax.set_xlabel("key (attended to)")
     ax.set_ylabel("query (attending)")
-    ax.set_title(title)
+    ax.set_title(_fitted_title(title, side + 1.0), fontsize=TITLE_POINTS)
     fig.colorbar(image, ax=ax, label="attention probability", shrink=0.8)
     path = Path(out)
     fig.savefig(path)
@@ -97,12 +101,23 @@ def plot_logit_lens(
     top_tokens: Sequence[Sequence[str]], top_probs: Float[Tensor, "layers seq"], labels: Sequence[str],
     out: str | os.PathLike, title: str = "",
 ) -> Path:
-    """Draw the logit lens as a grid: one row per layer, one column per input position.
+    """Draw the logit lens as a grid (`logit_lens_figure`) and save it as PNG."""
+    path = Path(out)
+    logit_lens_figure(top_tokens, top_probs, labels, title).savefig(path)
+    return path
+
+
+def logit_lens_figure(
+    top_tokens: Sequence[Sequence[str]], top_probs: Float[Tensor, "layers seq"], labels: Sequence[str],
+    title: str = "",
+) -> Any:
+    """The logit lens as a matplotlib Figure: one row per layer, one column per input position.
 
     Each cell shows the top predicted next token after that layer, coloured by its probability.
     """
     n_layers, seq = top_probs.shape
-    fig = _figure(max(5.0, 0.32 * seq + 2.0), max(3.0, 0.4 * n_layers + 1.6))
+    width = max(5.0, 0.32 * seq + 2.0)
+    fig = _figure(width, max(3.0, 0.4 * n_layers + 1.6))
     ax = fig.add_subplot()
     probs = top_probs.float().numpy()
     image = ax.imshow(probs, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto", origin="lower")
@@ -115,11 +130,18 @@ def plot_logit_lens(
     ax.set_xticks(range(seq), [token_label(t) for t in labels], fontsize=8)
     ax.set_yticks(range(n_layers), [f"layer {i}" for i in range(n_layers)], fontsize=8)
     ax.set_xlabel("input token (the cell predicts the token after it)")
-    ax.set_title(title)
+    ax.set_title(_fitted_title(title, width), fontsize=TITLE_POINTS)
     fig.colorbar(image, ax=ax, label="top-token probability", fraction=0.025, pad=0.01)
-    path = Path(out)
-    fig.savefig(path)
-    return path
+    return fig
+
+
+def _fitted_title(title: str, width_inches: float) -> str:
+    """`title` broken into lines that fit `width_inches`: a title is one line that constrained layout
+    never wraps, so a long one over a narrow figure (a short prompt's) was cut at both edges."""
+    # An average glyph is about 0.55 em wide in DejaVu Sans; 0.7 em per character leaves a margin
+    # for wide letters and for the axes' share of the width.
+    characters = max(10, int(width_inches * 72 / (0.7 * TITLE_POINTS)))
+    return textwrap.fill(title, characters)
 
 
 def encode_prompt(tokenizer: Any, prompt: str, context_length: int) -> tuple[Tensor, list[str]]:
@@ -148,4 +170,4 @@ def draw_logit_lens(model: TransformerLM, tokenizer: Any, prompt: str, out: str 
     top_ids, top_probs = logit_lens_top(model, tokens.to(model.embed.weight.device))
     top_tokens = [[tokenizer.decode([int(i)]) for i in row] for row in top_ids.cpu()]
     return plot_logit_lens(top_tokens, top_probs.cpu(), labels, out,
-                           title="logit lens: top next token decoded from each layer's residual stream")
+                           title=LOGIT_LENS_TITLE)

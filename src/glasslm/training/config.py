@@ -56,7 +56,7 @@ class TrainConfig:
     fsdp: bool = False  # shard parameters, gradients and optimizer state (FSDP2) instead of DDP
     tensorboard: bool = False  # also log metrics to TensorBoard (RUN_DIR/tensorboard; needs tensorboard)
     wandb: bool = False  # also log metrics to Weights & Biases, offline unless WANDB_MODE says otherwise
-    progress: bool = True  # draw a progress bar with loss, lr and tokens/s
+    progress: bool = True  # draw a progress bar with loss, lr and tokens/s (plain lines when stderr is not a terminal)
     init_from: str | None = None  # fine-tune: start from these weights (a glasslm checkpoint, an HF
                                   # directory or a cached hub name) with a fresh optimizer, in a new run;
                                   # `glasslm train` loads them, train() only records the name

@@ -34,7 +34,6 @@ from typing import Any, Callable
 import torch
 from jaxtyping import Int
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
@@ -43,6 +42,7 @@ from glasslm.training.batches import BatchSource
 from glasslm.training.checkpointer import Checkpointer
 from glasslm.training.config import TrainConfig
 from glasslm.training.distributed import DistributedContext, any_process, resolve_device
+from glasslm.training.estimate import TrainingEstimate, TrainingTooLong, estimate_training, format_duration
 from glasslm.training.evaluator import Evaluator
 from glasslm.training.loggers import MetricsLogger
 from glasslm.training.metrics import MetricsWindow, metrics_loggers
@@ -52,6 +52,7 @@ from glasslm.training.rundir import RunDirError, claim_run_dir
 from glasslm.training.schedule import apply_schedule
 from glasslm.training.signals import StopRequest
 from glasslm.training.step import train_step
+from glasslm.progress import progress_bar
 from glasslm.runtime import keeps_global_rng
 
 
@@ -70,6 +71,7 @@ def train(
     dist_ctx: DistributedContext | None = None,
     loggers: list[MetricsLogger] | None = None,
     overwrite: bool = False,
+    refuse_longer_than_s: float | None = None,
 ) -> TrainResult:
     """Train `model` (a TransformerLM with its weights, or a fresh one from a ModelConfig, seeded by
     cfg.seed) on 1-D token ids (anything `get_batch` indexes), or on a batch source
@@ -85,6 +87,13 @@ def train(
     or `overwrite` is set (which removes the previous run's files first); while training, the
     directory is locked against a second writer (glasslm.training.rundir).
 
+    Before the first step, one micro-batch is timed (glasslm.training.estimate; undone, so the run is
+    unchanged) and the estimate is shown with the progress. `refuse_longer_than_s` turns it into a
+    guard: a run estimated to take longer raises `TrainingTooLong` before anything is written.
+    `glasslm train` sets a day unless --yes; here the default is no limit, since a program calling
+    train() has chosen its recipe (and the estimate is skipped under torchrun, where timing one
+    process's micro-batch alone would need every process to agree first).
+
     `cfg.init_from` only records where a fine-tuned model's weights came from: train() never opens
     it, so a fresh run from a bare ModelConfig with init_from set is refused rather than silently
     started from random weights.
@@ -94,9 +103,17 @@ def train(
     if cfg.init_from and resume_dir is None and not isinstance(model, TransformerLM):
         raise ValueError(f"init_from={cfg.init_from!r} is a record, not an instruction: load those weights "
                          "(glasslm.hf.load_model / init_weights_from) and pass the model to train()")
+    device = ctx.device if ctx.enabled else resolve_device(cfg.device)
+    if cfg.dtype == "float16" and torch.device(device).type != "cuda":
+        raise ValueError("dtype float16 (with loss scaling) is for CUDA GPUs; use bfloat16 on CPU")
+    parts = TrainingParts.build(model, cfg, ctx, device, resume_dir, (train_tokens, val_tokens))
+    estimate = None
+    if not ctx.enabled and (refuse_longer_than_s is not None or cfg.progress):
+        estimate = estimate_training(parts)  # before the run directory is claimed: a refusal leaves nothing
+        if refuse_longer_than_s is not None and estimate.seconds > refuse_longer_than_s:
+            raise TrainingTooLong(estimate, refuse_longer_than_s)
     with claim_run(run_dir, resume_dir, overwrite, ctx):
-        return _train(model, cfg, train_tokens, val_tokens, on_eval, run_dir, resume_dir, tokenizer,
-                      meta, ctx, loggers)
+        return _train(parts, estimate, on_eval, run_dir, resume_dir, tokenizer, meta, loggers)
 
 
 @contextmanager
@@ -117,18 +134,12 @@ def claim_run(run_dir: str | os.PathLike | None, resume_dir: str | os.PathLike |
 
 
 def _train(
-    model: ModelConfig | TransformerLM, cfg: TrainConfig, train_tokens: Tensor | BatchSource,
-    val_tokens: Tensor | BatchSource | None,
+    parts: TrainingParts, estimate: TrainingEstimate | None,
     on_eval: Callable[[int, float, TransformerLM], None] | None, run_dir: str | os.PathLike | None,
-    resume_dir: Path | None, tokenizer: Any, meta: dict[str, Any] | None, ctx: DistributedContext,
-    loggers: list[MetricsLogger] | None,
+    resume_dir: Path | None, tokenizer: Any, meta: dict[str, Any] | None, loggers: list[MetricsLogger] | None,
 ) -> TrainResult:
-    """Assemble the parts, then run the loop over them."""
-    device = ctx.device if ctx.enabled else resolve_device(cfg.device)
-    if cfg.dtype == "float16" and torch.device(device).type != "cuda":
-        raise ValueError("dtype float16 (with loss scaling) is for CUDA GPUs; use bfloat16 on CPU")
-    parts = TrainingParts.build(model, cfg, ctx, device, resume_dir, (train_tokens, val_tokens))
-    cfg, point = parts.cfg, parts.point
+    """Assemble the duties around the parts, then run the loop over them."""
+    cfg, point, ctx, device = parts.cfg, parts.point, parts.ctx, parts.device
     run_path = Path(run_dir) if run_dir is not None else None
     result = TrainResult(parts.model, step=point.step, best_val_loss=point.best_val_loss)
     duties = _Duties(
@@ -137,9 +148,12 @@ def _train(
                             point.best_val_loss, result, on_eval),
         checkpointer=Checkpointer(run_path, cfg, ctx, parts, tokenizer, meta, result),
         loggers=metrics_loggers(run_path, loggers, ctx, point.step if resume_dir else None),
-        bar=tqdm(total=cfg.max_steps, initial=point.step, disable=not (cfg.progress and ctx.is_main),
-                 dynamic_ncols=True, desc="train", mininterval=1.0),
+        bar=progress_bar(total=cfg.max_steps, initial=point.step, disable=not (cfg.progress and ctx.is_main),
+                         dynamic_ncols=True, desc="train", mininterval=1.0),
     )
+    if estimate is not None and cfg.progress:
+        duties.bar.write(f"estimated training time: {estimate.describe()}")
+        duties.bar.set_postfix(estimate=format_duration(estimate.seconds))  # until the first metrics record
     try:
         with StopRequest() as stop:
             _loop(parts, duties, stop, result)
@@ -158,7 +172,7 @@ class _Duties:
     evaluator: Evaluator
     checkpointer: Checkpointer
     loggers: list[MetricsLogger]
-    bar: Any  # tqdm
+    bar: Any  # glasslm.progress.progress_bar: tqdm, or PlainProgress off a terminal
 
 
 def _loop(parts: TrainingParts, duties: _Duties, stop: StopRequest,
