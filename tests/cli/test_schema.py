@@ -217,8 +217,8 @@ def test_checkpoints_of_the_previous_version_load_and_resume(tmp_path, capsys):
     from glasslm.io.checkpoint import load_checkpoint
 
     text = tmp_path / "t.txt"
-    # 51 characters and <|endoftext|>: the old config's vocabulary of 52.
-    chars = "".join(sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")))[:51]
+    # 52 characters: the old config's vocabulary (the nanoGPT preset's char vocabulary has no <|endoftext|>).
+    chars = "".join(sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")))
     text.write_text(chars * 60)
     run = tmp_path / "run"
     assert main(["train", "--preset", "shakespeare-char-cpu-nanogpt", "--data", str(text), "--out", str(run),
