@@ -83,3 +83,29 @@ def test_progress_to_a_file_is_lines_with_the_estimate_first(tmp_path, shakespea
     progress = [i for i, line in enumerate(lines) if line.startswith("train ")]
     assert progress and estimate < progress[0], text
     assert lines[progress[-1]].startswith("train 30/30 (100%)"), text
+
+
+def test_a_run_far_past_the_limit_is_refused_from_one_row(tmp_path):
+    # One row, scaled by the rows, decides when it is already far past the limit; near it, the whole
+    # micro-batch is timed (a gpt2-small micro-batch takes minutes on a CPU, its row seconds).
+    cfg = get_preset("shakespeare-char-cpu", **TINY)
+    far = TrainConfig(max_steps=10**9, batch_size=8, eval_interval=0, eval_iters=1, progress=False)
+    with pytest.raises(TrainingTooLong) as refused:
+        train(cfg, far, TOKENS, TOKENS, run_dir=tmp_path / "far", refuse_longer_than_s=3600.0)
+    estimate = refused.value.estimate
+    assert estimate.timed_rows == 1 and estimate.rows == 8 and "1 row(s) timed on cpu" in estimate.describe()
+    assert not (tmp_path / "far").exists()
+
+
+def test_near_the_limit_the_whole_micro_batch_decides(tmp_path, monkeypatch):
+    # Timings made up: one row 1 s, the whole micro-batch of 8 rows 5 s (not 8: rows scale sublinearly).
+    monkeypatch.setattr("glasslm.training.estimate.time_micro_batch", lambda parts, rows=None: 1.0 if rows else 5.0)
+    cfg, run = get_preset("shakespeare-char-cpu", **TINY), TrainConfig(max_steps=2, batch_size=8, eval_interval=0,
+                                                                      eval_iters=1, progress=False)
+    # One row says 2 x 8 x 1 s + one evaluation (a third of 8 s): 18.7 s; the micro-batch 2 x 5 + 5/3 = 11.7 s.
+    for limit, timed_rows in ((5.0, 1), (11.0, None)):
+        with pytest.raises(TrainingTooLong) as refused:
+            train(cfg, run, TOKENS, TOKENS, run_dir=tmp_path / "run", refuse_longer_than_s=limit)
+        assert refused.value.estimate.timed_rows == timed_rows, limit
+        assert refused.value.estimate.seconds == pytest.approx(18.667 if timed_rows else 11.667, abs=1e-3)
+    assert train(cfg, run, TOKENS, TOKENS, run_dir=tmp_path / "run", refuse_longer_than_s=12.0).step == 2

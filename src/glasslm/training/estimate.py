@@ -4,7 +4,8 @@ A preset's recipe can be meant for a GPU cluster: gpt2-small's (nanoGPT's) is 60
 micro-batches, years on a laptop CPU, and its first step alone takes minutes there. So the estimate
 times single micro-batches (forward and backward on the run's model, batch and device) before the
 first step, then undoes them (gradients cleared, random generators restored): the run itself is
-unchanged, and a refused run has written nothing.
+unchanged, and a refused run has written nothing. Under a limit, one row is timed first and a run
+already far past the limit is refused from it (seconds, not the minutes of a whole micro-batch).
 
     estimate = steps left x micro-batches per step x seconds per micro-batch
                + evaluations (forward only: about a third of a micro-batch each)
@@ -36,6 +37,10 @@ DAY_S = 24 * 3600.0
 # the fastest warm one (a busy machine's stalls only ever add time); a slow first one is the estimate.
 PROBE_S = 0.5
 PROBE_RUNS = 5
+# A one-row timing scaled by the rows refuses a run only when this far past the limit: rows do not
+# scale exactly linearly (a single row uses the cores less well), and a run near the limit deserves
+# the whole micro-batch's figure.
+QUICK_MARGIN = 2.0
 FORWARD_SHARE = 1 / 3  # a forward pass costs about a third of forward + backward
 
 
@@ -51,6 +56,7 @@ class TrainingEstimate:
     device: str
     evaluations: int  # validation runs left
     eval_batches: int  # batches per validation run
+    timed_rows: int | None = None  # rows actually timed when fewer than `rows` (then scaled up); None: all
 
     @property
     def seconds(self) -> float:
@@ -60,9 +66,11 @@ class TrainingEstimate:
     def describe(self) -> str:
         """'about T: steps x micro-batches x seconds (what was timed)'."""
         batches = f"{self.micro_batches:,} micro-batch" + ("es" if self.micro_batches != 1 else "")
-        return (f"about {format_duration(self.seconds)}: {self.steps:,} steps x {batches} x "
-                f"{self.micro_batch_s:.2f} s (one micro-batch of {self.rows} x {self.tokens_per_row:.0f} tokens, "
-                f"timed on {self.device})")
+        timed = (f"one micro-batch of {self.rows} x {self.tokens_per_row:.0f} tokens, timed on {self.device}"
+                 if self.timed_rows is None else
+                 f"one micro-batch of {self.rows} x {self.tokens_per_row:.0f} tokens: {self.timed_rows} row(s) timed "
+                 f"on {self.device}, scaled by the rows")
+        return f"about {format_duration(self.seconds)}: {self.steps:,} steps x {batches} x {self.micro_batch_s:.2f} s ({timed})"
 
 
 class TrainingTooLong(RuntimeError):
@@ -85,25 +93,38 @@ def format_duration(seconds: float) -> str:
     raise AssertionError("unreachable")
 
 
-def estimate_training(parts: TrainingParts) -> TrainingEstimate:
-    """Time the run's first micro-batch (see the module docstring) and add up the steps left."""
+def estimate_training(parts: TrainingParts, refuse_above_s: float | None = None) -> TrainingEstimate:
+    """Time the run's first micro-batch (see the module docstring) and add up the steps left.
+
+    With a limit, one row is timed first: a gpt2-small micro-batch takes minutes on a CPU and one of
+    its rows seconds, so a run whose one-row figure, scaled by the rows, is already past QUICK_MARGIN
+    times the limit is refused from that figure, without waiting for the whole micro-batch."""
     cfg = parts.cfg
     steps = max(cfg.max_steps - parts.point.step, 0)
     evaluations = (steps // cfg.eval_interval if cfg.eval_interval else 0) + 1 if parts.val_source else 0
-    rows = cfg.batch_size
-    return TrainingEstimate(steps, cfg.grad_accum_steps, time_micro_batch(parts), rows,
-                            parts.train_source.tokens_per_row(), str(parts.device), evaluations, cfg.eval_iters)
+
+    def estimate(micro_batch_s: float, timed_rows: int | None) -> TrainingEstimate:
+        return TrainingEstimate(steps, cfg.grad_accum_steps, micro_batch_s, cfg.batch_size,
+                                parts.train_source.tokens_per_row(), str(parts.device), evaluations, cfg.eval_iters,
+                                timed_rows)
+
+    if refuse_above_s is not None and cfg.batch_size > 1:
+        quick = estimate(time_micro_batch(parts, rows=1) * cfg.batch_size, timed_rows=1)
+        if quick.seconds > QUICK_MARGIN * refuse_above_s:
+            return quick
+    return estimate(time_micro_batch(parts), None)
 
 
-def time_micro_batch(parts: TrainingParts) -> float:
-    """Seconds of one forward + backward of the first step's first micro-batch; afterwards the
-    gradients are cleared and the generators it drew from are as before, so the run is unchanged."""
+def time_micro_batch(parts: TrainingParts, rows: int | None = None) -> float:
+    """Seconds of one forward + backward of the first step's first micro-batch (its first `rows`
+    rows where given); afterwards the gradients are cleared and the generators it drew from are as
+    before, so the run is unchanged."""
     cfg = parts.cfg
     states = (parts.batch_rng.get_state(), torch.get_rng_state())
     cuda = torch.device(parts.device).type == "cuda"
     cuda_state = torch.cuda.get_rng_state(parts.device) if cuda else None
     x, y = parts.next_batch()
-    xc, yc = x.tensor_split(cfg.grad_accum_steps)[0], y.tensor_split(cfg.grad_accum_steps)[0]
+    xc, yc = x.tensor_split(cfg.grad_accum_steps)[0][:rows], y.tensor_split(cfg.grad_accum_steps)[0][:rows]
     timings: list[float] = []
     least = 2 if cfg.compile else 1  # a compiled model's first call is mostly compilation
     while len(timings) < least or (sum(timings) < PROBE_S and len(timings) < PROBE_RUNS):

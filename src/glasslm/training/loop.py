@@ -109,7 +109,7 @@ def train(
     parts = TrainingParts.build(model, cfg, ctx, device, resume_dir, (train_tokens, val_tokens))
     estimate = None
     if not ctx.enabled and (refuse_longer_than_s is not None or cfg.progress):
-        estimate = estimate_training(parts)  # before the run directory is claimed: a refusal leaves nothing
+        estimate = estimate_training(parts, refuse_longer_than_s)  # before the run directory is claimed: a refusal leaves nothing
         if refuse_longer_than_s is not None and estimate.seconds > refuse_longer_than_s:
             raise TrainingTooLong(estimate, refuse_longer_than_s)
     with claim_run(run_dir, resume_dir, overwrite, ctx):
