@@ -109,3 +109,11 @@ def test_near_the_limit_the_whole_micro_batch_decides(tmp_path, monkeypatch):
         assert refused.value.estimate.timed_rows == timed_rows, limit
         assert refused.value.estimate.seconds == pytest.approx(18.667 if timed_rows else 11.667, abs=1e-3)
     assert train(cfg, run, TOKENS, TOKENS, run_dir=tmp_path / "run", refuse_longer_than_s=12.0).step == 2
+
+
+def test_yes_is_a_consent_flag_without_a_negative(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "  --yes  " in out and "--no-yes" not in out

@@ -123,9 +123,10 @@ def _argument(prefix: str, f: dataclasses.Field, hint: Any, doc: str, aliases: l
         names = [f.metadata.get("option", "--" + f.name.replace("_", "-")), *aliases]
         kwargs.update(dest=f"{prefix}.{f.name}", required=required)
     if base is bool:
-        # In a group of alternatives only the positive flag means anything (--no-to-hf is no choice).
-        alternative = "exclusive" in f.metadata or "one_of" in f.metadata
-        return names, kwargs | dict(action="store_true" if alternative else Flag)
+        # In a group of alternatives only the positive flag means anything (--no-to-hf is no choice),
+        # and so for a consent like --yes (metadata flag_only: --no-yes would be noise).
+        positive_only = "exclusive" in f.metadata or "one_of" in f.metadata or f.metadata.get("flag_only", False)
+        return names, kwargs | dict(action="store_true" if positive_only else Flag)
     if listed and (f.metadata.get("positional") or "nargs" in f.metadata):
         hint = typing.get_args(base)[0]
         kwargs.setdefault("nargs", f.metadata.get("nargs"))

@@ -41,7 +41,7 @@ class TrainOptions:
     extend_schedule: bool = False
     # start even when the run is estimated to take more than a day on this device (the estimate
     # times one micro-batch before the first step; without --yes such a run is refused, nothing written)
-    yes: bool = False
+    yes: bool = dataclasses.field(default=False, metadata={"flag_only": True})
 
 
 DEFAULT_PRESET = RunConfig.preset  # what `glasslm train` trains without --preset: its defaults are the ones shown
