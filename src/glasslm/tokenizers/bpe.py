@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from glasslm.tokenizers.base import BPE_DESCRIPTOR_FILE, ENDOFTEXT, MERGES_FILE, MERGES_HEADER, VOCAB_FILE
-from glasslm.tokenizers.pretokens import PRETOKEN_PATTERN, PRETOKEN_RE, special_split_pattern
+from glasslm.tokenizers.pretokens import PRETOKEN_PATTERN, PRETOKEN_RE, encode_with_specials, special_split_pattern
 
 Backend = Literal["auto", "glasslm", "tiktoken"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
@@ -255,18 +255,7 @@ class BPETokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids for `text`; special tokens become their single ids (longest match wins)."""
-        if self._special_re is None:
-            return self.encode_ordinary(text)
-        out: list[int] = []
-        pos = 0
-        for match in self._special_re.finditer(text):
-            if match.start() > pos:
-                out += self.encode_ordinary(text[pos : match.start()])
-            out.append(self.special_tokens[match.group()])
-            pos = match.end()
-        if pos < len(text):
-            out += self.encode_ordinary(text[pos:])
-        return out
+        return encode_with_specials(text, self._special_re, self.special_tokens, self.encode_ordinary)
 
     def encode_iterable(self, chunks: Iterable[str], flush_chars: int = 1 << 14) -> Iterator[int]:
         """Lazily encode a stream of text chunks (e.g. an open file's lines) in bounded memory.

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from glasslm.tokenizers.base import ENDOFTEXT, TOKENIZER_FILE, checked_ids
-from glasslm.tokenizers.pretokens import special_split_pattern
+from glasslm.tokenizers.pretokens import encode_with_specials, special_split_pattern
 
 
 class CharTokenizer:
@@ -84,15 +84,7 @@ class CharTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Ids for `text`; a special token written in it becomes its single id (longest match wins)."""
-        if self._special_re is None:
-            return self.encode_ordinary(text)
-        out: list[int] = []
-        pos = 0
-        for match in self._special_re.finditer(text):
-            out += self.encode_ordinary(text[pos : match.start()])
-            out.append(self.special_tokens[match.group()])
-            pos = match.end()
-        return out + self.encode_ordinary(text[pos:])
+        return encode_with_specials(text, self._special_re, self.special_tokens, self.encode_ordinary)
 
     def encode_iterable(self, chunks: Iterable[str]) -> Iterator[int]:
         """`encode("".join(chunks))`, lazily: a special token cut across chunks is still found."""

@@ -1,5 +1,5 @@
 """Pre-tokenization, shared by the BPE encoder and the BPE trainer: GPT-2's regex that cuts text
-into pre-tokens (merges never cross one), splitting at special tokens, and where text can be cut
+into pre-tokens (merges never cross one), splitting at special tokens (and encoding around them), and where text can be cut
 without changing how it pre-tokenizes.
 
 Example:
@@ -9,7 +9,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import regex
 
@@ -57,3 +57,24 @@ def safe_cut_pattern(special_tokens: Sequence[str], as_bytes: bool = False) -> r
         alternatives.append(r"(?<=[\x21-\x7e]\n)(?=[\x21-\x7e])")
     pattern = "|".join(alternatives)
     return regex.compile(pattern.encode() if as_bytes else pattern)
+
+
+def encode_with_specials(text: str, pattern: regex.Pattern | None, special_ids: Mapping[str, int],
+                         encode_ordinary: Callable[[str], list[int]]) -> list[int]:
+    """`text`'s ids: each special token `pattern` finds becomes its single id, the text between
+    them goes through `encode_ordinary` (shared by the BPE and character tokenizers).
+
+    Example:
+        >>> encode_with_specials("ab<|x|>c", special_split_pattern(["<|x|>"]), {"<|x|>": 9}, lambda t: [ord(c) for c in t])
+        [97, 98, 9, 99]
+    """
+    if pattern is None:
+        return encode_ordinary(text)
+    ids: list[int] = []
+    pos = 0
+    for match in pattern.finditer(text):
+        if match.start() > pos:
+            ids += encode_ordinary(text[pos : match.start()])
+        ids.append(special_ids[match.group()])
+        pos = match.end()
+    return ids + encode_ordinary(text[pos:]) if pos < len(text) else ids
