@@ -17,7 +17,7 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from glasslm.interp.induction import run_induction_study
+from glasslm.interp.induction import run_induction_study, save_study_model
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "figures"
 
@@ -74,6 +74,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's recipe)")
     parser.add_argument("--record-every", type=int, default=50)
+    parser.add_argument("--save", metavar="DIR", default=None,
+                        help="also save the trained model as a checkpoint (glasslm serve --checkpoint DIR opens it)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # a model this small trains fastest on one thread (no contention between threads)
     def progress(entry: dict) -> None:
@@ -88,6 +90,9 @@ def main() -> None:
     plot_patching(study["head_patching"])
     numbers = {key: study[key] for key in ("history", "previous_token_scores", "head_patching")}
     (OUT / "induction_study.json").write_text(json.dumps(numbers, indent=1))
+    if args.save:
+        save_study_model(study["model"], args.save, study["history"])
+        print(f"saved the model to {args.save}: glasslm serve --checkpoint {args.save}")
     last = study["history"][-1]
     print(f"step {last['step']}: first-half loss {last['first_half_loss']:.3f}, repeated-half loss "
           f"{last['repeated_half_loss']:.3f}, best induction score {max(map(max, last['induction_scores'])):.3f}")

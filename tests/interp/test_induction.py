@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glasslm.interp.induction import run_induction_study
+from glasslm.interp.explore import head_scores
+from glasslm.interp.induction import run_induction_study, save_study_model
+from glasslm.io.checkpoint import load_checkpoint
 
 
 @pytest.mark.slow
-def test_induction_heads_appear_in_a_short_run():
+def test_induction_heads_appear_in_a_short_run(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model trains fastest on one thread
     try:
@@ -26,3 +28,9 @@ def test_induction_heads_appear_in_a_short_run():
     assert float(previous[0].max()) > 0.3  # the layer-0 half of the circuit: a previous-token head
     patching = torch.tensor(study["head_patching"])  # fraction of the clean log-prob each head restores
     assert float(patching[1].max()) > 0.3 and float(patching[1].max()) > float(patching[0].max())
+    # Saved with its 64-character tokenizer, the model shows the heads on a text typed as in the explorer.
+    save_study_model(study["model"], str(tmp_path / "model"), study["history"])
+    model, tokenizer, meta = load_checkpoint(tmp_path / "model")
+    assert tokenizer.vocab_size == model.config.vocab_size == 64 and meta["step"] == 1200
+    typed = head_scores(model, tokenizer, tokenizer.encode("Qx7kLm2PzR9a" * 2))
+    assert float(torch.tensor(typed["prompt"]["induction"]["scores"])[1].max()) > 0.9

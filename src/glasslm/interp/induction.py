@@ -23,9 +23,14 @@ from glasslm.core.layers import cross_entropy
 from glasslm.core.model import TransformerLM
 from glasslm.interp.attribution import induction_score, previous_token_score, repeated_random_tokens
 from glasslm.interp.patching import patch_heads
+from glasslm.io.checkpoint import save_checkpoint
 from glasslm.presets import get_preset, lookup_preset
+from glasslm.tokenizers import CharTokenizer
 
 PRESET = "induction-attn-only"
+# One printable character per token id (the preset's vocabulary is 64), so the trained model can be
+# saved with a tokenizer and typed at in the explorer: "Qx7kQx7k" is a repeated random sequence.
+TOKEN_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 
 
 def half_losses(model: nn.Module, tokens: Int[Tensor, "batch seq"]) -> tuple[float, float]:
@@ -101,3 +106,22 @@ def run_induction_study(steps: int | None = None, record_every: int = 50, batch:
     model.eval()
     return {"model": model, "history": history, "previous_token_scores": previous_token_score(model, probe).tolist(),
             "head_patching": head_patching(model, half, generator).tolist()}
+
+
+def save_study_model(model: TransformerLM, directory: str, history: list[dict] | None = None) -> None:
+    """Save the study's model as a checkpoint with a character tokenizer of its 64 ids
+    (`TOKEN_CHARS`), so `glasslm serve --checkpoint DIRECTORY` shows its heads in the explorer.
+
+    Example:
+        >>> import tempfile
+        >>> from glasslm.io.checkpoint import load_checkpoint
+        >>> d = tempfile.mkdtemp()
+        >>> save_study_model(TransformerLM(get_preset(PRESET)), d)
+        >>> load_checkpoint(d)[1].encode("AB+/")
+        [0, 1, 62, 63]
+    """
+    if model.config.vocab_size != len(TOKEN_CHARS):
+        raise ValueError(f"the study's tokenizer has {len(TOKEN_CHARS)} ids, the model {model.config.vocab_size}")
+    last = (history or [{}])[-1]
+    save_checkpoint(directory, model, CharTokenizer(list(TOKEN_CHARS)),
+                    {"preset": PRESET, "data": "repeated random tokens (glasslm.interp.induction)", "step": last.get("step")})
