@@ -4,10 +4,6 @@ chat template and answers with glasslm's own generation; /reset, --system, eos s
 from __future__ import annotations
 
 import io
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +16,7 @@ from glasslm.io.checkpoint import save_checkpoint
 from glasslm.presets import get_preset
 from glasslm.tokenizers import CharTokenizer
 from glasslm.tokenizers.chat import CHAT_TEMPLATE_FILE, render_chat
+from terminal_session import interrupt_two_answers
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}a:{% endif %}")
@@ -83,29 +80,5 @@ def test_chat_with_an_imported_llama_stops_at_its_eos(llama_chat, capsys, monkey
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_answer_not_the_conversation(checkpoint):
-    import pty
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "generation"))
-    from test_interactive import Reader
-
-    leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "glasslm.cli", "chat", "--checkpoint", str(checkpoint[0]),
-                             "--max-new-tokens", "1000000", "--ignore-eos"],
-                            stdin=follower, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    os.close(follower)
-    out, err = Reader(proc.stdout), Reader(proc.stderr)
-    out.start(), err.start()
-    for answer in (1, 2):
-        err.wait_for(lambda text: text.count("you> ") == answer, f"prompt marker {answer}")
-        seen = len(out.text)
-        os.write(leader, b"hello\n")
-        out.wait_for(lambda text: len(text) > seen + 20, f"answer {answer}")
-        proc.send_signal(signal.SIGINT)
-        err.wait_for(lambda text: text.count("[stopped]") == answer, f"answer {answer} to stop")
-        assert proc.poll() is None  # still running, back at the prompt
-    err.wait_for(lambda text: text.count("you> ") == 3, "prompt marker 3")
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 0
-    out.join(), err.join()
-    os.close(leader)
-    assert "Traceback" not in err.text
+    interrupt_two_answers(["chat", "--checkpoint", str(checkpoint[0]), "--max-new-tokens", "1000000", "--ignore-eos"],
+                          "you> ", b"hello\n")
