@@ -71,6 +71,17 @@ def api(url: str, path: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
+def assert_lens_shows(page, url: str, body: dict, positions: int) -> None:
+    """Click Logit lens; every cell's token is the API's top token for that layer and position."""
+    page.click("#show-lens")
+    page.wait_for_selector("#lens td[data-layer]")
+    lens = page.locator("#lens td[data-layer]").evaluate_all(
+        "els => els.map(e => [Number(e.dataset.layer), Number(e.dataset.pos), Number(e.dataset.id)])")
+    layers = api(url, "/api/logit-lens", body)["layers"]
+    assert len(lens) == len(layers) * positions
+    assert all(layers[layer][pos]["id"] == token for layer, pos, token in lens)
+
+
 def test_generation_streams_tokens_into_the_page(page_and_server, tmp_path):
     page, url, model, tok, engine = page_and_server
     page.fill("#prompt", "ROMEO:")
@@ -130,13 +141,7 @@ def test_attention_heat_map_shows_the_apis_numbers(page_and_server, tmp_path):
     other = api(url, "/api/attention", {"text": text, "layer": 1, "head": 0})["patterns"][0]
     assert any(abs(p - other[q][k]) > 1e-4 for q, k, p in cells)
 
-    page.click("#show-lens")
-    page.wait_for_selector("#lens td[data-layer]")
-    lens = page.locator("#lens td[data-layer]").evaluate_all(
-        "els => els.map(e => [Number(e.dataset.layer), Number(e.dataset.pos), Number(e.dataset.id)])")
-    layers = api(url, "/api/logit-lens", {"text": text})["layers"]
-    assert len(lens) == len(layers) * n
-    assert all(layers[layer][pos]["id"] == token for layer, pos, token in lens)
+    assert_lens_shows(page, url, {"text": text}, n)
 
     page.fill("#loss-text", "First Citizen:\nBefore we proceed")
     page.click("#score")
@@ -197,13 +202,7 @@ def test_the_demo_shaped_model_keeps_text_and_generation_apart_and_in_context(pa
         "els => els.map(e => [Number(e.dataset.q), Number(e.dataset.k), Number(e.dataset.p)])")
     assert len(cells) == context * context
     assert all(p == pytest.approx(pattern[q][k], abs=1e-7) for q, k, p in cells)
-    page.click("#show-lens")
-    page.wait_for_selector("#lens td[data-layer]")
-    lens = page.locator("#lens td[data-layer]").evaluate_all(
-        "els => els.map(e => [Number(e.dataset.layer), Number(e.dataset.pos), Number(e.dataset.id)])")
-    layers = api(url, "/api/logit-lens", {"tokens": window})["layers"]
-    assert len(lens) == len(layers) * context
-    assert all(layers[layer][pos]["id"] == token for layer, pos, token in lens)
+    assert_lens_shows(page, url, {"tokens": window}, context)
     assert "showing its last" in page.inner_text("#inspect-status")
 
 
