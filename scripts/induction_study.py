@@ -18,6 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from glasslm.interp.induction import run_induction_study, save_study_model
+from glasslm.locations import check_output_dir
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "figures"
 
@@ -74,9 +75,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's recipe)")
     parser.add_argument("--record-every", type=int, default=50)
-    parser.add_argument("--save", metavar="DIR", default=None,
+    parser.add_argument("--out", metavar="DIR", default=None,
                         help="also save the trained model as a checkpoint (glasslm serve --checkpoint DIR opens it)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = parser.parse_args()
+    if args.out:
+        try:
+            check_output_dir(args.out, args.overwrite, what="study model")  # before training, not after it
+        except ValueError as err:
+            parser.error(str(err))
     torch.set_num_threads(1)  # a model this small trains fastest on one thread (no contention between threads)
     def progress(entry: dict) -> None:
         print(f"step {entry['step']}: first half {entry['first_half_loss']:.3f}, repeated half "
@@ -90,9 +97,9 @@ def main() -> None:
     plot_patching(study["head_patching"])
     numbers = {key: study[key] for key in ("history", "previous_token_scores", "head_patching")}
     (OUT / "induction_study.json").write_text(json.dumps(numbers, indent=1))
-    if args.save:
-        save_study_model(study["model"], args.save, study["history"])
-        print(f"saved the model to {args.save}: glasslm serve --checkpoint {args.save}")
+    if args.out:
+        save_study_model(study["model"], args.out, study["history"], overwrite=args.overwrite)
+        print(f"saved the model to {args.out}: glasslm serve --checkpoint {args.out}")
     last = study["history"][-1]
     print(f"step {last['step']}: first-half loss {last['first_half_loss']:.3f}, repeated-half loss "
           f"{last['repeated_half_loss']:.3f}, best induction score {max(map(max, last['induction_scores'])):.3f}")

@@ -34,3 +34,16 @@ def test_induction_heads_appear_in_a_short_run(tmp_path):
     assert tokenizer.vocab_size == model.config.vocab_size == 64 and meta["step"] == 1200
     typed = head_scores(model, tokenizer, tokenizer.encode("Qx7kLm2PzR9a" * 2))
     assert float(torch.tensor(typed["prompt"]["induction"]["scores"])[1].max()) > 0.9
+
+
+def test_saving_the_study_model_keeps_a_users_directory(tmp_path):
+    from glasslm.core.model import TransformerLM
+    from glasslm.presets import get_preset
+
+    (tmp_path / "notes.txt").write_text("mine")
+    model = TransformerLM(get_preset("induction-attn-only"))
+    with pytest.raises(ValueError, match="not empty .*notes.txt.*--overwrite"):
+        save_study_model(model, str(tmp_path))
+    assert (tmp_path / "notes.txt").read_text() == "mine" and not (tmp_path / "model.safetensors").exists()
+    save_study_model(model, str(tmp_path), overwrite=True)
+    assert load_checkpoint(tmp_path)[1].vocab_size == 64

@@ -24,6 +24,7 @@ from glasslm.core.model import TransformerLM
 from glasslm.interp.attribution import induction_score, previous_token_score, repeated_random_tokens
 from glasslm.interp.patching import patch_heads
 from glasslm.io.checkpoint import save_checkpoint
+from glasslm.locations import check_output_dir
 from glasslm.presets import get_preset, lookup_preset
 from glasslm.tokenizers import CharTokenizer
 
@@ -108,9 +109,11 @@ def run_induction_study(steps: int | None = None, record_every: int = 50, batch:
             "head_patching": head_patching(model, half, generator).tolist()}
 
 
-def save_study_model(model: TransformerLM, directory: str, history: list[dict] | None = None) -> None:
+def save_study_model(model: TransformerLM, directory: str, history: list[dict] | None = None,
+                     overwrite: bool = False) -> None:
     """Save the study's model as a checkpoint with a character tokenizer of its 64 ids
     (`TOKEN_CHARS`), so `glasslm serve --checkpoint DIRECTORY` shows its heads in the explorer.
+    A non-empty `directory` is refused (its files kept) unless `overwrite`, which replaces it.
 
     Example:
         >>> import tempfile
@@ -122,6 +125,7 @@ def save_study_model(model: TransformerLM, directory: str, history: list[dict] |
     """
     if model.config.vocab_size != len(TOKEN_CHARS):
         raise ValueError(f"the study's tokenizer has {len(TOKEN_CHARS)} ids, the model {model.config.vocab_size}")
+    check_output_dir(directory, overwrite, what="study model")
     last = (history or [{}])[-1]
     save_checkpoint(directory, model, CharTokenizer(list(TOKEN_CHARS)),
                     {"preset": PRESET, "data": "repeated random tokens (glasslm.interp.induction)", "step": last.get("step")})
