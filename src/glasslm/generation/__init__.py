@@ -34,8 +34,10 @@ Example:
 """
 
 from glasslm.generation.decoding import (
-    DecodeWindow, Generation, Step, decode_steps, generate, generate_tokens, onednn_disabled, optimize_for_decoding,
+    DecodeWindow, Generation, Step, decode_steps, generate, generate_tokens, optimize_for_decoding,
 )
+from glasslm.generation.compiled import StaticDecodeWindow
+from glasslm.generation.cpu import onednn_disabled
 from glasslm.generation.engine import Engine, Job, Overloaded, Sampling, ShuttingDown
 from glasslm.generation.sampling import (
     GenerationConfig, Tokenizer, apply_repetition_penalty, eos_ids, filter_logits, find_stop, make_config, sample_next,
@@ -48,7 +50,7 @@ from glasslm.generation.streaming import (
 
 __all__ = [
     "REPLACEMENT_CHAR", "DecodeWindow", "Engine", "Generation", "GenerationConfig", "Job", "Overloaded", "Sampling",
-    "ShuttingDown", "SpeculativeStats", "Step", "TextStreamer", "Tokenizer", "apply_repetition_penalty",
+    "ShuttingDown", "SpeculativeStats", "StaticDecodeWindow", "Step", "TextStreamer", "Tokenizer", "apply_repetition_penalty",
     "decode_steps", "encode_prompt", "eos_ids", "filter_logits", "find_stop", "generate", "generate_text",
     "generate_tokens", "make_config", "onednn_disabled", "optimize_for_decoding", "sample_next", "settled_length",
     "speculative_tokens", "stream_text", "with_eos",

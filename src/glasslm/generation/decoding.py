@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,8 @@ from torch import Tensor
 
 from glasslm.core.layers import Linear
 from glasslm.core.model import TransformerLM
+from glasslm.generation.compiled import StaticDecodeWindow
+from glasslm.generation.cpu import low_precision_cpu, onednn_disabled
 from glasslm.generation.sampling import (
     GenerationConfig, Tokenizer, apply_repetition_penalty, find_stop, make_config, sample_next, with_eos,
 )
@@ -41,17 +42,6 @@ class Step:
     tokens: Int[Tensor, "batch"]  # the token picked for each row
     logits: Float[Tensor, "batch vocab"]  # the model's raw (float32) logits it was picked from
     logprobs: Float[Tensor, "batch"] | None  # log p(token) under those raw logits, if asked for
-
-
-@contextlib.contextmanager
-def onednn_disabled(disable: bool = True) -> Iterator[None]:
-    """Within this block PyTorch's CPU matmuls skip oneDNN (mkldnn) and use ATen's own kernels."""
-    previous = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = previous and not disable
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = previous
 
 
 class DecodeWindow:
@@ -82,10 +72,7 @@ class DecodeWindow:
     def __init__(self, model: TransformerLM, batch: int, max_length: int, pad_token: int = 0):
         self.model, self.pad_token = model, pad_token
         self.device = model.embed.weight.device
-        # On CPU, keep keys and values in float32 even for bf16 weights: CPUs without bf16 matrix
-        # units run bf16 attention several times slower than float32 (the weights stay bf16).
-        weight = model.embed.weight
-        self._low_precision_cpu = weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+        self._low_precision_cpu = low_precision_cpu(model.embed.weight)  # float32 keys and values (generation.cpu)
         self.cache = model.new_kv_cache(batch, max_length, dtype=torch.float32 if self._low_precision_cpu else None)
         self.key_is_real: Bool[Tensor, "batch max_length"] | None = None  # None: no padding anywhere
         self.next_position: Int[Tensor, "batch"] = torch.zeros(batch, dtype=torch.long, device=self.device)
@@ -111,8 +98,7 @@ class DecodeWindow:
         slots = torch.arange(self.cache.max_length, device=self.device)
         # Pads sit left; later slots are real once written.
         self.key_is_real = None if int(pads.max()) == 0 else slots[None, :] >= pads[:, None]
-        # One-row bf16 decode steps are vector x matrix products, which PyTorch's own kernel runs
-        # about twice as fast as oneDNN's on CPU (measured; oneDNN wins for prefill and batches).
+        # One-row bf16 steps run ATen's own vector x matrix kernel (generation.cpu).
         self.use_native_gemv = self._low_precision_cpu and len(pads) == 1
 
     def prefill(self, rows: Sequence[Sequence[int]], every_position: bool = False) -> Float[Tensor, "batch ..."]:
@@ -227,6 +213,15 @@ def _checked_rows(prompts: Sequence[Sequence[int]], vocab: int) -> list[list[int
     return rows
 
 
+def _new_window(model: TransformerLM, rows: list[list[int]], config: GenerationConfig) -> DecodeWindow | StaticDecodeWindow:
+    """The cache for these rows: room for the longest prompt plus the new tokens, never beyond the
+    context; compiled steps (`config.compile`) where the rows are of one length."""
+    max_length = min(model.config.context_length, max(len(r) for r in rows) + config.max_new_tokens)
+    if config.compile and len({len(r) for r in rows}) == 1:
+        return StaticDecodeWindow(model, len(rows), max_length)
+    return DecodeWindow(model, len(rows), max_length, config.pad_token)
+
+
 def decode_steps(
     model: TransformerLM, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None,
 ) -> Iterator[Step]:
@@ -240,6 +235,8 @@ def decode_steps(
     With `window="recompute"` the row is instead re-run on its last context_length tokens at every
     step past the context (as seed 004's `autocomplete` crops and recomputes): each prediction sees
     a full context, at the cost of a full forward pass per token.
+    With `compile`, prompts of one length decode through a compiled step (`compiled.StaticDecodeWindow`);
+    ragged batches decode eagerly.
     """
     config = config or GenerationConfig()
     rows = _checked_rows(prompts, model.config.vocab_size)
@@ -255,9 +252,7 @@ def decode_steps(
         for i, row in enumerate(rows):
             seen[i, row] = True
 
-    # The cache needs room for the longest prompt plus the new tokens, but never beyond the context.
-    longest = max(len(r) for r in rows)
-    window = DecodeWindow(model, batch, min(context, longest + config.max_new_tokens), config.pad_token)
+    window = _new_window(model, rows, config)
     with torch.inference_mode():
         in_cache = [r[-context:] for r in rows]  # each row's tokens the cache holds (its window)
         logits = window.prefill(in_cache)

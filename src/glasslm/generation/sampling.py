@@ -54,6 +54,7 @@ class GenerationConfig:
     window_keep: int | None = None  # tokens kept when the context slides; default context_length // 2
     window: Literal["refill", "recompute"] = "refill"  # past the context: refill now and then, or recompute on the last context_length every step
     pad_token: int = 0  # fills the left of shorter prompts; masked out, so any valid id works
+    compile: bool = False  # decode with a torch.compile'd one-token step (prompts of one length; the first call compiles)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:

@@ -50,8 +50,10 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -66,6 +68,29 @@ from glasslm.transforms.registry import Transform
 # torch 2.13's CPU kernel returns garbage, or crashes, when d_in is not a multiple of 32 (seen with
 # d_in 40, 56, 100, 344; every multiple of 32 tried was right): such layers take the readable path.
 _KERNEL_D_IN_MULTIPLE = 32
+
+
+# fbgemm's packed weight is a TorchScript object, which a compiled decoding step (`torch.compile`)
+# cannot take into its graph: every layer would break the graph in two. So compiled code reaches
+# the same kernel through this op, which finds the packed weight by number and which the compiler
+# keeps as one opaque call. Eager calls go straight to fbgemm.
+_PACKED_BY_NUMBER: dict[int, Any] = {}
+_PACKED_NUMBERS = itertools.count()
+_OPS = torch.library.Library("glasslm", "DEF")
+_OPS.define("int8_dynamic_linear(Tensor x, int packed, int d_out, bool reduce_range) -> Tensor")
+
+
+def _int8_dynamic_linear(x: Tensor, packed: int, d_out: int, reduce_range: bool) -> Tensor:
+    """(1, d_in) fp32 -> (1, d_out) fp32 through the fbgemm weight numbered `packed`."""
+    return torch.ops.quantized.linear_dynamic(x, _PACKED_BY_NUMBER[packed], reduce_range)
+
+
+def _int8_dynamic_linear_shape(x: Tensor, packed: int, d_out: int, reduce_range: bool) -> Tensor:
+    return x.new_empty(x.shape[0], d_out)
+
+
+_OPS.impl("int8_dynamic_linear", _int8_dynamic_linear, "CPU")
+torch.library.register_fake("glasslm::int8_dynamic_linear", _int8_dynamic_linear_shape, lib=_OPS)
 
 
 def int8_per_channel(weight: Float[Tensor, "d_out d_in"]) -> tuple[Tensor, Float[Tensor, "d_out"]]:
@@ -154,13 +179,18 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
     def _kernel_forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
-        if x.numel() == self.d_in and dynamic_int8_available():
+        compiling = torch.compiler.is_compiling()
+        if x.numel() == self.d_in and (self._packed_number is not None if compiling else dynamic_int8_available()):
             # One row: int8 activations and int8 dot products, (1, d_in) -> (1, d_out) in fp32, the
             # bias added inside the kernel (it is packed with the weight).
-            packed, reduce_range = self._dynamic_packed()
-            y = torch.ops.quantized.linear_dynamic(x.reshape(1, self.d_in).float(), packed, reduce_range)
+            row = x.reshape(1, self.d_in).float()
+            if compiling:
+                y = torch.ops.glasslm.int8_dynamic_linear(row, self._packed_number, self.d_out, self._reduce_range)
+            else:
+                packed, reduce_range = self._dynamic_packed()
+                y = torch.ops.quantized.linear_dynamic(row, packed, reduce_range)
             return y.to(x.dtype).reshape(*x.shape[:-1], self.d_out)
-        if self.weight_int8.data_ptr() % 64 or not self.weight_int8.is_contiguous():
+        if not compiling and (self.weight_int8.data_ptr() % 64 or not self.weight_int8.is_contiguous()):
             # Tensors read from a safetensors file can start anywhere in it; the kernel's vector
             # loads need the allocator's 64-byte alignment (an unaligned weight crashed it).
             self.weight_int8 = self.weight_int8.contiguous().clone()
@@ -187,8 +217,26 @@ class Int8Linear(nn.Module):
                 packed = self._packed = torch.ops.quantized.linear_prepack(weight, bias), dynamic_int8_reduce_range()
         return packed
 
+    _packed_number: int | None = None  # set by `prepare_for_compile`
+    _reduce_range = False
+
+    def prepare_for_compile(self) -> None:
+        """Make, outside the compiled graph, what the kernels would otherwise make on first use."""
+        if self.d_in % _KERNEL_D_IN_MULTIPLE:
+            return
+        self._bf16_scales()
+        if not self.weight_int8.is_contiguous() or self.weight_int8.data_ptr() % 64:
+            self.weight_int8 = self.weight_int8.contiguous().clone()
+        if dynamic_int8_available() and self._packed_number is None:
+            packed, self._reduce_range = self._dynamic_packed()
+            number = self._packed_number = next(_PACKED_NUMBERS)
+            _PACKED_BY_NUMBER[number] = packed
+            weakref.finalize(self, _PACKED_BY_NUMBER.pop, number, None)
+
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        self._packed = self._scales_bf16 = None  # new weights: re-pack them on the next call
+        # New weights: re-pack them on the next call (a compiled step sees a new number and retraces).
+        _PACKED_BY_NUMBER.pop(self._packed_number, None)
+        self._packed = self._scales_bf16 = self._packed_number = None
         super()._load_from_state_dict(*args, **kwargs)
 
     def _bf16_scales(self) -> Tensor:
@@ -285,6 +333,11 @@ class Int4Linear(nn.Module):
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._kernel = None  # new weights: re-pack them for the kernel on the next call
         super()._load_from_state_dict(*args, **kwargs)
+
+    def prepare_for_compile(self) -> None:
+        """Pack the weight for the kernel now: a compiled graph reads the packed copy, never makes it."""
+        if self.group_size % 32 == 0:
+            self._kernel_operands()
 
     def _kernel_operands(self) -> tuple[Tensor, Tensor]:
         """The weight in the kernel's own packed layout, and (groups, d_out, 2) scales and zeros; made

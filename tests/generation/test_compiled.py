@@ -1,0 +1,124 @@
+"""Compiled decoding (`compile=True`, `glasslm generate --compile`): the same tokens and logits as the
+eager loop, one graph per step even for int8 layers, and new weights honoured after a reload.
+
+Compiling with Inductor takes seconds per model, so the models are tiny and few.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glasslm.cli import main
+from glasslm.core.model import TransformerLM
+from glasslm.generation import GenerationConfig, decode_steps, generate
+from glasslm.generation.compiled import StaticDecodeWindow, compiled_step
+from glasslm.io.checkpoint import save_checkpoint
+from glasslm.presets import get_preset
+from glasslm.tokenizers import CharTokenizer
+from glasslm.transforms import apply_transform
+
+# The test-time shape checks wrap forward in Python the compiler cannot trace.
+pytestmark = pytest.mark.usefixtures("unchecked_shapes")
+
+
+def peaked_model(preset: str, seed: int = 0, **overrides) -> TransformerLM:
+    """A small model whose logits are peaked (as a trained model's are), so greedy choices are not
+    decided by float rounding. Widths are multiples of 32, so quantized layers take the fast kernels."""
+    config = get_preset(preset, **{"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 97,
+                                   "context_length": 48, **overrides})
+    torch.manual_seed(seed)
+    model = TransformerLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(0.16 / p.std())
+    return model
+
+
+def steps(model: TransformerLM, prompts: list[list[int]], **controls) -> tuple[list[list[int]], torch.Tensor]:
+    config = GenerationConfig(temperature=0.0, **controls)
+    taken = list(decode_steps(model, prompts, config))
+    return [s.tokens.tolist() for s in taken], torch.stack([s.logits for s in taken])
+
+
+@pytest.mark.parametrize("preset, quantize", [("gpt2-small", None), ("llama-tiny", None), ("gpt2-small", "int8"),
+                                              ("llama-tiny", "int4")])
+def test_compiled_decoding_gives_the_eager_tokens_and_logits(preset, quantize):
+    overrides = {"n_kv_heads": 2, "d_mlp": 96} if preset == "llama-tiny" else {}
+    model = peaked_model(preset, **overrides)
+    # One length: the compiled path. Quantized layers take their one-row kernels at batch 1.
+    prompts = [[5, 17, 3]] if quantize else [[5, 17, 3], [9, 9, 40]]
+    _, float_logits = steps(model, prompts, max_new_tokens=20)
+    if quantize:
+        apply_transform(model, quantize)
+    eager_tokens, eager_logits = steps(model, prompts, max_new_tokens=20)
+    tokens, logits = steps(model, prompts, max_new_tokens=20, compile=True)
+    assert isinstance(model.__dict__.get("_compiled_decoding_step"), torch.nn.Module)
+    assert tokens == eager_tokens
+    if quantize:
+        # Fused operators round differently in the last bits, and int8's one-row kernel rounds each
+        # activation row to 8 bits, so a last-bit change can move an activation a whole step: the
+        # two paths cannot agree to float precision. Compiling must add less than quantizing did.
+        assert (logits - eager_logits).abs().max() < (eager_logits - float_logits).abs().max()
+    else:
+        torch.testing.assert_close(logits, eager_logits, atol=2e-5 * eager_logits.abs().max().item(), rtol=0)
+
+
+def test_an_int8_step_is_one_graph():
+    # Before the glasslm::int8_dynamic_linear op, fbgemm's packed weight (a TorchScript object)
+    # broke the graph at every quantized layer.
+    model = peaked_model("gpt2-small")
+    apply_transform(model, "int8")
+    compiled_step(model)  # packs the weights outside the graph
+    cache = model.new_static_kv_cache(1, 64)
+    explained = torch._dynamo.explain(model)(torch.tensor([[4]]), positions=torch.tensor([0]), kv_cache=cache)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+def test_compiled_decoding_slides_past_the_context_as_eager_does():
+    model = peaked_model("gpt2-small", context_length=24)
+    eager_tokens, eager_logits = steps(model, [[1, 2, 3, 4]], max_new_tokens=40)  # 44 tokens: slides twice
+    tokens, logits = steps(model, [[1, 2, 3, 4]], max_new_tokens=40, compile=True)
+    assert tokens == eager_tokens
+    torch.testing.assert_close(logits, eager_logits, atol=1e-4 * eager_logits.abs().max().item(), rtol=0)
+
+
+def test_prompts_of_different_lengths_decode_eagerly_with_the_same_result():
+    model = peaked_model("llama-tiny", n_kv_heads=2)
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    expected = generate(model, prompts, max_new_tokens=8, temperature=0.0)
+    got = generate(model, prompts, max_new_tokens=8, temperature=0.0, compile=True)
+    assert [g.tokens for g in got] == [g.tokens for g in expected]
+
+
+def test_new_weights_loaded_into_an_int8_model_are_used_by_the_compiled_step():
+    model, other = peaked_model("gpt2-small", seed=0), peaked_model("gpt2-small", seed=1)
+    for m in (model, other):
+        apply_transform(m, "int8")
+    steps(model, [[1, 2]], max_new_tokens=4, compile=True)  # compiled and packed with the first weights
+    model.load_state_dict(other.state_dict())
+    expected, expected_logits = steps(other, [[1, 2]], max_new_tokens=12)
+    tokens, logits = steps(model, [[1, 2]], max_new_tokens=12, compile=True)
+    assert tokens == expected
+    # Within int8's own rounding of the activations (see above), far from the first weights' logits.
+    stale_distance = (steps(peaked_model("gpt2-small", seed=0), [[1, 2]], max_new_tokens=12)[1] - expected_logits).abs()
+    assert (logits - expected_logits).abs().max() < 0.1 * stale_distance.max()
+
+
+def test_static_window_refuses_rows_of_different_lengths():
+    window = StaticDecodeWindow(peaked_model("llama-tiny", n_kv_heads=2), batch=2, max_length=16)
+    with pytest.raises(ValueError, match="one length"):
+        window.prefill([[1, 2, 3], [4]])
+
+
+def test_cli_generate_compile_writes_the_eager_text(tmp_path, capsys):
+    tok = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz .\n", special_tokens=())
+    model = peaked_model("shakespeare-char-cpu", vocab_size=tok.vocab_size, n_heads=2)
+    path = save_checkpoint(tmp_path / "ckpt", model, tok)
+    args = ["generate", "--checkpoint", str(path), "--prompt", "hello", "--max-new-tokens", "16", "--temperature", "0"]
+    assert main(args) == 0
+    eager = capsys.readouterr().out
+    assert main([*args, "--compile"]) == 0
+    assert capsys.readouterr().out == eager
