@@ -11,6 +11,7 @@ f32 / f16 / q8_0 / q4_0.
     python benchmarks/bench_llamacpp.py                       # GPT-2 small, batch 1, threads 1 and 2
     python benchmarks/bench_llamacpp.py --models gpt2,llama --batches 1,8 --prefill
     python benchmarks/bench_llamacpp.py --full        # batch 1 and 8, threads 1 and 2, prefill, profile
+    python benchmarks/bench_llamacpp.py --compile     # also each glasslm model through a compiled step
 
 Each row prints tokens/s, the glasslm / llama.cpp ratio, bytes read per token and the share of the
 memory-bandwidth bound (measured bandwidth / bytes per token) each side reaches. Before timing, the
@@ -33,12 +34,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from glasslm.generation import generate
+from glasslm.core.layers import Linear
+from glasslm.generation import DecodeWindow, generate, onednn_disabled
 from glasslm.hf import load_model
 from glasslm.runtime import cpu_flags
 from glasslm.transforms import apply_transform
+from glasslm.transforms.quantize import Int4Linear, Int8Linear
 
 PAIRS = [("fp32", "f32"), ("bf16", "f16"), ("int8", "q8_0"), ("int4", "q4_0")]
+COMPILED = " compiled"  # a glasslm row whose name ends so decodes with `compile=True` (--compile)
+
+
+def pairs(args) -> list[tuple[str, str]]:
+    """The (glasslm, llama.cpp) rows to time: PAIRS, and with --compile each glasslm model compiled too."""
+    return PAIRS + [(ours + COMPILED, theirs) for ours, theirs in PAIRS] if args.compile else PAIRS
 
 
 # --- the weights, written for both ----------------------------------------------------------------
@@ -278,12 +287,12 @@ def glasslm_models(directory: Path) -> dict:
     return models
 
 
-def glasslm_greedy(model, prompts: list[list[int]], n_new: int) -> list[list[int]]:
-    return [g.tokens for g in generate(model, prompts, max_new_tokens=n_new, temperature=0.0)]
+def glasslm_greedy(model, prompts: list[list[int]], n_new: int, compile: bool = False) -> list[list[int]]:
+    return [g.tokens for g in generate(model, prompts, max_new_tokens=n_new, temperature=0.0, compile=compile)]
 
 
-def glasslm_prefill(model, prompt: list[int]) -> None:
-    generate(model, [prompt], max_new_tokens=1, temperature=0.0)
+def glasslm_prefill(model, prompt: list[int], compile: bool = False) -> None:
+    generate(model, [prompt], max_new_tokens=1, temperature=0.0, compile=compile)
 
 
 # --- measuring ----------------------------------------------------------------------------------
@@ -340,27 +349,30 @@ def time_rows(kind: str, ours: dict, theirs: dict, args, vocab: int, report) -> 
     generator = torch.Generator().manual_seed(1)
     times: dict = {}
     warm_up = [[1, 2]] * max(args.batches)
-    for ours_name, theirs_name in PAIRS:  # first calls pack kernels' weights: not timed
+    for ours_name, theirs_name in pairs(args):  # first calls pack kernels' weights (and compile): not timed
+        compiled = ours_name.endswith(COMPILED)
         for batch in args.batches:
-            glasslm_greedy(ours[ours_name], warm_up[:batch], 4)
+            for threads in args.threads if compiled else args.threads[:1]:
+                torch.set_num_threads(threads)  # the timed lengths, so the timed runs reuse the compiled step
+                glasslm_greedy(ours[ours_name], warm_up[:batch], new_tokens(args, batch) if compiled else 4, compiled)
             theirs[theirs_name, batch].greedy(warm_up[:batch], 4)
     for repeat in range(args.repeats):
         for batch in args.batches:
             prompts = [torch.randint(0, vocab, (2,), generator=generator).tolist() for _ in range(batch)]
             for threads in args.threads:
                 torch.set_num_threads(threads)
-                for ours_name, theirs_name in PAIRS:
+                for ours_name, theirs_name in pairs(args):
                     llama = theirs[theirs_name, batch]
                     llama.set_threads(threads)
-                    n_new = new_tokens(args, batch)
-                    runs = [("glasslm", lambda: glasslm_greedy(ours[ours_name], prompts, n_new)),
+                    n_new, compiled = new_tokens(args, batch), ours_name.endswith(COMPILED)
+                    runs = [("glasslm", lambda: glasslm_greedy(ours[ours_name], prompts, n_new, compiled)),
                             ("llama.cpp", lambda: llama.greedy(prompts, n_new))]
                     for side, run in runs[::1 if repeat % 2 == 0 else -1]:  # alternate who goes first
                         rate = batch * n_new / seconds(run)
                         times.setdefault((batch, threads, ours_name, side), []).append(rate)
                     if args.prefill and batch == 1:
                         prompt = torch.randint(0, vocab, (512,), generator=generator).tolist()
-                        for side, run in (("glasslm prefill", lambda: glasslm_prefill(ours[ours_name], prompt)),
+                        for side, run in (("glasslm prefill", lambda: glasslm_prefill(ours[ours_name], prompt, compiled)),
                                           ("llama.cpp prefill", lambda: llama.prefill(prompt))):
                             times.setdefault((batch, threads, ours_name, side), []).append(512 / seconds(run))
         print(f"  {kind}: repeat {repeat + 1}/{args.repeats} done", flush=True)
@@ -392,8 +404,6 @@ def profile_step(name: str, model, steps: int = 32) -> None:
     """Where one batch-1 decoding step's time goes: the unembedding matmul, the blocks' matmuls,
     attention, other operators (norms, GELU, adds, copies) and the host (Python, module calls, the
     dispatcher), the host being the step's wall time that no operator's self time accounts for."""
-    from glasslm.generation.decoding import DecodeWindow, onednn_disabled
-
     window = DecodeWindow(model, 1, 4 + 3 * steps)
     token = torch.tensor([5])
     with torch.inference_mode():
@@ -408,7 +418,30 @@ def profile_step(name: str, model, steps: int = 32) -> None:
     host = max(wall - sum(ops.values()), 0.0)
     parts = {"unembedding matmul": head, "block matmuls": ops["matmul"] - head, "attention": ops["attention"],
              "other ops": ops["other ops"], "host (Python)": host}
-    print(f"| {name} | {wall * 1e3:.2f} | " + " | ".join(f"{t * 1e3:.2f} ({t / wall:.0%})" for t in parts.values()) + " |")
+    alone = matmuls_alone(model, steps)
+    print(f"| {name} | {wall * 1e3:.2f} | " + " | ".join(f"{t * 1e3:.2f} ({t / wall:.0%})" for t in parts.values())
+          + f" | {alone * 1e3:.2f} |")
+
+
+def matmuls_alone(model, steps: int) -> float:
+    """Seconds for one step's matrix products and nothing else: every projection layer of the model,
+    then the unembedding, called back to back on one-row inputs (the wall time of the kernels as a
+    step calls them, the profiler's cost and the child operators its self times leave out included)."""
+    layers = [m for m in model.blocks.modules() if isinstance(m, (Linear, Int8Linear, Int4Linear))]
+    dtype = model.embed.weight.dtype
+    rows = [torch.randn(1, 1, layer.d_in if hasattr(layer, "d_in") else layer.weight.shape[1], dtype=dtype)
+            for layer in layers]
+    resid = torch.randn(1, 1, model.config.d_model, dtype=dtype)
+
+    def step() -> None:
+        for layer, row in zip(layers, rows):
+            layer(row)
+        model.logits(resid)
+
+    with torch.inference_mode(), onednn_disabled(dtype != torch.float32):
+        for _ in range(3):
+            step()
+        return statistics.median(seconds(step) for _ in range(steps))
 
 
 def print_table(kind: str, times: dict, bytes_ours: dict, bytes_theirs: dict, bandwidth: dict, args,
@@ -421,7 +454,7 @@ def print_table(kind: str, times: dict, bytes_ours: dict, bytes_theirs: dict, ba
     print("|---|---|---|---|---|---|---|---|---|")
     for batch in args.batches:
         for threads in args.threads:
-            for ours_name, theirs_name in PAIRS:
+            for ours_name, theirs_name in pairs(args):
                 ours = statistics.median(times[batch, threads, ours_name, "glasslm"])
                 theirs = statistics.median(times[batch, threads, ours_name, "llama.cpp"])
                 ratio, low, high = paired_ratio(times, (batch, threads, ours_name))
@@ -435,7 +468,7 @@ def print_table(kind: str, times: dict, bytes_ours: dict, bytes_theirs: dict, ba
         print("| threads | glasslm | llama.cpp | llama.cpp tok/s | glasslm tok/s | glasslm / llama.cpp |")
         print("|---|---|---|---|---|---|")
         for threads in args.threads:
-            for ours_name, theirs_name in PAIRS:
+            for ours_name, theirs_name in pairs(args):
                 ours = statistics.median(times[1, threads, ours_name, "glasslm prefill"])
                 theirs = statistics.median(times[1, threads, ours_name, "llama.cpp prefill"])
                 ratio, low, high = paired_ratio(times, (1, threads, ours_name), "glasslm prefill", "llama.cpp prefill")
@@ -459,6 +492,10 @@ def run_model(kind: str, folder: Path, args, bandwidth: dict) -> None:
         print(f"{kind} {name}.gguf: {size / 1e6:.0f} MB read per token; tensor types {types}")
     ours = glasslm_models(hf_dir)
     bytes_ours = {name: glasslm_bytes_per_token(model) for name, model in ours.items()}
+    eager = dict(ours)
+    if args.compile:  # the same models, decoded through a compiled step
+        ours.update({name + COMPILED: model for name, model in eager.items()})
+        bytes_ours.update({name + COMPILED: size for name, size in list(bytes_ours.items())})
     n_ctx = 1024 if args.prefill else 256 * (1 + (args.new_tokens + 8) // 256)
     theirs = {(name, batch): LlamaCpp(path, batch, n_ctx) for name, path in files.items() for batch in args.batches}
     vocab = ours["fp32"].config.vocab_size
@@ -468,9 +505,10 @@ def run_model(kind: str, folder: Path, args, bandwidth: dict) -> None:
     if args.profile:
         print(f"\n{kind}: one batch-1 decoding step, ms (share), {args.threads[0]} thread(s), torch.profiler self "
               "times; operators' times include the profiler's own cost, so host time is an underestimate")
-        print("| glasslm | step | unembedding matmul | block matmuls | attention | other ops | host (Python) |")
-        print("|---|---|---|---|---|---|---|")
-        for name, model in ours.items():
+        print("| glasslm | step | unembedding matmul | block matmuls | attention | other ops | host (Python) "
+              "| matmuls alone |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, model in eager.items():
             profile_step(name, model)
     def report(times: dict, repeats: int) -> None:
         print_table(kind, times, bytes_ours, bytes_theirs, bandwidth, args, repeats)
@@ -493,6 +531,9 @@ def main() -> None:
                         help="run N busy-loop processes beside the benchmark (a loaded machine)")
     parser.add_argument("--profile", action="store_true",
                         help="also break one batch-1 decoding step of each glasslm model down (torch.profiler)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time each glasslm model decoding through a compiled step (compile=True; "
+                             "compiling happens in the untimed warm-up)")
     parser.add_argument("--full", action="store_true",
                         help="the whole table in about 10 minutes on 2 cores: batches 1,8, threads 1,2, a 512-token "
                              "prefill, 128 new tokens at batch 1 and 32 per row at batch 8, 3 repeats, --profile")
@@ -504,6 +545,8 @@ def main() -> None:
     args.threads = [int(t) for t in args.threads.split(",")]
     import llama_cpp
 
+    # Each (model, batch, cache size) is its own compiled graph: more than dynamo's default limit of 8.
+    torch._dynamo.config.recompile_limit = 64
     llama_cpp.llama_backend_init()
     quiet = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
     llama_cpp.llama_log_set(quiet, ctypes.c_void_p(0))  # llama.cpp logs every tensor it loads
