@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from glasslm.core.attention import CausalSelfAttention, causal_mask, scaled_dot_product_attention, softmax
 from glasslm.core.layers import (
     MLP, Embedding, HookPoint, LayerNorm, Linear, RMSNorm, SwiGLU, activation, cross_entropy, dropout, gelu, gelu_tanh,
-    relu, silu,
+    linear, relu, silu,
 )
 from glasslm.core.positions import RotaryPositions, sinusoidal_table
 
@@ -261,3 +261,39 @@ def test_hook_point_skips_module_machinery_only_while_nothing_is_hooked():
     pre = point.register_forward_pre_hook(lambda module, args: (args[0] + 1,))
     assert torch.equal(point(x), x + 1)
     pre.remove()
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("d_out", [96, 97])  # 97: columns left over after the per-thread blocks
+def test_one_row_across_threads_equals_f_linear(threads, d_out, monkeypatch):
+    # The threaded one-row product (column-major weight, several threads, no grad) must give
+    # F.linear's numbers, whatever the row's leading shape and with or without a bias.
+    import glasslm.core.layers as layers
+
+    calls = []
+    threaded = layers._row_across_threads
+    monkeypatch.setattr(layers, "_row_across_threads", lambda *args: calls.append(args[-1]) or threaded(*args))
+    torch.manual_seed(0)
+    weight = torch.randn(d_out, 64).T.contiguous().T  # column-major, as optimize_for_decoding lays it
+    bias = torch.randn(d_out)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            for shape in [(1, 64), (1, 1, 64), (64,)]:
+                x = torch.randn(*shape)
+                for b in (None, bias):
+                    got = linear(x, weight, b)
+                    assert got.shape == (*shape[:-1], d_out)
+                    torch.testing.assert_close(got, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+            assert calls == [threads] * 6  # every one-row case above took the threaded path
+            # Several rows, a row-major weight, or grad mode take F.linear itself: bitwise equal.
+            rows = torch.randn(3, 64)
+            assert torch.equal(linear(rows, weight), F.linear(rows, weight))
+            row_major = weight.contiguous()
+            assert torch.equal(linear(x, row_major), F.linear(x, row_major))
+        with torch.enable_grad():
+            x = torch.randn(1, 64, requires_grad=True)
+            assert torch.equal(linear(x, weight), F.linear(x, weight))
+    finally:
+        torch.set_num_threads(previous)

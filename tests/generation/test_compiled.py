@@ -122,3 +122,19 @@ def test_cli_generate_compile_writes_the_eager_text(tmp_path, capsys):
     eager = capsys.readouterr().out
     assert main([*args, "--compile"]) == 0
     assert capsys.readouterr().out == eager
+
+
+def test_a_failed_compile_is_one_clear_error(tmp_path, capsys, monkeypatch):
+    # What a machine without a C++ compiler gets: Inductor cannot build its CPU code.
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (str(tmp_path / "no-such-compiler"),))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # really compile, not reuse cached code
+    tok = CharTokenizer.from_text("abcdefghij\n", special_tokens=())
+    model = peaked_model("shakespeare-char-cpu", vocab_size=tok.vocab_size, n_heads=2, d_model=96)
+    path = save_checkpoint(tmp_path / "ckpt", model, tok)
+    args = ["generate", "--checkpoint", str(path), "--prompt", "abc", "--max-new-tokens", "4", "--temperature", "0"]
+    assert main([*args, "--compile"]) == 1
+    err = capsys.readouterr().err
+    assert "compiling the decoding step failed" in err and "no-such-compiler" in err and "without --compile" in err
+    assert main(args) == 0  # the advice, followed, works

@@ -61,8 +61,47 @@ class Linear(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
-        # F.linear is exactly x @ weight.T + bias, done as one BLAS call (addmm).
-        return F.linear(x, self.weight, self.bias)
+        # F.linear is exactly x @ weight.T + bias, done as one BLAS call (addmm); see `linear`.
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: Float[Tensor, "... d_in"], weight: Float[Tensor, "d_out d_in"],
+           bias: Float[Tensor, "d_out"] | None = None) -> Float[Tensor, "... d_out"]:
+    """x @ weight.T + bias (`F.linear`), with a single float32 row shared across threads on a CPU.
+
+    MKL runs a one-row product (every matmul of a batch-1 decoding step) on one thread whatever
+    torch's thread count. With the weight laid out column-major (`optimize_for_decoding`), its output
+    columns split into one block per thread without a copy, and a batched product (bmm) of the row
+    against the blocks runs a block per thread: ~1.5x faster per matrix on 2 threads
+    (docs/generation.md). Anything else, including one thread and autograd, is plain `F.linear`.
+
+    Example:
+        >>> w = torch.randn(6, 4).T.contiguous().T  # column-major, as optimize_for_decoding lays it
+        >>> x = torch.randn(1, 4)
+        >>> torch.allclose(linear(x, w), F.linear(x, w), atol=1e-6)
+        True
+    """
+    threads = torch.get_num_threads()
+    d_out, d_in = weight.shape
+    if (threads > 1 and x.numel() == d_in and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.stride() == (1, d_out) and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+        return _row_across_threads(x, weight, bias, threads).reshape(*x.shape[:-1], d_out)
+    return F.linear(x, weight, bias)
+
+
+def _row_across_threads(x: Float[Tensor, "... d_in"], weight: Float[Tensor, "d_out d_in"],
+                        bias: Float[Tensor, "d_out"] | None, threads: int) -> Float[Tensor, "1 d_out"]:
+    """One row times a column-major weight, its output columns cut into `threads` blocks (a bmm)."""
+    d_out, d_in = weight.shape
+    width = d_out // threads
+    columns = weight.T  # (d_in, d_out), contiguous
+    # Block b is columns [b * width, (b + 1) * width): a (d_in, width) view with row stride d_out.
+    blocks = columns.as_strided((threads, d_in, width), (width, d_out, 1), columns.storage_offset())
+    row = x.reshape(1, 1, d_in).expand(threads, 1, d_in)
+    y = torch.bmm(row, blocks).reshape(1, threads * width)  # (threads, 1, width): blocks in column order
+    if threads * width < d_out:  # the columns left over when d_out does not divide evenly
+        y = torch.cat([y, x.reshape(1, d_in) @ columns[:, threads * width:]], dim=1)
+    return y if bias is None else y + bias
 
 
 class Embedding(nn.Module):

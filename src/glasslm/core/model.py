@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from glasslm.core.attention import CausalSelfAttention, KVCache, StaticKVCache
 from glasslm.core.config import ModelConfig
-from glasslm.core.layers import MLP, Embedding, HookPoint, Linear, RMSNorm, SwiGLU, dropout, norm_for
+from glasslm.core.layers import MLP, Embedding, HookPoint, Linear, RMSNorm, SwiGLU, dropout, linear, norm_for
 from glasslm.core.positions import LearnedPositions, RotaryPositions, SinusoidalPositions
 
 
@@ -189,7 +189,7 @@ class TransformerLM(nn.Module):
         """Final norm and unembedding of residual-stream vectors (also what the logit lens reads)."""
         x = self.ln_final(resid) if self.ln_final is not None else resid
         if self.unembed is None:  # tied: the embedding table read backwards
-            logits = x @ self.embed.weight.T
+            logits = linear(x, self.embed.weight)
         else:
             logits = self.unembed(x)  # a Linear, or an Int8Linear once quantized
         return logits if self.unembed_bias is None else logits + self.unembed_bias

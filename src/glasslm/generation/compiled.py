@@ -94,7 +94,12 @@ class StaticDecodeWindow:
         """Feed one new token per row through the compiled step; its keys and values land in slot `position`."""
         positions = torch.tensor([self.position], device=self.device)  # (1,): a tensor, so no retrace per step
         # (The oneDNN switch holds while the step is first compiled too, so the kernels chosen then match.)
-        with onednn_disabled(self.native_gemv):
-            logits = self.step(tokens[:, None], positions=positions, kv_cache=self.cache)  # (batch, 1, vocab)
+        try:
+            with onednn_disabled(self.native_gemv):
+                logits = self.step(tokens[:, None], positions=positions, kv_cache=self.cache)  # (batch, 1, vocab)
+        except torch._dynamo.exc.BackendCompilerFailed as err:  # e.g. no C++ compiler for Inductor's CPU code
+            reason = str(err).strip().splitlines()[0]
+            raise RuntimeError(f"compiling the decoding step failed ({reason}); decode without --compile "
+                               "(compile=False), or install what the message names") from err
         self.position += 1
         return logits[:, -1].float()
