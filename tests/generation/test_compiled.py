@@ -11,7 +11,7 @@ import torch
 
 from glasslm.cli import main
 from glasslm.core.model import TransformerLM
-from glasslm.generation import GenerationConfig, decode_steps, generate
+from glasslm.generation import GenerationConfig, decode_steps, generate, optimize_for_decoding
 from glasslm.generation.compiled import StaticDecodeWindow, compiled_step
 from glasslm.io.checkpoint import save_checkpoint
 from glasslm.presets import get_preset
@@ -65,14 +65,24 @@ def test_compiled_decoding_gives_the_eager_tokens_and_logits(preset, quantize):
         torch.testing.assert_close(logits, eager_logits, atol=2e-5 * eager_logits.abs().max().item(), rtol=0)
 
 
-def test_an_int8_step_is_one_graph():
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_a_decoding_step_is_one_graph(quantize):
     # Before the glasslm::int8_dynamic_linear op, fbgemm's packed weight (a TorchScript object)
-    # broke the graph at every quantized layer.
-    model = peaked_model("gpt2-small")
-    apply_transform(model, "int8")
+    # broke the graph at every quantized layer; a float32 one-row product split across threads
+    # (core.layers.linear) would break it at every Linear. Checked as decoding runs: column-major
+    # float32 weights, two threads, no grad.
+    model = optimize_for_decoding(peaked_model("gpt2-small"))
+    if quantize:
+        apply_transform(model, quantize)
     compiled_step(model)  # packs the weights outside the graph
     cache = model.new_static_kv_cache(1, 64)
-    explained = torch._dynamo.explain(model)(torch.tensor([[4]]), positions=torch.tensor([0]), kv_cache=cache)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            explained = torch._dynamo.explain(model)(torch.tensor([[4]]), positions=torch.tensor([0]), kv_cache=cache)
+    finally:
+        torch.set_num_threads(previous)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
 

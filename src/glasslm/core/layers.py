@@ -81,10 +81,12 @@ def linear(x: Float[Tensor, "... d_in"], weight: Float[Tensor, "d_out d_in"],
         >>> torch.allclose(linear(x, w), F.linear(x, w), atol=1e-6)
         True
     """
+    if torch.compiler.is_compiling():  # the compiler cannot trace the thread count or the strided view
+        return F.linear(x, weight, bias)
     threads = torch.get_num_threads()
     d_out, d_in = weight.shape
     if (threads > 1 and x.numel() == d_in and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.stride() == (1, d_out) and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+            and weight.stride() == (1, d_out) and not torch.is_grad_enabled()):
         return _row_across_threads(x, weight, bias, threads).reshape(*x.shape[:-1], d_out)
     return F.linear(x, weight, bias)
 
