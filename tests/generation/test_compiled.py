@@ -17,6 +17,7 @@ from glasslm.io.checkpoint import save_checkpoint
 from glasslm.presets import get_preset
 from glasslm.tokenizers import CharTokenizer
 from glasslm.transforms import apply_transform
+from peaked import peak_weights
 
 # The test-time shape checks wrap forward in Python the compiler cannot trace.
 pytestmark = pytest.mark.usefixtures("unchecked_shapes")
@@ -28,12 +29,7 @@ def peaked_model(preset: str, seed: int = 0, **overrides) -> TransformerLM:
     config = get_preset(preset, **{"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 97,
                                    "context_length": 48, **overrides})
     torch.manual_seed(seed)
-    model = TransformerLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(0.16 / p.std())
-    return model
+    return peak_weights(TransformerLM(config).eval())
 
 
 def steps(model: TransformerLM, prompts: list[list[int]], **controls) -> tuple[list[list[int]], torch.Tensor]:

@@ -20,6 +20,7 @@ from glasslm.generation import (
 )
 from glasslm.core.model import TransformerLM
 from glasslm.tokenizers import CharTokenizer
+from peaked import peak_weights
 
 CONTEXT = 16
 
@@ -36,18 +37,7 @@ def tiny_model(family: str, context: int = CONTEXT, seed: int = 0, **overrides) 
     preset = spec.pop("preset")
     cfg = get_preset(preset, n_layers=2, d_model=64, context_length=context, **{**spec, **overrides})
     torch.manual_seed(seed)
-    model = TransformerLM(cfg).eval()
-    # Initial weights give nearly uniform logits, so greedy choices would hinge on float noise;
-    # larger weights make the distributions peaked, the way a trained model's are. Every matrix
-    # gets the same std (8x GPT-2's 0.02) whatever the family's init: 8x Xavier weights (std 0.7)
-    # gave the Vaswani model attention scores near 1e4, where one float32 rounding of a score
-    # (~1e-3) moves the softmax, so float32 logits were 5e-5 of their scale from float64 on any
-    # kernel and two float32 paths agreed or not by the CPU's luck (issue 12).
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(0.16 / p.std())
-    return model
+    return peak_weights(TransformerLM(cfg).eval())  # peaked logits: greedy choices never hinge on float noise
 
 
 def assert_close_to_reference(actual, reference, scale=None, what="logits"):

@@ -81,13 +81,15 @@ def linear(x: Float[Tensor, "... d_in"], weight: Float[Tensor, "d_out d_in"],
         >>> torch.allclose(linear(x, w), F.linear(x, w), atol=1e-6)
         True
     """
-    if torch.compiler.is_compiling():  # the compiler cannot trace the thread count or the strided view
-        return F.linear(x, weight, bias)
-    threads = torch.get_num_threads()
     d_out, d_in = weight.shape
-    if (threads > 1 and x.numel() == d_in and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.stride() == (1, d_out) and not torch.is_grad_enabled()):
-        return _row_across_threads(x, weight, bias, threads).reshape(*x.shape[:-1], d_out)
+    # Cheapest tests first: training (grad) and multi-row calls leave at the first one or two. The
+    # compiler cannot trace the thread count or the strided view, so compiled graphs keep F.linear.
+    if (not torch.is_grad_enabled() and x.numel() == d_in and weight.stride() == (1, d_out)
+            and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
+            and not torch.compiler.is_compiling()):
+        threads = torch.get_num_threads()
+        if threads > 1:
+            return _row_across_threads(x, weight, bias, threads).reshape(*x.shape[:-1], d_out)
     return F.linear(x, weight, bias)
 
 
