@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,7 +21,8 @@ def quantization_choices() -> tuple[str, ...]:
 class CheckpointOption:
     """the model"""
 
-    checkpoint: str  # glasslm checkpoint or run directory, Hugging Face model directory or cached hub name
+    # glasslm checkpoint or run directory, Hugging Face model directory, cached hub name, or GGUF file
+    checkpoint: str
 
 
 @dataclass
@@ -47,8 +49,8 @@ class RuntimeOptions(DeviceOptions):
 
     # weights' dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
-    # weight-only int8 (a quarter of fp32's bytes) or int4 (an eighth, in groups of 64 inputs with
-    # their own scale) for the Linear layers
+    # weight-only int8 (a quarter of fp32's bytes), int4 (an eighth, in groups of 64 inputs with
+    # their own scale), or llama.cpp's q4_0 / q4_1 blocks of 32, for the Linear layers
     quantize: str = field(default="none", metadata={"choices": quantization_choices})
 
 
@@ -58,6 +60,8 @@ def load_for_inference(path: str, runtime: DeviceOptions, decoding: bool = False
     from glasslm.hf import load_model
 
     model, tokenizer = load_model(path, device=resolve_device(runtime.device))
+    if getattr(model, "gguf_summary", None):
+        print(f"{path}: {model.gguf_summary}", file=sys.stderr)
     if tokenizer is None and need_tokenizer:
         raise ValueError(f"{path} holds no tokenizer, so text cannot be encoded")
     return prepare_model(model, runtime, decoding), tokenizer

@@ -29,6 +29,8 @@ def serve(source: CheckpointOption, config: ServeConfig, runtime: RuntimeOptions
 def chat_template_of(checkpoint: str, template_file: str | None) -> str | None:
     """The chat template to use: `template_file`'s text if given, else the checkpoint's own, else None."""
     from glasslm.hf.cache import resolve_model_path
+    from glasslm.hf.gguf import GGUFFile
+    from glasslm.hf.load import gguf_path
     from glasslm.io.checkpoint import resolve_checkpoint
     from glasslm.tokenizers.chat import find_chat_template
 
@@ -38,6 +40,9 @@ def chat_template_of(checkpoint: str, template_file: str | None) -> str | None:
             raise ValueError(f"--chat-template {template_file}: no such file")
         return path.read_text(encoding="utf-8")
     directory = resolve_model_path(checkpoint)
+    gguf = gguf_path(directory)
+    if gguf is not None:  # a GGUF file carries its template in its metadata
+        return GGUFFile.open(gguf).metadata.get("tokenizer.chat_template")
     if not (directory / "config.json").is_file():  # a run directory: its best (else latest) checkpoint
         directory = resolve_checkpoint(directory)
     return find_chat_template(directory)

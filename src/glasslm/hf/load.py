@@ -1,5 +1,6 @@
-"""One loader for any checkpoint, glasslm's own or Hugging Face's (a directory or a hub name in the
-local HF cache): the model, its tokenizer, its config alone, or what is known of its history.
+"""One loader for any checkpoint, glasslm's own, Hugging Face's (a directory or a hub name in the
+local HF cache) or a GGUF file (llama.cpp's): the model, its tokenizer, its config alone, or what is
+known of its history.
 
 Example:
     >>> import tempfile
@@ -26,6 +27,7 @@ from glasslm.core.model import TransformerLM
 from glasslm.hf.cache import resolve_model_path
 from glasslm.hf.convert import config_from_hf, import_hf
 from glasslm.hf.files import is_hf_directory, read_hf_config
+from glasslm.hf.gguf import GGUF_SUFFIX, GGUFFile, is_gguf_file
 from glasslm.io.checkpoint import ADAPTER_BASE_KEY, CONFIG_FILE, META_FILE, TRAINER_STATE_JSON, read_json
 from glasslm.tokenizers import BPE_DESCRIPTOR_FILE, SPM_FILE, TOKENIZER_FILE
 from glasslm.transforms import applied_transforms, apply_transform
@@ -43,12 +45,29 @@ def hf_tokenizer(directory: str | os.PathLike) -> Any | None:
     return read_hf_tokenizer(resolve_model_path(directory))
 
 
+def gguf_path(path: str | os.PathLike) -> Path | None:
+    """The GGUF file `path` stands for: a GGUF file itself, or a directory (a downloaded hub snapshot)
+    holding exactly one `.gguf` file and no config.json; None for anything else."""
+    path = Path(path)
+    if path.is_file():
+        return path if is_gguf_file(path) else None
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    found = sorted(path.glob(f"*{GGUF_SUFFIX}"))
+    if len(found) > 1:
+        raise ValueError(f"{path} holds {len(found)} GGUF files ({', '.join(f.name for f in found[:4])}); "
+                         "name the one to load")
+    return found[0] if found else None
+
+
 def load_model(
     path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> tuple[TransformerLM, Any | None]:
     """(model in eval mode, tokenizer or None) from a glasslm checkpoint, run directory, HF model
-    directory, or a hub name in the local HF cache. `model.eos_token_ids` holds where generation
-    stops by default (generation_config.json's ids, else config.json's, else the tokenizer's eos).
+    directory, a hub name in the local HF cache, or a GGUF file. `model.eos_token_ids` holds where
+    generation stops by default (generation_config.json's ids, else config.json's, else the
+    tokenizer's eos). A GGUF file's 4-bit blocks stay as they are (`glasslm.hf.gguf.importer`), and
+    `model.gguf_summary` says which tensors were kept and which dequantized.
 
     Either way the weights are memory-mapped and assigned into a meta-device model, so loading a
     large model needs about one copy of its weights in memory.
@@ -60,6 +79,13 @@ def load_model(
     from glasslm.tokenizers import eos_token_ids, read_generation_config
 
     path = resolve_model_path(path)
+    gguf = gguf_path(path)
+    if gguf is not None:
+        from glasslm.hf.gguf.importer import import_gguf
+
+        loaded = import_gguf(gguf, device, dtype)
+        loaded.model.gguf_summary = loaded.summary()
+        return loaded.model, loaded.tokenizer
     if is_hf_directory(path):
         model, tokenizer = import_hf(path, device, dtype), hf_tokenizer(path)
         # transformers' generate stops at generation_config.json's eos ids, else config.json's.
@@ -121,8 +147,8 @@ def checkpoint_summary(path: str | os.PathLike) -> dict[str, Any]:
     from glasslm.io.checkpoint import resolve_checkpoint
 
     path = resolve_model_path(path)
-    if is_hf_directory(path):
-        return {}  # an HF directory records nothing of how it was made (it is not converted from itself)
+    if is_hf_directory(path) or gguf_path(path) is not None:
+        return {}  # an HF directory or GGUF file records nothing of how it was made (not converted from itself)
     directory = resolve_checkpoint(path)
     summary: dict[str, Any] = {}
     for name in (META_FILE, TRAINER_STATE_JSON):
@@ -143,7 +169,13 @@ def init_weights_from(model: TransformerLM, path: str | os.PathLike) -> None:
     """
     from glasslm.io.build import load_weights
 
-    source, _ = load_model(path)
+    gguf = gguf_path(resolve_model_path(path))
+    if gguf is not None:  # fine-tuning every weight needs them all in float
+        from glasslm.hf.gguf.importer import import_gguf
+
+        source = import_gguf(gguf, keep_blocks=False).model
+    else:
+        source, _ = load_model(path)
     if _comparable(source.config) != _comparable(model.config):
         raise ValueError(f"{path} holds a different architecture than the model to train: {source.config} vs {model.config}")
     load_weights(model, source.state_dict(), str(path))
@@ -165,6 +197,14 @@ def checkpoint_config(path: str | os.PathLike) -> tuple[ModelConfig, Any | None,
     from glasslm.tokenizers import load_tokenizer
 
     path = resolve_model_path(path)
+    gguf = gguf_path(path)
+    if gguf is not None:
+        from glasslm.hf.gguf.importer import gguf_config
+        from glasslm.tokenizers.gguf import tokenizer_from_gguf
+
+        file = GGUFFile.open(gguf)
+        tokenizer = tokenizer_from_gguf(file.metadata) if "tokenizer.ggml.tokens" in file.metadata else None
+        return gguf_config(file)[0], tokenizer, {}
     if is_hf_directory(path):
         return config_from_hf(read_hf_config(path))[0], hf_tokenizer(path), checkpoint_summary(path)
     directory = resolve_checkpoint(path)
