@@ -115,7 +115,8 @@ def load_base_checked(path: str, sha256: str, device: torch.device | str = "cpu"
     from glasslm.io.checkpoint import weights_sha256
 
     base, tokenizer = load_model(path, device)
-    if applied_transforms(base):
+    # A GGUF file's 4-bit blocks are the file's own weights, not a transform made after loading.
+    if applied_transforms(base) and gguf_path(resolve_model_path(path)) is None:
         raise ValueError(f"{source}: the base {path} is itself transformed ({applied_transforms(base)}); "
                          "an adapter's base must be plain weights")
     if weights_sha256(base.state_dict()) != sha256:
@@ -133,8 +134,10 @@ def load_adapter_checkpoint(directory: Path, meta: dict[str, Any],
 
     base_path, sha256 = adapter_base(meta, str(directory))
     model, tokenizer = load_base_checked(base_path, sha256, device, str(directory))
+    carried = applied_transforms(model)  # what the base comes with (a GGUF file's blocks) is not re-applied
     for record in recorded_transforms(meta):
-        apply_transform(model, record["name"], **{k: v for k, v in record.items() if k != "name"})
+        if record not in carried:
+            apply_transform(model, record["name"], **{k: v for k, v in record.items() if k != "name"})
     load_lora_state_dict(model, read_safetensors(directory / WEIGHTS_FILE, device), str(directory))
     if any((directory / name).exists() for name in (TOKENIZER_FILE, BPE_DESCRIPTOR_FILE, SPM_FILE)):
         tokenizer = load_tokenizer(directory)

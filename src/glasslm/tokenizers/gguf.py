@@ -10,7 +10,8 @@ code. Two kinds cover the models glasslm runs:
 * "llama": SentencePiece-style BPE (Llama 1/2, TinyLlama, Mistral v0.1, Gemma): `scores` rank the
   tokens (two pieces merge when their concatenation is a token; the highest score merges first),
   words start with "▁" (a space, with one added at the start where `add_space_prefix`), and text
-  outside the vocabulary falls back to its bytes, the `<0xNN>` tokens.
+  outside the vocabulary falls back to its bytes, the `<0xNN>` tokens. Spaces are kept as they are
+  (llama.cpp applies none of SentencePiece's own normalization rules).
 
 `token_type` marks each token: 1 normal, 2 unknown, 3 control (special: bos, eos, <|im_start|>),
 4 user-defined (added text), 5 unused, 6 byte. `tokenizer_from_gguf` builds the same tokenizer as
@@ -147,11 +148,14 @@ def _spm_json(metadata: Mapping[str, Any], tokens: Sequence[str], types: Sequenc
                 {"type": "ByteFallback"}, {"type": "Fuse"}]
     if prefix:
         decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    # llama.cpp puts a space before every stretch of text that starts the input or follows a special
+    # or added token; the tokenizers library normalizes each such stretch apart, so Prepend does the same.
+    normalizers = [{"type": "Replace", "pattern": {"String": " "}, "content": SPM_SPACE}]
+    if prefix:
+        normalizers.insert(0, {"type": "Prepend", "prepend": SPM_SPACE})
     return {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": _added_tokens(tokens, types),
-        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": SPM_SPACE},
-        "pre_tokenizer": {"type": "Metaspace", "replacement": SPM_SPACE,
-                          "prepend_scheme": "first" if prefix else "never", "split": False},
+        "normalizer": {"type": "Sequence", "normalizers": normalizers}, "pre_tokenizer": None,
         "post_processor": None, "decoder": {"type": "Sequence", "decoders": decoders},
         "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,

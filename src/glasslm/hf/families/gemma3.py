@@ -115,6 +115,10 @@ def _gemma3_from_gguf(values: dict[str, Any], tensor_names: set[str]) -> dict[st
 
 
 def _gemma3_to_gguf(hf: dict[str, Any]) -> dict[str, Any]:
+    head_dim = hf["head_dim"] if hf["num_hidden_layers"] != 62 else hf["hidden_size"] // hf["num_attention_heads"]
+    if hf["query_pre_attn_scalar"] != head_dim:
+        raise UnsupportedModelError(f"llama.cpp scales this Gemma 3's attention scores by 1/sqrt({head_dim}); this "
+                                    f"model's query_pre_attn_scalar is {hf['query_pre_attn_scalar']}")
     types = hf.get("layer_types") or []
     if "sliding_attention" not in types:
         return {}

@@ -219,7 +219,10 @@ def rotary_gguf_extras(hf: Mapping[str, Any]) -> dict[str, Any]:
     params = hf.get("rope_parameters") or {}
     params = params.get("full_attention", params)
     rotated = round(head_dim * float(params.get("partial_rotary_factor", 1.0)))
-    return {"rope.dimension_count": rotated, "attention.key_length": head_dim, "attention.value_length": head_dim}
+    values = {"rope.dimension_count": rotated, "attention.key_length": head_dim, "attention.value_length": head_dim}
+    if "rope_theta" in params:  # (Gemma's config.json says it only per layer type)
+        values["rope.freq_base"] = float(params["rope_theta"])
+    return values
 
 
 def rotary_gguf_form(arch: str, hf_extras=None, gguf_extras=None, fixes: tuple[TensorFix, ...] = ()) -> GGUFForm:

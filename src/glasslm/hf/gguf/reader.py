@@ -45,6 +45,14 @@ def is_gguf_file(path: str | os.PathLike) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
+def _plain(value: Any) -> Any:
+    """A metadata value as Python has it; a float (stored in float32) as the shortest decimal that is
+    that float32, so 1e-06 reads as 1e-06, not 9.99999997e-07 (config.json's number, the same float32)."""
+    import numpy as np
+
+    return float(str(np.float32(value))) if isinstance(value, float) else value
+
+
 def _gguf_lib():
     try:
         import gguf
@@ -61,7 +69,7 @@ class GGUFFile:
         self.metadata: dict[str, Any] = {}
         for name, field in reader.fields.items():
             if not name.startswith("GGUF."):  # the header's own counts, not model metadata
-                self.metadata[name] = field.contents()
+                self.metadata[name] = _plain(field.contents())
         self._tensors = {t.name: t for t in reader.tensors}
 
     @classmethod
