@@ -54,7 +54,10 @@ def _newest_snapshot(repo_id: str, cache: Path) -> Path | None:
     """The most recently written snapshot of `repo_id` in `cache` (no refs/main: fetched by another revision)."""
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
+    from huggingface_hub.file_download import repo_folder_name
 
+    if not (cache / repo_folder_name(repo_id=repo_id, repo_type="model")).is_dir():
+        return None  # not there at all: no need to scan the whole cache
     try:
         repos = scan_cache_dir(cache).repos
     except CacheNotFound:

@@ -17,9 +17,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from glasslm.hf.cache import is_hub_name
 from glasslm.locations import hf_cache_dir
+
+if TYPE_CHECKING:
+    from huggingface_hub.errors import HfHubHTTPError
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,7 @@ def _unreachable(err: BaseException) -> str:
     return f"cannot reach {constants.ENDPOINT} ({type(err).__name__}: {detail})"
 
 
-def _refusal(err, repo_id: str, revision: str | None) -> OSError:
+def _refusal(err: HfHubHTTPError, repo_id: str, revision: str | None) -> OSError:
     """One line for an answer of the hub that refuses the download (not found, gated, no such revision)."""
     from huggingface_hub import constants, get_token
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
