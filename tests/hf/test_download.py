@@ -105,12 +105,12 @@ def next_command(stdout: str) -> list[str]:
 def test_download_fills_the_hf_cache_and_every_command_takes_the_hub_name(hub, models, tmp_path, monkeypatch,
                                                                           capsys):
     home, repo = tmp_path / "hf-home", hub.repos["org/tiny"]
-    commit = repo.refs["main"]
+    commit, seen = repo.refs["main"], len(hub.log)
     done = run("download", "org/tiny", home=home, endpoint=hub.endpoint)
     assert done.returncode == 0, done.stderr
     snapshot = home / "hub" / "models--org--tiny" / "snapshots" / commit
     assert str(snapshot) in done.stdout and snapshot_files(snapshot) == repo.commits[commit]
-    assert len(hub.requests("GET", r"^/blobs/")) == 1  # the weights came once, from the CDN the hub redirected to
+    assert len([r for r in hub.log[seen:] if r.path.startswith("/blobs/")]) == 1  # the weights, once, from the CDN
     # The command it advises works as printed, and so does loading by name from Python.
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(home))
@@ -121,19 +121,18 @@ def test_download_fills_the_hf_cache_and_every_command_takes_the_hub_name(hub, m
     with torch.no_grad():
         assert torch.equal(load_model("org/tiny")[0](tokens), models["main"][0](tokens))
 
-    # Again: the hub is asked which commit main is, and no file is fetched twice.
+    # Again: the hub is asked which commit main is, and no file is fetched twice. With the hub unreachable,
+    # or offline by setting, the cached snapshot answers, and says it is unchecked. (Three processes at once.)
     seen = len(hub.log)
-    again = run("download", "org/tiny", home=home, endpoint=hub.endpoint)
-    assert again.returncode == 0 and str(snapshot) in again.stdout, again.stderr
-    assert {r.path.split("/")[1] for r in hub.log[seen:]} == {"api"}
-    # With the hub unreachable, or offline by setting, the cached snapshot answers, and says it is unchecked.
-    for endpoint, env, why in [(closed_endpoint(), {}, "cannot reach"), (hub.endpoint, {"HF_HUB_OFFLINE": "1"},
-                                                                         "offline (HF_HUB_OFFLINE is set)")]:
-        seen = len(hub.log)
-        cached = run("download", "org/tiny", home=home, endpoint=endpoint, **env)
-        assert cached.returncode == 0 and str(snapshot) in cached.stdout, cached.stderr
-        assert why in cached.stderr and "not checked for a newer revision" in cached.stderr
-        assert len(hub.log) == seen
+    again = {"": glasslm("download", "org/tiny", home=home, endpoint=hub.endpoint),
+             "cannot reach": glasslm("download", "org/tiny", home=home, endpoint=closed_endpoint()),
+             "offline (HF_HUB_OFFLINE is set)": glasslm("download", "org/tiny", home=home, endpoint=hub.endpoint,
+                                                        HF_HUB_OFFLINE="1")}
+    for why, process in again.items():
+        result = finished(process)
+        assert result.returncode == 0 and str(snapshot) in result.stdout, result.stderr
+        assert ("not checked for a newer revision" in result.stderr) == bool(why) and why in result.stderr
+    assert hub.log[seen:] and all(r.path.startswith("/api/") for r in hub.log[seen:])
 
 
 def test_a_connection_cut_mid_file_resumes_where_it_stopped(hub, tmp_path):
@@ -169,10 +168,6 @@ def test_include_picks_files_and_a_gguf_snapshot_resolves_by_name(hub, tmp_path,
     ggufs = sorted(str(snapshot / name) for name in files if name.endswith(".gguf"))
     assert both.returncode == 0 and all(f"  {path}\n" in both.stdout for path in ggufs), both.stderr
     assert next_command(both.stdout) == ["glasslm", "chat", "--checkpoint", ggufs[0]]
-    nothing = run("download", GGUF_REPO, "--include", "*.safetensors", home=home, endpoint=hub.endpoint)
-    assert nothing.returncode == 1 and "Traceback" not in nothing.stderr
-    assert nothing.stderr.strip().splitlines()[-1].startswith(
-        f"glasslm download: error: no file of {GGUF_REPO} matches --include '*.safetensors' (it holds ")
 
 
 def test_a_revision_is_downloaded_and_chosen_by_name(hub, models, tmp_path, monkeypatch, capsys):
@@ -205,7 +200,7 @@ def test_a_revision_is_downloaded_and_chosen_by_name(hub, models, tmp_path, monk
     assert "is a local path" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # eight CLI processes
+@pytest.mark.slow  # nine CLI processes
 def test_each_refusal_is_one_line_that_says_what_to_do(hub, tmp_path):
     cases = {  # name: (arguments, settings, what the line must say; CACHE: the case's HF cache)
         "offline": (["org/tiny"], {"HF_HUB_OFFLINE": "1"}, ["offline", "HF_HUB_OFFLINE", "CACHE"]),
@@ -215,6 +210,8 @@ def test_each_refusal_is_one_line_that_says_what_to_do(hub, tmp_path):
         "no such revision": (["org/tiny", "--revision", "v9"], {}, ["org/tiny has no revision 'v9'", "answered 404"]),
         "gated": (["org/gated"], {}, ["org/gated is a gated model", "answered 401", "set HF_TOKEN", "hf auth login"]),
         "gated, token": (["org/gated"], {"HF_TOKEN": "hf_other"}, ["token in use", "no access", "answered 403"]),
+        "no file matches": ([GGUF_REPO, "--include", "*.safetensors"], {},
+                            [f"no file of {GGUF_REPO} matches --include '*.safetensors' (it holds .gitattributes, "]),
     }
     started = {name: glasslm("download", *args, home=tmp_path / str(i), **{"endpoint": hub.endpoint, **settings})
                for i, (name, (args, settings, _)) in enumerate(cases.items())}
@@ -223,7 +220,9 @@ def test_each_refusal_is_one_line_that_says_what_to_do(hub, tmp_path):
         result = finished(process)
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert result.returncode == 1 and "Traceback" not in result.stderr, (name, result.stderr)
-        assert len(lines) == 1 and lines[0].startswith("glasslm download: error: "), (name, result.stderr)
+        assert lines[-1].startswith("glasslm download: error: "), (name, result.stderr)
+        # One line; where the globs matched nothing, huggingface_hub's own warning and empty progress bar precede it.
+        assert len(lines) == 1 or name == "no file matches", (name, result.stderr)
         wanted = [str(tmp_path / str(i) / "hub") if part == "CACHE" else part for part in cases[name][2]]
         assert all(part in lines[-1] for part in wanted), (name, lines[-1])
     assert finished(granted).returncode == 0
