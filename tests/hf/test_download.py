@@ -6,6 +6,7 @@ huggingface_hub reads HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE once, when it is i
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import shlex
@@ -19,8 +20,10 @@ import torch
 
 from glasslm.cli import main
 from glasslm.core.model import TransformerLM
+from glasslm.generation import generate_text
 from glasslm.hf import export_hf, load_model
 from glasslm.hf.cache import resolve_model_path
+from glasslm.hf.gguf.exporter import export_gguf
 from glasslm.presets import get_preset
 from glasslm.tokenizers import CharTokenizer
 from glasslm.tokenizers.chat import CHAT_TEMPLATE_FILE
@@ -67,9 +70,12 @@ def hub(models, tmp_path_factory):
         tiny.add_commit(exported_files(*models["v1"], root / "v1"), "v1")
         smollm = HubRepo()
         smollm.add_commit(exported_files(*models["small"], root / "small", TEMPLATE), "main")
-        gguf = HubRepo()  # GGUF files are not read here: their bytes only have to arrive intact
-        gguf.add_commit({f"SmolLM2-135M-Instruct-{q}.gguf": b"GGUF" + bytes([i]) * 5000 for i, q in
-                         enumerate(["Q4_K_M", "Q8_0"])} | {"README.md": b"# GGUF\n"}, "main")
+        gguf = HubRepo()  # glasslm's own GGUF exports, under the names the real repository's files have
+        small, characters = models["small"]
+        gguf.add_commit({f"SmolLM2-135M-Instruct-{name}.gguf":
+                         export_gguf(small, root / f"{name}.gguf", characters, qtype, TEMPLATE).read_bytes()
+                         for name, qtype in [("Q4_K_M", "q4_0"), ("Q8_0", "q8_0")]} | {"README.md": b"# GGUF\n"},
+                        "main")
         gated = HubRepo(gated_token="hf_granted")
         gated.add_commit({"config.json": b"{}", "README.md": b"# gated\n"}, "main")
         local.repos.update({"org/tiny": tiny, SMOLLM: smollm, GGUF_REPO: gguf, "org/gated": gated})
@@ -152,7 +158,7 @@ def test_a_connection_cut_mid_file_resumes_where_it_stopped(hub, tmp_path):
     assert blob.read_bytes() == weights
 
 
-def test_include_picks_files_and_a_gguf_snapshot_resolves_by_name(hub, tmp_path, monkeypatch):
+def test_include_picks_files_and_a_gguf_snapshot_resolves_by_name(hub, tmp_path, monkeypatch, capsys):
     home, files = tmp_path / "hf-home", hub.repos[GGUF_REPO].commits[hub.repos[GGUF_REPO].refs["main"]]
     snapshot = home / "hub" / "models--bartowski--SmolLM2-135M-Instruct-GGUF" / "snapshots" / \
         hub.repos[GGUF_REPO].refs["main"]
@@ -163,6 +169,15 @@ def test_include_picks_files_and_a_gguf_snapshot_resolves_by_name(hub, tmp_path,
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(home))
     assert resolve_model_path(GGUF_REPO) == snapshot  # a directory holding the one .gguf file
+    # The advice works: chatting by the hub name answers as chatting with the file that was served.
+    served = tmp_path / "served.gguf"
+    served.write_bytes(files["SmolLM2-135M-Instruct-Q4_K_M.gguf"])
+    replies = []
+    for checkpoint in (next_command(one.stdout)[3], str(served)):
+        monkeypatch.setattr("sys.stdin", io.StringIO("hello\nhow are you\n"))
+        assert main(["chat", "--checkpoint", checkpoint, "--max-new-tokens", "6", "--seed", "1"]) == 0
+        replies.append(capsys.readouterr().out)
+    assert replies[0] == replies[1] and replies[0].count("\n") >= 2
     # Every quantization: the files are listed, and the advice names one of them.
     both = run("download", GGUF_REPO, "--exclude", "*.md", home=home, endpoint=hub.endpoint)
     ggufs = sorted(str(snapshot / name) for name in files if name.endswith(".gguf"))
@@ -190,8 +205,6 @@ def test_a_revision_is_downloaded_and_chosen_by_name(hub, models, tmp_path, monk
         assert main(["generate", "--checkpoint", "org/tiny", "--revision", revision, "--prompt", "Hello",
                      "--max-new-tokens", "12", "--temperature", "0"]) == 0
         texts[revision] = capsys.readouterr().out
-    from glasslm.generation import generate_text
-
     for revision, text in texts.items():
         model, tokenizer = models[revision]
         assert text == "Hello" + generate_text(model, tokenizer, "Hello", max_new_tokens=12, temperature=0.0) + "\n"

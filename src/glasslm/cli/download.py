@@ -49,12 +49,12 @@ def next_steps(repo_id: str, revision: str | None, snapshot: Path) -> list[str]:
             lines += [f"it also holds {len(ggufs)} GGUF file(s); pass one as --checkpoint to use it instead:",
                       *(f"  {path}" for path in ggufs)]
         return lines
-    if len(ggufs) == 1:
+    if len(ggufs) == 1 and ggufs[0].parent == snapshot:  # the loaders take a directory holding one .gguf
         return [_use(checkpoint, chat=True)]  # a GGUF file carries its chat template
     if ggufs:
         return [f"it holds {len(ggufs)} GGUF files; pass the one to use as --checkpoint:",
                 *(f"  {path}" for path in ggufs), _use(shlex.quote(str(ggufs[0])), chat=True)]
-    return [f"it holds neither a config.json nor a .gguf file, so it is not a model glasslm loads"]
+    return ["it holds neither a config.json nor a .gguf file, so it is not a model glasslm loads"]
 
 
 def _use(checkpoint: str, chat: bool) -> str:
