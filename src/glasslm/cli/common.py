@@ -21,8 +21,16 @@ def quantization_choices() -> tuple[str, ...]:
 class CheckpointOption:
     """the model"""
 
-    # glasslm checkpoint or run directory, Hugging Face model directory, cached hub name, or GGUF file
+    # glasslm checkpoint or run directory, Hugging Face model directory, hub name (glasslm download), or GGUF file
     checkpoint: str
+    revision: str | None = None  # with a hub name: the downloaded branch, tag or commit; none: main, else the newest
+
+    def __post_init__(self) -> None:
+        # Resolved here, once, so that every command taking --checkpoint honours --revision alike.
+        if self.revision is not None:
+            from glasslm.hf.cache import resolve_model_path
+
+            self.checkpoint = str(resolve_model_path(self.checkpoint, self.revision))
 
 
 @dataclass
