@@ -16,12 +16,22 @@ ForeignFormat = Literal[tuple(FORMATS)]  # type: ignore[valid-type]
 GGUFType = Literal["f32", "f16", "q8_0", "q4_0", "q4_1"]
 
 
+def _from_hf_help() -> str:
+    """--from-hf's description, naming every family the registry imports (read when the parser is built)."""
+    from glasslm.hf.families import FAMILIES
+
+    types = sorted({name for family in FAMILIES.values() for name in (family.name, *family.model_types)})
+    return (f"an HF model directory whose config.json's model_type is one glasslm imports ({', '.join(types)}), "
+            "or a hub name in the local HF cache")
+
+
 @dataclass
 class ConvertConfig:
     """what to convert (one of --from-hf, --to-hf, --from-gguf, --to-gguf, --to-peft, --from)"""
 
-    # an HF GPT-2 / Llama / Mistral / Qwen2 directory, or a hub name in the local HF cache
-    from_hf: str | None = field(default=None, metadata={"one_of": "direction"})
+    # an HF model directory of a family glasslm imports, or a hub name in the local HF cache (the help
+    # names the families: `_from_hf_help`)
+    from_hf: str | None = field(default=None, metadata={"one_of": "direction", "help": _from_hf_help})
     to_hf: bool = field(default=False, metadata={"one_of": "direction"})  # export --checkpoint as an HF directory
     # a GGUF file (llama.cpp, Ollama) to import: 4-bit blocks are kept as they are, the rest dequantized
     from_gguf: str | None = field(default=None, metadata={"one_of": "direction"})
