@@ -238,3 +238,30 @@ def test_the_readmes_chat_script_answers(gguf):
     assert result.returncode == 0, result.stderr
     answers = [line for line in result.stdout.splitlines() if line.strip()]
     assert answers[:2] == ["The capital of France is Paris.", "The capital of Germany is Berlin."]
+
+
+@pytest.mark.slow
+def test_the_explorer_page_loads_it(gguf, template):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (the test extra)")
+    pytest.importorskip("fastapi")
+    from glasslm.serving.app import create_app
+    from glasslm.serving.config import ServeConfig
+    from glasslm.serving.server import serving_in_thread
+    from tests.serving.test_serve_browser import find_chromium
+
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("no Chromium binary found (apt-get install chromium, or set GLASSLM_CHROMIUM)")
+    model, tokenizer = load_model(gguf)
+    app = create_app(model, tokenizer, ServeConfig(name="smollm2"), chat_template=template)
+    with serving_in_thread(app) as url, sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.goto(url + "/")
+        page.wait_for_selector("body[data-ready=true]", timeout=120_000)
+        assert "134.52M parameters, 30 layers × 9 heads, context 8192, hf tokenizer" in page.inner_text("#model-info")
+        page.fill("#inspect-text", "The capital of France is")
+        page.click("#show-lens")
+        page.wait_for_selector("#lens td[data-layer]", timeout=120_000)
+        assert page.locator("#lens td[data-layer]").count() == 30 * len(tokenizer.encode("The capital of France is"))
+        browser.close()
