@@ -156,7 +156,8 @@ def processed_copy(model: TransformerLM) -> TransformerLM:
 
 
 def _attribution_hook(name: str) -> bool:
-    return name in ("hook_embed", "hook_pos_embed", "ln_final.hook_scale") or name.endswith(("attn.hook_z", "hook_mlp_out"))
+    return (name in ("hook_embed", "hook_pos_embed", "ln_final.hook_scale")
+            or name.endswith(("attn.hook_z", "hook_mlp_out", "_post.hook_scale")))  # post-norms' divisors: Gemma 3
 
 
 @torch.no_grad()
