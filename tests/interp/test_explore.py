@@ -270,3 +270,24 @@ def test_served_logit_attribution_on_gemma3_names_transformers_top_token_and_add
     top = int(expected.argmax())
     assert total == pytest.approx(float(expected[top] - expected.mean()), abs=1e-4)
     assert got["logit_minus_mean"] == pytest.approx(float(expected[top] - expected.mean()), abs=1e-4)
+
+
+def test_page_defaults_are_the_usual_texts_where_they_encode_else_made_from_the_vocabulary():
+    from glasslm.interp.induction import TOKEN_CHARS
+
+    usual = CharTokenizer.from_text("".join(explore.STANDARD_TEXTS.values()))
+    assert explore.page_defaults(usual, 64) == {"texts": explore.STANDARD_TEXTS, "from_vocabulary": False}
+    study = CharTokenizer(list(TOKEN_CHARS))  # the induction study's 64 characters: no ':', ',' or space
+    with pytest.raises(ValueError, match="':' is not in"):
+        study.encode(explore.STANDARD_TEXTS["prompt"])
+    made = explore.page_defaults(study, 48)
+    texts, ids = made["texts"], {name: study.encode(text) for name, text in made["texts"].items()}
+    assert made["from_vocabulary"] and all(ids.values())
+    clean, corrupted = ids["inspect_text"], ids["corrupted_text"]
+    assert len(clean) == len(corrupted) <= 48 and sum(a != b for a, b in zip(clean, corrupted)) == 1
+    # An induction head's answer: the token that followed the last token's earlier copy ...
+    answer = clean[clean.index(clean[-1]) + 1]
+    assert ids["answer"] == [answer] and ids["wrong_answer"] != ids["answer"]
+    # ... which the corrupted text no longer has: the token before that copy is the wrong answer instead.
+    assert corrupted[corrupted.index(ids["wrong_answer"][0]) + 1] == answer and clean[-1] not in corrupted[:-8]
+    assert len(ids["prompt"]) < 48 and texts["loss_text"] == texts["loss_text"][:8] * 3
