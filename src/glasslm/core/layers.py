@@ -50,10 +50,14 @@ class HookPoint(nn.Module):
     def active(self) -> bool:
         return bool(self._forward_hooks or self._forward_pre_hooks)
 
-    @property
-    def used(self) -> bool:
-        """Whether calling it runs any hook (forward, backward or global): a fused step must be written out."""
-        return self.active or bool(self._backward_hooks or self._backward_pre_hooks or _has_any_global_hook())
+
+def any_hooked(*points: HookPoint) -> bool:
+    """Whether calling any of `points` runs a hook (forward, backward, or one on every module): a fused
+    step whose inside they show must then be written out. Plain dict checks: it runs on every forward."""
+    for point in points:
+        if point._forward_hooks or point._forward_pre_hooks or point._backward_hooks or point._backward_pre_hooks:
+            return True
+    return bool(_has_any_global_hook())
 
 
 class Linear(nn.Module):
@@ -146,7 +150,7 @@ class LayerNorm(nn.Module):
         self.hook_scale, self.hook_normalized = HookPoint(), HookPoint()
 
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
-        if self.hook_scale.used or self.hook_normalized.used:  # a hooked step: written out, as TransformerLens's
+        if any_hooked(self.hook_scale, self.hook_normalized):  # a hooked step: written out, as TransformerLens's
             out = self.hook_normalized(self._normalize_hooked(x)) * self.weight
             return out if self.bias is None else out + self.bias
         if self.unbiased_std:  # no fused kernel computes this variant
@@ -186,7 +190,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
         x32 = upcast(x)
-        if self.hook_scale.used:  # the divisor as its own step, (..., 1) like TransformerLens's hook_scale
+        if any_hooked(self.hook_scale):  # the divisor as its own step, (..., 1) like TransformerLens's hook_scale
             normed = x32 / self.hook_scale((x32.pow(2).mean(dim=-1, keepdim=True) + self.eps).sqrt())
         elif self.impl == "fast":
             normed = F.rms_norm(x32, x.shape[-1:], eps=self.eps)
