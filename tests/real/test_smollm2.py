@@ -146,6 +146,7 @@ def test_the_openai_client_chats_with_it_through_glasslm_serve(gguf, template):
         assert (info["n_layers"], info["vocab_size"], info["tokenizer"]) == (30, 49152, "hf")
 
 
+@pytest.mark.slow
 def test_a_lora_fine_tune_lowers_the_loss_and_merges(gguf, tmp_path, capsys):
     facts = [("What is glasslm?", "A transformer library you can read."),
              ("Who made glasslm?", "Its founding engineers."),
@@ -173,6 +174,7 @@ def test_a_lora_fine_tune_lowers_the_loss_and_merges(gguf, tmp_path, capsys):
         assert (merged(ids) - adapted(ids)).abs().max() < 1e-3
 
 
+@pytest.mark.slow
 def test_eval_perplexity_on_tiny_shakespeare_matches_llama_cpps(gguf, data_dir, capsys):
     assert main(["eval", "--checkpoint", str(gguf), "--data", str(data_dir / "tinyshakespeare.txt"), "--split",
                  "val", "--max-tokens", "1024", "--stride", "256"]) == 0
