@@ -56,9 +56,10 @@ GGUF_PAIRS = [("gguf", "file"), ("gguf fp32", "file")]  # --gguf: the file as lo
 
 def pairs(args) -> list[tuple[str, str]]:
     """The (glasslm, llama.cpp) rows to time: PAIRS (GGUF_PAIRS with --gguf), and with --compile each
-    glasslm model compiled too."""
+    glasslm model compiled too (with --smoke, only the first: compiling takes most of a smoke run)."""
     base = GGUF_PAIRS if args.gguf else PAIRS
-    return base + [(ours + COMPILED, theirs) for ours, theirs in base] if args.compile else base
+    compiled = [(ours + COMPILED, theirs) for ours, theirs in base][:1 if args.smoke else None]
+    return base + compiled if args.compile else base
 
 
 # --- the weights, written for both ----------------------------------------------------------------
@@ -585,13 +586,15 @@ def main() -> None:
                         help="the whole table in about 10 minutes on 2 cores: batches 1,8, threads 1,2, a 512-token "
                              "prefill, 128 new tokens at batch 1 and 32 per row at batch 8, 3 repeats, --profile")
     parser.add_argument("--smoke", action="store_true",
-                        help="with any other options: 2-layer models, 4 new tokens, 1 repeat (checks that it runs)")
+                        help="with any other options: 2-layer models, 4 new tokens, 1 repeat, and with --compile "
+                             "one compiled model on one thread count (checks that it runs)")
     args = parser.parse_args()
     if args.full:
         args.batches, args.threads, args.prefill, args.profile = "1,8", "1,2", True, True
         args.new_tokens, args.batch_new_tokens, args.repeats = 128, 32, 3
     if args.smoke:
         args.new_tokens, args.batch_new_tokens, args.repeats = 4, min(args.batch_new_tokens, 4), 1
+        args.threads = args.threads[:1] if args.compile else args.threads  # a compiled graph per thread count
     args.batches = [int(b) for b in args.batches.split(",")]
     args.threads = [int(t) for t in args.threads.split(",")]
     import llama_cpp
