@@ -22,10 +22,25 @@ A documented command that `COVERAGE` lacks fails the suite, and so does an entry
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
+import json
+import os
 import re
 import shlex
-from dataclasses import dataclass, field
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+import jaxtyping
+import torch
+
+from chat_models import TEMPLATE, hf_tokenizer
+from glasslm.cli import main
+from seed_models import NanoGPT, randomize_
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -384,26 +399,12 @@ class Result:
 
 def shell_words(text: str) -> list[str]:
     """`text` split into words as bash splits it ($'\\n' escapes, quotes, $VARIABLES)."""
-    import os
-    import subprocess
-
-    done = subprocess.run(["bash", "-c", f"printf '%s\\0' {text}"], capture_output=True, text=True, check=True,
-                          env=os.environ)
+    done = subprocess.run(["bash", "-c", f"printf '%s\\0' {text}"], capture_output=True, text=True, check=True)
     return done.stdout.split("\0")[:-1]
 
 
 def run_in_process(words: list[str], cwd: Path, env: dict[str, str], stdin: str = "") -> Result:
     """`glasslm WORDS` through the CLI's main() in this process, in `cwd` with `env` added, reading `stdin`."""
-    import contextlib
-    import io
-    import os
-    import sys
-
-    import jaxtyping
-    import torch
-
-    from glasslm.cli import main
-
     out, threads, old_env, old_cwd, old_stdin = io.StringIO(), torch.get_num_threads(), dict(os.environ), \
         os.getcwd(), sys.stdin
     jaxtyping.config.update("jaxtyping_disable", True)  # as users run it: without the suite's shape checks
@@ -427,9 +428,7 @@ def run_in_process(words: list[str], cwd: Path, env: dict[str, str], stdin: str 
 
 
 def run_in_shell(text: str, cwd: Path, env: dict[str, str], timeout: float = 900) -> Result:
-    import os
-    import subprocess
-
+    """`text` run by bash in `cwd`, with `env` added to this process's environment."""
     done = subprocess.run(["bash", "-c", text], cwd=cwd, env={**os.environ, **env}, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
     return Result(done.returncode, done.stdout)
@@ -441,8 +440,6 @@ class Sandbox:
     Face cache of stand-ins, the network off."""
 
     def __init__(self, root: Path, data_dir: Path):
-        import sys
-
         self.root, self.data_dir = root, data_dir
         self.made: dict[str, Result] = {}  # what each maker printed
         self.hub = root / "hf-cache"
@@ -451,7 +448,7 @@ class Sandbox:
         scripts = [str(self.bin)] + [str(Path(p).parents[2] / "bin") for p in sys.path if p.endswith("site-packages")]
         self.env = {"GLASSLM_DATA_DIR": str(data_dir), "HF_HUB_CACHE": str(self.hub), "HF_HUB_OFFLINE": "1",
                     "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-                    "PATH": ":".join([*dict.fromkeys(scripts), __import__("os").environ.get("PATH", "")]),
+                    "PATH": ":".join([*dict.fromkeys(scripts), os.environ.get("PATH", "")]),
                     "TIKTOKEN_CACHE_DIR": str(data_dir / "tiktoken_cache")}
         for name in ("benchmarks", "scripts"):  # `python benchmarks/...` from any command's folder
             (root / name).symlink_to(ROOT / name)
@@ -501,8 +498,6 @@ class Sandbox:
 
     def prepare(self, cwd: Path, needs: tuple[str, ...]) -> None:
         """A copy of each of `needs` in `cwd`, so a command that writes into a run changes only its own."""
-        import shutil
-
         for need in self.inputs(needs):
             if need.startswith("hub:") or (cwd / need).exists():
                 continue
@@ -521,9 +516,6 @@ def fresh_checkout(folder: Path, data_dir: Path) -> Path:
     """`folder/checkout`: this repository's scripts and pyproject.toml beside a `.venv` that
     scripts/venv.sh takes as installed (its python and glasslm run this interpreter's), and
     `folder/shared/data` holding the shared data, as CI's checkouts have `../shared/data`."""
-    import hashlib
-    import sys
-
     checkout = folder / "checkout"
     (checkout / ".venv" / "bin").mkdir(parents=True)
     for name in ("scripts", "pyproject.toml"):
@@ -555,13 +547,7 @@ def _write(text_of):
 def hf_model(family: str, folder: Path) -> None:
     """A tiny randomly initialised Hugging Face model of `family`, saved by transformers with a
     character tokenizer and chat template (tests/chat_models.py's)."""
-    import sys
-
-    import torch
     import transformers
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from chat_models import hf_tokenizer
 
     tokenizer = hf_tokenizer()
     shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -611,13 +597,6 @@ def _bigger_run(sandbox: Sandbox, target: Path) -> None:
 
 def _nanogpt_checkpoint(sandbox: Sandbox, target: Path) -> None:
     """nanoGPT's train.py checkpoint (model_args + a torch.compile'd model's state dict), random weights."""
-    import sys
-
-    import torch
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from seed_models import NanoGPT, randomize_
-
     args = dict(n_layer=2, n_head=4, n_embd=48, block_size=64, bias=True, vocab_size=65, dropout=0.0)
     torch.manual_seed(0)
     model = randomize_(NanoGPT(**args))
@@ -627,8 +606,6 @@ def _nanogpt_checkpoint(sandbox: Sandbox, target: Path) -> None:
 
 
 def _chat_jsonl(sandbox: Sandbox) -> str:
-    import json
-
     pairs = [("hi there", "hello, how are you?"), ("what is this?", "a small model."), ("say yes", "yes."),
              ("count to three", "one two three."), ("who are you?", "a test."), ("good night", "sleep well.")]
     return "".join(json.dumps({"messages": [{"role": "user", "content": question},
@@ -638,8 +615,6 @@ def _chat_jsonl(sandbox: Sandbox) -> str:
 
 def _task_folder(sandbox: Sandbox, target: Path) -> None:
     """my_tasks/: an lm-eval multiple-choice task `my_task` on local data."""
-    import json
-
     target.mkdir(parents=True)
     rows = [{"question": f"ROMEO: {a} is the", "choices": [" sun", " moon", " night"], "answer": i % 3}
             for i, a in enumerate(["Juliet", "it", "she", "that"])]
@@ -648,15 +623,6 @@ def _task_folder(sandbox: Sandbox, target: Path) -> None:
         f"task: my_task\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {target / 'my_task.jsonl'}\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{question}}\"\n"
         "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\nmetric_list:\n  - metric: acc\n")
-
-
-def _chat_template(sandbox: Sandbox) -> str:
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from chat_models import TEMPLATE
-
-    return TEMPLATE
 
 
 STAND_INS = {
@@ -679,5 +645,5 @@ STAND_INS = {
     "my.txt": _write(lambda sandbox: _shakespeare(sandbox)[:20_000].lower()),
     "prompt.txt": _write(lambda sandbox: "ROMEO:"),
     "chat.jsonl": _write(_chat_jsonl),
-    "t.jinja": _write(_chat_template),
+    "t.jinja": _write(lambda sandbox: TEMPLATE),
 }
