@@ -97,7 +97,7 @@ def _from_hf(config: ConvertConfig, output: OutputOption) -> None:
     if tokenizer is not None and not hasattr(tokenizer, "save"):
         tokenizer = None
     save_checkpoint(output.out, model, tokenizer, {"converted_from": str(config.from_hf)})
-    _keep_generation_files(resolve_model_path(config.from_hf), Path(output.out))
+    _keep_generation_files(resolve_model_path(config.from_hf), Path(output.out), model.eos_token_ids)
     print(f"{config.from_hf} -> {output.out} ({model.num_parameters():,} parameters, "
           f"tokenizer {'included' if tokenizer is not None else 'not found'})")
 
@@ -137,17 +137,24 @@ def _to_gguf(config: ConvertConfig, output: OutputOption) -> None:
     print(f"{config.checkpoint} -> {out} (GGUF, {config.gguf_type} matrices, {size:.1f} MiB)")
 
 
-def _keep_generation_files(source: Path, checkpoint: Path) -> None:
-    """Copy what says how the model ends and chats (generation_config.json's eos ids, a
-    chat_template.jinja) into the checkpoint; tokenizer_config.json's template travels with the tokenizer."""
+def _keep_generation_files(source: Path, checkpoint: Path, eos_ids: tuple[int, ...]) -> None:
+    """Keep what says how the model ends and chats: generation_config.json, with the eos ids the
+    import settled on (config.json's or the tokenizer's where it names none, so that the checkpoint
+    stops where the HF directory does), and a chat_template.jinja; tokenizer_config.json's template
+    travels with the tokenizer."""
+    import json
     import shutil
 
-    from glasslm.tokenizers import GENERATION_CONFIG_FILE
+    from glasslm.tokenizers import GENERATION_CONFIG_FILE, read_generation_config
     from glasslm.tokenizers.chat import CHAT_TEMPLATE_FILE
 
-    for name in (GENERATION_CONFIG_FILE, CHAT_TEMPLATE_FILE):
-        if (source / name).is_file():
-            shutil.copyfile(source / name, checkpoint / name)
+    generation = read_generation_config(source)
+    if eos_ids:
+        generation["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else list(eos_ids)
+    if generation:
+        (checkpoint / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2))
+    if (source / CHAT_TEMPLATE_FILE).is_file():
+        shutil.copyfile(source / CHAT_TEMPLATE_FILE, checkpoint / CHAT_TEMPLATE_FILE)
 
 
 def _to_hf(config: ConvertConfig, output: OutputOption) -> None:

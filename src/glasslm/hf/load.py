@@ -76,7 +76,6 @@ def load_model(
     the recorded transforms (int4 ..., lora) applied and the adapters copied in.
     """
     from glasslm.io.checkpoint import load_checkpoint, resolve_checkpoint
-    from glasslm.tokenizers import eos_token_ids, read_generation_config
 
     path = resolve_model_path(path)
     gguf = gguf_path(path)
@@ -87,10 +86,7 @@ def load_model(
         loaded.model.gguf_summary = loaded.summary()
         return loaded.model, loaded.tokenizer
     if is_hf_directory(path):
-        model, tokenizer = import_hf(path, device, dtype), hf_tokenizer(path)
-        # transformers' generate stops at generation_config.json's eos ids, else config.json's.
-        model.eos_token_ids = eos_token_ids(tokenizer, read_generation_config(path), read_hf_config(path))
-        return model, tokenizer
+        return import_hf(path, device, dtype), hf_tokenizer(path)  # import_hf sets the eos ids
     directory = resolve_checkpoint(path)  # a run directory means its best (else latest)
     meta = read_json(directory / META_FILE) if (directory / META_FILE).is_file() else {}
     if isinstance(meta, dict) and ADAPTER_BASE_KEY in meta:
