@@ -29,7 +29,7 @@ from glasslm.hf.convert import config_from_hf, import_hf
 from glasslm.hf.files import is_hf_directory, read_hf_config
 from glasslm.hf.gguf import GGUF_SUFFIX, GGUFFile, is_gguf_file
 from glasslm.io.checkpoint import ADAPTER_BASE_KEY, CONFIG_FILE, META_FILE, TRAINER_STATE_JSON, read_json
-from glasslm.tokenizers import BPE_DESCRIPTOR_FILE, SPM_FILE, TOKENIZER_FILE
+from glasslm.tokenizers import has_tokenizer
 from glasslm.transforms import applied_transforms, apply_transform
 from glasslm.transforms.lora import load_lora_state_dict
 
@@ -135,7 +135,7 @@ def load_adapter_checkpoint(directory: Path, meta: dict[str, Any],
         if record not in carried:
             apply_transform(model, record["name"], **{k: v for k, v in record.items() if k != "name"})
     load_lora_state_dict(model, read_safetensors(directory / WEIGHTS_FILE, device), str(directory))
-    if any((directory / name).exists() for name in (TOKENIZER_FILE, BPE_DESCRIPTOR_FILE, SPM_FILE)):
+    if has_tokenizer(directory):
         tokenizer = load_tokenizer(directory)
     return model.eval(), tokenizer
 
@@ -208,6 +208,6 @@ def checkpoint_config(path: str | os.PathLike) -> tuple[ModelConfig, Any | None,
         return config_from_hf(read_hf_config(path))[0], hf_tokenizer(path), checkpoint_summary(path)
     directory = resolve_checkpoint(path)
     tokenizer = None
-    if any((directory / name).exists() for name in (TOKENIZER_FILE, BPE_DESCRIPTOR_FILE, SPM_FILE)):
+    if has_tokenizer(directory):
         tokenizer = load_tokenizer(directory)
     return load_config(directory / CONFIG_FILE), tokenizer, checkpoint_summary(directory)
