@@ -1,9 +1,10 @@
 """Every way of loading a Hugging Face model gives the same model: `glasslm.import_hf(dir)`,
 `glasslm.load_model(dir)`, and a checkpoint made by `glasslm convert --from-hf` read back with
-`load_checkpoint` or `load_model`, and that checkpoint exported again with `--to-hf`, all stop generating at the same eos ids, hold the same tokenizer and
-compute the same logits. The model is a tiny Llama saved by transformers whose generation_config.json
-lists two eos ids where its tokenizer names one (tests/chat_models.py); a second copy has no
-generation_config.json and a config.json eos that is not the tokenizer's."""
+`load_checkpoint` or `load_model`, and that checkpoint exported again with `--to-hf`, all stop
+generating at the same eos ids, hold the same tokenizer and compute the same logits. The model is a
+tiny Llama saved by transformers whose generation_config.json lists two eos ids where its tokenizer
+names one (tests/chat_models.py); a second copy has no generation_config.json and a config.json eos
+that is not the tokenizer's."""
 
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from glasslm.hf.cache import resolve_model_path
 from glasslm.hf.convert import config_from_hf, import_hf
 from glasslm.hf.files import is_hf_directory, read_hf_config
 from glasslm.hf.gguf import GGUF_SUFFIX, GGUFFile, is_gguf_file
+from glasslm.hf.peft.files import is_peft_directory
 from glasslm.io.checkpoint import ADAPTER_BASE_KEY, CONFIG_FILE, META_FILE, TRAINER_STATE_JSON, read_json
 from glasslm.tokenizers import has_tokenizer
 from glasslm.transforms import applied_transforms, apply_transform
@@ -64,7 +65,9 @@ def load_model(
     path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> tuple[TransformerLM, Any | None]:
     """(model in eval mode, tokenizer or None) from a glasslm checkpoint, run directory, HF model
-    directory, a hub name in the local HF cache, or a GGUF file. `model.eos_token_ids` holds where
+    directory, a hub name in the local HF cache, a GGUF file, or a PEFT adapter directory (loaded
+    onto the base its adapter_config.json names, as `peft.AutoPeftModelForCausalLM` loads it:
+    `glasslm.hf.peft.load_peft_model`). `model.eos_token_ids` holds where
     generation stops by default (generation_config.json's ids, else config.json's, else the
     tokenizer's eos). A GGUF file's 4-bit blocks stay as they are (`glasslm.hf.gguf.importer`), and
     `model.gguf_summary` says which tensors were kept and which dequantized.
@@ -87,6 +90,10 @@ def load_model(
         return loaded.model, loaded.tokenizer
     if is_hf_directory(path):
         return import_hf(path, device, dtype), hf_tokenizer(path)  # import_hf sets the eos ids
+    if is_peft_directory(path):
+        from glasslm.hf.peft import load_peft_model
+
+        return load_peft_model(path, device=device, dtype=dtype)
     directory = resolve_checkpoint(path)  # a run directory means its best (else latest)
     meta = read_json(directory / META_FILE) if (directory / META_FILE).is_file() else {}
     if isinstance(meta, dict) and ADAPTER_BASE_KEY in meta:
@@ -146,8 +153,8 @@ def checkpoint_summary(path: str | os.PathLike) -> dict[str, Any]:
     from glasslm.io.checkpoint import resolve_checkpoint
 
     path = resolve_model_path(path)
-    if is_hf_directory(path) or gguf_path(path) is not None:
-        return {}  # an HF directory or GGUF file records nothing of how it was made (not converted from itself)
+    if is_hf_directory(path) or gguf_path(path) is not None or is_peft_directory(path):
+        return {}  # an HF directory, GGUF file or PEFT adapter records nothing of how it was made
     directory = resolve_checkpoint(path)
     summary: dict[str, Any] = {}
     for name in (META_FILE, TRAINER_STATE_JSON):
@@ -206,6 +213,11 @@ def checkpoint_config(path: str | os.PathLike) -> tuple[ModelConfig, Any | None,
         return gguf_config(file)[0], tokenizer, {}
     if is_hf_directory(path):
         return config_from_hf(read_hf_config(path))[0], hf_tokenizer(path), checkpoint_summary(path)
+    if is_peft_directory(path):  # its base's config, and the tokenizer saved beside the adapter if any
+        from glasslm.hf.peft import peft_base
+
+        config, tokenizer, _ = checkpoint_config(peft_base(path))
+        return config, hf_tokenizer(path) or tokenizer, {}
     directory = resolve_checkpoint(path)
     tokenizer = None
     if has_tokenizer(directory):

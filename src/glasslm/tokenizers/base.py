@@ -22,7 +22,8 @@ ENDOFTEXT = "<|endoftext|>"
 
 # File names. glasslm's own formats get names of their own: HF loaders take tokenizer.json as theirs.
 HF_TOKENIZER_FILE = "tokenizer.json"  # a Hugging Face tokenizer.json
-TOKENIZER_FILE = HF_TOKENIZER_FILE  # a tokenizer.json: HF's, or (written before the char descriptor had its own name) a char one
+# A tokenizer.json: HF's, or a char descriptor written before that had a name of its own.
+TOKENIZER_FILE = HF_TOKENIZER_FILE
 CHAR_DESCRIPTOR_FILE = "glasslm_char_tokenizer.json"  # CharTokenizer's descriptor
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 BPE_DESCRIPTOR_FILE = "glasslm_tokenizer.json"

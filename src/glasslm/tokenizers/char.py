@@ -110,7 +110,7 @@ class CharTokenizer:
         return "".join(self._tokens[i] for i in checked_ids(ids, len(self._tokens)))
 
     def to_dict(self) -> dict:
-        """The descriptor saved as `glasslm_char_tokenizer.json` (no "special_tokens" key when it has none, as before)."""
+        """The descriptor saved as `glasslm_char_tokenizer.json` (no "special_tokens" key when it has none)."""
         data: dict = {"kind": self.kind, "chars": self.chars}
         if self.special_tokens:
             data["special_tokens"] = dict(self.special_tokens)
