@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from glasslm.hf.peft.files import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, BASE_LAYER, PEFT_PREFIX
 from glasslm.hf.peft.layout import HFPart, hf_table, our_weight, weight_parts
+from glasslm.hf.plan import WeightTable
 from glasslm.transforms.lora import LoRAConfig, LoRAEmbedding, lora_layers, recorded_lora_config, trained_parameters
 
 
@@ -35,9 +36,9 @@ def export_peft_adapter(model: nn.Module, directory: str | os.PathLike, base_mod
     config = recorded_lora_config(model) or LoRAConfig()
     tensors: dict[str, Tensor] = {}
     ranks: dict[str, int] = {}
-    transposed = False
+    transposed, table = False, hf_table(model)
     for name, layer in layers.items():
-        for module, (module_tensors, part) in _module_adapters(model, name, layer).items():
+        for module, (module_tensors, part) in _module_adapters(model, name, layer, table).items():
             tensors.update({f"{module}{suffix}": t for suffix, t in module_tensors.items()})
             ranks[module] = next(iter(module_tensors.values())).shape[0]
             transposed |= part.transposed and not isinstance(layer, LoRAEmbedding)
@@ -53,10 +54,11 @@ def export_peft_adapter(model: nn.Module, directory: str | os.PathLike, base_mod
     return folder
 
 
-def _module_adapters(model: nn.Module, name: str, layer: nn.Module) -> dict[str, tuple[dict[str, Tensor], HFPart]]:
+def _module_adapters(model: nn.Module, name: str, layer: nn.Module,
+                     table: WeightTable) -> dict[str, tuple[dict[str, Tensor], HFPart]]:
     """HF module -> ({tensor suffix: tensor}, its row map) for one of our adapters."""
     if isinstance(layer, LoRAEmbedding):
-        part = weight_parts(model, "embed")[0]
+        part = weight_parts(model, "embed", table)[0]
         found = {".lora_embedding_A": layer.lora_a[0].detach(), ".lora_embedding_B": layer.lora_b[0].detach()}
         if layer.magnitude is not None:
             found[".lora_magnitude_vector"] = layer.magnitude[0].detach()
@@ -70,7 +72,7 @@ def _module_adapters(model: nn.Module, name: str, layer: nn.Module) -> dict[str,
         block_of_row[start:end] = i
     magnitude = _row_magnitudes(model, name, layer)
     adapters = {}
-    for part in weight_parts(model, name):
+    for part in weight_parts(model, name, table):
         blocks = sorted(set(block_of_row[part.rows].tolist()) - {-1})
         if not blocks:
             continue  # no adapted row lands in this HF tensor

@@ -54,7 +54,7 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike) -> None:
     apply_transform(model, "lora", config)
     with torch.no_grad():
         for name, layer in lora_layers(model).items():
-            _fill(layer, plan.placed.get(name, []), our_weight(model, name))
+            _fill(layer, plan.placed.get(name, []))
         trained = trained_parameters(model, config)
         for name, value in plan.changed.items():
             name = _after_wrapping(model, name)
@@ -66,9 +66,9 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike) -> None:
 
 def _hf_index(model: nn.Module) -> dict[str, tuple[str, HFPart]]:
     """HF module name -> (the glasslm module whose weight holds it, its row map), for every adaptable module."""
-    index = {}
+    index, table = {}, hf_table(model)
     for name in adaptable_modules(model):
-        for part in weight_parts(model, name):
+        for part in weight_parts(model, name, table):
             index[part.module] = (name, part)
     return index
 
@@ -113,14 +113,12 @@ def _placed(tensors, part: HFPart, d_out: int, ratio: float) -> Placed:
 
 
 @torch.no_grad()
-def _fill(layer: nn.Module, placed: list[Placed], weight: Tensor) -> None:
+def _fill(layer: nn.Module, placed: list[Placed]) -> None:
     """Set each of our blocks from the HF adapter covering its rows; a block none covers adds nothing
-    (B zero; DoRA: each magnitude its row's norm, a factor of exactly one)."""
+    (B zero; DoRA: each magnitude stays at its row's norm, where the transform put it: a factor of one)."""
     for i, (start, end) in enumerate(layer.row_blocks):
         layer.lora_a[i].zero_()
         layer.lora_b[i].zero_()
-        if layer.magnitude is not None:
-            layer.magnitude[i].copy_(torch.linalg.norm(weight[start:end].float(), dim=1))
         covering = [p for p in placed if p.covered[start:end].any()]
         if not covering:
             continue

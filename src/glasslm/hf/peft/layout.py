@@ -56,9 +56,10 @@ def our_weight(model: nn.Module, name: str) -> Tensor:
     return base_weight(module.base if isinstance(module, LoRALinear) else module).detach()
 
 
-def weight_parts(model: nn.Module, name: str) -> list[HFPart]:
-    """The HF tensors glasslm module `name`'s weight becomes, each with its row map."""
-    table = hf_table(model)
+def weight_parts(model: nn.Module, name: str, table: WeightTable | None = None) -> list[HFPart]:
+    """The HF tensors glasslm module `name`'s weight becomes, each with its row map (`table`: the
+    model's `hf_table`, when the caller has it already)."""
+    table = table or hf_table(model)
     key = f"{name}.weight"
     if key not in table.entries:
         raise ValueError(f"glasslm's {name} has no Hugging Face counterpart in this family's table")
