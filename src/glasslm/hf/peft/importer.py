@@ -134,14 +134,13 @@ def _fill(layer: nn.Module, placed: list[Placed]) -> None:
 
 def _lora_config(model: nn.Module, adapter: PeftAdapter, plan: ImportPlan) -> LoRAConfig:
     rank = max((adapter.rank(m) for m in adapter.modules), default=1)
-    bias = adapter.bias if any(name.endswith("bias") for name in plan.changed) else "none"
     tied = model.config.tie_embeddings and (plan.full or plan.sites & {"embed", "unembed"})
     if adapter.config.get("ensure_weight_tying") and tied:
         raise PeftAdapterError(f"{adapter.source}: ensure_weight_tying keeps a tied embedding and lm_head one "
                                "module while they train, which glasslm does not implement")
     return LoRAConfig(rank=rank, dropout=float(adapter.config.get("lora_dropout") or 0.0),
-                      sites=tuple(sorted(plan.sites)), dora=adapter.dora, bias=bias, full=tuple(sorted(plan.full)),
-                      **_scaling_options(adapter))
+                      sites=tuple(sorted(plan.sites)), dora=adapter.dora, bias=adapter.bias,
+                      full=tuple(sorted(plan.full)), **_scaling_options(adapter))
 
 
 def _carried_tensors(model: nn.Module, adapter: PeftAdapter, plan: ImportPlan) -> None:
@@ -149,9 +148,8 @@ def _carried_tensors(model: nn.Module, adapter: PeftAdapter, plan: ImportPlan) -
     modules (modules_to_save, or a differing embedding/unembedding) become `full` modules."""
     table = hf_table(model)
     owner = {hf: (ours, hf_names) for ours, (hf_names, _, _) in table.entries.items() for hf in hf_names}
-    for entry in adapter.modules_to_save:
-        modules = {ours.removesuffix(".weight") for hf, (ours, _) in owner.items()
-                   if hf.removesuffix(".weight") == entry or hf.removesuffix(".weight").endswith("." + entry)}
+    for entry in adapter.modules_to_save:  # PEFT takes every module whose name ends with the entry
+        modules = {ours.rpartition(".")[0] for hf, (ours, _) in owner.items() if hf.rpartition(".")[0].endswith(entry)}
         if not modules or not modules <= {"embed", "unembed"}:
             raise PeftAdapterError(f"{adapter.source}: modules_to_save {entry!r} ({sorted(modules) or 'not found'}): "
                                    "glasslm trains whole only the embedding and the unembedding")
