@@ -69,3 +69,49 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_llama_cpp_does(shakespeare_text
     # SentencePiece itself collapses runs of spaces and folds newlines; llama.cpp (and so the GGUF
     # reader) keeps them: the two differ on purpose.
     assert ours.encode("a  b") != sp.encode("a  b")
+
+
+def llama_cpp_quantize(source, target, ftype: str) -> None:
+    """llama.cpp's own quantizer (llama-quantize), with its default choice of types per tensor."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama_model_quantize({ftype}) failed")
+
+
+@pytest.mark.parametrize("ftype", ["q4_1", "q4_0", "q5_0", "q4_k_m"])
+def test_files_llama_cpps_quantizer_wrote_read_as_llama_cpp_runs_them(ftype, bpe, shakespeare_text, tmp_path):
+    from glasslm.hf.gguf.importer import import_gguf
+    from glasslm.presets import get_preset
+    from glasslm.transforms.ggml import BlockLinear
+
+    # Rows of 256: the K-quants' super-blocks need them (a narrower matrix falls back to another type).
+    model = perturbed(get_preset("llama-tiny", vocab_size=bpe.vocab_size, d_model=256, n_heads=4, d_mlp=512))
+    export_gguf(model, tmp_path / "f32.gguf", bpe, "f32")
+    llama_cpp_quantize(tmp_path / "f32.gguf", tmp_path / f"{ftype}.gguf", ftype)
+    file, loaded = GGUFFile.open(tmp_path / f"{ftype}.gguf"), import_gguf(tmp_path / f"{ftype}.gguf")
+    types = {file.qtype(name) for name in file.tensor_names()}
+    if ftype in ("q4_0", "q4_1"):
+        # Kept as llama.cpp wrote them; and glasslm's own quantizer writes the same bytes from the f32 file.
+        assert loaded.kept[ftype] > 0 and isinstance(loaded.model.blocks[0].mlp.up, BlockLinear)
+        ours = GGUFFile.open(export_gguf(model, tmp_path / "ours.gguf", bpe, ftype))
+        assert torch.equal(ours.blocks("blk.1.ffn_up.weight"), file.blocks("blk.1.ffn_up.weight"))
+    else:
+        assert types - {"f32"} and not loaded.kept  # every quantized tensor dequantized (Q5_0, K-quants)
+    for module in loaded.model.modules():
+        if hasattr(module, "impl"):
+            module.impl = "readable"  # the file's values exactly
+    ids = bpe.encode(shakespeare_text[:300])[:32]
+    llm = quiet_llama(tmp_path / f"{ftype}.gguf", logits_all=True)
+    llm.eval(ids)
+    theirs = np.array(llm.scores[:len(ids)])
+    with torch.no_grad():
+        ours_logits = loaded.model(torch.tensor([ids]))[0].numpy()
+    # The same quantized weights; llama.cpp also rounds activations to 8 bits for its dot products
+    # (q8_0/q8_1/q8_K), which moves the largest logit difference to 2-3% of the largest logit here.
+    assert np.abs(ours_logits - theirs).max() < 0.05 * np.abs(theirs).max()
+    assert (ours_logits.argmax(-1) == theirs.argmax(-1)).mean() > 0.9

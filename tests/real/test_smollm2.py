@@ -146,6 +146,7 @@ def test_the_openai_client_chats_with_it_through_glasslm_serve(gguf, template):
         assert (info["n_layers"], info["vocab_size"], info["tokenizer"]) == (30, 49152, "hf")
 
 
+@pytest.mark.slow
 def test_a_lora_fine_tune_lowers_the_loss_and_merges(gguf, tmp_path, capsys):
     facts = [("What is glasslm?", "A transformer library you can read."),
              ("Who made glasslm?", "Its founding engineers."),
@@ -173,6 +174,7 @@ def test_a_lora_fine_tune_lowers_the_loss_and_merges(gguf, tmp_path, capsys):
         assert (merged(ids) - adapted(ids)).abs().max() < 1e-3
 
 
+@pytest.mark.slow
 def test_eval_perplexity_on_tiny_shakespeare_matches_llama_cpps(gguf, data_dir, capsys):
     assert main(["eval", "--checkpoint", str(gguf), "--data", str(data_dir / "tinyshakespeare.txt"), "--split",
                  "val", "--max-tokens", "1024", "--stride", "256"]) == 0
@@ -226,3 +228,30 @@ def test_gguf_to_glasslm_to_gguf_gives_llama_cpp_glasslms_greedy_tokens(gguf, ex
             if token == 2 or len(theirs) == len(ours):
                 break
         assert theirs == ours, question
+
+
+@pytest.mark.slow
+def test_the_explorer_page_loads_it(gguf, template):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (the test extra)")
+    pytest.importorskip("fastapi")
+    from glasslm.serving.app import create_app
+    from glasslm.serving.config import ServeConfig
+    from glasslm.serving.server import serving_in_thread
+    from tests.serving.test_serve_browser import find_chromium
+
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("no Chromium binary found (apt-get install chromium, or set GLASSLM_CHROMIUM)")
+    model, tokenizer = load_model(gguf)
+    app = create_app(model, tokenizer, ServeConfig(name="smollm2"), chat_template=template)
+    with serving_in_thread(app) as url, sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.goto(url + "/")
+        page.wait_for_selector("body[data-ready=true]", timeout=120_000)
+        assert "134.52M parameters, 30 layers × 9 heads, context 8192, hf tokenizer" in page.inner_text("#model-info")
+        page.fill("#inspect-text", "The capital of France is")
+        page.click("#show-lens")
+        page.wait_for_selector("#lens td[data-layer]", timeout=120_000)
+        assert page.locator("#lens td[data-layer]").count() == 30 * len(tokenizer.encode("The capital of France is"))
+        browser.close()

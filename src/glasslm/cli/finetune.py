@@ -46,6 +46,7 @@ class FinetuneRun:
 def finetune(run: FinetuneRun, method: Annotated[dict[str, Any], FinetuneConfig],
              training: Annotated[dict[str, Any], TrainConfig, TRAINING]) -> int:
     from glasslm.training.loop import train
+    from glasslm.transforms import parameter_count
 
     base, config, train_config, out, resume = _plan(run, method, training)
     if train_config.threads:
@@ -56,7 +57,7 @@ def finetune(run: FinetuneRun, method: Annotated[dict[str, Any], FinetuneConfig]
                                                    resume)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"fine-tuning {base} ({'full' if config.full else 'LoRA'}{', ' + config.quantize + ' base' if config.quantize != 'none' else ''}): "
-          f"{n_train:,} trainable of {model.num_parameters():,} parameters; {len(data[0])} training / "
+          f"{n_train:,} trainable of {parameter_count(model):,} parameters; {len(data[0])} training / "
           f"{len(data[1]) if data[1] else 0} held-out conversations -> {out}")
     result = train(model, train_config, data[0], data[1], run_dir=out, resume=resume, tokenizer=tokenizer,
                    meta=meta, overwrite=run.overwrite)

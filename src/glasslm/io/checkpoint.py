@@ -54,6 +54,7 @@ TRAINER_STATE_JSON = "trainer_state.json"  # a training checkpoint's step, RNGs 
 TRAINER_STATE_TENSORS = "trainer_state.safetensors"
 POINTER_NAMES = ("latest", "best")
 CHECKPOINT_PREFIX = "ckpt-"  # numbered checkpoints in a run directory: ckpt-000500
+_NUMBERED = re.compile(rf"{CHECKPOINT_PREFIX}\d+")
 # Files and directories being written are `.<name>.tmp-...`; a replaced checkpoint is briefly `.<name>.old-<pid>`.
 STAGING_MARK, REPLACED_MARK = ".tmp-", ".old-"
 TRANSFORMS_KEY = "transforms"  # meta.json: the transforms applied, [{"name": "int8", ...options}, ...]
@@ -347,7 +348,9 @@ def resolve_checkpoint(path: str | os.PathLike, prefer: tuple[str, ...] = ("best
     """A checkpoint directory from a checkpoint directory, a pointer file, or a run directory.
 
     A run directory resolves through its pointer files in the order of `prefer`: sampling
-    wants the best weights, resuming wants the latest.
+    wants the best weights, resuming wants the latest. One with no pointer (a run killed after its
+    first checkpoint was renamed into place, before `latest` named it) resolves to its newest
+    numbered checkpoint.
     """
     path = Path(path)
     if path.is_file() and path.name in POINTER_NAMES:
@@ -367,7 +370,33 @@ def resolve_checkpoint(path: str | os.PathLike, prefer: tuple[str, ...] = ("best
             if not target.is_dir():
                 raise FileNotFoundError(f"{path / pointer} names {target.name}, which does not exist")
             return target
-    raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory with {' or '.join(prefer)} pointers")
+    newest = newest_checkpoint(path)
+    if newest is not None:  # killed after a checkpoint's rename, before its pointers: still a run
+        return newest
+    raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory (no {' or '.join(prefer)} pointer, "
+                            f"no {CHECKPOINT_PREFIX}NNNNNN checkpoint)")
+
+
+def numbered_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """The run directory's numbered checkpoints that hold a model, oldest first. Each is complete:
+    a checkpoint is staged under a hidden name and only renamed to its number once fully written.
+
+    >>> run = Path(tempfile.mkdtemp())
+    >>> for name in ("ckpt-000002", "ckpt-000010", ".ckpt-000012.tmp-1", "notes"):
+    ...     (run / name).mkdir()
+    ...     _ = (run / name / CONFIG_FILE).write_text("{}"), (run / name / WEIGHTS_FILE).write_text("")
+    >>> [p.name for p in numbered_checkpoints(run)], newest_checkpoint(run).name
+    (['ckpt-000002', 'ckpt-000010'], 'ckpt-000010')
+    """
+    found = [p for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*") if _NUMBERED.fullmatch(p.name) and p.is_dir()]
+    return sorted((p for p in found if (p / CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file()),
+                  key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def newest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The highest-numbered complete checkpoint of a run directory, if it has one."""
+    numbered = numbered_checkpoints(run_dir)
+    return numbered[-1] if numbered else None
 
 
 def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:

@@ -27,5 +27,24 @@ register_transform(Q4_0)
 register_transform(Q4_1)
 register_transform(LORA)
 
-__all__ = ["TRANSFORMS", "Transform", "applied_transforms", "apply_transform", "get_transform", "rebuild_transforms",
-           "register_transform", "transform_names"]
+
+
+def parameter_count(model) -> int:
+    """The model's parameters, counting each quantized layer's weight (int8, int4, llama.cpp blocks:
+    buffers, not trained parameters) as the d_out x d_in numbers it stands for: the same count
+    whatever format the weights are in.
+
+    >>> from glasslm.presets import get_preset
+    >>> from glasslm.core.model import TransformerLM
+    >>> model = TransformerLM(get_preset("llama-tiny"))
+    >>> before = model.num_parameters()
+    >>> apply_transform(model, "int4")
+    >>> model.num_parameters() < before, parameter_count(model) == before
+    (True, True)
+    """
+    quantized = [m for m in model.modules() if hasattr(m, "dequantized_weight") and hasattr(m, "d_in")]
+    return model.num_parameters() + sum(m.d_in * m.d_out for m in quantized)
+
+
+__all__ = ["TRANSFORMS", "Transform", "applied_transforms", "apply_transform", "get_transform", "parameter_count",
+           "rebuild_transforms", "register_transform", "transform_names"]

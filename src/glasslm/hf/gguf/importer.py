@@ -43,7 +43,8 @@ from glasslm.hf.families import FAMILIES, HFFamily, family_reading_gguf
 from glasslm.hf.gguf.reader import GGUFFile
 from glasslm.hf.plan import WeightTable
 from glasslm.io.build import empty_model, model_from_state_dict
-from glasslm.transforms.ggml import LAYER_FORMATS, BlockLinear
+from glasslm.transforms import parameter_count
+from glasslm.transforms.ggml import LAYER_FORMATS
 
 EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
 
@@ -69,15 +70,9 @@ class GGUFImport:
         def counts(c: Counter) -> str:
             return ", ".join(f"{n} {qtype}" for qtype, n in sorted(c.items())) or "none"
 
-        params = f"{logical_parameters(self.model):,} parameters" if self.model is not None else "model"
+        params = f"{parameter_count(self.model):,} parameters" if self.model is not None else "model"
         return (f"{self.family} ({params}); kept in their blocks: {counts(self.kept)}; "
                 f"dequantized to float32: {counts(self.dequantized)}")
-
-
-def logical_parameters(model: TransformerLM) -> int:
-    """The model's parameters counting each block-quantized weight as the d_out x d_in numbers it
-    stands for (they are buffers, not trained parameters): the count the model has in any format."""
-    return model.num_parameters() + sum(m.d_in * m.d_out for m in model.modules() if isinstance(m, BlockLinear))
 
 
 def gguf_family(file: GGUFFile) -> HFFamily:
