@@ -226,6 +226,10 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
         needs=("runs/ft",), creates=("runs/ft-merged/config.json",)),
     "glasslm convert --to-peft --checkpoint runs/ft --out runs/ft-peft": Run(
         needs=("runs/ft",), creates=("runs/ft-peft/adapter_config.json",)),
+    'glasslm generate --checkpoint runs/ft-peft --prompt "Hello"': Run(add=SHORT, needs=("runs/ft-peft",),
+                                                                      expect=("Hello",)),
+    "glasslm convert --from-peft runs/ft-peft --out runs/ft-again": Run(
+        needs=("runs/ft-peft",), creates=("runs/ft-again/meta.json",), expect=("glasslm adapter checkpoint",)),
     "glasslm convert --from-hf path/to/hf-gpt2-or-llama --out runs/imported": Run(
         needs=("path/to/hf-gpt2-or-llama",), creates=("runs/imported/model.safetensors",)),
     "glasslm convert --from nanogpt --checkpoint out/ckpt.pt --out runs/nano": Run(
@@ -358,6 +362,17 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
         add=FINETUNE_RUN, needs=("BASE", "chat.jsonl"), slow=True, creates=("runs/full/latest",)),
     "glasslm merge --checkpoint runs/ft --out runs/ft-merged": Run(
         needs=("runs/ft",), creates=("runs/ft-merged/model.safetensors",)),
+    "glasslm finetune --checkpoint BASE --data chat.jsonl --lora-dora --lora-rslora --lora-bias all --lora-full "
+    "unembed --out runs/dora": Run(add=FINETUNE_RUN, needs=("BASE", "chat.jsonl"), creates=("runs/dora/latest",)),
+    # docs/interop.md's PEFT section (tests/hf/test_peft_cli.py checks the same commands against peft's outputs)
+    'glasslm generate --checkpoint path/to/peft-adapter --prompt "Hello"': Run(
+        add=SHORT, needs=("path/to/peft-adapter",), expect=("Hello",)),
+    "glasslm merge --checkpoint path/to/peft-adapter --out runs/merged --to-hf": Run(
+        needs=("path/to/peft-adapter",), creates=("runs/merged/config.json",)),
+    "glasslm convert --from-peft path/to/peft-adapter --base path/to/base --out runs/adapter": Run(
+        needs=("path/to/peft-adapter", "path/to/base"), creates=("runs/adapter/meta.json",)),
+    "glasslm convert --to-peft --checkpoint runs/adapter --out runs/adapter-peft": Run(
+        needs=("runs/adapter",), creates=("runs/adapter-peft/adapter_model.safetensors",)),
 }
 
 # Benchmarks no page shows in a code block: run the same way, so every benchmark has a smoke run.
@@ -375,6 +390,8 @@ MAKERS = {
     "runs/ft": "glasslm finetune --checkpoint BASE --data chat.jsonl --lora-rank 8 --lora-alpha 16 --lora-sites q,v "
                "--out runs/ft",
     "runs/imported": "glasslm convert --from-hf path/to/hf-model --out runs/imported",
+    "runs/ft-peft": "glasslm convert --to-peft --checkpoint runs/ft --out runs/ft-peft",
+    "runs/adapter": "glasslm convert --from-peft path/to/peft-adapter --base path/to/base --out runs/adapter",
     "runs/shakespeare-data": "glasslm prepare tinyshakespeare --tokenizer runs/shakespeare-char-cpu --out "
                              "runs/shakespeare-data",
 }
@@ -591,6 +608,24 @@ def _hub(family: str):
     return make
 
 
+def _peft_adapter(sandbox: Sandbox, target: Path) -> None:
+    """A PEFT adapter as peft saves one (DoRA on q_proj and v_proj, a trained lm_head, values moved off
+    their init) for the base path/to/base, which adapter_config.json names."""
+    import peft
+    import transformers
+
+    sandbox.ensure("path/to/base")
+    base = transformers.AutoModelForCausalLM.from_pretrained(sandbox.root / "path/to/base", dtype=torch.float32)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True, modules_to_save=["lm_head"],
+                             init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.mul_(1.5)
+    model.save_pretrained(target)
+
+
 def _demo_run(sandbox: Sandbox, target: Path) -> None:
     """runs/shakespeare-char-cpu, by the `glasslm train` line scripts/demo.sh ends with (its own test runs
     the whole script)."""
@@ -673,6 +708,8 @@ STAND_INS = {
     "path/to/hf-gpt2-or-llama": _hf("gpt2"),
     "path/to/pythia-160m": _hf("gpt_neox"),
     "BASE": _hf("llama"),
+    "path/to/base": _hf("llama"),
+    "path/to/peft-adapter": _peft_adapter,
     "runs/base": _hf("qwen2"),
     "hub:Qwen/Qwen2-0.5B": _hub("qwen2"),
     "hub:gpt2": _hub("gpt2"),

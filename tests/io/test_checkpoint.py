@@ -138,8 +138,8 @@ def test_damaged_json_and_missing_files_are_named(saved_checkpoint, tmp_path):
     tokens = tiny_tokens()
     with pytest.raises(ValueError, match="trainer_state.json"):
         train(get_preset("shakespeare-char-cpu", **TINY), tiny_cfg(max_steps=6), tokens[:3500], resume=ckpt)
-    (ckpt / "config.json").unlink()
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    (ckpt / "glasslm_config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="glasslm_config.json"):
         load_checkpoint(ckpt)
 
 

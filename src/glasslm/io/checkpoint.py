@@ -39,12 +39,14 @@ from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
 from glasslm.io.build import model_from_state_dict
 from glasslm.tokenizers import (
-    BPE_DESCRIPTOR_FILE, SPM_FILE, TOKENIZER_FILE, eos_token_ids, load_tokenizer, read_generation_config,
+    eos_token_ids, has_tokenizer, load_tokenizer, read_generation_config, save_hf_tokenizer,
 )
 from glasslm.transforms import applied_transforms
 
 WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
+# glasslm's model config, under a name of its own: HF loaders (AutoTokenizer too) read any config.json as theirs.
+CONFIG_FILE = "glasslm_config.json"
+LEGACY_CONFIG_FILE = "config.json"  # where glasslm wrote it before; still read
 META_FILE = "meta.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_JSON = "optimizer.json"
@@ -60,8 +62,8 @@ LEGACY_QUANTIZATION_KEY = "quantization"  # meta.json of glasslm 0.1.0's quantiz
 # meta.json of an adapter checkpoint (a LoRA run): {"path": base checkpoint, "sha256": weights_sha256 of
 # its weights}; model.safetensors then holds only the adapters (glasslm.hf.load_model applies them).
 ADAPTER_BASE_KEY = "adapter_of"
-# Any one of these means the checkpoint holds a tokenizer (`load_tokenizer` tells which kind).
-TOKENIZER_FILES = (TOKENIZER_FILE, BPE_DESCRIPTOR_FILE, SPM_FILE)
+# The kinds of tokenizer whose glasslm files a checkpoint pairs with HF's (tokenizer.json + tokenizer_config.json).
+_HF_FORM_BESIDE = ("char", "bpe")
 
 
 class CheckpointWriteError(RuntimeError):
@@ -104,6 +106,8 @@ def save_checkpoint(
         (staging / CONFIG_FILE).write_text(model.config.to_json())
         if tokenizer is not None:
             tokenizer.save(staging)
+            if getattr(tokenizer, "kind", None) in _HF_FORM_BESIDE:  # so AutoTokenizer reads the checkpoint too
+                save_hf_tokenizer(tokenizer, staging, model.config.context_length)
         (staging / META_FILE).write_text(json.dumps(meta, indent=2))
         for name, tensors in (extra_tensors or {}).items():
             save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, staging / name)
@@ -198,7 +202,7 @@ def load_checkpoint(
     model = model_from_state_dict(config, read_safetensors(weights_path, device), device, source=str(weights_path),
                                   transforms=recorded_transforms(meta))
     tokenizer = None
-    if any((path / name).exists() for name in TOKENIZER_FILES):
+    if has_tokenizer(path):
         tokenizer = load_tokenizer(path)
     model.eos_token_ids = eos_token_ids(tokenizer, read_generation_config(path))
     return model, tokenizer, meta
@@ -358,7 +362,7 @@ def resolve_checkpoint(path: str | os.PathLike, prefer: tuple[str, ...] = ("best
                                 f"{CHECKPOINT_PREFIX}* directories, or its latest/best pointer file)")
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
-    if (path / CONFIG_FILE).exists() or (path / WEIGHTS_FILE).exists():
+    if any((path / name).exists() for name in (CONFIG_FILE, LEGACY_CONFIG_FILE, WEIGHTS_FILE)):
         return path
     for pointer in prefer:
         target = read_pointer(path, pointer)
@@ -415,6 +419,10 @@ def remove_stale_staging(run_dir: str | os.PathLike) -> None:
 
 
 def load_config(path: Path) -> ModelConfig:
+    """The model config in the file `path` (a checkpoint's `glasslm_config.json`; beside a checkpoint
+    written before that name, its `config.json`)."""
+    if path.name == CONFIG_FILE and not path.is_file() and (path.parent / LEGACY_CONFIG_FILE).is_file():
+        path = path.parent / LEGACY_CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: not a glasslm checkpoint?")
     data = read_json(path)
