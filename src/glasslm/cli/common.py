@@ -21,6 +21,9 @@ class CheckpointOption:
     """the model"""
 
     checkpoint: str  # glasslm checkpoint or run directory, Hugging Face model directory or cached hub name
+    # a LoRA checkpoint's base where it is now, if it moved or was copied (its weights must hash as
+    # the adapters recorded); none: the base the adapters recorded
+    base: str | None = field(default=None, metadata={"metavar": "PATH"})
 
 
 @dataclass
@@ -53,11 +56,12 @@ class RuntimeOptions(DeviceOptions):
 
 
 def load_for_inference(path: str, runtime: DeviceOptions, decoding: bool = False,
-                       need_tokenizer: bool = True) -> tuple[Any, Any]:
-    """The model and tokenizer at `path` on the device, dtype, threads and quantization of `runtime`."""
+                       need_tokenizer: bool = True, base: str | None = None) -> tuple[Any, Any]:
+    """The model and tokenizer at `path` (a LoRA checkpoint on `base`, if given) on the device,
+    dtype, threads and quantization of `runtime`."""
     from glasslm.hf import load_model
 
-    model, tokenizer = load_model(path, device=resolve_device(runtime.device))
+    model, tokenizer = load_model(path, device=resolve_device(runtime.device), base=base)
     if tokenizer is None and need_tokenizer:
         raise ValueError(f"{path} holds no tokenizer, so text cannot be encoded")
     return prepare_model(model, runtime, decoding), tokenizer

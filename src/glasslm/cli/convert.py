@@ -27,6 +27,8 @@ class ConvertConfig:
     # CS336 or seed 001/002/004 state dict); no pickled code runs
     from_format: ForeignFormat | None = field(default=None, metadata={"one_of": "direction", "option": "--from"})
     checkpoint: str | None = None  # glasslm checkpoint to export (with --to-hf), or the file to import (with --from)
+    # --to-hf/--to-peft of a LoRA checkpoint: its base where it is now, if it moved (weights hashing as recorded)
+    base: str | None = field(default=None, metadata={"metavar": "PATH"})
     # --from cs336/seed001/seed002: the number of heads (their files do not record it)
     n_heads: int | None = field(default=None, metadata={"minimum": 1})
     # Llama: context length to use instead of max_position_embeddings; --from cs336: the context
@@ -95,16 +97,18 @@ def _keep_generation_files(source: Path, checkpoint: Path) -> None:
 
 def _to_hf(config: ConvertConfig, output: OutputOption) -> None:
     from glasslm.locations import check_output_dir
-    from glasslm.hf import checkpoint_summary, export_hf, load_model
+    from glasslm.hf import checkpoint_summary, export_hf, load_chat_template, load_model
 
     if not config.checkpoint:
         raise ValueError("--to-hf needs --checkpoint")
     check_output_dir(output.out, output.overwrite, inputs=[config.checkpoint], what="export")
-    model, tokenizer = load_model(config.checkpoint)
+    model, tokenizer = load_model(config.checkpoint, base=config.base)
     if config.zero_biases:
         _refuse_needless_zero_biases(model.config)
-    export_hf(model, output.out, tokenizer, checkpoint_summary(config.checkpoint), zero_biases=config.zero_biases)
-    print(f"{config.checkpoint} -> {output.out} (Hugging Face format)")
+    template = load_chat_template(config.checkpoint, tokenizer)
+    export_hf(model, output.out, tokenizer, checkpoint_summary(config.checkpoint), zero_biases=config.zero_biases,
+              chat_template=template)
+    print(f"{config.checkpoint} -> {output.out} (Hugging Face format{', with its chat template' if template else ''})")
 
 
 def _refuse_needless_zero_biases(model_config) -> None:
@@ -120,19 +124,21 @@ def _refuse_needless_zero_biases(model_config) -> None:
 
 def _to_peft(config: ConvertConfig, output: OutputOption) -> None:
     from glasslm.hf import load_model
-    from glasslm.hf.peft import export_peft_adapter
+    from glasslm.hf.load import adapter_base
+    from glasslm.hf.peft import export_peft_with_base
     from glasslm.io.checkpoint import ADAPTER_BASE_KEY, META_FILE, read_json, resolve_checkpoint
     from glasslm.locations import check_output_dir
 
     if not config.checkpoint:
         raise ValueError("--to-peft needs --checkpoint (a LoRA fine-tuning run or checkpoint)")
     check_output_dir(output.out, output.overwrite, inputs=[config.checkpoint], what="adapter")
-    meta = read_json(resolve_checkpoint(config.checkpoint) / META_FILE)
+    directory = resolve_checkpoint(config.checkpoint)
+    meta = read_json(directory / META_FILE)
     if ADAPTER_BASE_KEY not in meta:
         raise ValueError(f"--checkpoint {config.checkpoint} holds no LoRA adapters (not a glasslm finetune LoRA run)")
-    model, _ = load_model(config.checkpoint)
-    export_peft_adapter(model, output.out, base_model=meta[ADAPTER_BASE_KEY]["path"])
-    print(f"{config.checkpoint} -> {output.out} (PEFT adapter for {meta[ADAPTER_BASE_KEY]['path']})")
+    model, _ = load_model(config.checkpoint, base=config.base)
+    _, named = export_peft_with_base(model, output.out, config.base or adapter_base(meta, str(directory))[0])
+    print(f"{config.checkpoint} -> {output.out} (PEFT adapter; base_model_name_or_path: {named})")
 
 
 COMMAND = Command("convert", convert, "convert between glasslm checkpoints and Hugging Face directories",

@@ -51,7 +51,7 @@ def evaluate(source: CheckpointOption, data: EvalData, tasks: TaskOptions, scori
     if data.tasks:  # the parser allows exactly one of --data and --tasks
         return _run_tasks(source, data.tasks, tasks, scoring.batch_size, runtime)
 
-    model, tokenizer = load_for_inference(source.checkpoint, runtime, need_tokenizer=False)
+    model, tokenizer = load_for_inference(source.checkpoint, runtime, need_tokenizer=False, base=source.base)
     tokenizer, text, ids, described = _text_to_score(model, tokenizer, source.checkpoint, data, scoring)
     start = time.perf_counter()
     result = evaluate_text(model, tokenizer, text, progress=not data.quiet, ids=ids, **dataclasses.asdict(scoring))
@@ -81,7 +81,7 @@ def _run_tasks(source: CheckpointOption, task_names: str, options: TaskOptions, 
         raise ValueError("--tasks: give at least one task name")
     if options.include_path and not Path(options.include_path).is_dir():
         raise ValueError(f"--include-path {options.include_path}: no such folder")
-    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True)
+    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True, base=source.base)
     results = evaluate_tasks(model, tokenizer, names, include_path=options.include_path,
                              num_fewshot=options.num_fewshot, limit=options.limit, batch_size=batch_size)
     print(results_table(results))

@@ -48,7 +48,7 @@ SAMPLING = Group("sampling", skip=frozenset({"logprobs", "pad_token"}),
 
 def generate(source: CheckpointOption, prompt: PromptOptions, sampling: Annotated[GenerationConfig, SAMPLING],
              runtime: RuntimeOptions, speculation: DraftOptions) -> int:
-    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True)
+    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True, base=source.base)
     draft = None
     if speculation.draft:
         if sampling.temperature != 0:

@@ -27,7 +27,7 @@ class HeadChoice:
 def attention(source: CheckpointOption, drawing: Drawing, head: HeadChoice, runtime: DeviceOptions) -> int:
     from glasslm.interp.inspection import draw_attention
 
-    model, tokenizer = load_for_inference(source.checkpoint, runtime, need_tokenizer=False)
+    model, tokenizer = load_for_inference(source.checkpoint, runtime, need_tokenizer=False, base=source.base)
     print(f"wrote {draw_attention(model, tokenizer, drawing.prompt, head.layer, head.head, drawing.out)}")
     return 0
 
@@ -35,7 +35,7 @@ def attention(source: CheckpointOption, drawing: Drawing, head: HeadChoice, runt
 def logit_lens(source: CheckpointOption, drawing: Drawing, runtime: DeviceOptions) -> int:
     from glasslm.interp.inspection import draw_logit_lens
 
-    model, tokenizer = load_for_inference(source.checkpoint, runtime, need_tokenizer=False)
+    model, tokenizer = load_for_inference(source.checkpoint, runtime, need_tokenizer=False, base=source.base)
     print(f"wrote {draw_logit_lens(model, tokenizer, drawing.prompt, drawing.out)}")
     return 0
 

@@ -144,9 +144,10 @@ def hf_state_dict(model: TransformerLM, zero_biases: bool = False) -> dict[str, 
 
 def export_hf(
     model: TransformerLM, directory: str | os.PathLike, tokenizer: Any | None = None,
-    meta: dict[str, Any] | None = None, *, zero_biases: bool = False,
+    meta: dict[str, Any] | None = None, *, zero_biases: bool = False, chat_template: str | None = None,
 ) -> Path:
-    """Write `model` as an HF directory that `AutoModelForCausalLM` and `AutoTokenizer` load.
+    """Write `model` as an HF directory that `AutoModelForCausalLM` and `AutoTokenizer` load
+    (with `chat_template`, `apply_chat_template` too).
 
     Files: config.json (with the tokenizer's real bos/eos/pad ids, None where it has none),
     model.safetensors, generation_config.json, the tokenizer as tokenizer.json +
@@ -175,6 +176,6 @@ def export_hf(
                   if config_dict[f"{role}_token_id"] is not None}
     (path / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2))
     if tokenizer is not None:
-        save_hf_tokenizer(tokenizer, path, model.config.context_length)
+        save_hf_tokenizer(tokenizer, path, model.config.context_length, chat_template)
     (path / MODEL_CARD_FILE).write_text(model_card(model, tokenizer, meta, config_dict["model_type"]))
     return path

@@ -36,7 +36,6 @@ from glasslm.core.layers import Linear
 from glasslm.core.model import TransformerLM
 from glasslm.data.sft import load_sft_examples, split_examples
 from glasslm.io.checkpoint import ADAPTER_BASE_KEY, weights_sha256
-from glasslm.tokenizers.chat import find_chat_template
 from glasslm.training.batches import SFTBatches
 from glasslm.transforms import applied_transforms, apply_transform, transform_names
 from glasslm.transforms.lora import SITES, LoRAConfig, lora_layers, remove_lora
@@ -79,8 +78,15 @@ class FinetuneConfig:
 
 
 def base_reference(path: str | os.PathLike) -> str:
-    """How a checkpoint names its base: an absolute path if it is a local directory, else the hub name."""
-    return str(Path(path).resolve()) if Path(path).exists() else str(path)
+    """How a checkpoint names its base: the exact checkpoint directory, absolute (a run directory's
+    best checkpoint: the run may train on and move `best`), if local; else the hub name."""
+    from glasslm.hf import is_hf_directory
+    from glasslm.io.checkpoint import resolve_checkpoint
+
+    local = Path(path)
+    if not local.exists():
+        return str(path)
+    return str((local if is_hf_directory(local) else resolve_checkpoint(local)).resolve())
 
 
 def prepare_model(base: str, config: FinetuneConfig, device: torch.device | str = "cpu",
@@ -114,17 +120,12 @@ def prepare_model(base: str, config: FinetuneConfig, device: torch.device | str 
     return model.train(), tokenizer, meta
 
 
-def chat_template(base: str, config: FinetuneConfig) -> str:
-    """The template conversations are rendered with: --chat-template FILE, else the base's own."""
-    from glasslm.hf import resolve_model_path
+def chat_template(base: str, tokenizer: Any, config: FinetuneConfig) -> str:
+    """The template conversations are rendered with: --chat-template FILE, else the base's own
+    (`glasslm.hf.load_chat_template`, the lookup every command makes)."""
+    from glasslm.hf import load_chat_template
 
-    if config.chat_template:
-        path = Path(config.chat_template)
-        if not path.is_file():
-            raise FileNotFoundError(f"--chat-template {path} is not a file")
-        return path.read_text(encoding="utf-8")
-    directory = resolve_model_path(base)
-    found = find_chat_template(directory) if Path(directory).is_dir() else None
+    found = load_chat_template(base, tokenizer, config.chat_template)
     if found is None:
         raise ValueError(f"--checkpoint {base} has no chat template (chat_template.jinja or tokenizer_config.json); "
                          "give one with --chat-template FILE")
