@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         code = args.command_spec.invoke(args)
+        sys.stdout.flush()  # a reader that went away shows here, while the handler below can see it
+    except BrokenPipeError:
+        return _reader_gone()
     except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError, OSError) as err:
         print(f"glasslm {args.command}: error: {_describe(err)}", file=sys.stderr)
         return 1
@@ -98,6 +101,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"glasslm {args.command}: interrupted", file=sys.stderr)
         return 128 + getattr(err, "signum", 2)
     return code or 0
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (`glasslm info | head`): stop quietly, as Unix tools do, with
+    the status of a process SIGPIPE ended. stdout then points at /dev/null, so the interpreter's
+    last flush of what is still buffered cannot fail again."""
+    import os
+    import signal
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout replaced by an object without a descriptor
+        pass
+    return 128 + signal.SIGPIPE
 
 
 def run() -> NoReturn:
