@@ -201,16 +201,18 @@ def _loop(parts: TrainingParts, duties: _Duties, stop: StopRequest,
         window.add(loss, grad_norm, time.perf_counter() - started)
         bar.update(1)
         last = done == cfg.max_steps
-        logging = done % cfg.log_interval == 0 or last
-        stop_signal = stop.requested(ctx, logging)
         evaluating = evaluator.due(done, last)
+        # An evaluation closes the metrics window too, so the train loss printed beside the
+        # validation loss is the one metrics.jsonl records for that step.
+        logging = done % cfg.log_interval == 0 or last or evaluating
+        stop_signal = stop.requested(ctx, logging)
         saving = checkpointer.due(done, last, stop_signal is not None, evaluating)
         if not (logging or evaluating or saving):
             continue
         window.flush(done, checkpointer.last)
         record = window.record(done, lr, bar) if logging else {}
         if evaluating:
-            record |= evaluator.run(done, bar)
+            record |= evaluator.run(done, bar, record["train_loss"])
         if record and ctx.is_main:
             for logger in duties.loggers:
                 logger.log(record)
