@@ -213,6 +213,13 @@ def test_finetune_help_shows_the_training_settings_a_run_uses(base, capsys):
     assert int(shown_steps) == FINETUNE_DEFAULTS["max_steps"] and checked == 8
 
 
+def test_converting_an_adapter_checkpoint_to_hf_says_to_merge_it(base, capsys):
+    _finetune(base, "ft", "--max-steps", "1")
+    assert main(["convert", "--to-hf", "--checkpoint", str(base / "ft"), "--out", str(base / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert "glasslm merge" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_bad_finetune_options_are_named(base, capsys):
     assert main(["finetune", "--checkpoint", str(base / "base"), "--data", str(base / "chat.jsonl"), "--full",
                  "--quantize", "int4", "--out", str(base / "x")]) == 1

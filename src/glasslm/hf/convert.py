@@ -163,7 +163,13 @@ def export_hf(
     from safetensors.torch import save_file
 
     from glasslm.tokenizers import save_hf_tokenizer, special_token_ids
+    from glasslm.transforms import applied_transforms
 
+    if applied_transforms(model):  # Hugging Face's layers hold plain weights
+        names = [t["name"] for t in applied_transforms(model)]
+        raise ValueError(f"this model is transformed ({', '.join(names)}); export plain weights: for LoRA adapters, "
+                         "glasslm merge --checkpoint CKPT --out DIR --to-hf (or only the adapters: convert --to-peft); "
+                         "for int8/int4 weights, the checkpoint they were quantized from")
     special_ids = {k: v for k, v in special_token_ids(tokenizer).items() if k != "unk"}
     config_dict = config_to_hf(model.config, model.embed.weight.dtype, special_ids, zero_biases)
     # safetensors wants contiguous CPU tensors that share no memory with each other.
