@@ -205,12 +205,18 @@ def test_finetune_help_shows_the_training_settings_a_run_uses(base, capsys):
                  "--device", "cpu"]) == 0
     used = json.loads((resolve_checkpoint(base / "ft") / "trainer_state.json").read_text())["train_config"]
     checked = 0
-    for name in ("batch_size", "lr", "min_lr", "warmup_steps", "weight_decay", "eval_interval", "optimizer", "seed"):
+    for name in ("batch_size", "min_lr", "warmup_steps", "weight_decay", "eval_interval", "optimizer", "seed"):
         shown = re.search(rf"--{name.replace('_', '-')} [A-Z{{]\S* .*?\(default: ([^)]+)\)", text).group(1)
         assert shown == str(used[name]), name
         checked += 1
     shown_steps = re.search(r"--max-steps INT .*?\(default: ([^)]+)\)", text).group(1)
-    assert int(shown_steps) == FINETUNE_DEFAULTS["max_steps"] and checked == 8
+    assert int(shown_steps) == FINETUNE_DEFAULTS["max_steps"] and checked == 7
+    shown_lr = re.search(r"--lr FLOAT .*?\(default: (.+?) \(LoRA\), (.+?) \(--full\)\)", text).groups()
+    assert main(["finetune", "--checkpoint", str(base / "base"), "--data", str(base / "chat.jsonl"), "--chat-template",
+                 str(base / "template.jinja"), "--out", str(base / "full"), "--max-steps", "1", "--no-progress",
+                 "--device", "cpu", "--full"]) == 0
+    full = json.loads((resolve_checkpoint(base / "full") / "trainer_state.json").read_text())["train_config"]
+    assert (float(shown_lr[0]), float(shown_lr[1])) == (used["lr"], full["lr"]) and used["lr"] != full["lr"]
 
 
 def test_converting_an_adapter_checkpoint_to_hf_says_to_merge_it(base, capsys):
@@ -218,6 +224,18 @@ def test_converting_an_adapter_checkpoint_to_hf_says_to_merge_it(base, capsys):
     assert main(["convert", "--to-hf", "--checkpoint", str(base / "ft"), "--out", str(base / "hf")]) == 1
     err = capsys.readouterr().err
     assert "glasslm merge" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_large_base_hears_that_the_default_lr_was_measured_on_small_models(base, capsys, monkeypatch):
+    import glasslm.cli.finetune as command
+
+    monkeypatch.setattr(command, "LARGE_BASE_PARAMETERS", 1000)  # llama-tiny stands in for a large base
+    _finetune(base, "ft", "--max-steps", "1")  # --lr given: no note
+    assert "note: LoRA's default --lr" not in capsys.readouterr().out
+    assert main(["finetune", "--checkpoint", str(base / "base"), "--data", str(base / "chat.jsonl"), "--chat-template",
+                 str(base / "template.jinja"), "--out", str(base / "ft2"), "--max-steps", "1", "--no-progress",
+                 "--device", "cpu"]) == 0
+    assert f"note: LoRA's default --lr {FINETUNE_DEFAULTS['lr']:g}" in capsys.readouterr().out
 
 
 def test_bad_finetune_options_are_named(base, capsys):

@@ -2,20 +2,20 @@
 whose options are generated from those dataclasses (glasslm.cli.command). Adding a command is
 one new module and one line in COMMANDS.
 
-    glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare
-    glasslm train --resume runs/shakespeare --max-steps 4000
+    glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare-char-cpu
+    glasslm train --resume runs/shakespeare-char-cpu --max-steps 4000
     torchrun --nproc_per_node=2 -m glasslm.cli train --batch-size 6 --out runs/ddp
-    glasslm plot runs/shakespeare
+    glasslm plot runs/shakespeare-char-cpu
     glasslm finetune --checkpoint runs/base --data chat.jsonl --lora-rank 8 --out runs/ft
     glasslm merge --checkpoint runs/ft --out runs/ft-merged --to-hf
-    glasslm generate --checkpoint runs/shakespeare --prompt "ROMEO:" --max-new-tokens 300
-    glasslm eval --checkpoint runs/shakespeare --data tinyshakespeare
+    glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --max-new-tokens 300
+    glasslm eval --checkpoint runs/shakespeare-char-cpu --data tinyshakespeare
     glasslm info --preset gpt2-small --context-length 1024
     glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2
     glasslm convert --to-hf --checkpoint runs/gpt2 --out runs/exported-gpt2
     glasslm convert --from nanogpt --checkpoint out/ckpt.pt --out runs/nano
-    glasslm inspect attention --checkpoint runs/shakespeare --prompt "ROMEO:" --layer 0 --head 1 --out runs/attn.png
-    glasslm inspect logit-lens --checkpoint runs/shakespeare --prompt "ROMEO:" --out runs/lens.png
+    glasslm inspect attention --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --layer 0 --head 1 --out runs/attn.png
+    glasslm inspect logit-lens --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --out runs/lens.png
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def _to_peft(config: ConvertConfig, output: OutputOption) -> None:
 COMMAND = Command("convert", convert, "convert between glasslm checkpoints and Hugging Face directories",
                   examples=(
                       'glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2',
-                      'glasslm convert --to-hf --checkpoint runs/shakespeare --out runs/shakespeare-hf --zero-biases',
+                      'glasslm convert --to-hf --checkpoint runs/shakespeare-char-cpu --out runs/shakespeare-char-cpu-hf --zero-biases',
                       'glasslm convert --from nanogpt --checkpoint out/ckpt.pt --out runs/nano',
                       'glasslm convert --to-peft --checkpoint runs/ft --out runs/ft-peft',
                   ))

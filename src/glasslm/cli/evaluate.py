@@ -137,7 +137,7 @@ def _check_same_tokenizer(model_tokenizer: Any, data_tokenizer: Any, ids: Any, v
 
 COMMAND = Command("eval", evaluate, "loss, perplexity and bits per byte of a checkpoint on a text, or lm-eval tasks",
                   examples=(
-                      'glasslm eval --checkpoint runs/shakespeare --data tinyshakespeare',
-                      'glasslm eval --checkpoint runs/shakespeare --data my.txt --split all --stride 32',
+                      'glasslm eval --checkpoint runs/shakespeare-char-cpu --data tinyshakespeare',
+                      'glasslm eval --checkpoint runs/shakespeare-char-cpu --data my.txt --split all --stride 32',
                       'glasslm eval --checkpoint runs/llama --tasks hellaswag,arc_easy --limit 100 --output results.json',
                   ))

@@ -23,12 +23,20 @@ from glasslm.training.config import TrainConfig
 from glasslm.training.finetune import FinetuneConfig
 
 # Fine-tuning's defaults where they differ from pretraining's (TrainConfig's); options win. Help shows
-# these, the values a run uses (tests/cli/test_first_hour.py parses help and checks them against a run).
-FINETUNE_DEFAULTS = {"max_steps": 300, "batch_size": 8, "lr": 2e-4, "min_lr": 2e-5, "warmup_steps": 20,
-                     "weight_decay": 0.0, "eval_interval": 50, "log_interval": 10}
+# these, the values a run uses (tests/training/test_finetune.py parses help and checks it against a run).
+# The LoRA learning rate and steps were measured on the demo model (docs/training.md); a large base
+# gets a note at start-up (LARGE_BASE_PARAMETERS). Every weight moving at LoRA's rate would wreck a
+# model, so --full keeps a full fine-tune's usual rate.
+FINETUNE_DEFAULTS = {"max_steps": 1000, "batch_size": 8, "lr": 3e-3, "min_lr": 2e-5, "warmup_steps": 20,
+                     "weight_decay": 0.0, "eval_interval": 100, "log_interval": 10}
+FULL_FINETUNE_LR = 2e-4
+# Above this many base parameters the LoRA defaults are untested: start-up says so, and what LoRA
+# at that size usually trains with.
+LARGE_BASE_PARAMETERS = 100_000_000
 TRAINING = Group("training (defaults shown: fine-tuning's, where they differ from glasslm train's)",
                  skip=frozenset({"init_from"}),
-                 shown_defaults=lambda: dataclasses.asdict(TrainConfig(**FINETUNE_DEFAULTS)))
+                 shown_defaults=lambda: dataclasses.asdict(TrainConfig(**FINETUNE_DEFAULTS))
+                 | {"lr": f"{FINETUNE_DEFAULTS['lr']:g} (LoRA), {FULL_FINETUNE_LR:g} (--full)"})
 
 
 @dataclass
@@ -58,6 +66,8 @@ def finetune(run: FinetuneRun, method: Annotated[dict[str, Any], FinetuneConfig]
     model, tokenizer, meta, data = _model_and_data(base, config, train_config, run.data if resume is None else None,
                                                    resume)
     _keep_base(meta, out)
+    if resume is None and not config.full and "lr" not in training:
+        _note_untested_lr(model.num_parameters(), train_config.lr)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"fine-tuning {meta['finetune']['base']} ({'full' if config.full else 'LoRA'}{', ' + config.quantize + ' base' if config.quantize != 'none' else ''}): "
           f"{n_train:,} trainable of {model.num_parameters():,} parameters; {len(data[0])} training / "
@@ -89,7 +99,8 @@ def _plan(run: FinetuneRun, method: dict[str, Any], training: dict[str, Any]) ->
         config = FinetuneConfig(**method)
         config.check()
         out = Path(run.out or f"runs/finetune-{Path(run.checkpoint).name}")
-        return run.checkpoint, config, TrainConfig(**{**FINETUNE_DEFAULTS, **training}), out, None
+        defaults = FINETUNE_DEFAULTS | ({"lr": FULL_FINETUNE_LR} if config.full else {})
+        return run.checkpoint, config, TrainConfig(**{**defaults, **training}), out, None
     if run.checkpoint or method:
         raise ValueError("--resume continues the run's base and method; drop --checkpoint and the method options "
                          "(--base PATH points it at its base where that is now)")
@@ -146,6 +157,14 @@ def _keep_base(meta: dict[str, Any], out: Path) -> None:
     if ADAPTER_BASE_KEY in meta and not record_adapter_run(meta[ADAPTER_BASE_KEY]["path"], out):
         print(f"note: could not write to {meta[ADAPTER_BASE_KEY]['path']}, so --keep-last in its run may delete "
               "it; keep a copy (and pass it with --base) if you train that run further")
+
+
+def _note_untested_lr(n_parameters: int, lr: float) -> None:
+    """The default learning rate was chosen on the demo model; on a large base say so before training."""
+    if n_parameters > LARGE_BASE_PARAMETERS:
+        print(f"note: LoRA's default --lr {lr:g} was measured on small models (docs/training.md); on a base of "
+              f"{n_parameters / 1e6:,.0f}M parameters LoRA usually trains at 1e-4 to 2e-4: pass --lr 2e-4 if the "
+              "loss jumps or diverges")
 
 
 def _export_peft(model: Any, directory: str, base: str, config: FinetuneConfig) -> None:

@@ -157,6 +157,6 @@ def _answer_lines(writer: _Writer) -> None:
 
 COMMAND = Command("sample", generate, "write text from a trained checkpoint (streamed)", aliases=("generate",),
                   examples=(
-                      'glasslm generate --checkpoint runs/shakespeare --prompt "ROMEO:" --max-new-tokens 300',
-                      'glasslm generate --checkpoint runs/shakespeare --interactive',
+                      'glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --max-new-tokens 300',
+                      'glasslm generate --checkpoint runs/shakespeare-char-cpu --interactive',
                   ))

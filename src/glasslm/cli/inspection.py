@@ -42,7 +42,7 @@ def logit_lens(source: CheckpointOption, drawing: Drawing, runtime: DeviceOption
 
 COMMAND = Command("inspect", None, "draw attention patterns or the logit lens (PNG)", subcommands=(
     Command("attention", attention, "one head's attention pattern, tokens on both axes", examples=(
-        'glasslm inspect attention --checkpoint runs/shakespeare --prompt "ROMEO:" --layer 0 --head 1 --out attn.png',)),
+        'glasslm inspect attention --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --layer 0 --head 1 --out attn.png',)),
     Command("logit-lens", logit_lens, "top next token read from every layer, as a grid", examples=(
-        'glasslm inspect logit-lens --checkpoint runs/shakespeare --prompt "ROMEO:" --out lens.png',)),
+        'glasslm inspect logit-lens --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --out lens.png',)),
 ))

@@ -40,5 +40,5 @@ def quantize(source: CheckpointOption, config: QuantizeConfig, output: OutputOpt
 COMMAND = Command("quantize", quantize,
                   "write a weight-only int8 or int4 copy of a checkpoint (for generate/eval/serve)",
                   examples=(
-                      'glasslm quantize --checkpoint runs/shakespeare --method int8 --out runs/shakespeare-int8',
+                      'glasslm quantize --checkpoint runs/shakespeare-char-cpu --method int8 --out runs/shakespeare-char-cpu-int8',
                   ))

@@ -31,6 +31,6 @@ def serve(source: CheckpointOption, config: ServeConfig, runtime: RuntimeOptions
 COMMAND = Command("serve", serve,
                   "OpenAI-compatible completions server and the explorer page (needs fastapi, uvicorn)",
                   examples=(
-                      'glasslm serve --checkpoint runs/shakespeare              # explorer at http://127.0.0.1:8000',
-                      'glasslm serve --checkpoint runs/shakespeare --port 8001 --max-batch 8',
+                      'glasslm serve --checkpoint runs/shakespeare-char-cpu              # explorer at http://127.0.0.1:8000',
+                      'glasslm serve --checkpoint runs/shakespeare-char-cpu --port 8001 --max-batch 8',
                   ))

@@ -49,10 +49,14 @@ class FinetuneConfig:
     """fine-tuning method"""
 
     full: bool = False  # train every weight instead of LoRA adapters
+    # LoRA defaults: measured on the demo model (docs/training.md#choosing-the-lora-defaults), where
+    # adapters on q,v alone (with lr 2e-4, glasslm's defaults before) left the answers unlearned
     lora_rank: int = field(default=8, metadata={"minimum": 1})  # LoRA: the adapters' inner width r
     lora_alpha: float = 16.0  # LoRA: the update is scaled by alpha / rank
-    lora_sites: str = "q,v"  # LoRA: comma-separated sites: q, k, v, attn_out, mlp_up, mlp_gate, mlp_down, unembed
-    lora_dropout: float = 0.05  # LoRA: dropout on the adapters' input while training
+    # LoRA: comma-separated sites: q, k, v, attn_out, mlp_up, mlp_gate, mlp_down, unembed (a model
+    # without one, e.g. GPT-2's gate, just has no adapter there)
+    lora_sites: str = "q,k,v,attn_out,mlp_up,mlp_gate,mlp_down"
+    lora_dropout: float = 0.0  # LoRA: dropout on the adapters' input while training
     # hold the frozen base in int8 or int4 (QLoRA); none: fp32
     quantize: Literal["none", "int8", "int4"] = "none"
     chat_template: str | None = field(default=None, metadata={"metavar": "FILE"})  # Jinja chat template; none: the base's
