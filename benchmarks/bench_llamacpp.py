@@ -12,6 +12,11 @@ f32 / f16 / q8_0 / q4_0.
     python benchmarks/bench_llamacpp.py --models gpt2,llama --batches 1,8 --prefill
     python benchmarks/bench_llamacpp.py --full        # batch 1 and 8, threads 1 and 2, prefill, profile
     python benchmarks/bench_llamacpp.py --compile     # also each glasslm model through a compiled step
+    python benchmarks/bench_llamacpp.py --gguf model.gguf   # one real file: llama.cpp on it, glasslm as
+                                                             # `glasslm generate --checkpoint model.gguf` loads it
+
+With --gguf, glasslm's rows are the file as `load_model` reads it (4-bit blocks kept, the rest in
+float32: `gguf`) and with every tensor dequantized (`gguf fp32`), both against llama.cpp on the file.
 
 Each row prints tokens/s, the glasslm / llama.cpp ratio, bytes read per token and the share of the
 memory-bandwidth bound (measured bandwidth / bytes per token) each side reaches. Before timing, the
@@ -45,9 +50,14 @@ PAIRS = [("fp32", "f32"), ("bf16", "f16"), ("int8", "q8_0"), ("int4", "q4_0")]
 COMPILED = " compiled"  # a glasslm row whose name ends so decodes with `compile=True` (--compile)
 
 
+GGUF_PAIRS = [("gguf", "file"), ("gguf fp32", "file")]  # --gguf: the file as load_model keeps it, and dequantized
+
+
 def pairs(args) -> list[tuple[str, str]]:
-    """The (glasslm, llama.cpp) rows to time: PAIRS, and with --compile each glasslm model compiled too."""
-    return PAIRS + [(ours + COMPILED, theirs) for ours, theirs in PAIRS] if args.compile else PAIRS
+    """The (glasslm, llama.cpp) rows to time: PAIRS (GGUF_PAIRS with --gguf), and with --compile each
+    glasslm model compiled too."""
+    base = GGUF_PAIRS if args.gguf else PAIRS
+    return base + [(ours + COMPILED, theirs) for ours, theirs in base] if args.compile else base
 
 
 # --- the weights, written for both ----------------------------------------------------------------
@@ -517,6 +527,34 @@ def run_model(kind: str, folder: Path, args, bandwidth: dict) -> None:
     report(time_rows(kind, ours, theirs, args, vocab, report), args.repeats)
 
 
+def run_file(path: Path, args, bandwidth: dict) -> None:
+    """--gguf: llama.cpp on the file against glasslm on the same file, loaded as the CLI loads it."""
+    from glasslm.generation import optimize_for_decoding
+    from glasslm.hf.gguf.importer import import_gguf
+
+    start = time.perf_counter()
+    kept, _ = load_model(path)
+    print(f"glasslm load_model({path.name}): {time.perf_counter() - start:.1f} s; {kept.gguf_summary}")
+    ours = {"gguf": kept, "gguf fp32": import_gguf(path, keep_blocks=False).model}
+    for model in ours.values():
+        optimize_for_decoding(model)  # what `glasslm generate` does before decoding
+    bytes_ours = {name: glasslm_bytes_per_token(model) for name, model in ours.items()}
+    if args.compile:
+        ours.update({name + COMPILED: model for name, model in list(ours.items())})
+        bytes_ours.update({name + COMPILED: size for name, size in list(bytes_ours.items())})
+    bytes_theirs = {"file": gguf_bytes_per_token(path)}
+    print(f"{path.name}: {bytes_theirs['file'][0] / 1e6:.0f} MB read per token; tensor types {bytes_theirs['file'][1]}")
+    n_ctx = 1024 if args.prefill else 256 * (1 + (args.new_tokens + 8) // 256)
+    theirs = {("file", batch): LlamaCpp(path, batch, n_ctx) for batch in args.batches}
+    vocab = kept.config.vocab_size
+
+    def report(times: dict, repeats: int) -> None:
+        print_table(path.name, times, bytes_ours, bytes_theirs, bandwidth, args, repeats)
+        print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+
+    report(time_rows(path.name, ours, theirs, args, vocab, report), args.repeats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="gpt2", help="comma-separated: gpt2, llama (SmolLM-135M's shape)")
@@ -534,6 +572,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="also time each glasslm model decoding through a compiled step (compile=True; "
                              "compiling happens in the untimed warm-up)")
+    parser.add_argument("--gguf", type=Path, metavar="FILE",
+                        help="time one real GGUF file (llama.cpp on it, glasslm loading it) instead of --models")
     parser.add_argument("--full", action="store_true",
                         help="the whole table in about 10 minutes on 2 cores: batches 1,8, threads 1,2, a 512-token "
                              "prefill, 128 new tokens at batch 1 and 32 per row at batch 8, 3 repeats, --profile")
@@ -562,9 +602,12 @@ def main() -> None:
         print(f"{args.busy} busy-loop process(es) running beside the benchmark")
     start = time.perf_counter()
     try:
-        with tempfile.TemporaryDirectory() as folder:
-            for kind in args.models.split(","):
-                run_model(kind, Path(folder), args, bandwidth)
+        if args.gguf:
+            run_file(args.gguf, args, bandwidth)
+        else:
+            with tempfile.TemporaryDirectory() as folder:
+                for kind in args.models.split(","):
+                    run_model(kind, Path(folder), args, bandwidth)
         print(f"\nbenchmark took {(time.perf_counter() - start) / 60:.1f} minutes")
     finally:
         for process in busy:

@@ -77,3 +77,21 @@ def llama_chat(tmp_path_factory):
     from chat_models import llama_chat_dir
 
     return llama_chat_dir(tmp_path_factory.mktemp("llama-chat"), CHAT_PROMPTS)
+
+
+@pytest.fixture(scope="session")
+def padded_qwen3(tmp_path_factory, data_dir):
+    """(directory, transformers model, transformers tokenizer) of a Qwen3 whose 50,304 embedding rows
+    outnumber its GPT-2 tokenizer's 50,259 tokens, its padding rows the likeliest (tests/padded_models.py)."""
+    import sys
+
+    from glasslm.tokenizers import find_gpt2_files
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from padded_models import padded_qwen3_dir
+
+    try:
+        files = find_gpt2_files(data_dir)
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    return padded_qwen3_dir(tmp_path_factory.mktemp("padded-qwen3"), files)

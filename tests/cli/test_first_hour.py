@@ -66,10 +66,10 @@ def test_a_mistyped_local_path_is_not_sent_to_the_hub(tmp_path, monkeypatch, cap
     (tmp_path / "runs").mkdir()
     assert main(["info", "--checkpoint", "runs/nonexist"]) == 1
     err = capsys.readouterr().err
-    assert "runs/nonexist does not exist" in err and "hf download" not in err
+    assert "runs/nonexist does not exist" in err and "download" not in err
     assert main(["info", "--checkpoint", "someorg/somemodel"]) == 1  # no such local folder: both readings named
     err = capsys.readouterr().err
-    assert "hf download someorg/somemodel" in err and "local path" in err
+    assert "`glasslm download someorg/somemodel`" in err and "local path" in err
 
 
 @pytest.mark.slow  # two short training runs

@@ -85,6 +85,19 @@ def test_help_text_is_the_field_comment_with_its_default():
     assert "--fsdp, --no-fsdp" in text
 
 
+def test_convert_from_hf_help_names_every_family_the_registry_imports(monkeypatch):
+    from glasslm.hf.families import FAMILIES
+
+    def from_hf_help() -> str:
+        return next(a.help for a in _subparser("convert")._actions if "--from-hf" in a.option_strings)
+
+    names = {name for family in FAMILIES.values() for name in (family.name, *family.model_types)}
+    assert len(names) >= 7 and all(name in from_hf_help() for name in names), from_hf_help()
+    # Read from the registry, not written out: a family registered later is named too.
+    monkeypatch.setitem(FAMILIES, "phi3", dataclasses.replace(FAMILIES["llama"], name="phi3", model_types=("phi-3",)))
+    assert "phi3" in from_hf_help() and "phi-3" in from_hf_help()
+
+
 def test_booleans_are_real_flags_that_take_no_value(capsys):
     parse = lambda *argv: given_options(build_parser().parse_args(["train", *argv]), TrainConfig)  # noqa: E731
     assert parse("--fsdp", "--no-progress", "--tensorboard") == {"fsdp": True, "progress": False, "tensorboard": True}
@@ -270,7 +283,7 @@ def test_the_package_exposes_its_main_names():
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--checkpoint", "x", "--prompt", "a", "--interactive"], "not allowed with argument"),
-    (["convert", "--out", "o"], "one of the arguments --from-hf --to-hf --to-peft --from is required"),
+    (["convert", "--out", "o"], "one of the arguments --from-hf --to-hf --from-gguf --to-gguf --to-peft --from is required"),
     (["convert", "--to-hf", "--from-hf", "h", "--out", "o"], "not allowed with argument"),
     (["eval", "--checkpoint", "x"], "one of the arguments --data --tasks is required"),
     (["eval", "--checkpoint", "x", "--data", "d", "--tasks", "t"], "not allowed with argument"),

@@ -4,6 +4,12 @@ in-process harness on the same model: accuracy and generations identical, log-li
 (relative 1e-6 for long sums). Token-id prompts (tokenized_requests=True) and text prompts both."""
 
 import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +86,39 @@ def test_lm_eval_local_completions_against_glasslm_serve_equals_the_in_process_h
         gaps = [abs(x - y) for x, y in zip(_scores(served, task), _scores(reference, task))]
         print(f"{task} tokenized_requests={tokenized}: {len(gaps)} log-likelihoods, max |served - in process| "
               f"{max(gaps):.2e}")
+
+
+def _documented_lm_eval_commands() -> list[list[str]]:
+    """Every `lm_eval ...` command of the README and docs (lines continued with a backslash joined)."""
+    root = Path(__file__).resolve().parents[2]
+    commands = []
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = page.read_text(encoding="utf-8").replace("\\\n", " ")
+        commands += [shlex.split(line, comments=True) for line in text.splitlines() if line.startswith("lm_eval ")]
+    return commands
+
+
+def _here(words: list[str], url: str, folder: Path) -> list[str]:
+    """A documented command aimed at this test's server, tasks and HF export (everything else as written)."""
+    args = list(words[1:])
+    args[args.index("--tasks") + 1] = "tiny_choice,tiny_until"
+    at = args.index("--model_args") + 1
+    args[at] = re.sub(r"base_url=http://[^/,]+", f"base_url={url}", args[at])
+    args[at] = args[at].replace("runs/char-hf", str(folder / "hf"))
+    return [*args, "--include_path", str(folder)]
+
+
+@pytest.mark.slow
+def test_every_documented_lm_eval_command_runs_against_glasslm_serve(exported):
+    # lm-eval 0.4.13 refused the README's command while it put batch_size=8 inside --model_args.
+    commands = _documented_lm_eval_commands()
+    assert len(commands) >= 3  # the README's, and docs/serving.md's two (remote and Hugging Face tokenizers)
+    model, tokenizer, folder = exported
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    with serving_in_thread(create_app(model, tokenizer, ServeConfig(name="char", max_batch=8))) as url:
+        for words in commands:
+            assert words[0] == "lm_eval" and "--batch_size" in words, words
+            run = subprocess.run([sys.executable, "-m", "lm_eval", *_here(words, url, folder)], env=env,
+                                 capture_output=True, text=True, timeout=600)
+            assert run.returncode == 0, (words, run.stderr[-3000:])
+            assert "tiny_choice" in run.stdout and "tiny_until" in run.stdout, run.stdout[-2000:]

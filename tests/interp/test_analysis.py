@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -103,11 +104,12 @@ def test_full_decomposition_of_an_attention_only_model_has_no_mlp_parts(expand_n
 @pytest.mark.parametrize("step", ["fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases"])
 def test_each_weight_processing_step_keeps_log_probs(shape, step):
     model = random_model(shape)
-    if step == "center_writing_weights" and shape == "llama":
-        with pytest.raises(ValueError, match="LayerNorm"):
-            weights.center_writing_weights(model)
-        return
     processed = copy.deepcopy(model)
+    if step == "center_writing_weights" and shape == "llama":  # RMSNorm: nothing to do, as TransformerLens
+        with pytest.warns(UserWarning, match="does nothing on an RMSNorm model"):
+            weights.center_writing_weights(processed)
+        assert all(torch.equal(p, q) for p, q in zip(processed.parameters(), model.parameters()))
+        return
     getattr(weights, step)(processed)
     with torch.no_grad():
         torch.testing.assert_close(processed(TOKENS).log_softmax(-1), model(TOKENS).log_softmax(-1),
@@ -205,3 +207,64 @@ def test_head_logit_attribution_adds_up_with_the_rest():
     torch.testing.assert_close(total + model.unembed_bias[7], logits[0, :, 7], atol=1e-4, rtol=1e-4)
     heads = head_logit_attribution(model, tokens, 7)
     torch.testing.assert_close(heads, cache.logit_attrs(cache.stack_head_results(), 7)[:, 0])
+
+
+def family_model(family: str, dtype: torch.dtype = torch.float64) -> TransformerLM:
+    """A two-layer model of each imported family (its HF config.json), every bias the family allows
+    switched on, norm gains and biases perturbed off their initial values; float64 so float error is ~1e-15."""
+    from glasslm.hf import config_from_hf
+    from tests.hf.test_family_registry import HF_CONFIGS
+    from tests.interp.tl_reference import perturb
+
+    hf = dict(HF_CONFIGS[family])
+    if family in ("llama", "qwen3", "gemma3_text"):
+        hf["attention_bias"] = True  # q, k, v (and o) biases: fold_ln and fold_value_biases have work to do
+    torch.manual_seed(0)
+    return perturb(TransformerLM(config_from_hf(hf)[0]).eval(), scale=2.0).to(dtype)
+
+
+FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gemma3_text"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_weight_processing_keeps_every_familys_log_probs(family):
+    """fold_ln, center_writing_weights, center_unembed, fold_value_biases: log-probs within float64 error on
+    every registered family, Gemma 3's (1 + w) norms, sandwich post-norms and q/k norms included."""
+    model = family_model(family)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    before = model(tokens).log_softmax(-1)
+    weights.fold_ln(model)
+    folded = [model.ln_final] + [norm for block in model.blocks for norm in (block.ln1, block.ln2)]
+    for norm in folded:  # the pre-norms are now plain divisions: gain 1 (weight 0 under (1 + w))
+        assert torch.all(weights.norm_gain(norm) == 1.0) and torch.all(getattr(norm, "bias", torch.zeros(1)) == 0)
+    torch.testing.assert_close(model(tokens).log_softmax(-1), before, atol=1e-12, rtol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # RMSNorm families: a documented no-op
+        weights.center_writing_weights(model)
+    weights.center_unembed(model)
+    weights.fold_value_biases(model)
+    torch.testing.assert_close(model(tokens).log_softmax(-1), before, atol=1e-12, rtol=0)
+    assert model.unembed.weight.mean(0).abs().max() < 1e-12
+
+
+@torch.no_grad()
+def test_gemma3_heads_and_neurons_add_up_through_the_post_norms():
+    """A post-norm's divisor, taken from the cache, makes each head's and neuron's write exact."""
+    model = family_model("gemma3_text", torch.float32)
+    weights.process_weights(model)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    _, cache = run_with_cache(model, tokens)
+    for layer in range(2):
+        attn = model.blocks[layer].attn
+        attn_bias = cache.accumulated_bias(layer, mlp_input=True) - cache.accumulated_bias(layer)  # (batch, seq, d)
+        torch.testing.assert_close(cache.head_results(layer).sum(-2) + attn_bias, cache["attn_out", layer],
+                                   atol=1e-5, rtol=1e-5)
+        z_w_o = cache["z", layer].flatten(-2) @ attn.out.weight.T  # before the post-norm: not what is added
+        assert not torch.allclose(z_w_o, cache["attn_out", layer], atol=1e-2)
+        torch.testing.assert_close(cache.neuron_results(layer).sum(-2), cache["mlp_out", layer], atol=1e-5, rtol=1e-5)
+    stack, labels = cache.get_full_resid_decomposition(return_labels=True)
+    torch.testing.assert_close(stack.sum(0), cache["resid_post", 1], atol=1e-5, rtol=1e-5)
+    assert labels[-3:] == ["L1N47", "embed", "bias"]
+    with pytest.raises(KeyError, match="ln1_post.hook_scale"):
+        run_with_cache(model, tokens, names_filter=["blocks.0.attn.hook_z"])[1].head_results(0)

@@ -241,3 +241,53 @@ def test_activation_patching_is_the_interp_grid_normalised_clean_1_corrupted_0(s
         torch.testing.assert_close(normalised[0], expected, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="must be as long"):
         explore.activation_patching(model, tok, clean, corrupted[:-1], answer, wrong)
+
+
+def test_served_logit_attribution_on_gemma3_names_transformers_top_token_and_adds_up(tmp_path):
+    """An imported Gemma 3 ((1 + w) norms, sandwich post-norms, q/k norms, scaled embeddings), served:
+    /api/logit-attribution processes a copy as TransformerLens does and must not change its predictions."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("transformers")
+    from glasslm.hf import import_hf
+    from glasslm.serving.app import create_app
+    from glasslm.serving.config import ServeConfig
+    from glasslm.serving.server import serving_in_thread
+    from tests.hf.test_hf_families import VOCAB, random_model
+    from tests.hf.test_hf_new_families import FAMILIES
+    from tests.serving.test_serve import call
+
+    hf_model = random_model(FAMILIES["gemma3-shape"]())  # norm weights 1 + noise: each norm scales by ~2
+    hf_model.save_pretrained(tmp_path / "gemma3")
+    model = import_hf(tmp_path / "gemma3")
+    tok = CharTokenizer([chr(ord("!") + i) for i in range(VOCAB - 3)] + [" ", "\n", "\t"])
+    ids = torch.randint(0, VOCAB, (16,), generator=torch.Generator().manual_seed(4)).tolist()
+    expected = hf_model(torch.tensor([ids])).logits[0, -1]
+    with serving_in_thread(create_app(model, tok, ServeConfig(name="gemma3"))) as url:
+        status, got = call(url, "/api/logit-attribution", {"tokens": ids})
+    assert status == 200 and got["token"]["id"] == int(expected.argmax())
+    assert [row["id"] for row in got["top"]] == expected.topk(10).indices.tolist()
+    total = sum(map(sum, got["heads"])) + sum(c["value"] for c in got["components"]) + got["unembed_bias"]
+    top = int(expected.argmax())
+    assert total == pytest.approx(float(expected[top] - expected.mean()), abs=1e-4)
+    assert got["logit_minus_mean"] == pytest.approx(float(expected[top] - expected.mean()), abs=1e-4)
+
+
+def test_page_defaults_are_the_usual_texts_where_they_encode_else_made_from_the_vocabulary():
+    from glasslm.interp.induction import TOKEN_CHARS
+
+    usual = CharTokenizer.from_text("".join(explore.STANDARD_TEXTS.values()))
+    assert explore.page_defaults(usual, 64) == {"texts": explore.STANDARD_TEXTS, "from_vocabulary": False}
+    study = CharTokenizer(list(TOKEN_CHARS))  # the induction study's 64 characters: no ':', ',' or space
+    with pytest.raises(ValueError, match="':' is not in"):
+        study.encode(explore.STANDARD_TEXTS["prompt"])
+    made = explore.page_defaults(study, 48)
+    texts, ids = made["texts"], {name: study.encode(text) for name, text in made["texts"].items()}
+    assert made["from_vocabulary"] and all(ids.values())
+    clean, corrupted = ids["inspect_text"], ids["corrupted_text"]
+    assert len(clean) == len(corrupted) <= 48 and sum(a != b for a, b in zip(clean, corrupted)) == 1
+    # An induction head's answer: the token that followed the last token's earlier copy ...
+    answer = clean[clean.index(clean[-1]) + 1]
+    assert ids["answer"] == [answer] and ids["wrong_answer"] != ids["answer"]
+    # ... which the corrupted text no longer has: the token before that copy is the wrong answer instead.
+    assert corrupted[corrupted.index(ids["wrong_answer"][0]) + 1] == answer and clean[-1] not in corrupted[:-8]
+    assert len(ids["prompt"]) < 48 and texts["loss_text"] == texts["loss_text"][:8] * 3

@@ -13,13 +13,14 @@ import torch
 
 pytest.importorskip("transformer_lens")
 
-from glasslm.interp import patching  # noqa: E402
+from glasslm.interp import params, patching  # noqa: E402
 from glasslm.interp.hooks import run_with_cache, set_use_attn_result  # noqa: E402
 from glasslm.interp.weights import process_weights  # noqa: E402
 from tests.interp.tl_reference import build_pair  # noqa: E402
 
 pytestmark = pytest.mark.slow  # booting TransformerLens takes ~10 s per model
 TOL = 1e-5
+TOKENS_2 = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(2))
 
 
 def close(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> float:
@@ -38,20 +39,19 @@ def hf_feature_order(d_head: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, d_head, 2), torch.arange(1, d_head, 2)])
 
 
-def as_tl(model, name: str, activation: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
-    """Our activation in TransformerLens's convention."""
-    if name.endswith("hook_normalized"):  # ours is after the gain and bias; TL's before
-        norm = model.get_submodule(name.rsplit(".", 1)[0])
-        shift = getattr(norm, "bias", None)
-        return (activation - (0 if shift is None else shift)) / norm.weight
-    if model.config.positional == "rope" and name.rsplit(".", 1)[-1] in ("hook_q", "hook_k", "hook_rot_q", "hook_rot_k"):
+ROTARY_ORDERED = ("hook_q", "hook_k", "hook_rot_q", "hook_rot_k", "hook_q_normed", "hook_k_normed")
+
+
+def as_tl(model, name: str, activation: torch.Tensor) -> torch.Tensor:
+    """Our activation in TransformerLens's convention (the one that differs: rotary feature order)."""
+    if name.endswith(("q_norm.hook_normalized", "k_norm.hook_normalized")):
+        name = "hook_q"
+    if model.config.positional == "rope" and name.rsplit(".", 1)[-1] in ROTARY_ORDERED:
         return activation[..., hf_feature_order(activation.shape[-1])]
-    if name == "hook_pos_embed":
-        return activation.expand_as(theirs)
     return activation
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
+@pytest.fixture(scope="module", params=["gpt2", "llama", "qwen3", "gemma3"])
 def pair(request, tmp_path_factory):
     model, bridge = build_pair(request.param, tmp_path_factory.mktemp(request.param) / "hf")
     tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -73,7 +73,11 @@ def test_every_common_hook_matches(pair, caches):
     close(logits, theirs_logits, "logits")
     assert not set(ours) - set(theirs.keys()), "every hook point glasslm fires here, TL has"
     common = list(ours)
-    report = {name: close(as_tl(model, name, ours[name], theirs[name]), theirs[name], name) for name in common}
+    named = ["hook_embed", "hook_unembed", "blocks.0.ln1.hook_normalized", "ln_final.hook_normalized"]
+    if model.config.qk_norm:  # (batch, heads, seq, d_head) in both
+        named += ["blocks.0.attn.hook_q_normed", "blocks.1.attn.hook_k_normed", "blocks.0.attn.q_norm.hook_scale"]
+    assert set(named) <= set(common), set(named) - set(common)
+    report = {name: close(as_tl(model, name, ours[name]), theirs[name], name) for name in common}
     print(f"\n{shape}: {len(report)} hooks, max differences", {k: f"{v:.1e}" for k, v in report.items()})
 
 
@@ -87,7 +91,36 @@ def test_per_head_results_match_tl(pair, caches):
     finally:
         set_use_attn_result(model, False)
     stack = theirs.stack_head_results(layer=-1)  # (layers * heads, batch, seq, d_model)
-    close(ours.stack_head_results(layer=-1), stack, "stack_head_results via hook_result")
+    raw = torch.cat([ours[f"blocks.{layer}.attn.hook_result"] for layer in range(2)], dim=-2).movedim(-2, 0)
+    close(raw, stack, "hook_result")  # each head's z W_O, before a post-norm (Gemma 3's) in both
+    if not model.config.post_norms:
+        close(ours.stack_head_results(layer=-1), stack, "stack_head_results via hook_result")
+
+
+def through_tl_post_norm(model, theirs, stack, sublayer: str, per_layer: int):
+    """TL's per-head (per-neuron) stack, taken through each block's post-norm with TL's own cached scale:
+    what glasslm's stacks are on a sandwich-norm model (they then add up to the sublayer's output)."""
+    norm_name = "ln1_post" if sublayer == "attn" else "ln2_post"
+    layers = []
+    for layer, chunk in enumerate(stack.split(per_layer)):
+        norm = getattr(model.blocks[layer], norm_name)
+        layers.append(chunk / theirs[f"blocks.{layer}.{norm_name}.hook_scale"] * (1 + norm.weight))
+    return torch.cat(layers)
+
+
+def test_post_norm_heads_and_neurons_are_tls_through_the_cached_post_norm(pair, caches):
+    shape, model, _, _ = pair
+    if not model.config.post_norms:
+        pytest.skip("no post-norms: the stacks are compared as they are in test_cache_methods_match_tl")
+    _, ours, _, theirs = caches
+    heads = through_tl_post_norm(model, theirs, theirs.stack_head_results(layer=-1), "attn", model.config.n_heads)
+    close(ours.stack_head_results(layer=-1), heads, "stack_head_results")
+    neurons = through_tl_post_norm(model, theirs, theirs.stack_neuron_results(layer=2), "mlp", model.config.d_mlp)
+    close(ours.stack_neuron_results(layer=2), neurons, "stack_neuron_results")
+    stream = ours["blocks.1.hook_resid_post"]
+    close(ours.get_full_resid_decomposition().sum(0), stream, "our decomposition adds up to the stream")
+    tl_gap = (theirs.get_full_resid_decomposition().sum(0) - stream).abs().max()
+    assert tl_gap > 1e-2, "TL's z W_O parts skip the post-norm, so its decomposition does not add up"
 
 
 CACHE_CALLS = {
@@ -107,7 +140,10 @@ CACHE_CALLS = {
 
 @pytest.mark.parametrize("method", sorted(CACHE_CALLS))
 def test_cache_methods_match_tl(pair, caches, method):
-    shape, _, _, _ = pair
+    shape, model, _, _ = pair
+    if model.config.post_norms and method in ("stack_head_results", "stack_neuron_results",
+                                              "get_full_resid_decomposition"):
+        pytest.skip("glasslm's parts pass the post-norms: test_post_norm_heads_and_neurons_are_tls_through_...")
     _, ours, _, theirs = caches
     worst = 0.0
     for kwargs in CACHE_CALLS[method]:
@@ -151,23 +187,25 @@ def test_activation_patching_matches_tl(pair):
         close(ours, theirs, name)
 
 
-def test_processed_weights_match_tl(tmp_path):
-    """After TL's default processing (fold_ln, center_writing_weights, center_unembed, fold_value_biases)."""
-    model, bridge = build_pair("gpt2", tmp_path / "hf", processing=True)
+@pytest.mark.parametrize("shape", ["gpt2", "llama", "qwen3", "gemma3"])
+def test_processed_weights_match_tl(tmp_path, shape):
+    """After TL's default processing (fold_ln, center_writing_weights, center_unembed, fold_value_biases):
+    the same log-probs and the same folded weights, Gemma 3's (1 + w) norms and sandwich included."""
+    model, bridge = build_pair(shape, tmp_path / "hf", processing=True)
+    before = model(TOKENS_2).log_softmax(-1)
     process_weights(model)
-    tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        theirs_logits, theirs = bridge.run_with_cache(tokens)
-        logits, ours = run_with_cache(model, tokens)
+        theirs_logits, theirs = bridge.run_with_cache(TOKENS_2)
+        logits, ours = run_with_cache(model, TOKENS_2)
+    close(logits.log_softmax(-1), before, "our log-probs, processed vs not")
     close(logits, theirs_logits, "logits")
     for name in ["blocks.1.hook_resid_pre", "blocks.0.attn.hook_v", "blocks.1.hook_attn_out", "blocks.1.hook_resid_post"]:
         close(ours[name], theirs[name], f"processed {name}")
-    n_heads, d_head, d_model = 4, 16, 64
-    for layer, block in enumerate(model.blocks):
-        w_q = block.attn.qkv.weight[: n_heads * d_head].view(n_heads, d_head, d_model).transpose(1, 2)
-        close(w_q, bridge.W_Q[layer], "W_Q")
-        close(block.attn.out.bias, bridge.b_O[layer], "b_O")
-        close(block.mlp.down.weight.T, bridge.W_out[layer], "W_out")
-    close(model.unembed.weight.T, bridge.W_U, "W_U")
-    close(model.unembed_bias, bridge.b_U, "b_U")
-    close(model.embed.weight, bridge.W_E, "W_E")
+    order = hf_feature_order(model.config.d_head) if model.config.positional == "rope" else slice(None)
+    for name in ["W_Q", "W_K"]:  # rotary: glasslm's adjacent-pair feature order within a head
+        close(getattr(params, name)(model)[..., order], getattr(bridge, name), name)
+    for name in ["W_V", "W_O", "W_in", "W_out", "W_U", "b_U", "W_E"] + (["W_gate"] if bridge.W_gate is not None else []):
+        close(getattr(params, name)(model), getattr(bridge, name), name)
+    if shape == "gpt2":
+        for name in ["b_Q", "b_K", "b_V", "b_O", "b_in", "b_out", "W_pos"]:
+            close(getattr(params, name)(model), getattr(bridge, name), name)

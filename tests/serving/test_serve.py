@@ -179,7 +179,7 @@ def test_logprobs_are_the_models_log_softmax(served):
     ({"prompt": "hi", "n": 0}, None, 400, "n:"),
     ({"prompt": "hi", "n": 2, "best_of": 3}, None, 400, "best_of: only best_of equal to n"),
     ({"prompt": "hi", "frequency_penalty": 0.5}, None, 400, "frequency_penalty: not supported"),
-    ({"prompt": "hi", "logit_bias": {"3": 1.0}}, None, 400, "logit_bias: not supported"),
+    ({"prompt": "hi", "logit_bias": {"3": 500.0}}, None, 400, "logit_bias: values are in [-100, 100]"),
     ({"prompt": ["hi", [0, 999]]}, None, 400, "prompt"),
     ({"prompt": ["hi", "x" * (CONTEXT + 1)]}, None, 400, "prompt[1]"),
     ({"prompt": [[1, 2], [0, 999]]}, None, 400, "prompt[1]: token id 999"),

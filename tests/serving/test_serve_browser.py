@@ -41,10 +41,28 @@ def find_chromium() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def page_and_server(tmp_path_factory):
+def browser():
     chromium = find_chromium()
     if chromium is None:
         pytest.skip("no Chromium binary found (apt-get install chromium, or set GLASSLM_CHROMIUM)")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+def open_page(browser, url: str):
+    """A page on `url` once the explorer says it is ready, and the list of requests it sent elsewhere."""
+    page = browser.new_page(viewport={"width": 1300, "height": 1000})
+    outside = []  # every request must stay on this machine
+    page.on("request", lambda r: None if r.url.startswith(url) else outside.append(r.url))
+    page.goto(url + "/")
+    page.wait_for_selector("body[data-ready=true]", timeout=20_000)
+    return page, outside
+
+
+@pytest.fixture(scope="module")
+def page_and_server(browser, tmp_path_factory):
     tok = CharTokenizer(list(CHARS))
     torch.manual_seed(0)
     config = get_preset("shakespeare-char-cpu", vocab_size=tok.vocab_size, n_layers=2, d_model=32, n_heads=4,
@@ -53,16 +71,11 @@ def page_and_server(tmp_path_factory):
     model, tok, _ = load_checkpoint(path)
     model.eval()
     app = create_app(model, tok, ServeConfig(name="tiny"))
-    with serving_in_thread(app) as url, sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1300, "height": 1000})
-        outside = []  # every request must stay on this machine
-        page.on("request", lambda r: None if r.url.startswith(url) else outside.append(r.url))
-        page.goto(url + "/")
-        page.wait_for_selector("body[data-ready=true]")
+    with serving_in_thread(app) as url:
+        page, outside = open_page(browser, url)
         yield page, url, model, tok, app.state.engine
         assert outside == []
-        browser.close()
+        page.close()
 
 
 def api(url: str, path: str, body: dict) -> dict:
@@ -235,6 +248,9 @@ def test_logit_attribution_view_shows_the_apis_numbers(page_and_server, tmp_path
     total = float(page.get_attribute("#dla-components td[data-total]", "data-total"))
     assert total == pytest.approx(expected["logit_minus_mean"], abs=1e-7)
     assert total == pytest.approx(sum(shown.values()), abs=1e-4)  # the page's rows add up to what it says
+    legend = page.locator("#dla-legend .legend")  # the colour key: red -max|head| ... blue +max|head|
+    assert float(legend.get_attribute("data-max")) == pytest.approx(max(abs(v) for row in expected["heads"] for v in row))
+    assert "blue adds" in legend.inner_text() and "red takes away" in legend.inner_text()
 
     # Another token from the list of top predictions, then one typed as text.
     second = expected["top"][1]["id"]
@@ -299,6 +315,9 @@ def test_patching_heat_map_shows_the_apis_numbers(page_and_server, tmp_path):
     changed = [i for i, (a, b) in enumerate(zip(tok.encode(clean), tok.encode(corrupted))) if a != b]
     layer0 = {col: value for row, col, value in grid_cells(page, "#patch-map") if row == 0}
     assert layer0 == pytest.approx({col: 1.0 if col in changed else 0.0 for col in layer0}, abs=1e-5)
+    legend = page.locator("#patch-legend .legend")
+    assert (legend.get_attribute("data-min"), legend.get_attribute("data-max")) == ("-1", "1")
+    assert "restores the clean run" in legend.inner_text()
     page.screenshot(path=tmp_path / "patching.png", full_page=True)
     if os.environ.get("GLASSLM_SCREENSHOT"):
         shutil.copy(tmp_path / "patching.png", Path(os.environ["GLASSLM_SCREENSHOT"]).with_suffix(".patching.png"))
@@ -307,3 +326,43 @@ def test_patching_heat_map_shows_the_apis_numbers(page_and_server, tmp_path):
     page.click("#show-patching")
     page.wait_for_selector("#patch-status.error")
     assert "corrupted_text: the corrupted prompt is 20 tokens and the clean one 19" in page.inner_text("#patch-status")
+
+
+def test_the_explorer_works_on_the_induction_study_model(browser, tmp_path):
+    """docs/induction.md serves the study's model: 64 characters, no ':' or space, so none of the usual
+    example texts encode. Start-up must survive, fill the boxes from the vocabulary, and every view work."""
+    from glasslm.interp.explore import page_defaults
+    from glasslm.interp.induction import PRESET, save_study_model
+
+    torch.manual_seed(0)
+    save_study_model(TransformerLM(get_preset(PRESET)), str(tmp_path / "induction"))
+    model, tok, _ = load_checkpoint(tmp_path / "induction")
+    with serving_in_thread(create_app(model.eval(), tok, ServeConfig(name="induction"))) as url:
+        page, outside = open_page(browser, url)
+        assert "made from its own vocabulary" in page.inner_text("#page-status")
+        texts = page_defaults(tok, model.config.context_length)["texts"]
+        boxes = {"prompt": "#prompt", "inspect_text": "#inspect-text", "corrupted_text": "#corrupted-text",
+                 "answer": "#answer", "wrong_answer": "#wrong-answer", "loss_text": "#loss-text"}
+        assert {field: page.input_value(box) for field, box in boxes.items()} == texts
+        page.fill("#max-tokens", "8")
+        page.click("#generate")
+        page.wait_for_selector("#output[data-done=true]", timeout=60_000)
+        assert page.locator("#output .tok.gen").count() == 8
+        for button, done in [("#show-attention", "#attention-map rect.cell"), ("#show-lens", "#lens td[data-layer]"),
+                             ("#show-dla", "#dla-legend .legend"), ("#show-scores", "#scores td[data-source]"),
+                             ("#show-patching", "#patch-legend .legend"), ("#score", "#loss-output .tok[data-loss]")]:
+            page.click(button)
+            page.wait_for_selector(done, timeout=30_000)
+        ids = tok.encode(texts["inspect_text"])
+        assert_grid_shows(page, "#dla-map", api(url, "/api/logit-attribution", {"tokens": ids})["heads"])
+        patched = api(url, "/api/patching", {"text": texts["inspect_text"], "corrupted_text": texts["corrupted_text"],
+                                             "answer": texts["answer"], "wrong_answer": texts["wrong_answer"]})
+        assert_grid_shows(page, "#patch-map", patched["patched"])
+        assert not page.locator(".status.error").count()
+        page.fill("#prompt", "ROMEO:")  # a character the vocabulary lacks: the panel says which
+        page.click("#generate")
+        page.wait_for_selector("#gen-status.error")
+        assert "'R'" not in page.inner_text("#gen-status") and "':' is not in" in page.inner_text("#gen-status")
+        page.screenshot(path=tmp_path / "induction.png", full_page=True)
+        assert outside == []
+        page.close()

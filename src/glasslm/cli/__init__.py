@@ -11,6 +11,7 @@ one new module and one line in COMMANDS.
     glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --max-new-tokens 300
     glasslm eval --checkpoint runs/shakespeare-char-cpu --data tinyshakespeare
     glasslm info --preset gpt2-small --context-length 1024
+    glasslm download HuggingFaceTB/SmolLM2-135M-Instruct
     glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2
     glasslm convert --to-hf --checkpoint runs/gpt2 --out runs/exported-gpt2
     glasslm convert --from nanogpt --checkpoint out/ckpt.pt --out runs/nano
@@ -24,8 +25,8 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
-from glasslm.cli import (chat, convert, evaluate, fetch, finetune, generate, info, inspection, merge, plot, prepare,
-                         quantize, serve, train, train_tokenizer)
+from glasslm.cli import (chat, convert, download, evaluate, fetch, finetune, generate, info, inspection, merge, plot,
+                         prepare, quantize, serve, train, train_tokenizer)
 from glasslm.cli.command import Command
 from glasslm.cli.command import build_parser as build_command_parser
 from glasslm.cli.common import Terminated
@@ -45,6 +46,7 @@ COMMANDS: tuple[Command, ...] = (
     quantize.COMMAND,
     train_tokenizer.COMMAND,
     fetch.COMMAND,
+    download.COMMAND,
     prepare.COMMAND,
 )
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from glasslm.cli.command import Command
 from glasslm.cli.common import CheckpointOption, RuntimeOptions, Terminated, load_for_inference
 from glasslm.cli.generate import SAMPLING, _Writer
-from glasslm.generation import GenerationConfig, with_eos
+from glasslm.generation import GenerationConfig
 from glasslm.tokenizers.chat import ChatFormat
 
 RESET = "/reset"
@@ -43,7 +43,7 @@ def chat(source: CheckpointOption, options: ChatOptions, sampling: Annotated[Gen
     if template is None:
         raise ValueError(f"{source.checkpoint} has no chat template (chat_template.jinja or tokenizer_config.json's "
                          "chat_template): give one with --chat-template FILE")
-    writer = _Writer(model, None, tokenizer, with_eos(sampling, model, tokenizer), 0)
+    writer = _Writer(model, None, tokenizer, sampling, 0)
     Conversation(writer, ChatFormat.for_tokenizer(template, tokenizer), options.system).run()
     return 0
 

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,10 +21,19 @@ def quantization_choices() -> tuple[str, ...]:
 class CheckpointOption:
     """the model"""
 
-    checkpoint: str  # glasslm checkpoint or run directory, Hugging Face model directory or cached hub name
+    # glasslm checkpoint or run directory, Hugging Face model directory, hub name (glasslm download), or GGUF file
+    checkpoint: str
+    revision: str | None = None  # with a hub name: the downloaded branch, tag or commit; none: main, else the newest
     # a LoRA checkpoint's base where it is now, if it moved or was copied (its weights must hash as
     # the adapters recorded); none: the base the adapters recorded
     base: str | None = field(default=None, metadata={"metavar": "PATH"})
+
+    def __post_init__(self) -> None:
+        # Resolved here, once, so that every command taking --checkpoint honours --revision alike.
+        if self.revision is not None:
+            from glasslm.hf.cache import resolve_model_path
+
+            self.checkpoint = str(resolve_model_path(self.checkpoint, self.revision))
 
 
 @dataclass
@@ -50,8 +60,8 @@ class RuntimeOptions(DeviceOptions):
 
     # weights' dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
-    # weight-only int8 (a quarter of fp32's bytes) or int4 (an eighth, in groups of 64 inputs with
-    # their own scale) for the Linear layers
+    # weight-only int8 (a quarter of fp32's bytes), int4 (an eighth, in groups of 64 inputs with
+    # their own scale), or llama.cpp's q4_0 / q4_1 blocks of 32, for the Linear layers
     quantize: str = field(default="none", metadata={"choices": quantization_choices})
 
 
@@ -62,6 +72,8 @@ def load_for_inference(path: str, runtime: DeviceOptions, decoding: bool = False
     from glasslm.hf import load_model
 
     model, tokenizer = load_model(path, device=resolve_device(runtime.device), base=base)
+    if getattr(model, "gguf_summary", None):
+        print(f"{path}: {model.gguf_summary}", file=sys.stderr)
     if tokenizer is None and need_tokenizer:
         raise ValueError(f"{path} holds no tokenizer, so text cannot be encoded")
     return prepare_model(model, runtime, decoding), tokenizer

@@ -1,4 +1,5 @@
-"""`glasslm convert`: glasslm checkpoints to and from Hugging Face directories and other codebases' files."""
+"""`glasslm convert`: glasslm checkpoints to and from Hugging Face directories, GGUF files (llama.cpp,
+Ollama) and other codebases' files."""
 
 from __future__ import annotations
 
@@ -12,15 +13,32 @@ from glasslm.io.formats import FORMATS
 
 
 ForeignFormat = Literal[tuple(FORMATS)]  # type: ignore[valid-type]
+GGUFType = Literal["f32", "f16", "q8_0", "q4_0", "q4_1"]
+
+
+def _from_hf_help() -> str:
+    """--from-hf's description, naming every family the registry imports (read when the parser is built)."""
+    from glasslm.hf.families import FAMILIES
+
+    types = sorted({name for family in FAMILIES.values() for name in (family.name, *family.model_types)})
+    return (f"an HF model directory whose config.json's model_type is one glasslm imports ({', '.join(types)}), "
+            "or a hub name in the local HF cache")
 
 
 @dataclass
 class ConvertConfig:
-    """what to convert (one of --from-hf, --to-hf, --from)"""
+    """what to convert (one of --from-hf, --to-hf, --from-gguf, --to-gguf, --to-peft, --from)"""
 
-    # an HF GPT-2 / Llama / Mistral / Qwen2 directory, or a hub name in the local HF cache
-    from_hf: str | None = field(default=None, metadata={"one_of": "direction"})
+    # an HF model directory of a family glasslm imports, or a hub name in the local HF cache (the help
+    # names the families: `_from_hf_help`)
+    from_hf: str | None = field(default=None, metadata={"one_of": "direction", "help": _from_hf_help})
     to_hf: bool = field(default=False, metadata={"one_of": "direction"})  # export --checkpoint as an HF directory
+    # a GGUF file (llama.cpp, Ollama) to import: 4-bit blocks are kept as they are, the rest dequantized
+    from_gguf: str | None = field(default=None, metadata={"one_of": "direction"})
+    # export --checkpoint as a GGUF file that llama.cpp runs (--out is the file; --type its matrices' format)
+    to_gguf: bool = field(default=False, metadata={"one_of": "direction"})
+    # --to-gguf: the format of the weight matrices (norms and biases stay f32, as in llama.cpp)
+    gguf_type: GGUFType = field(default="f32", metadata={"option": "--type"})
     # export the LoRA adapters of --checkpoint (a glasslm finetune run) as a PEFT adapter directory
     to_peft: bool = field(default=False, metadata={"one_of": "direction"})
     # import the --checkpoint file another codebase saved (nanoGPT ckpt.pt, a TransformerLens/ARENA,
@@ -44,6 +62,10 @@ def convert(config: ConvertConfig, output: OutputOption) -> int:
         _from_foreign(config, output)
     elif config.from_hf:
         _from_hf(config, output)
+    elif config.from_gguf:
+        _from_gguf(config, output)
+    elif config.to_gguf:
+        _to_gguf(config, output)
     elif config.to_peft:
         _to_peft(config, output)
     else:  # --to-hf: the parser requires one of the three
@@ -80,6 +102,40 @@ def _from_hf(config: ConvertConfig, output: OutputOption) -> None:
     _keep_generation_files(resolve_model_path(config.from_hf), Path(output.out))
     print(f"{config.from_hf} -> {output.out} ({model.num_parameters():,} parameters, "
           f"tokenizer {'included' if tokenizer is not None else 'not found'})")
+
+
+def _from_gguf(config: ConvertConfig, output: OutputOption) -> None:
+    import json
+
+    from glasslm.hf.gguf.importer import import_gguf
+    from glasslm.io.checkpoint import save_checkpoint
+    from glasslm.locations import check_output_dir
+    from glasslm.tokenizers import GENERATION_CONFIG_FILE
+
+    check_output_dir(output.out, output.overwrite, inputs=[config.from_gguf], what="checkpoint")
+    loaded = import_gguf(config.from_gguf, context_length=config.context_length)
+    path = save_checkpoint(output.out, loaded.model, loaded.tokenizer, {"converted_from": str(config.from_gguf)})
+    if loaded.model.eos_token_ids:  # the file's eos/eot ids, where generation stops
+        ids = list(loaded.model.eos_token_ids)
+        (path / GENERATION_CONFIG_FILE).write_text(json.dumps({"eos_token_id": ids[0] if len(ids) == 1 else ids}))
+    print(f"{config.from_gguf} -> {output.out}: {loaded.summary()}")
+
+
+def _to_gguf(config: ConvertConfig, output: OutputOption) -> None:
+    from glasslm.hf import load_chat_template, load_model
+    from glasslm.hf.gguf.exporter import export_gguf
+
+    if not config.checkpoint:
+        raise ValueError("--to-gguf needs --checkpoint")
+    out = Path(output.out)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; --to-gguf writes one file, e.g. --out {out / 'model.gguf'}")
+    if out.exists() and not output.overwrite:
+        raise ValueError(f"--out {out} exists; choose another --out, or pass --overwrite to replace it")
+    model, tokenizer = load_model(config.checkpoint, base=config.base)
+    export_gguf(model, out, tokenizer, config.gguf_type, load_chat_template(config.checkpoint, tokenizer))
+    size = out.stat().st_size / 2**20
+    print(f"{config.checkpoint} -> {out} (GGUF, {config.gguf_type} matrices, {size:.1f} MiB)")
 
 
 def _keep_generation_files(source: Path, checkpoint: Path) -> None:
@@ -144,7 +200,9 @@ def _to_peft(config: ConvertConfig, output: OutputOption) -> None:
 COMMAND = Command("convert", convert, "convert between glasslm checkpoints and Hugging Face directories",
                   examples=(
                       'glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2',
-                      'glasslm convert --to-hf --checkpoint runs/shakespeare-char-cpu --out runs/shakespeare-char-cpu-hf --zero-biases',
+                      'glasslm convert --to-hf --checkpoint runs/shakespeare-char-cpu --out runs/shakespeare-char-cpu-hf',
+                      'glasslm convert --from-gguf SmolLM2-135M-Instruct.Q4_1.gguf --out runs/smollm2',
+                      'glasslm convert --to-gguf --checkpoint runs/shakespeare-char-cpu --out shakespeare.gguf --type q8_0',
                       'glasslm convert --from nanogpt --checkpoint out/ckpt.pt --out runs/nano',
                       'glasslm convert --to-peft --checkpoint runs/ft --out runs/ft-peft',
                   ))

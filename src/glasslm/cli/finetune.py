@@ -57,6 +57,7 @@ class FinetuneRun:
 def finetune(run: FinetuneRun, method: Annotated[dict[str, Any], FinetuneConfig],
              training: Annotated[dict[str, Any], TrainConfig, TRAINING]) -> int:
     from glasslm.training.loop import train
+    from glasslm.transforms import parameter_count
 
     base, config, train_config, out, resume = _plan(run, method, training)
     if train_config.threads:
@@ -67,10 +68,10 @@ def finetune(run: FinetuneRun, method: Annotated[dict[str, Any], FinetuneConfig]
                                                    resume)
     _keep_base(meta, out)
     if resume is None and not config.full and "lr" not in training:
-        _note_untested_lr(model.num_parameters(), train_config.lr)
+        _note_untested_lr(parameter_count(model), train_config.lr)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"fine-tuning {meta['finetune']['base']} ({'full' if config.full else 'LoRA'}{', ' + config.quantize + ' base' if config.quantize != 'none' else ''}): "
-          f"{n_train:,} trainable of {model.num_parameters():,} parameters; {len(data[0])} training / "
+          f"{n_train:,} trainable of {parameter_count(model):,} parameters; {len(data[0])} training / "
           f"{len(data[1]) if data[1] else 0} held-out conversations -> {out}")
     result = train(model, train_config, data[0], data[1], run_dir=out, resume=resume, tokenizer=tokenizer,
                    meta=meta, overwrite=run.overwrite, chat_template=meta["finetune"]["template"])

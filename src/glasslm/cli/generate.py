@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from glasslm.cli.command import Command
 from glasslm.cli.common import CheckpointOption, RuntimeOptions, Terminated, load_for_inference
 from glasslm.cli.options import Group
-from glasslm.generation import GenerationConfig, encode_prompt, with_eos
+from glasslm.generation import GenerationConfig, encode_prompt, with_eos, with_vocab_limit
 
 
 @dataclass
@@ -42,7 +42,7 @@ class DraftOptions:
     lookahead: int = field(default=4, metadata={"minimum": 1})  # tokens the draft proposes per target pass
 
 
-SAMPLING = Group("sampling", skip=frozenset({"logprobs", "pad_token"}),
+SAMPLING = Group("sampling", skip=frozenset({"logprobs", "pad_token", "vocab_limit"}),
                  aliases={"stop_strings": ["--stop"], "stop_tokens": ["--stop-token"]})
 
 
@@ -54,8 +54,7 @@ def generate(source: CheckpointOption, prompt: PromptOptions, sampling: Annotate
         if sampling.temperature != 0:
             raise ValueError("--draft (speculative decoding) is greedy here: add --temperature 0")
         draft, _ = load_for_inference(speculation.draft, runtime, decoding=True, need_tokenizer=False)
-    # Stop at the model's eos ids (generation_config.json's, else the tokenizer's) unless --ignore-eos.
-    writer = _Writer(model, draft, tokenizer, with_eos(sampling, model, tokenizer), speculation.lookahead)
+    writer = _Writer(model, draft, tokenizer, sampling, speculation.lookahead)
     if prompt.interactive:
         _answer_lines(writer)
     else:
@@ -74,6 +73,11 @@ class _Writer:
     lookahead: int
 
     streamer: Any = None
+
+    def __post_init__(self) -> None:
+        # Stop at the model's eos ids (generation_config.json's, else the tokenizer's) unless --ignore-eos;
+        # never pick a padded embedding table's rows past the tokenizer.
+        self.config = with_vocab_limit(with_eos(self.config, self.model, self.tokenizer), self.model, self.tokenizer)
 
     def respond(self, prompt: str, echo: bool) -> str:
         import time
@@ -112,7 +116,7 @@ class _Writer:
         if self.draft is None:
             return generate_tokens(self.model, prompt_ids, config=self.config)
         return speculative_tokens(self.model, self.draft, prompt_ids, self._fitting_new_tokens(prompt_ids),
-                                  self.lookahead, self.config.stop_tokens or (), stats)
+                                  self.lookahead, self.config.stop_tokens or (), stats, self.config.vocab_limit)
 
     def _fitting_new_tokens(self, prompt_ids: list[int]) -> int:
         """--max-new-tokens, capped (and said so) to what fits both contexts: speculative decoding

@@ -20,8 +20,8 @@ class InfoConfig:
     """what to describe (--preset or --checkpoint)"""
 
     preset: PresetName | None = None  # the preset to describe
-    checkpoint: str | None = None  # instead of --preset: a glasslm checkpoint or run directory, HF directory or
-                                   # cached hub name
+    # instead of --preset: a glasslm checkpoint or run directory, HF directory, cached hub name or GGUF file
+    checkpoint: str | None = None
     json: bool = False  # also print the full config
 
 
@@ -48,10 +48,13 @@ def _print_checkpoint_info(path: str) -> ModelConfig:
     """What `glasslm info --checkpoint` says before the cost table (kind, tokenizer, provenance);
     returns the checkpoint's config."""
     from glasslm.hf import checkpoint_config, family_of, is_hf_directory, resolve_model_path
+    from glasslm.hf.load import gguf_path
     from glasslm.tokenizers import special_token_ids
 
     config, tokenizer, summary = checkpoint_config(path)
-    kind = "Hugging Face directory" if is_hf_directory(resolve_model_path(path)) else "glasslm checkpoint"
+    resolved = resolve_model_path(path)
+    kind = ("GGUF file" if gguf_path(resolved) is not None else
+            "Hugging Face directory" if is_hf_directory(resolved) else "glasslm checkpoint")
     try:
         family = family_of(config)
     except ValueError:

@@ -78,7 +78,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str, skip: co
 
     Options that are not given stay out of the parsed namespace (see `given_options`), so only
     what the user typed overrides a preset, a recipe or a file. A field without a default is a
-    required option. Field metadata may add `positional=True`, `minimum=N` (checked while
+    required option. Field metadata may add `help` (a function giving the description when the parser
+    is built, where it names what a registry holds), `positional=True`, `minimum=N` (checked while
     parsing), `exclusive="NAME"` (at most one of the fields sharing NAME may be given), `one_of="NAME"`
     (exactly one of them must be given),
     `option="--spelling"` (instead of the field's name), `metavar` and, for a list, `nargs="*"` (values
@@ -110,7 +111,7 @@ def _argument(prefix: str, f: dataclasses.Field, hint: Any, doc: str, aliases: l
         if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
     required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     listed = typing.get_origin(base) in (collections.abc.Sequence, list, tuple)
-    doc = doc.replace("%", "%%")
+    doc = (f.metadata["help"]() if "help" in f.metadata else doc).replace("%", "%%")
     if listed and not f.metadata.get("positional") and "nargs" not in f.metadata:
         doc += "; repeat the option for more"
     help_text = doc if required else f"{doc} (default: {_option_text(default)})".strip()

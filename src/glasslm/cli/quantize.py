@@ -1,4 +1,4 @@
-"""`glasslm quantize --checkpoint DIR --out DIR`: a weight-only int8 or int4 copy of a checkpoint."""
+"""`glasslm quantize --checkpoint DIR --out DIR`: a weight-only int8, int4 or llama.cpp-block (q4_0, q4_1) copy of a checkpoint."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from glasslm.transforms import apply_transform, transform_names
 class QuantizeConfig:
     """quantization"""
 
-    # int8: one scale per output channel; int4: a scale and zero per group of 64 inputs
+    # int8: one scale per output channel; int4: a scale and zero per group of 64 inputs; q4_0 / q4_1: llama.cpp's
+    # blocks of 32 (a scale, and q4_1 a minimum, per block)
     method: str = field(default="int8", metadata={"choices": lambda: transform_names("quantization")})
 
 
@@ -38,7 +39,7 @@ def quantize(source: CheckpointOption, config: QuantizeConfig, output: OutputOpt
 
 
 COMMAND = Command("quantize", quantize,
-                  "write a weight-only int8 or int4 copy of a checkpoint (for generate/eval/serve)",
+                  "write a weight-only int8, int4, q4_0 or q4_1 copy of a checkpoint (for generate/eval/serve)",
                   examples=(
                       'glasslm quantize --checkpoint runs/shakespeare-char-cpu --method int8 --out runs/shakespeare-char-cpu-int8',
                   ))

@@ -277,7 +277,7 @@ def _fine_tune_model(config: ModelConfig, path: str) -> Any:
 
 
 def _print_sample(result: Any, plan: _Plan, tokenizer: Any, ctx: Any) -> None:
-    from glasslm.generation import GenerationConfig, generate_tokens
+    from glasslm.generation import GenerationConfig, generate_tokens, with_vocab_limit
 
     model = result.model.eval()
     if plan.train.fsdp and ctx.enabled:
@@ -288,6 +288,7 @@ def _print_sample(result: Any, plan: _Plan, tokenizer: Any, ctx: Any) -> None:
         model = load_checkpoint(result.checkpoint, device=ctx.device)[0]
     # GenerationConfig's defaults, as `glasslm generate` uses them.
     config = GenerationConfig(max_new_tokens=plan.run.sample_tokens, seed=plan.train.seed)
+    config = with_vocab_limit(config, model, tokenizer)  # a --vocab-size past the tokenizer's pads the table
     ids = generate_tokens(model, tokenizer.encode("\n"), config=config)
     print("--- sample ---")
     print(tokenizer.decode(list(ids)))

@@ -169,6 +169,7 @@ class CausalSelfAttention(nn.Module):
         self.rotary = rotary
         self.q_norm, self.k_norm = q_norm, k_norm
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        self.hook_q_normed, self.hook_k_normed = HookPoint(), HookPoint()  # after q_norm / k_norm (batch, heads, seq, d_head)
         self.hook_attn_scores, self.hook_pattern, self.hook_z = HookPoint(), HookPoint(), HookPoint()
         # Queries and keys after rotary (fired only when hooked: the rotation itself is unchanged).
         self.hook_rot_q, self.hook_rot_k = HookPoint(), HookPoint()
@@ -242,10 +243,10 @@ class CausalSelfAttention(nn.Module):
         """q (batch, n_heads, seq, d_head), k and v (batch, n_kv_heads, seq, d_head), rotated if rotary."""
         q, k, v = self._projections(x)  # (batch, seq, heads, d_head)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        if self.q_norm is not None:  # per head, over d_head (their hook_normalized sees the result)
-            q, k = self.q_norm(q), self.k_norm(k)
         # Heads become a batch axis: (batch, heads, seq, d_head).
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.q_norm is not None:  # per head over d_head; their hooks see (batch, heads, seq, ·), as TransformerLens's
+            q, k = self.hook_q_normed(self.q_norm(q)), self.hook_k_normed(self.k_norm(k))
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
             if self.hook_rot_q.active or self.hook_rot_k.active:  # shown as (batch, seq, heads, d_head)

@@ -51,6 +51,15 @@ class HookPoint(nn.Module):
         return bool(self._forward_hooks or self._forward_pre_hooks)
 
 
+def any_hooked(*points: HookPoint) -> bool:
+    """Whether calling any of `points` runs a hook (forward, backward, or one on every module): a fused
+    step whose inside they show must then be written out. Plain dict checks: it runs on every forward."""
+    for point in points:
+        if point._forward_hooks or point._forward_pre_hooks or point._backward_hooks or point._backward_pre_hooks:
+            return True
+    return bool(_has_any_global_hook())
+
+
 class Linear(nn.Module):
     """y = x @ weight.T + bias, with weight stored (d_out, d_in) like torch and HF."""
 
@@ -128,6 +137,8 @@ class LayerNorm(nn.Module):
 
     `unbiased_std=True` is the variant some tutorials write by hand (seed 002):
     (x - mean) / (std + eps) with the unbiased (n - 1) standard deviation, eps outside the root.
+    `hook_scale` sees the divisor and `hook_normalized` the normalised vector before the gain and
+    bias (TransformerLens's two hooks); either hooked, the step is written out instead of fused.
     """
 
     def __init__(self, d_model: int, eps: float = 1e-5, bias: bool = True, impl: str = "readable",
@@ -139,32 +150,28 @@ class LayerNorm(nn.Module):
         self.hook_scale, self.hook_normalized = HookPoint(), HookPoint()
 
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
-        if self.hook_scale.active:  # the divisor is wanted (or replaced): compute it as its own step
-            out = self._with_scale_hook(x)
-        elif self.unbiased_std:  # no fused kernel computes this variant
+        if any_hooked(self.hook_scale, self.hook_normalized):  # a hooked step: written out, as TransformerLens's
+            out = self.hook_normalized(self._normalize_hooked(x)) * self.weight
+            return out if self.bias is None else out + self.bias
+        if self.unbiased_std:  # no fused kernel computes this variant
             mean = x.mean(dim=-1, keepdim=True)
             out = self.weight * (x - mean) / (x.std(dim=-1, keepdim=True) + self.eps)
-            if self.bias is not None:
-                out = out + self.bias
         elif self.impl == "fast":
-            out = F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
         else:
             mean = x.mean(dim=-1, keepdim=True)
             var = x.var(dim=-1, keepdim=True, unbiased=False)  # biased, as in the LayerNorm paper
             out = (x - mean) * torch.rsqrt(var + self.eps) * self.weight
-            if self.bias is not None:
-                out = out + self.bias
-        return self.hook_normalized(out)
+        return out if self.bias is None else out + self.bias
 
-    def _with_scale_hook(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
-        """The same maths with the divisor passed through `hook_scale` ((..., 1), TransformerLens's hook_scale)."""
+    def _normalize_hooked(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
+        """(x - mean) / scale, the divisor passed through `hook_scale` ((..., 1), TransformerLens's hook_scale)."""
         centred = x - x.mean(dim=-1, keepdim=True)
         if self.unbiased_std:
             scale = x.std(dim=-1, keepdim=True) + self.eps
         else:
             scale = (centred.pow(2).mean(dim=-1, keepdim=True) + self.eps).sqrt()
-        out = centred / self.hook_scale(scale) * self.weight
-        return out if self.bias is None else out + self.bias
+        return centred / self.hook_scale(scale)
 
 
 class RMSNorm(nn.Module):
@@ -183,16 +190,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
         x32 = upcast(x)
-        if self.hook_scale.active:  # the divisor as its own step, (..., 1) like TransformerLens's hook_scale
+        if any_hooked(self.hook_scale):  # the divisor as its own step, (..., 1) like TransformerLens's hook_scale
             normed = x32 / self.hook_scale((x32.pow(2).mean(dim=-1, keepdim=True) + self.eps).sqrt())
         elif self.impl == "fast":
             normed = F.rms_norm(x32, x.shape[-1:], eps=self.eps)
         else:
             normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        # hook_normalized is before the gain, as TransformerLens's (x / scale, in x's dtype where HF rounds it).
         if self.unit_offset:
-            return self.hook_normalized((normed * (1.0 + upcast(self.weight))).to(x.dtype))
+            return (self.hook_normalized(normed) * (1.0 + upcast(self.weight))).to(x.dtype)
         # Round to the input dtype before scaling (as HF Llama does), and keep that dtype.
-        return self.hook_normalized((normed.to(x.dtype) * self.weight).to(x.dtype))
+        return (self.hook_normalized(normed.to(x.dtype)) * self.weight).to(x.dtype)
 
 
 def make_norm(kind: str, d_model: int, eps: float, bias: bool, impl: str, unbiased_std: bool = False,

@@ -136,6 +136,7 @@ class TransformerLM(nn.Module):
         self.unembed = None if c.tie_embeddings else Linear(c.d_model, c.vocab_size, bias=False)
         # A bias on the logits (TransformerLens's b_U), kept apart from `unembed` so a tied model can have one too.
         self.unembed_bias = nn.Parameter(torch.zeros(c.vocab_size)) if c.unembed_bias else None
+        self.hook_unembed = HookPoint()  # the logits (TransformerLens's hook_unembed); registered last: forward order
         init_weights(self, c)
 
     def forward(
@@ -171,11 +172,13 @@ class TransformerLM(nn.Module):
                     f"sequence of {start + seq} tokens is longer than the context length {c.context_length}"
                 )
 
-        x = self.hook_embed(self.embed(tokens))  # (batch, seq, d_model)
+        x = self.embed(tokens)  # (batch, seq, d_model)
         if c.scale_embeddings:
             x = x * math.sqrt(c.d_model)
+        x = self.hook_embed(x)  # after the scaling: what the stream gets (TransformerLens's hook_embed)
         if self.pos_embed is not None:
-            x = x + self.hook_pos_embed(self.pos_embed(positions))  # broadcast over batch
+            pos = self.pos_embed(positions)  # (seq, d_model), or (batch, seq, d_model) for per-row positions
+            x = x + self.hook_pos_embed(pos.expand_as(x))  # a view, one row per example as TransformerLens's
         x = dropout(x, c.site_dropout("embed"), self.training, c.impl)
         for layer, block in enumerate(self.blocks):
             x = block(x, positions, kv_cache, layer, attn_mask)
@@ -192,7 +195,7 @@ class TransformerLM(nn.Module):
             logits = linear(x, self.embed.weight)
         else:
             logits = self.unembed(x)  # a Linear, or an Int8Linear once quantized
-        return logits if self.unembed_bias is None else logits + self.unembed_bias
+        return self.hook_unembed(logits if self.unembed_bias is None else logits + self.unembed_bias)
 
     def check_tokens(self, tokens: Tensor) -> None:
         if not isinstance(tokens, Tensor) or tokens.dim() != 2:

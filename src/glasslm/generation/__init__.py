@@ -3,7 +3,8 @@
 Import from here (`from glasslm.generation import generate`); the modules behind it each do one job:
 
 - `sampling`: `GenerationConfig` (every control, checked) and picking a token from logits
-  (repetition penalty, temperature, top-k, top-p, min-p: `sample_next`, `filter_logits`);
+  (repetition penalty, temperature, top-k, top-p, min-p: `sample_next`, `filter_logits`), never
+  one of a padded embedding table's rows past the tokenizer (`with_vocab_limit`);
 - `decoding`: prefill once into a KV cache, then one token per step, for ragged batches of prompts
   (`generate`, `generate_tokens`, `decode_steps`); `DecodeWindow` is that cache with its padding,
   positions and mask, whose rows can join and leave between steps; `optimize_for_decoding`;
@@ -40,8 +41,8 @@ from glasslm.generation.compiled import StaticDecodeWindow
 from glasslm.generation.cpu import onednn_disabled
 from glasslm.generation.engine import Engine, Job, Overloaded, Sampling, ShuttingDown
 from glasslm.generation.sampling import (
-    GenerationConfig, Tokenizer, apply_repetition_penalty, eos_ids, filter_logits, find_stop, make_config, sample_next,
-    with_eos,
+    SMALLEST_TEMPERATURE, GenerationConfig, Tokenizer, apply_repetition_penalty, eos_ids, filter_logits, find_stop,
+    make_config, sample_next, vocab_limit, with_eos, with_vocab_limit,
 )
 from glasslm.generation.speculative import SpeculativeStats, speculative_tokens
 from glasslm.generation.streaming import (
@@ -49,9 +50,10 @@ from glasslm.generation.streaming import (
 )
 
 __all__ = [
-    "REPLACEMENT_CHAR", "DecodeWindow", "Engine", "Generation", "GenerationConfig", "Job", "Overloaded", "Sampling",
+    "REPLACEMENT_CHAR", "SMALLEST_TEMPERATURE", "DecodeWindow", "Engine", "Generation", "GenerationConfig", "Job",
+    "Overloaded", "Sampling",
     "ShuttingDown", "SpeculativeStats", "StaticDecodeWindow", "Step", "TextStreamer", "Tokenizer", "apply_repetition_penalty",
     "decode_steps", "encode_prompt", "eos_ids", "filter_logits", "find_stop", "generate", "generate_text",
     "generate_tokens", "make_config", "onednn_disabled", "optimize_for_decoding", "sample_next", "settled_length",
-    "speculative_tokens", "stream_text", "with_eos",
+    "speculative_tokens", "stream_text", "vocab_limit", "with_eos", "with_vocab_limit",
 ]

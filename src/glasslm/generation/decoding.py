@@ -30,6 +30,7 @@ from glasslm.generation.compiled import StaticDecodeWindow
 from glasslm.generation.cpu import low_precision_cpu, onednn_disabled
 from glasslm.generation.sampling import (
     GenerationConfig, Tokenizer, apply_repetition_penalty, find_stop, make_config, sample_next, with_eos,
+    with_vocab_limit,
 )
 
 
@@ -258,7 +259,8 @@ def decode_steps(
         logits = window.prefill(in_cache)
         for step in range(config.max_new_tokens):
             scores = logits if seen is None else apply_repetition_penalty(logits, seen, config.repetition_penalty)
-            tokens = sample_next(scores, config.temperature, config.top_k, config.top_p, generator, config.min_p)
+            tokens = sample_next(scores, config.temperature, config.top_k, config.top_p, generator, config.min_p,
+                                 config.vocab_limit)
             logprobs = None
             if config.logprobs:
                 logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
@@ -297,10 +299,11 @@ def generate(
     """Generate for a batch of token prompts (of any lengths); each row stops on its own.
 
     Stop strings need `tokenizer` (they are checked on the decoded text). Rows stop at the model's
-    eos ids unless `ignore_eos` (`with_eos`). Each row's result is the same as generating it alone
-    (greedy tokens identical, logits equal to float tolerance).
+    eos ids unless `ignore_eos` (`with_eos`), and never pick an id past the tokenizer (`with_vocab_limit`).
+    Each row's result is the same as generating it alone (greedy tokens identical, logits equal to
+    float tolerance).
     """
-    config = with_eos(make_config(config, **controls), model, tokenizer)
+    config = with_vocab_limit(with_eos(make_config(config, **controls), model, tokenizer), model, tokenizer)
     if config.stop_strings and tokenizer is None:
         raise ValueError("stop strings are matched on text, so they need a tokenizer")
     results = [Generation(logprobs=[] if config.logprobs else None) for _ in prompts]

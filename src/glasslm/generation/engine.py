@@ -52,7 +52,7 @@ from torch import Tensor
 
 from glasslm.core.model import TransformerLM
 from glasslm.generation.decoding import DecodeWindow
-from glasslm.generation.sampling import sample_next
+from glasslm.generation.sampling import apply_repetition_penalty, sample_next, vocab_limit
 from glasslm.generation.streaming import TextStreamer
 
 log = logging.getLogger("glasslm.generation.engine")
@@ -79,6 +79,10 @@ class Sampling:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # how many alternatives per token, as OpenAI's `logprobs`
     prompt_logprobs: int | None = None  # score the prompt too (alternatives per token); None: don't
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (as `generate`'s)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (id, value) pairs added to the logits before choosing
+    min_tokens: int = 0  # the job's stop tokens cannot be chosen before this many tokens
+    include_stop: bool = False  # a stop string that ends the text stays in it
 
 
 @dataclass
@@ -99,7 +103,7 @@ class Job:
     def __post_init__(self) -> None:
         self.held = list(self.prompt)  # the tokens this row's cache window holds (plus the newest)
         self.generated: list[int] = []
-        self.streamer = TextStreamer(self.tokenizer, self.sampling.stop)
+        self.streamer = TextStreamer(self.tokenizer, self.sampling.stop, self.sampling.include_stop)
         seed = self.sampling.seed
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.finish_reason: str | None = None
@@ -131,6 +135,7 @@ class Engine:
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         self.model, self.tokenizer = model, tokenizer
+        self.vocab_limit = vocab_limit(model, tokenizer)  # rows past the tokenizer are never chosen
         self.max_batch, self.max_queue = max_batch, max_queue
         self.context = model.config.context_length
         self.keep = max(1, self.context // 2)  # tokens kept when a row's window slides, as generate does
@@ -327,7 +332,9 @@ class Engine:
                 self.stats["cancelled"] += 1
                 chosen.append(0)
                 continue
-            token = int(sample_next(logits[i:i + 1], s.temperature, s.top_k, s.top_p, job.generator, s.min_p)[0])
+            scores = self._adjusted(job, logits[i:i + 1])  # (1, vocab)
+            token = int(sample_next(scores, s.temperature, s.top_k, s.top_p, job.generator, s.min_p,
+                                    self.vocab_limit)[0])
             chosen.append(token)
             job.first_token_time = job.first_token_time or now
             if token in job.stop_tokens:
@@ -339,6 +346,24 @@ class Engine:
             else:
                 self.stats["completed"] += 1
         return chosen, keep
+
+    def _adjusted(self, job: Job, logits: Float[Tensor, "1 vocab"]) -> Float[Tensor, "1 vocab"]:
+        """One row's logits after the job's repetition penalty, logit bias and min_tokens, in that order."""
+        s = job.sampling
+        if s.repetition_penalty != 1.0:
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            seen[0, torch.tensor(job.prompt + job.generated, device=logits.device)] = True
+            logits = apply_repetition_penalty(logits, seen, s.repetition_penalty)
+        if s.logit_bias:
+            ids, values = zip(*s.logit_bias)
+            logits = logits.index_add(1, torch.tensor(ids, device=logits.device),
+                                      torch.tensor([values], dtype=logits.dtype, device=logits.device))
+        if len(job.generated) < s.min_tokens and job.stop_tokens:
+            stops = torch.tensor(sorted(t for t in job.stop_tokens if t < logits.shape[-1]), device=logits.device)
+            held = logits.index_fill(1, stops, float("-inf"))
+            if torch.isfinite(held[:, :self.vocab_limit]).any():  # unless every token would stop
+                logits = held
+        return logits
 
     def _emit_token(self, job: Job, token: int, log_probs: Float[Tensor, "vocab"] | None) -> bool:
         """Send `token` to the job's client, finishing the job if it is done; True while it goes on."""

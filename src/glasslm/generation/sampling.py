@@ -55,6 +55,9 @@ class GenerationConfig:
     window: Literal["refill", "recompute"] = "refill"  # past the context: refill now and then, or recompute on the last context_length every step
     pad_token: int = 0  # fills the left of shorter prompts; masked out, so any valid id works
     compile: bool = False  # decode with a torch.compile'd one-token step (prompts of one length; the first call compiles)
+    # only ids below this are ever picked: the tokenizer's size, where the model's embedding table has
+    # padding rows past it (Pythia, Qwen2); None: every row (see `with_vocab_limit`)
+    vocab_limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -71,6 +74,8 @@ class GenerationConfig:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.vocab_limit is not None and self.vocab_limit < 1:
+            raise ValueError(f"vocab_limit must be >= 1 (or None for every row), got {self.vocab_limit}")
         if self.window not in ("refill", "recompute"):
             raise ValueError(f"window must be 'refill' or 'recompute', got {self.window!r}")
         if any(s == "" for s in self.stop_strings):
@@ -115,6 +120,29 @@ def with_eos(config: GenerationConfig, model: Any, tokenizer: Any | None = None)
         return config
     stops = tuple(dict.fromkeys((*config.stop_tokens, *eos_ids(model, tokenizer))))
     return config if stops == config.stop_tokens else config.replace(stop_tokens=stops)
+
+
+def vocab_limit(model: Any, tokenizer: Any | None) -> int | None:
+    """The tokenizer's size where the model has more embedding rows than it (the padding rows past
+    it are no token: Pythia's 50,304 rows for 50,277 tokens, Qwen2's 151,936 for ~151,665); else None.
+
+    >>> from glasslm.presets import get_preset
+    >>> from glasslm.core.model import TransformerLM
+    >>> from glasslm.tokenizers import CharTokenizer
+    >>> model = TransformerLM(get_preset("llama-tiny", vocab_size=8))
+    >>> vocab_limit(model, CharTokenizer.from_text("abc")), vocab_limit(model, None)
+    (4, None)
+    """
+    size, rows = getattr(tokenizer, "vocab_size", None), getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if size is not None and rows is not None and size < rows else None
+
+
+def with_vocab_limit(config: GenerationConfig, model: Any, tokenizer: Any | None) -> GenerationConfig:
+    """`config` that never picks the model's padding rows (`vocab_limit`), as vLLM masks them."""
+    limit = vocab_limit(model, tokenizer)
+    if limit is None or (config.vocab_limit is not None and config.vocab_limit <= limit):
+        return config
+    return config.replace(vocab_limit=limit)
 
 
 # --- choosing a token ----------------------------------------------------------------------------
@@ -166,19 +194,34 @@ def filter_logits(
     return logits
 
 
+# Below float32's smallest normal number a temperature cannot divide the logits safely (it may read
+# as 0): such temperatures are greedy, the limit sampling tends to as the temperature goes to 0.
+SMALLEST_TEMPERATURE = float(torch.finfo(torch.float32).tiny)
+
+
 def sample_next(
     logits: Float[Tensor, "batch vocab"], temperature: float = 1.0, top_k: int | None = None,
     top_p: float | None = None, generator: torch.Generator | None = None, min_p: float | None = None,
+    vocab_limit: int | None = None,
 ) -> Int[Tensor, "batch"]:
     """Pick one token id per row: argmax when temperature == 0, else sample the filtered softmax.
 
+    Only ids below `vocab_limit` can be picked (the rest are a padded embedding table's rows).
+    The logits are shifted so their maximum is 0 before dividing by the temperature, so no
+    temperature overflows them; one under `SMALLEST_TEMPERATURE` (1.2e-38) is greedy.
+
     >>> sample_next(torch.tensor([[0.0, 5.0, 1.0]]), temperature=0.0)
     tensor([1])
+    >>> sample_next(torch.tensor([[0.0, 5.0, 1.0]]), temperature=0.0, vocab_limit=1)
+    tensor([0])
     """
-    if temperature == 0.0:
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = logits[..., :vocab_limit]  # the padding rows are no token
+    if temperature < SMALLEST_TEMPERATURE:
         return logits.argmax(dim=-1)
-    logits = filter_logits(logits.float() / temperature, top_k, top_p, min_p)
-    probs = torch.softmax(logits, dim=-1)
+    logits = logits.float()
+    shifted = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # <= 0: exp cannot overflow
+    probs = torch.softmax(filter_logits(shifted, top_k, top_p, min_p), dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

@@ -78,8 +78,13 @@ def _cache_slots(target: TransformerLM, draft: TransformerLM, prompt: Sequence[i
 def speculative_tokens(
     target: TransformerLM, draft: TransformerLM, prompt: Sequence[int], max_new_tokens: int,
     lookahead: int = 4, stop_tokens: Sequence[int] = (), stats: SpeculativeStats | None = None,
+    vocab_limit: int | None = None,
 ) -> Iterator[int]:
-    """Yield the target's greedy continuation of `prompt`, computed with the draft's help."""
+    """Yield the target's greedy continuation of `prompt`, computed with the draft's help.
+
+    Only ids below `vocab_limit` are picked (`sampling.with_vocab_limit`: past it lie a padded
+    embedding table's rows), by the draft and the target alike.
+    """
     total = _cache_slots(target, draft, prompt, max_new_tokens, lookahead)
     stats = stats if stats is not None else SpeculativeStats()
     device = target.embed.weight.device
@@ -88,7 +93,8 @@ def speculative_tokens(
 
     def run(model: TransformerLM, cache, ids: Sequence[int], last_only: bool) -> torch.Tensor:
         tokens = torch.tensor([list(ids)], device=device)  # (1, len(ids))
-        return model(tokens, kv_cache=cache, last_logits_only=last_only)[0].float()  # (seq or 1, vocab)
+        logits = model(tokens, kv_cache=cache, last_logits_only=last_only)[0].float()  # (seq or 1, vocab)
+        return logits[:, :vocab_limit]  # (seq or 1, vocab_limit): no padding row is ever the argmax
 
     # Invariant: the target's cache holds every token but `last`; the draft's cache lacks `draft_pending`.
     if len(prompt) > 1:

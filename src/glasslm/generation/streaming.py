@@ -11,7 +11,7 @@ from typing import Any
 
 from glasslm.generation.decoding import generate_tokens
 from glasslm.core.model import TransformerLM
-from glasslm.generation.sampling import GenerationConfig, Tokenizer, find_stop, make_config, with_eos
+from glasslm.generation.sampling import GenerationConfig, Tokenizer, find_stop, make_config, with_eos, with_vocab_limit
 from glasslm.tokenizers import bos_token_id
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
@@ -23,7 +23,7 @@ class TextStreamer:
     A byte-level BPE token can be part of a UTF-8 character, and the tail of the text may be the
     start of a stop string, so each push decodes everything so far and returns only the new,
     settled part (see `settled_length`). Once a stop string appears, `stopped` is set and the text
-    ends exactly before it.
+    ends exactly before it (with `include_stop`, exactly after it).
 
     >>> from glasslm.tokenizers import CharTokenizer
     >>> tok = CharTokenizer.from_text("abc.")
@@ -35,8 +35,8 @@ class TextStreamer:
     (['a', 'b', '', '', ''], 'ab', True)
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = ()):
-        self.tokenizer, self.stop_strings = tokenizer, tuple(stop_strings)
+    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = (), include_stop: bool = False):
+        self.tokenizer, self.stop_strings, self.include_stop = tokenizer, tuple(stop_strings), include_stop
         self.tokens: list[int] = []
         self.text = ""  # everything decoded so far
         self.shown = 0  # how many characters of it were returned
@@ -49,6 +49,8 @@ class TextStreamer:
         self.text = self.tokenizer.decode(self.tokens)
         cut = find_stop(self.text, self.stop_strings)
         if cut >= 0:
+            if self.include_stop:  # the stop that just completed: the shortest one starting at the cut
+                cut += min(len(s) for s in self.stop_strings if self.text.startswith(s, cut))
             self.stopped = True
             self.text = self.text[:cut]
             return self._take(cut)
@@ -69,8 +71,9 @@ def stream_text(
     config: GenerationConfig | None = None, **controls: Any,
 ) -> Iterator[str]:
     """Yield the generated text in pieces as tokens arrive, ending exactly before any stop string
-    or eos token (see `with_eos`). An empty prompt starts from bos (`encode_prompt`)."""
-    config = with_eos(make_config(config, **controls), model, tokenizer)
+    or eos token (see `with_eos`). An empty prompt starts from bos (`encode_prompt`); ids past the
+    tokenizer (a padded embedding table's) are never picked (`with_vocab_limit`)."""
+    config = with_vocab_limit(with_eos(make_config(config, **controls), model, tokenizer), model, tokenizer)
     prompt_ids = encode_prompt(tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
     streamer = TextStreamer(tokenizer, config.stop_strings)
     for token in generate_tokens(model, prompt_ids, config=config):

@@ -1,5 +1,6 @@
-"""One loader for any checkpoint, glasslm's own or Hugging Face's (a directory or a hub name in the
-local HF cache): the model, its tokenizer, its config alone, or what is known of its history.
+"""One loader for any checkpoint, glasslm's own, Hugging Face's (a directory or a hub name in the
+local HF cache) or a GGUF file (llama.cpp's): the model, its tokenizer, its config alone, or what is
+known of its history.
 
 Example:
     >>> import tempfile
@@ -26,6 +27,7 @@ from glasslm.core.model import TransformerLM
 from glasslm.hf.cache import resolve_model_path
 from glasslm.hf.convert import config_from_hf, import_hf
 from glasslm.hf.files import is_hf_directory, read_hf_config
+from glasslm.hf.gguf import GGUF_SUFFIX, GGUFFile, is_gguf_file
 from glasslm.io.checkpoint import ADAPTER_BASE_KEY, CONFIG_FILE, META_FILE, TRAINER_STATE_JSON, read_json
 from glasslm.tokenizers import BPE_DESCRIPTOR_FILE, SPM_FILE, TOKENIZER_FILE
 from glasslm.transforms import applied_transforms, apply_transform
@@ -43,13 +45,30 @@ def hf_tokenizer(directory: str | os.PathLike) -> Any | None:
     return read_hf_tokenizer(resolve_model_path(directory))
 
 
+def gguf_path(path: str | os.PathLike) -> Path | None:
+    """The GGUF file `path` stands for: a GGUF file itself, or a directory (a downloaded hub snapshot)
+    holding exactly one `.gguf` file and no config.json; None for anything else."""
+    path = Path(path)
+    if path.is_file():
+        return path if is_gguf_file(path) else None
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    found = sorted(path.glob(f"*{GGUF_SUFFIX}"))
+    if len(found) > 1:
+        raise ValueError(f"{path} holds {len(found)} GGUF files ({', '.join(f.name for f in found[:4])}); "
+                         "name the one to load")
+    return found[0] if found else None
+
+
 def load_model(
     path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
     base: str | os.PathLike | None = None,
 ) -> tuple[TransformerLM, Any | None]:
     """(model in eval mode, tokenizer or None) from a glasslm checkpoint, run directory, HF model
-    directory, or a hub name in the local HF cache. `model.eos_token_ids` holds where generation
-    stops by default (generation_config.json's ids, else config.json's, else the tokenizer's eos).
+    directory, a hub name in the local HF cache, or a GGUF file. `model.eos_token_ids` holds where
+    generation stops by default (generation_config.json's ids, else config.json's, else the
+    tokenizer's eos). A GGUF file's 4-bit blocks stay as they are (`glasslm.hf.gguf.importer`), and
+    `model.gguf_summary` says which tensors were kept and which dequantized.
 
     Either way the weights are memory-mapped and assigned into a meta-device model, so loading a
     large model needs about one copy of its weights in memory.
@@ -63,12 +82,19 @@ def load_model(
     from glasslm.tokenizers import eos_token_ids, read_generation_config
 
     path = resolve_model_path(path)
-    hf = is_hf_directory(path)
-    directory = path if hf else resolve_checkpoint(path)  # a run directory means its best (else latest)
-    meta = read_json(directory / META_FILE) if not hf and (directory / META_FILE).is_file() else {}
+    gguf = gguf_path(path)
+    hf = gguf is None and is_hf_directory(path)
+    directory = None if gguf is not None or hf else resolve_checkpoint(path)  # a run directory: its best (else latest)
+    meta = read_json(directory / META_FILE) if directory is not None and (directory / META_FILE).is_file() else {}
     adapters = isinstance(meta, dict) and ADAPTER_BASE_KEY in meta
     if base is not None and not adapters:
         raise ValueError(f"--base names the base model of a LoRA checkpoint; {path} holds a whole model, not adapters")
+    if gguf is not None:
+        from glasslm.hf.gguf.importer import import_gguf
+
+        loaded = import_gguf(gguf, device, dtype)
+        loaded.model.gguf_summary = loaded.summary()
+        return loaded.model, loaded.tokenizer
     if hf:
         model, tokenizer = import_hf(path, device, dtype), hf_tokenizer(path)
         # transformers' generate stops at generation_config.json's eos ids, else config.json's.
@@ -106,7 +132,8 @@ def load_base_checked(path: str, sha256: str, device: torch.device | str = "cpu"
     if not given and not Path(path).exists() and Path(path).is_absolute():
         raise FileNotFoundError(f"{source}: its base {path} does not exist (moved or deleted?); {advice}")
     base, tokenizer = load_model(path, device)
-    if applied_transforms(base):
+    # A GGUF file's 4-bit blocks are the file's own weights, not a transform made after loading.
+    if applied_transforms(base) and gguf_path(resolve_model_path(path)) is None:
         raise ValueError(f"{source}: the base {path} is itself transformed ({applied_transforms(base)}); "
                          "an adapter's base must be plain weights")
     if weights_sha256(base.state_dict()) == sha256:
@@ -145,8 +172,10 @@ def load_adapter_checkpoint(directory: Path, meta: dict[str, Any], device: torch
     recorded, sha256 = adapter_base(meta, str(directory))
     model, tokenizer, _ = load_base_checked(str(base) if base is not None else recorded, sha256, device,
                                             str(directory), given=base is not None)
+    carried = applied_transforms(model)  # what the base comes with (a GGUF file's blocks) is not re-applied
     for record in recorded_transforms(meta):
-        apply_transform(model, record["name"], **{k: v for k, v in record.items() if k != "name"})
+        if record not in carried:
+            apply_transform(model, record["name"], **{k: v for k, v in record.items() if k != "name"})
     load_lora_state_dict(model, read_safetensors(directory / WEIGHTS_FILE, device), str(directory))
     if any((directory / name).exists() for name in (TOKENIZER_FILE, BPE_DESCRIPTOR_FILE, SPM_FILE)):
         tokenizer = load_tokenizer(directory)
@@ -177,11 +206,11 @@ def load_chat_template(path: str | os.PathLike, tokenizer: Any | None,
 
 def _checkpoint_directory(path: str | os.PathLike) -> Path | None:
     """The directory whose files belong to the model at `path` (a run directory's best checkpoint),
-    or None where `path` is not a directory."""
+    or None where `path` is a GGUF file or a folder holding one (its tokenizer carries its template)."""
     from glasslm.io.checkpoint import resolve_checkpoint
 
     resolved = Path(resolve_model_path(path))
-    if not resolved.is_dir():
+    if not resolved.is_dir() or gguf_path(resolved) is not None:
         return None
     return resolved if is_hf_directory(resolved) else resolve_checkpoint(resolved)
 
@@ -200,8 +229,8 @@ def checkpoint_summary(path: str | os.PathLike) -> dict[str, Any]:
     from glasslm.io.checkpoint import resolve_checkpoint
 
     path = resolve_model_path(path)
-    if is_hf_directory(path):
-        return {}  # an HF directory records nothing of how it was made (it is not converted from itself)
+    if is_hf_directory(path) or gguf_path(path) is not None:
+        return {}  # an HF directory or GGUF file records nothing of how it was made (not converted from itself)
     directory = resolve_checkpoint(path)
     summary: dict[str, Any] = {}
     for name in (META_FILE, TRAINER_STATE_JSON):
@@ -222,7 +251,13 @@ def init_weights_from(model: TransformerLM, path: str | os.PathLike) -> None:
     """
     from glasslm.io.build import load_weights
 
-    source, _ = load_model(path)
+    gguf = gguf_path(resolve_model_path(path))
+    if gguf is not None:  # fine-tuning every weight needs them all in float
+        from glasslm.hf.gguf.importer import import_gguf
+
+        source = import_gguf(gguf, keep_blocks=False).model
+    else:
+        source, _ = load_model(path)
     if _comparable(source.config) != _comparable(model.config):
         raise ValueError(f"{path} holds a different architecture than the model to train: {source.config} vs {model.config}")
     load_weights(model, source.state_dict(), str(path))
@@ -244,6 +279,14 @@ def checkpoint_config(path: str | os.PathLike) -> tuple[ModelConfig, Any | None,
     from glasslm.tokenizers import load_tokenizer
 
     path = resolve_model_path(path)
+    gguf = gguf_path(path)
+    if gguf is not None:
+        from glasslm.hf.gguf.importer import gguf_config
+        from glasslm.tokenizers.gguf import tokenizer_from_gguf
+
+        file = GGUFFile.open(gguf)
+        tokenizer = tokenizer_from_gguf(file.metadata) if "tokenizer.ggml.tokens" in file.metadata else None
+        return gguf_config(file)[0], tokenizer, {}
     if is_hf_directory(path):
         return config_from_hf(read_hf_config(path))[0], hf_tokenizer(path), checkpoint_summary(path)
     directory = resolve_checkpoint(path)

@@ -38,7 +38,10 @@ def repeated_random_tokens(vocab_size: int, half: int, batch: int, generator: to
 
 
 def _norm_scale_names(model: nn.Module) -> list[str]:
-    return ["ln_final.hook_scale"] if model.ln_final is not None else []
+    """The divisors a direct attribution reads: the final norm's, and each post-norm's (Gemma 3)."""
+    post = [f"blocks.{i}.{norm}.hook_scale" for i, block in enumerate(model.blocks) for norm in ("ln1_post", "ln2_post")
+            if getattr(block, norm, None) is not None]
+    return (["ln_final.hook_scale"] if model.ln_final is not None else []) + post
 
 
 @torch.no_grad()

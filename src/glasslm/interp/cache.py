@@ -31,7 +31,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -86,9 +85,38 @@ def slice_positions(tensor: Tensor, pos_slice: PosSlice, dim: int = -2) -> Tenso
 class ActivationCache(dict):
     """{hook name: activation} from one forward pass, plus the model that made it (for its weights)."""
 
-    def __init__(self, activations: dict[str, Tensor], model: nn.Module):
+    def __init__(self, activations: dict[str, Tensor], model: nn.Module, has_batch_dim: bool = True):
         super().__init__(activations)
-        self.model = model
+        self.model, self.has_batch_dim = model, has_batch_dim
+
+    def remove_batch_dim(self) -> "ActivationCache":
+        """Drop the batch axis of a one-example cache from every activation, in place (TransformerLens's)."""
+        if self.has_batch_dim:
+            sizes = {name: value.shape[0] for name, value in self.items() if value.shape[0] != 1}
+            if sizes:
+                raise ValueError(f"remove_batch_dim needs a batch of one; {next(iter(sizes))} has {next(iter(sizes.values()))}")
+            for name, value in self.items():
+                self[name] = value[0]
+            self.has_batch_dim = False
+        return self
+
+    def to(self, device: torch.device | str) -> "ActivationCache":
+        """Move every activation to `device`, in place; returns the cache (TransformerLens's `to`)."""
+        for name, value in self.items():
+            self[name] = value.to(device)
+        return self
+
+    def stack_activation(self, activation_name: str, layer: int = -1, sublayer_type: str | None = None,
+                         ) -> Float[Tensor, "layers ..."]:
+        """One activation of every layer before `layer` (-1: all), stacked: `stack_activation("pattern")`
+        is (layers, batch, heads, query, key). Short names as `cache["pattern", 0]` takes them."""
+        return torch.stack([self[activation_name, index, sublayer_type] for index in range(self._layer(layer))])
+
+    def compute_head_results(self) -> None:
+        """Fill in `blocks.{l}.attn.hook_result` (each head's z @ W_O, (batch, seq, heads, d_model)) where the
+        run did not cache it, as TransformerLens's; `head_results` and `stack_head_results` then read it."""
+        for layer in range(self.n_layers):
+            self[f"blocks.{layer}.attn.hook_result"] = self._z_times_w_o(layer).detach()
 
     def __getitem__(self, key: str | tuple) -> Tensor:
         if isinstance(key, tuple):
@@ -106,9 +134,7 @@ class ActivationCache(dict):
         """(label, stream contribution) of the token and position embeddings that are cached."""
         parts = []
         if "hook_embed" in self:
-            embed = self["hook_embed"]
-            if self.model.config.scale_embeddings:
-                embed = embed * math.sqrt(self.model.config.d_model)
+            embed = self["hook_embed"]  # after any sqrt(d_model) scaling: what the stream gets
             parts.append(("embed", embed))
             if "hook_pos_embed" in self:  # (seq, d_model) or (batch, seq, d_model): as wide as embed
                 parts.append(("pos_embed", self["hook_pos_embed"].expand_as(embed)))
@@ -155,14 +181,37 @@ class ActivationCache(dict):
             stack = self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice)
         return (stack, [label for label, _ in parts]) if return_labels else stack
 
-    def head_results(self, layer: int) -> Float[Tensor, "batch seq heads d_model"]:
-        """Each head's output written to the stream (no out bias): hook_result, or hook_z @ W_O."""
+    def through_post_norm(self, layer: int, sublayer: str, part: Float[Tensor, "*batch seq parts d_model"],
+                          pos_slice: PosSlice = None) -> Float[Tensor, "*batch seq parts d_model"]:
+        """What `part`s of a sublayer's output ("attn" or "mlp") add to the stream through its post-norm
+        (Gemma 3's sandwich): centred (LayerNorm), divided by the norm's *cached* hook_scale, times its gain.
+        Linear in the parts, so they still add up to hook_attn_out / hook_mlp_out. Without a post-norm: `part`.
+        `pos_slice` is the one `part` was already sliced with."""
+        norm = getattr(self.model.blocks[layer], "ln1_post" if sublayer == "attn" else "ln2_post", None)
+        if norm is None:
+            return part
+        name = f"blocks.{layer}.{'ln1_post' if sublayer == 'attn' else 'ln2_post'}.hook_scale"
+        if name not in self:
+            raise KeyError(f"a sublayer's parts pass its post-norm: run_with_cache with {name!r} in names_filter")
+        if hasattr(norm, "bias"):  # LayerNorm
+            part = part - part.mean(dim=-1, keepdim=True)
+        scale = slice_positions(self[name], pos_slice).unsqueeze(-1)  # (*batch, seq, 1, 1): one divisor per position
+        gain = 1.0 + norm.weight.float() if getattr(norm, "unit_offset", False) else norm.weight.float()
+        return (part.float() / scale.float() * gain).to(part.dtype)
+
+    def head_results(self, layer: int) -> Float[Tensor, "*batch seq heads d_model"]:
+        """Each head's output written to the stream (no out bias): hook_result, or hook_z @ W_O, then
+        through the post-norm's cached scale where the block has one (`through_post_norm`)."""
+        return self.through_post_norm(layer, "attn", self._z_times_w_o(layer))
+
+    def _z_times_w_o(self, layer: int) -> Float[Tensor, "*batch seq heads d_model"]:
+        """Each head's z_h @ W_O[h]: the cached hook_result, or computed from the cached hook_z."""
         name = f"blocks.{layer}.attn.hook_result"
         if name in self:
             return self[name]
-        attn = self.model.blocks[layer].attn
+        attn, z = self.model.blocks[layer].attn, self["z", layer]
         w_o = attn.out.weight.view(-1, attn.n_heads, attn.d_head)  # (d_model, heads, d_head)
-        return torch.einsum("bshe,dhe->bshd", self["z", layer], w_o.to(self["z", layer].dtype))
+        return torch.einsum("...she,dhe->...shd", z, w_o.to(z.dtype))
 
     def stack_head_results(self, layer: int = -1, return_labels: bool = False, incl_remainder: bool = False,
                            pos_slice: PosSlice = None, apply_ln: bool = False):
@@ -183,11 +232,12 @@ class ActivationCache(dict):
             stack = self.apply_ln_to_stack(stack, layer, pos_slice=pos_slice)
         return (stack, labels) if return_labels else stack
 
-    def neuron_results(self, layer: int, pos_slice: PosSlice = None) -> Float[Tensor, "batch seq d_mlp d_model"]:
-        """Each MLP neuron's write to the stream: activation x its row of W_out (no out bias)."""
+    def neuron_results(self, layer: int, pos_slice: PosSlice = None) -> Float[Tensor, "*batch seq d_mlp d_model"]:
+        """Each MLP neuron's write to the stream: activation x its row of W_out (no out bias), through
+        the post-norm's cached scale where the block has one."""
         post = slice_positions(self["post", layer, "mlp"], pos_slice)  # (batch, seq, d_mlp)
         w_out = self.model.blocks[layer].mlp.down.weight.T  # (d_mlp, d_model)
-        return post[..., None] * w_out.to(post.dtype)
+        return self.through_post_norm(layer, "mlp", post[..., None] * w_out.to(post.dtype), pos_slice)
 
     def stack_neuron_results(self, layer: int, pos_slice: PosSlice = None, return_labels: bool = False,
                              incl_remainder: bool = False, apply_ln: bool = False, mlp_input: bool = False):
@@ -205,11 +255,12 @@ class ActivationCache(dict):
 
     def apply_ln_to_stack(self, residual_stack: Float[Tensor, "components *batch_pos d_model"],
                           layer: int | None = None, mlp_input: bool = False, pos_slice: PosSlice = None,
-                          batch_slice: PosSlice = None, has_batch_dim: bool = True, recompute_ln: bool = False):
+                          batch_slice: PosSlice = None, has_batch_dim: bool | None = None, recompute_ln: bool = False):
         """Normalise each component by the norm that reads the stream at `layer` (ln1, ln2 with
         `mlp_input`, ln_final at the end): centre (LayerNorm) and divide by the *cached* hook_scale,
         so the components still add up to the normalised stream. No gain or bias (fold_ln them)."""
         layer = self._layer(layer)
+        has_batch_dim = self.has_batch_dim if has_batch_dim is None else has_batch_dim
         if has_batch_dim and batch_slice is not None:
             residual_stack = slice_positions(residual_stack, batch_slice, dim=1)
         norm = self.model.ln_final if layer == self.n_layers else getattr(self.model.blocks[layer],
@@ -238,7 +289,7 @@ class ActivationCache(dict):
 
     def logit_attrs(self, residual_stack: Float[Tensor, "components *batch_pos d_model"], tokens: int | Tensor,
                     incorrect_tokens: int | Tensor | None = None, pos_slice: PosSlice = None,
-                    batch_slice: PosSlice = None, has_batch_dim: bool = True) -> Float[Tensor, "components *batch_pos"]:
+                    batch_slice: PosSlice = None, has_batch_dim: bool | None = None) -> Float[Tensor, "components *batch_pos"]:
         """Each component's direct contribution to the logit of `tokens` (minus `incorrect_tokens`'),
         after the final norm's cached scale: (apply_ln_to_stack(stack, -1) * W_U[:, tokens]).sum(-1)."""
         directions = self.unembed_directions(tokens)
@@ -253,16 +304,25 @@ class ActivationCache(dict):
         return (scaled * directions.to(scaled.dtype)).sum(dim=-1)
 
     def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
-        """The sum of the out biases written to the stream before `layer` (and layer's attention's with `mlp_input`)."""
-        d_model = self.model.config.d_model
-        total = torch.zeros(d_model, device=self.model.embed.weight.device)
+        """The sum of the out biases written to the stream before `layer` (and layer's attention's with
+        `mlp_input`): (d_model,), or per position (*batch, seq, d_model) where post-norms rescale them."""
+        total = torch.zeros(self.model.config.d_model, device=self.model.embed.weight.device)
         for index in range(layer + (1 if mlp_input else 0)):
             block = self.model.blocks[index]
-            if block.attn.out.bias is not None:
-                total = total + block.attn.out.bias
-            if include_mlp_biases and index < layer and block.mlp is not None and block.mlp.down.bias is not None:
-                total = total + block.mlp.down.bias
+            total = total + self._written_bias(index, "attn", block.attn.out.bias)
+            if include_mlp_biases and index < layer and block.mlp is not None:
+                total = total + self._written_bias(index, "mlp", block.mlp.down.bias)
         return total
+
+    def _written_bias(self, layer: int, sublayer: str, bias: Tensor | None) -> Tensor:
+        """A sublayer's out bias as the stream gets it: through its post-norm (whose own shift it adds)."""
+        block = self.model.blocks[layer]
+        norm = getattr(block, "ln1_post" if sublayer == "attn" else "ln2_post", None)
+        bias = torch.zeros(self.model.config.d_model, device=self.model.embed.weight.device) if bias is None else bias
+        if norm is None:
+            return bias
+        written = self.through_post_norm(layer, sublayer, bias[None, :].detach())[..., 0, :]  # (*batch, seq, d_model)
+        return written if getattr(norm, "bias", None) is None else written + norm.bias
 
     def get_full_resid_decomposition(self, layer: int | None = None, mlp_input: bool = False,
                                      expand_neurons: bool = True, apply_ln: bool = False,
@@ -285,7 +345,9 @@ class ActivationCache(dict):
             parts.append(slice_positions(embedding, pos_slice)[None])
             labels = [*labels, label]
         bias = self.accumulated_bias(layer, mlp_input, include_mlp_biases=expand_neurons)
-        parts.append(bias.to(stack.dtype).expand((1, *stack.shape[1:])))
+        if bias.dim() > 1:  # per position (post-norms)
+            bias = slice_positions(bias, pos_slice)
+        parts.append(bias.to(stack.dtype).expand(stack.shape[1:])[None])
         stack = torch.cat(parts)
         if apply_ln:
             stack = self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice)

@@ -156,7 +156,8 @@ def processed_copy(model: TransformerLM) -> TransformerLM:
 
 
 def _attribution_hook(name: str) -> bool:
-    return name in ("hook_embed", "hook_pos_embed", "ln_final.hook_scale") or name.endswith(("attn.hook_z", "hook_mlp_out"))
+    return (name in ("hook_embed", "hook_pos_embed", "ln_final.hook_scale")
+            or name.endswith(("attn.hook_z", "hook_mlp_out", "_post.hook_scale")))  # post-norms' divisors: Gemma 3
 
 
 @torch.no_grad()
@@ -193,6 +194,74 @@ def logit_attribution(model: TransformerLM, tokenizer: Any, ids: Sequence[int], 
                            for label, value in zip(labels[n_layers * n_heads:], attrs[n_layers * n_heads:])],
             "unembed_bias": 0.0 if bias is None else float(bias[token]),
             "logit_minus_mean": float(last[token])}
+
+
+# The page's example texts; a tokenizer that cannot encode them gets texts made from its own vocabulary.
+STANDARD_TEXTS = {"prompt": "ROMEO:\n", "loss_text": "First Citizen:\nBefore we proceed any further, hear me speak.",
+                  "inspect_text": "To be, or not to be", "corrupted_text": "To be, or not to go",
+                  "answer": ",", "wrong_answer": "!"}
+VOCABULARY_PIECES = 8  # the repeated sequence of the vocabulary-made texts, in tokens
+
+
+def _encoded(tokenizer: Any, text: str) -> list[int] | None:
+    try:
+        return list(tokenizer.encode(text))
+    except (ValueError, KeyError):  # a character (or byte) the vocabulary lacks
+        return None
+
+
+def _texts_fit(tokenizer: Any, texts: dict[str, str], context_length: int) -> bool:
+    """Whether every example encodes as the page uses it: the prompt leaves room to generate, the clean
+    and corrupted texts pair up position by position, the answers are one token each, and different."""
+    ids = {name: _encoded(tokenizer, text) for name, text in texts.items()}
+    if not all(ids.values()):
+        return False
+    clean, corrupted = ids["inspect_text"], ids["corrupted_text"]
+    return (len(ids["prompt"]) < context_length and len(clean) == len(corrupted) <= context_length
+            and clean != corrupted and len(ids["answer"]) == len(ids["wrong_answer"]) == 1
+            and ids["answer"] != ids["wrong_answer"])
+
+
+def _vocabulary_pieces(tokenizer: Any, count: int, seed: int = 0) -> list[str]:
+    """Texts of `count` tokens that each encode back to themselves alone: printable, no spaces, drawn in
+    a seeded random order so the sequence they make looks like the study's repeated random tokens."""
+    order = torch.randperm(tokenizer.vocab_size, generator=torch.Generator().manual_seed(seed)).tolist()
+    pieces = []
+    for i in order:
+        text = tokenizer.decode([i])
+        if text and text.isprintable() and not any(c.isspace() for c in text) and _encoded(tokenizer, text) == [i]:
+            pieces.append(text)
+            if len(pieces) == count:
+                break
+    return pieces
+
+
+def page_defaults(tokenizer: Any, context_length: int) -> dict[str, Any]:
+    """The explorer's example texts for this model: `STANDARD_TEXTS` where its tokenizer encodes them,
+    else a repeated sequence of its own tokens (what an induction head completes): the inspected text
+    is the sequence then all but its last token, whose next token (`answer`) is the one to copy, and
+    the corrupted text replaces the first copy of the token before it, so nothing points at the answer.
+
+    >>> from glasslm.tokenizers import CharTokenizer
+    >>> page_defaults(CharTokenizer.from_text("".join(STANDARD_TEXTS.values())), 64)["from_vocabulary"]
+    False
+    >>> made = page_defaults(CharTokenizer(list("ABCDEFGHIJKLMNOP")), 48)
+    >>> made["texts"]["inspect_text"], made["texts"]["corrupted_text"], made["texts"]["answer"]
+    ('MKJGLINFMKJGLIN', 'MKJGLICFMKJGLIN', 'F')
+    """
+    if _texts_fit(tokenizer, STANDARD_TEXTS, context_length):
+        return {"texts": dict(STANDARD_TEXTS), "from_vocabulary": False}
+    n = min(VOCABULARY_PIECES, context_length // 2 - 1)
+    pieces = _vocabulary_pieces(tokenizer, n + 1) if n >= 3 else []
+    if len(pieces) == n + 1:
+        sequence, spare = pieces[:n], pieces[n]
+        texts = {"prompt": "".join(sequence + sequence[:2]), "loss_text": "".join(sequence * 3),
+                 "inspect_text": "".join(sequence + sequence[:-1]),
+                 "corrupted_text": "".join(sequence[:-2] + [spare] + sequence[-1:] + sequence[:-1]),
+                 "answer": sequence[-1], "wrong_answer": spare}
+        if _texts_fit(tokenizer, texts, context_length):
+            return {"texts": texts, "from_vocabulary": True}
+    return {"texts": dict(STANDARD_TEXTS), "from_vocabulary": False}  # the page then names what fails
 
 
 HEAD_SCORES = {"previous_token": (previous_token_score, previous_token_targets),

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
@@ -38,9 +39,11 @@ from torch import Tensor, nn
 
 from glasslm.core.layers import HookPoint
 from glasslm.interp.cache import ActivationCache
+from glasslm.interp.tokens import to_tokens
 
 HookFn = Callable[[Tensor, str], Tensor | None]
 NamesFilter = None | str | Sequence[str] | Callable[[str], bool]
+RETURN_TYPES = ("logits", "loss", "both", None)
 
 
 def hook_points(model: nn.Module) -> dict[str, HookPoint]:
@@ -87,22 +90,107 @@ def hooks(model: nn.Module, fwd_hooks: Sequence[tuple[str | Callable[[str], bool
             handle.remove()
 
 
-def run_with_hooks(
-    model: nn.Module, tokens: Int[Tensor, "batch seq"], fwd_hooks: Sequence[tuple[str | Callable[[str], bool], HookFn]],
-    **forward_kwargs,
-) -> Float[Tensor, "batch seq vocab"]:
-    """Logits of `model(tokens)` with `fwd_hooks` attached for this one call."""
+class _StopForward(Exception):
+    """Raised by the `stop_at_layer` hook to leave the forward pass with the residual stream."""
+
+    def __init__(self, resid: Tensor):
+        super().__init__()
+        self.resid = resid
+
+
+def _as_tokens(model: nn.Module, tokens: Tensor | str | Sequence[str], tokenizer: Any,
+               prepend_bos: bool | None) -> Int[Tensor, "batch seq"]:
+    """Token ids as they are, or a text (or texts) tokenized as TransformerLens's `to_tokens` does."""
+    if isinstance(tokens, Tensor):
+        return tokens
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError("a text input needs the model's tokenizer: pass tokenizer=..., or set model.tokenizer "
+                         "once (glasslm.interp.hooked.HookedModel(model, tokenizer) carries it)")
+    ids = to_tokens(tokenizer, tokens, prepend_bos, model.config.context_length)
+    return ids.to(model.embed.weight.device)
+
+
+def _stop_hook(model: nn.Module, stop_at_layer: int) -> tuple[str, HookFn] | None:
+    """(hook name, hook that ends the pass there), or None where the pass runs to the end (k = n_layers,
+    as TransformerLens 4's bridge: no block k exists, so the usual output comes back)."""
+    n_layers = len(model.blocks)
+    layer = stop_at_layer + n_layers if stop_at_layer < 0 else stop_at_layer
+    if not 0 <= layer <= n_layers:
+        raise ValueError(f"stop_at_layer must be in [-{n_layers}, {n_layers}], got {stop_at_layer}")
+
+    def stop(resid: Tensor, name: str) -> None:
+        raise _StopForward(resid)
+
+    # Block `layer` never starts: its stop hook runs before any other hook there, so none of them fire.
+    return None if layer == n_layers else (f"blocks.{layer}.hook_resid_pre", stop)
+
+
+def lm_loss(logits: Float[Tensor, "batch seq vocab"], tokens: Int[Tensor, "batch seq"],
+            per_token: bool = False) -> Float[Tensor, ""] | Float[Tensor, "batch seq_minus_1"]:
+    """Next-token cross-entropy of `tokens` under `logits` (TransformerLens's return_type="loss"):
+    the mean over every position that has a next token, or each one's with `per_token`."""
+    if tokens.shape[1] < 2:
+        raise ValueError("the loss needs at least two tokens (a position and its next token)")
+    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    losses = -log_probs.gather(-1, tokens[:, 1:, None])[..., 0]  # (batch, seq - 1)
+    return losses if per_token else losses.mean()
+
+
+def _output(logits: Tensor, tokens: Tensor, return_type: str | None, loss_per_token: bool) -> Any:
+    if return_type not in RETURN_TYPES:
+        raise ValueError(f"return_type must be one of {RETURN_TYPES}, got {return_type!r}")
+    if return_type == "logits":
+        return logits
+    if return_type is None:
+        return None
+    loss = lm_loss(logits, tokens, loss_per_token)
+    return loss if return_type == "loss" else (logits, loss)
+
+
+def _forward(model: nn.Module, tokens: Tensor, fwd_hooks: Sequence[tuple], return_type: str | None,
+             stop_at_layer: int | None, loss_per_token: bool, forward_kwargs: dict) -> Any:
+    """One forward pass with `fwd_hooks`; the output `return_type` asks for, or the stream at `stop_at_layer`."""
+    stop = None if stop_at_layer is None else _stop_hook(model, stop_at_layer)
+    fwd_hooks = [stop, *fwd_hooks] if stop is not None else list(fwd_hooks)
     with hooks(model, fwd_hooks):
-        return model(tokens, **forward_kwargs)
+        try:
+            logits = model(tokens, **forward_kwargs)
+        except _StopForward as stopped:
+            return stopped.resid
+    return _output(logits, tokens, return_type, loss_per_token)
+
+
+def run_with_hooks(
+    model: nn.Module, tokens: Int[Tensor, "batch seq"] | str | Sequence[str],
+    fwd_hooks: Sequence[tuple[str | Callable[[str], bool], HookFn]] = (), return_type: str | None = "logits",
+    stop_at_layer: int | None = None, tokenizer: Any = None, prepend_bos: bool | None = None,
+    loss_per_token: bool = False, **forward_kwargs,
+) -> Any:
+    """`model(tokens)` with `fwd_hooks` attached for this one call, as TransformerLens's `run_with_hooks`.
+
+    `tokens` may be a text or a list of texts, tokenized as `glasslm.interp.tokens.to_tokens` does (the
+    bos first by default) with `tokenizer` (or `model.tokenizer`). `return_type`: "logits" (batch, seq,
+    vocab), "loss" (the mean next-token cross-entropy; per position with `loss_per_token`), "both"
+    (logits, loss) or None. `stop_at_layer` k runs the embeddings and blocks 0..k-1 only and returns the
+    residual stream there (batch, seq, d_model); negative k counts from the end, and k = n_layers runs
+    the whole model, as in TransformerLens 4.
+    """
+    ids = _as_tokens(model, tokens, tokenizer, prepend_bos)
+    return _forward(model, ids, fwd_hooks, return_type, stop_at_layer, loss_per_token, forward_kwargs)
 
 
 def run_with_cache(
-    model: nn.Module, tokens: Int[Tensor, "batch seq"], names_filter: NamesFilter = None,
-    fwd_hooks: Sequence[tuple[str | Callable[[str], bool], HookFn]] = (), **forward_kwargs,
-) -> tuple[Float[Tensor, "batch seq vocab"], ActivationCache]:
-    """(logits, {hook name: activation}) for the activations chosen by `names_filter`.
+    model: nn.Module, tokens: Int[Tensor, "batch seq"] | str | Sequence[str], names_filter: NamesFilter = None,
+    fwd_hooks: Sequence[tuple[str | Callable[[str], bool], HookFn]] = (), return_type: str | None = "logits",
+    stop_at_layer: int | None = None, remove_batch_dim: bool = False, tokenizer: Any = None,
+    prepend_bos: bool | None = None, loss_per_token: bool = False, **forward_kwargs,
+) -> tuple[Any, ActivationCache]:
+    """(output, {hook name: activation}) for the activations chosen by `names_filter`.
 
-    The cache is an `ActivationCache`: a dict with TransformerLens's analysis methods.
+    The cache is an `ActivationCache`: a dict with TransformerLens's analysis methods. The output and
+    the inputs are `run_with_hooks`'s (`return_type`, `stop_at_layer`: then the cache holds what ran
+    before the stop). `remove_batch_dim` drops the batch axis of a one-text run from every activation.
 
     `names_filter` is None (every hook point — note this includes the attention pattern, so the
     readable attention path runs), a name, a list of names, or a predicate on names. Cached
@@ -111,15 +199,19 @@ def run_with_cache(
     Ask only for what you need: naming `hook_attn_scores` or `hook_pattern` makes that layer use
     the step-by-step attention (the fused kernel never forms the pattern).
     """
+    ids = _as_tokens(model, tokens, tokenizer, prepend_bos)
+    if remove_batch_dim and ids.shape[0] != 1:
+        raise ValueError(f"remove_batch_dim needs a batch of one, got {ids.shape[0]}")
     cache: dict[str, Tensor] = {}
 
     def store(activation: Tensor, name: str) -> None:
         cache[name] = activation.detach()
 
     names = _select(hook_points(model), names_filter)
-    with hooks(model, [*fwd_hooks, *((name, store) for name in names)]):
-        logits = model(tokens, **forward_kwargs)
-    return logits, ActivationCache(cache, model)
+    output = _forward(model, ids, [*fwd_hooks, *((name, store) for name in names)], return_type, stop_at_layer,
+                      loss_per_token, forward_kwargs)
+    activations = ActivationCache(cache, model)
+    return output, activations.remove_batch_dim() if remove_batch_dim else activations
 
 
 def set_use_attn_result(model: nn.Module, on: bool) -> None:

@@ -1,18 +1,23 @@
 """Weight processing, as TransformerLens does it on loading: four rewrites that leave log-probs unchanged.
 
-* `fold_ln`: move each norm's gain (and LayerNorm's bias) into the weights that read its output,
+* `fold_ln`: move each pre-norm's gain (and LayerNorm's bias) into the weights that read its output,
   and centre those reading weights (LayerNorm's output has zero mean, so their mean is never seen);
-  the norms are left with gain 1 and bias 0.
+  the norms are left as the identity scaling (gain 1, or 0 where an RMSNorm scales by 1 + w, as
+  Gemma's do). What cannot be folded forward is left exact, as TransformerLens leaves it: Gemma 3's
+  post-norms (they normalise a sublayer's output, so nothing after them can absorb their divisor)
+  and the per-head q/k norms.
 * `center_writing_weights`: subtract the mean over d_model from everything written to the
   residual stream (embeddings, attention and MLP out projections and biases). Every reader is a
-  LayerNorm, which subtracts the mean anyway. LayerNorm models only.
+  LayerNorm, which subtracts the mean anyway. On an RMSNorm model it does nothing, as
+  TransformerLens (an RMSNorm does not subtract the mean, so centring would change the outputs).
 * `center_unembed`: subtract each unembedding row's mean over the vocabulary (softmax ignores a
   constant added to every logit).
 * `fold_value_biases`: each attention pattern row sums to 1, so the value bias always adds
   b_V @ W_O; fold it into the out bias.
 
 `process_weights(model)` applies all four (TransformerLens's defaults). Each edits the model in
-place, under no_grad. A tied unembedding is untied first (folding changes it, not the embedding).
+place, under no_grad, computing in float32 at least. A tied unembedding is untied first (folding
+changes it, not the embedding).
 
 Example:
     >>> import torch
@@ -29,37 +34,60 @@ Example:
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+from jaxtyping import Float
 from torch import Tensor, nn
 
-from glasslm.core.layers import LayerNorm, Linear
+from glasslm.core.layers import LayerNorm, Linear, upcast
 
 
 def _is_layernorm(norm: nn.Module | None) -> bool:
     return isinstance(norm, LayerNorm)
 
 
-def _fold_norm_into(norm: nn.Module, readers: list[Linear]) -> None:
-    """W' = W * gain (per input feature), b' = b + W @ norm_bias, reading weights centred for LayerNorm."""
+def norm_gain(norm: nn.Module) -> Float[Tensor, "d_model"]:
+    """What the norm multiplies each feature by: its weight, or 1 + weight for Gemma's RMSNorm (unit_offset)."""
+    weight = upcast(norm.weight.detach())
+    return 1.0 + weight if getattr(norm, "unit_offset", False) else weight.clone()
+
+
+def _make_identity(norm: nn.Module) -> None:
+    """Gain 1 (a weight of 0 where the norm scales by 1 + weight), shift 0."""
+    norm.weight.fill_(0.0 if getattr(norm, "unit_offset", False) else 1.0)
+    if getattr(norm, "bias", None) is not None:
+        norm.bias.zero_()
+
+
+def _fold_norm_into(norm: nn.Module, weights: list[Tensor], biases: list[Tensor | None]) -> list[Tensor | None]:
+    """W' = W * gain (per input feature), b' = b + W @ norm_bias, reading weights centred for LayerNorm.
+
+    `weights` are (d_out, d_model) reading the norm's output, edited in place; returns the new biases
+    (a bias is created where the norm has a shift and the reader had none)."""
     if getattr(norm, "unbiased_std", False):
         raise ValueError("fold_ln does not support norm_unbiased_std LayerNorm")
-    gain = norm.weight.detach().clone()
+    gain = norm_gain(norm)
     shift = getattr(norm, "bias", None)
-    shift = None if shift is None else shift.detach().clone()
-    for linear in readers:
-        weight = linear.weight  # (d_out, d_model)
+    new_biases = []
+    for weight, bias in zip(weights, biases):
+        w32 = upcast(weight)
         if shift is not None:
-            folded_bias = weight @ shift  # (d_out,)
-            if linear.bias is None:
-                linear.bias = nn.Parameter(folded_bias)
-            else:
-                linear.bias += folded_bias
-        weight *= gain
+            folded = w32 @ upcast(shift.detach())  # (d_out,)
+            bias = folded.to(weight.dtype) if bias is None else bias.copy_(upcast(bias) + folded)
+        w32 = w32 * gain
         if _is_layernorm(norm):
-            weight -= weight.mean(dim=1, keepdim=True)
-    norm.weight.fill_(1.0)
-    if shift is not None:
-        norm.bias.zero_()
+            w32 = w32 - w32.mean(dim=1, keepdim=True)
+        weight.copy_(w32)
+        new_biases.append(bias)
+    _make_identity(norm)
+    return new_biases
+
+
+def _fold_into_linears(norm: nn.Module, readers: list[Linear]) -> None:
+    for linear, bias in zip(readers, _fold_norm_into(norm, [r.weight for r in readers], [r.bias for r in readers])):
+        if linear.bias is None and bias is not None:
+            linear.bias = nn.Parameter(bias)
 
 
 def untie_unembedding(model: nn.Module) -> None:
@@ -76,23 +104,17 @@ def untie_unembedding(model: nn.Module) -> None:
 
 @torch.no_grad()
 def fold_ln(model: nn.Module) -> None:
-    """Fold every norm's gain and bias into the next weights (ln1 -> qkv, ln2 -> MLP in, ln_final -> unembed)."""
+    """Fold every pre-norm's gain and bias into the next weights (ln1 -> q/k/v, ln2 -> MLP in and gate,
+    ln_final -> unembed). Post-norms and q/k norms stay as they are (they cannot be folded forward)."""
     if model.config.norm_placement != "pre":
         raise ValueError("fold_ln needs a pre-norm model (norm_placement='pre')")
     for block in model.blocks:
-        _fold_norm_into(block.ln1, [block.attn.qkv])
+        _fold_into_linears(block.ln1, [block.attn.qkv])
         if block.mlp is not None:
-            _fold_norm_into(block.ln2, [block.mlp.up] + ([block.mlp.gate] if hasattr(block.mlp, "gate") else []))
+            _fold_into_linears(block.ln2, [block.mlp.up] + ([block.mlp.gate] if hasattr(block.mlp, "gate") else []))
     if model.ln_final is not None:
         untie_unembedding(model)
-        shift = getattr(model.ln_final, "bias", None)
-        if shift is not None:
-            model.unembed_bias += model.unembed.weight @ shift
-            model.ln_final.bias.zero_()
-        model.unembed.weight *= model.ln_final.weight
-        if _is_layernorm(model.ln_final):
-            model.unembed.weight -= model.unembed.weight.mean(dim=1, keepdim=True)
-        model.ln_final.weight.fill_(1.0)
+        (model.unembed_bias,) = _fold_norm_into(model.ln_final, [model.unembed.weight], [model.unembed_bias])
 
 
 def _center(weight: Tensor, bias: Tensor | None) -> None:
@@ -102,12 +124,29 @@ def _center(weight: Tensor, bias: Tensor | None) -> None:
         bias -= bias.mean()
 
 
+def _writing_centred_is_exact(model: nn.Module) -> bool:
+    """Whether every reader of the stream subtracts its mean: True for pre-norm LayerNorm models, False
+    for RMSNorm ones (nothing to do); anything else (post-norm, sandwich LayerNorms, no final norm) raises."""
+    config = model.config
+    if config.norm == "rmsnorm":
+        return False
+    norms = [model.ln_final, *(n for b in model.blocks for n in (b.ln1, b.ln2) if n is not None)]
+    if config.norm_placement != "pre" or config.post_norms or not all(_is_layernorm(norm) for norm in norms):
+        raise ValueError("center_writing_weights needs a pre-norm model whose every reader of the stream is a "
+                         "LayerNorm (and a final norm); post-norms and a missing final norm read the stream's mean")
+    return True
+
+
 @torch.no_grad()
 def center_writing_weights(model: nn.Module) -> None:
-    """Make everything written to the residual stream mean-zero over d_model (LayerNorm models)."""
-    norms = [model.ln_final, *(n for b in model.blocks for n in (b.ln1, b.ln2) if n is not None)]
-    if not all(_is_layernorm(norm) for norm in norms):
-        raise ValueError("center_writing_weights needs every norm to be a LayerNorm (and a final norm)")
+    """Make everything written to the residual stream mean-zero over d_model (pre-norm LayerNorm models).
+
+    On an RMSNorm model it does nothing, as TransformerLens: an RMSNorm does not subtract the mean, so
+    centring would change the outputs (it warns, so a direct call is not mistaken for a centring)."""
+    if not _writing_centred_is_exact(model):
+        warnings.warn("center_writing_weights does nothing on an RMSNorm model (as TransformerLens): "
+                      "an RMSNorm reads the stream's mean", stacklevel=2)
+        return
     if model.config.tie_embeddings:
         untie_unembedding(model)  # first, so the unembedding keeps the uncentred table
     model.embed.weight -= model.embed.weight.mean(dim=1, keepdim=True)
@@ -149,11 +188,11 @@ def fold_value_biases(model: nn.Module) -> None:
 
 def process_weights(model: nn.Module, fold: bool = True, center_writing: bool = True,
                     center_logits: bool = True, fold_values: bool = True) -> None:
-    """TransformerLens's default processing; centring the writing weights only where every norm is a LayerNorm."""
+    """TransformerLens's default processing; centring the writing weights only where every norm is a LayerNorm
+    (on RMSNorm models that step is skipped, as TransformerLens skips it)."""
     if fold:
         fold_ln(model)
-    norms = [model.ln_final, *(n for b in model.blocks for n in (b.ln1, b.ln2) if n is not None)]
-    if center_writing and all(_is_layernorm(norm) for norm in norms):
+    if center_writing and _writing_centred_is_exact(model):
         center_writing_weights(model)
     if center_logits:
         center_unembed(model)

@@ -12,7 +12,7 @@ Example (the app without a network socket; `uvicorn.run(app)` would serve it):
     >>> tok = CharTokenizer.from_text("abc\\n")
     >>> app = create_app(TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=4, n_layers=1)).eval(), tok)
     >>> sorted(path for path in app.openapi()["paths"] if path.startswith("/v1"))
-    ['/v1/chat/completions', '/v1/completions', '/v1/models']
+    ['/v1/chat/completions', '/v1/completions', '/v1/models', '/v1/models/{model_id}']
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ ROUTERS = (health.router, completions.router, chat.router, tokenize.router, expl
 
 def create_app(model: TransformerLM, tokenizer: Any, config: ServeConfig | None = None,
                chat_template: str | None = None) -> FastAPI:
-    """The FastAPI app: /v1/completions, /v1/models, /health, the explorer page and its /api endpoints.
+    """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /tokenizer_info, /health,
+    the explorer page and its /api endpoints.
 
     `config.max_batch` rows decode together; up to `config.max_queue` more wait; beyond that requests
     get 429. The host, port and grace of `config` are the server's (`serve`), not the app's.

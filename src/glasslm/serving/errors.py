@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from glasslm.serving.schemas import BadRequest, describe_validation_error
+from glasslm.serving.schemas import BadRequest, UnknownModel, describe_validation_error
 
 log = logging.getLogger("glasslm.serving")
 
@@ -51,6 +51,10 @@ async def _bad_input(request: Request, exc: BadRequest) -> JSONResponse:
     return error_response(400, str(exc), param=exc.param)
 
 
+async def _unknown_model(request: Request, exc: UnknownModel) -> JSONResponse:
+    return error_response(404, str(exc), "not_found", exc.param)
+
+
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
@@ -59,6 +63,7 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 def add_error_handlers(app: FastAPI) -> None:
     handlers: tuple[tuple[type[Exception], Any], ...] = (
         (RequestValidationError, _bad_request), (HTTPException, _http_error), (BadRequest, _bad_input),
+        (UnknownModel, _unknown_model),
         (Exception, _internal_error),
     )
     for exception, handler in handlers:

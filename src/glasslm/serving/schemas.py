@@ -1,14 +1,17 @@
 """The request and response shapes of `glasslm serve`: OpenAI's completions API and the explorer's.
 
 Requests are pydantic models that refuse unknown fields, so a typo ("max_token") is an error
-rather than a silently ignored setting (as OpenAI does). OpenAI fields that would change results and
-that glasslm does not implement (penalties, suffix, logit_bias, best_of > n) are accepted only at
+rather than a silently ignored setting (as OpenAI does), and values of the wrong JSON type rather
+than coercing them (`"max_tokens": true`). OpenAI fields that would change results and that glasslm
+does not implement (frequency and presence penalties, suffix, best_of > n) are accepted only at
 their neutral values, so clients that send the defaults explicitly still work. `Completion` at the
 end turns a request's job events into OpenAI's response shapes. Needs the `serve` extra (fastapi, uvicorn).
 
 Example:
-    >>> CompletionRequest(prompt="ROMEO:", max_tokens=8, top_k=5).sampling()
-    Sampling(max_tokens=8, temperature=1.0, top_k=5, top_p=None, min_p=None, seed=None, stop=(), logprobs=None, prompt_logprobs=None)
+    >>> request = CompletionRequest(prompt="ROMEO:", max_tokens=8, top_k=5, seed=3, logit_bias={"7": -5})
+    >>> sampling = request.choice_sampling(1)  # the second choice: seeded 3 + 1
+    >>> sampling.max_tokens, sampling.top_k, sampling.seed, sampling.logit_bias
+    (8, 5, 4, ((7, -5.0),))
     >>> CompletionRequest(max_token=8)
     Traceback (most recent call last):
     ...
@@ -18,9 +21,7 @@ Example:
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -38,8 +39,13 @@ class BadRequest(ValueError):
         self.param = param
 
 
+class UnknownModel(BadRequest):
+    """A request for a model this server does not serve (HTTP 404)."""
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a value of the wrong JSON type is refused, never coerced ("max_tokens": true, "stream": "yes")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -47,59 +53,139 @@ class StreamOptions(_Strict):
 
 
 def finite_number(v: float) -> float:
-    """A field validator (completions and chat share it): inf and nan are refused."""
+    """A field validator: inf and nan are refused."""
     if not math.isfinite(v):
         raise ValueError("must be a finite number")
     return v
 
 
 def stop_strings(v: str | list[str] | None) -> list[str]:
-    """A field validator (completions and chat share it): `stop` as a list of at most 8 non-empty strings."""
+    """A field validator: `stop` as a list of at most 8 non-empty strings."""
     stops = [v] if isinstance(v, str) else list(v or [])
     if len(stops) > 8 or any(not s for s in stops):
         raise ValueError("give at most 8 stop strings, none empty")
     return stops
 
 
-class CompletionRequest(_Strict):
-    """OpenAI's POST /v1/completions body; `top_k`, `min_p` and `return_token_ids` are extensions.
+SEED_LIMIT = 2**63 - 1  # a seed is a signed 64-bit number (choice i of n draws with seed + i, still < 2**64)
+BIAS_LIMIT = 100.0  # |logit_bias| at most this, as OpenAI's
+
+
+class SamplingFields(_Strict):
+    """The fields completions and chat share: which model, how a token is picked, when a choice stops.
+
+    OpenAI's controls, vLLM's extensions (`top_k`, `min_p`, `ignore_eos`, `repetition_penalty`,
+    `min_tokens`, `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`), and the
+    penalties glasslm does not implement, accepted only at their neutral value 0. What depends on
+    the served model (ids in the vocabulary, the server's token limit) is `Served.check`'s.
+    """
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0)  # 0 (or under 1.2e-38): greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # 0: off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # 0: off
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=SEED_LIMIT)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=64)  # choices per prompt, choice i seeded seed + i
+    user: str | None = None  # accepted and ignored, as it changes nothing
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> added to its logit, -100..100
+    frequency_penalty: float = 0.0  # only 0: not implemented
+    presence_penalty: float = 0.0  # only 0: not implemented
+    ignore_eos: bool = False  # go on past the model's end-of-sequence tokens
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)  # > 1 discourages tokens of the prompt and output
+    min_tokens: int = Field(0, ge=0)  # eos and stop_token_ids cannot end a choice before this many tokens
+    stop_token_ids: list[int] | None = None  # more tokens that end a choice (as eos does)
+    skip_special_tokens: bool = False  # leave the special tokens' text out of the output
+    include_stop_str_in_output: bool = False  # keep the stop string that ended a choice
+
+    _finite = field_validator("temperature")(finite_number)
+    _stops = field_validator("stop")(stop_strings)
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _neutral(cls, v: float) -> float:
+        if v != 0.0:  # nan too
+            raise ValueError("not supported by glasslm serve (leave it out, or at 0)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (v or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 18):
+                shown = key if len(key) <= 20 else key[:20] + "..."
+                raise ValueError(f"keys are token ids written as decimal text, got {shown!r}")
+            if not -BIAS_LIMIT <= value <= BIAS_LIMIT:  # nan too
+                raise ValueError(f"values are in [-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}], got {value} for {key}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids are >= 0")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, v: int, info: ValidationInfo) -> int:
+        if v and info.data.get("stop"):
+            raise ValueError("min_tokens with stop strings is not supported (give one of them)")
+        return v
+
+    def alternatives(self) -> tuple[str, int | None]:
+        """(field, how many likeliest tokens each token lists), or None where log-probabilities are not asked."""
+        return "logprobs", None
+
+    def asked_tokens(self) -> tuple[str, int | None]:
+        """(field, the most tokens a choice may have), None where the request leaves it to the server."""
+        return "max_tokens", None
+
+    def stop_tokens(self, eos: frozenset[int]) -> frozenset[int]:
+        """The ids that end a choice: the model's eos (unless `ignore_eos`) and `stop_token_ids`."""
+        return (frozenset() if self.ignore_eos else eos) | frozenset(self.stop_token_ids or ())
+
+    def sampling(self, max_tokens: int, choice: int = 0, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> Sampling:
+        """The engine's controls for choice number `choice` (seeded `seed + choice`)."""
+        if self.min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens: {self.min_tokens} is more than the {max_tokens} tokens a choice may have",
+                             "min_tokens")
+        return Sampling(
+            max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k or None,
+            top_p=self.top_p if self.top_p < 1.0 else None, min_p=self.min_p or None,
+            seed=None if self.seed is None else self.seed + choice, stop=tuple(self.stop or ()),
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, repetition_penalty=self.repetition_penalty,
+            logit_bias=tuple(sorted((int(k), v) for k, v in (self.logit_bias or {}).items())),
+            min_tokens=self.min_tokens, include_stop=self.include_stop_str_in_output,
+        )
+
+
+class CompletionRequest(SamplingFields):
+    """OpenAI's POST /v1/completions body, with `SamplingFields`' extensions and `return_token_ids`.
 
     `prompt` is a string, a list of strings, a list of token ids or a list of id lists; every prompt
     gets `n` choices, all decoded in the same batch. `echo` puts the prompt before each choice's
     text (with `logprobs`, each prompt token's log-probability too); `max_tokens: 0` only scores.
     """
 
-    model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]] = ""
     max_tokens: int = Field(16, ge=0)  # OpenAI's default
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # 0: off
-    min_p: float = Field(0.0, ge=0.0, le=1.0)  # 0: off
-    stop: str | list[str] | None = None
-    seed: int | None = None
     logprobs: int | None = Field(None, ge=0, le=20)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # each choice also carries the generated token ids
-    n: int = Field(1, ge=1, le=64)  # choices per prompt
     echo: bool = False
-    user: str | None = None  # accepted and ignored, as it changes nothing
     # OpenAI fields accepted only at the value that means "not used" (others would change results):
     best_of: int | None = Field(None, ge=1)
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
     suffix: str | None = None
 
-    _finite = field_validator("temperature")(finite_number)
-    _stops = field_validator("stop")(stop_strings)
-
-    @field_validator("frequency_penalty", "presence_penalty", "suffix", "logit_bias")
+    @field_validator("suffix")
     @classmethod
-    def _neutral(cls, v: Any) -> Any:
-        if v:  # 0.0, None and {} mean "not used"
-            raise ValueError(f"not supported by glasslm serve (leave it out, or at {0.0 if isinstance(v, float) else None})")
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("not supported by glasslm serve (leave it out, or at null)")
         return v
 
     @field_validator("best_of")
@@ -110,14 +196,15 @@ class CompletionRequest(_Strict):
             raise ValueError(f"only best_of equal to n ({n}) is supported (best_of > n would rank choices)")
         return v
 
-    def sampling(self, choice: int = 0) -> Sampling:
+    def alternatives(self) -> tuple[str, int | None]:
+        return "logprobs", self.logprobs
+
+    def asked_tokens(self) -> tuple[str, int | None]:
+        return "max_tokens", self.max_tokens
+
+    def choice_sampling(self, choice: int = 0) -> Sampling:
         """The engine's controls for choice number `choice` of a prompt (seeded `seed + choice`)."""
-        return Sampling(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k or None,
-            top_p=self.top_p if self.top_p < 1.0 else None, min_p=self.min_p or None,
-            seed=None if self.seed is None else self.seed + choice, stop=tuple(self.stop or ()),
-            logprobs=self.logprobs, prompt_logprobs=self.logprobs if self.echo else None,
-        )
+        return self.sampling(self.max_tokens, choice, self.logprobs, self.logprobs if self.echo else None)
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, each a string or a list of ids."""
@@ -197,6 +284,11 @@ def describe_validation_error(problem: dict[str, Any]) -> str:
 
 # --- turning a request's events into OpenAI responses --------------------------------------------
 
+def error_event(message: str) -> dict[str, Any]:
+    """The payload a stream ends with when generating failed (before its `data: [DONE]`)."""
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": 500}}
+
+
 @dataclass
 class Completion:
     """One request's jobs (`n` per prompt, sharing one event queue; `job.index` is the choice index)."""
@@ -232,9 +324,16 @@ class Completion:
                 offsets.append(prompt_end)
                 prompt_end += len(text)
         return {"tokens": texts, "token_logprobs": [e.get("logprob") for e in events],
-                "top_logprobs": [None if e.get("top") is None else {self.tokenizer.decode([t]): lp for t, lp in e["top"]}
-                                 for e in events],
+                "top_logprobs": [None if e.get("top") is None else self.alternatives(e["top"]) for e in events],
                 "text_offset": offsets}
+
+    def alternatives(self, top: list[tuple[int, float]]) -> dict[str, float]:
+        """OpenAI's {text: logprob} of the likeliest tokens (best first); a text that several ids share
+        (padding ids all read "") keeps the likeliest one's logprob."""
+        shown: dict[str, float] = {}
+        for token, logprob in top:
+            shown.setdefault(self.tokenizer.decode([token]), logprob)
+        return shown
 
     def delta(self, event: dict[str, Any]) -> dict[str, Any]:
         """The streamed choice for one event: a prompt's echo, a token, or the finish."""
@@ -272,32 +371,10 @@ async def stream_chunks(completion: Completion) -> AsyncIterator[dict]:
     while unfinished:
         event = await events.get()
         if "error" in event:
-            yield {"error": {"message": event["error"], "type": "server_error", "param": None, "code": 500}}
+            yield error_event(event["error"])
             return
         unfinished -= "finish_reason" in event
         yield completion.chunk([completion.delta(event)])
     body = completion.body
     if body.stream_options is not None and body.stream_options.include_usage:
         yield completion.chunk([], usage=completion.usage())
-
-
-async def collect(completion: Completion, request: Any) -> dict[str, Any]:
-    """The whole completion as one response; gives up (cancelling the jobs) if the client leaves."""
-    events, received, unfinished = completion.jobs[0].events, [], len(completion.jobs)
-    checked = time.monotonic()
-    while unfinished:
-        try:
-            event = await asyncio.wait_for(events.get(), timeout=0.25)
-        except asyncio.TimeoutError:
-            event = None
-        if time.monotonic() - checked > 0.25:  # tokens may flow without pause: look by the clock
-            checked = time.monotonic()
-            if await request.is_disconnected():
-                return {"error": {"message": "client disconnected"}}
-        if event is None:
-            continue
-        if "error" in event:
-            return {"error": {"message": event["error"]}}
-        received.append(event)
-        unfinished -= "finish_reason" in event
-    return completion.result(received)

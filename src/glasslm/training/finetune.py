@@ -39,6 +39,7 @@ from glasslm.io.checkpoint import ADAPTER_BASE_KEY, weights_sha256
 from glasslm.training.batches import SFTBatches
 from glasslm.transforms import applied_transforms, apply_transform, transform_names
 from glasslm.transforms.lora import SITES, LoRAConfig, lora_layers, remove_lora
+from glasslm.transforms.ggml import BlockLinear
 from glasslm.transforms.quantize import Int4Linear, Int8Linear
 
 FINETUNE_KEY = "finetune"  # meta.json: how the run was set up (base, method, data), for --resume
@@ -83,14 +84,16 @@ class FinetuneConfig:
 
 def base_reference(path: str | os.PathLike) -> str:
     """How a checkpoint names its base: the exact checkpoint directory, absolute (a run directory's
-    best checkpoint: the run may train on and move `best`), if local; else the hub name."""
+    best checkpoint: the run may train on and move `best`), or GGUF file, if local; else the hub name."""
     from glasslm.hf import is_hf_directory
+    from glasslm.hf.load import gguf_path
     from glasslm.io.checkpoint import resolve_checkpoint
 
     local = Path(path)
     if not local.exists():
         return str(path)
-    return str((local if is_hf_directory(local) else resolve_checkpoint(local)).resolve())
+    exact = gguf_path(local) or (local if is_hf_directory(local) else resolve_checkpoint(local))
+    return str(exact.resolve())
 
 
 def prepare_model(base: str, config: FinetuneConfig, device: torch.device | str = "cpu",
@@ -102,13 +105,14 @@ def prepare_model(base: str, config: FinetuneConfig, device: torch.device | str 
     initial A matrices are drawn from `seed` (the caller's random stream is left alone). Full: all
     weights train and checkpoints are whole models.
     """
-    from glasslm.hf import load_model
-
     config.check()
-    model, tokenizer = load_model(base, device)
-    if applied_transforms(model):
+    model, tokenizer, from_gguf = _load_base(base, config, device)
+    if applied_transforms(model) and not from_gguf:
         raise ValueError(f"--checkpoint {base} is already transformed ({applied_transforms(model)}); "
                          "fine-tune plain weights (merge an adapter checkpoint first: glasslm merge)")
+    if from_gguf and applied_transforms(model) and config.quantize != "none":
+        raise ValueError(f"--checkpoint {base}'s matrices are already 4-bit blocks, which LoRA trains on as they "
+                         "are (QLoRA on the file's own quantization); drop --quantize")
     record = {"base": base_reference(base), **asdict(config)}
     meta: dict[str, Any] = {FINETUNE_KEY: record}
     if config.full:
@@ -122,6 +126,22 @@ def prepare_model(base: str, config: FinetuneConfig, device: torch.device | str 
         torch.manual_seed(seed)
         apply_transform(model, "lora", config.lora())
     return model.train(), tokenizer, meta
+
+
+def _load_base(base: str, config: FinetuneConfig, device: torch.device | str) -> tuple[TransformerLM, Any, bool]:
+    """(model, tokenizer, whether it is a GGUF file). A GGUF base keeps its 4-bit blocks for LoRA (the
+    file's own quantization is the frozen base, as QLoRA's would be); --full needs every weight in float."""
+    from glasslm.hf import load_model, resolve_model_path
+    from glasslm.hf.load import gguf_path
+
+    gguf = gguf_path(resolve_model_path(base))
+    if gguf is not None and config.full:
+        from glasslm.hf.gguf.importer import import_gguf
+
+        loaded = import_gguf(gguf, device, keep_blocks=False)
+        return loaded.model, loaded.tokenizer, True
+    model, tokenizer = load_model(base, device)
+    return model, tokenizer, gguf is not None
 
 
 def chat_template(base: str, tokenizer: Any, config: FinetuneConfig) -> str:
@@ -149,11 +169,11 @@ def chat_batches(data: str | os.PathLike, tokenizer: Any, template: str, context
 
 @torch.no_grad()
 def dequantize(model: nn.Module) -> int:
-    """Replace every int8/int4 layer by a float `Linear` holding its dequantized weight, in place;
+    """Replace every int8/int4/block layer by a float `Linear` holding its dequantized weight, in place;
     returns how many were replaced. The model then computes what it computed quantized."""
     replaced = 0
     for name, module in list(model.named_modules()):
-        if not isinstance(module, (Int8Linear, Int4Linear)):
+        if not isinstance(module, (Int8Linear, Int4Linear, BlockLinear)):
             continue
         weight = module.dequantized_weight(torch.float32)                            # (d_out, d_in)
         linear = Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None).to(weight.device)
@@ -173,7 +193,7 @@ def merge_adapters(model: TransformerLM) -> tuple[TransformerLM, bool]:
         raise ValueError("this model has no LoRA adapters to merge")
     dequantized = False
     for layer in lora_layers(model).values():
-        dequantized |= dequantize(layer) > 0 if isinstance(layer.base, (Int8Linear, Int4Linear)) else False
+        dequantized |= dequantize(layer) > 0 if isinstance(layer.base, (Int8Linear, Int4Linear, BlockLinear)) else False
     remove_lora(model, merge=True)
     dequantized |= dequantize(model) > 0  # the unadapted quantized layers of a QLoRA base
     model.applied_transforms = []

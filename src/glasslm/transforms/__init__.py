@@ -1,4 +1,5 @@
-"""Model transforms: named in-place changes to a model (int8, int4 weights, LoRA adapters) that checkpoints record.
+"""Model transforms: named in-place changes to a model (int8, int4, llama.cpp's q4_0/q4_1 blocks, LoRA adapters)
+that checkpoints record.
 
 `apply_transform(model, name)` applies one and records it on the model; `save_checkpoint` writes the
 record and `load_checkpoint` re-applies it to the empty model before loading the weights (see
@@ -11,9 +12,10 @@ Example:
     >>> model = TransformerLM(get_preset("llama-tiny"))
     >>> apply_transform(model, "int8")
     >>> applied_transforms(model), transform_names()
-    ([{'name': 'int8'}], ('int8', 'int4', 'lora'))
+    ([{'name': 'int8'}], ('int8', 'int4', 'q4_0', 'q4_1', 'lora'))
 """
 
+from glasslm.transforms.ggml import Q4_0, Q4_1
 from glasslm.transforms.lora import LORA
 from glasslm.transforms.quantize import INT4, INT8
 from glasslm.transforms.registry import (TRANSFORMS, Transform, applied_transforms, apply_transform, get_transform,
@@ -21,7 +23,28 @@ from glasslm.transforms.registry import (TRANSFORMS, Transform, applied_transfor
 
 register_transform(INT8)
 register_transform(INT4)
+register_transform(Q4_0)
+register_transform(Q4_1)
 register_transform(LORA)
 
-__all__ = ["TRANSFORMS", "Transform", "applied_transforms", "apply_transform", "get_transform", "rebuild_transforms",
-           "register_transform", "transform_names"]
+
+
+def parameter_count(model) -> int:
+    """The model's parameters, counting each quantized layer's weight (int8, int4, llama.cpp blocks:
+    buffers, not trained parameters) as the d_out x d_in numbers it stands for: the same count
+    whatever format the weights are in.
+
+    >>> from glasslm.presets import get_preset
+    >>> from glasslm.core.model import TransformerLM
+    >>> model = TransformerLM(get_preset("llama-tiny"))
+    >>> before = model.num_parameters()
+    >>> apply_transform(model, "int4")
+    >>> model.num_parameters() < before, parameter_count(model) == before
+    (True, True)
+    """
+    quantized = [m for m in model.modules() if hasattr(m, "dequantized_weight") and hasattr(m, "d_in")]
+    return model.num_parameters() + sum(m.d_in * m.d_out for m in quantized)
+
+
+__all__ = ["TRANSFORMS", "Transform", "applied_transforms", "apply_transform", "get_transform", "parameter_count",
+           "rebuild_transforms", "register_transform", "transform_names"]

@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from glasslm.core.layers import Linear
@@ -130,7 +130,7 @@ def dynamic_int8_error_bound(
     return step / 2 * weight.abs().sum(dim=1)
 
 
-class _KernelWithInputGradient(torch.autograd.Function):
+class KernelWithInputGradient(torch.autograd.Function):
     """A quantized layer's fast kernel forward; backward to the input through its dequantized weight.
 
     The int8/int4 kernels have no derivative, and the quantized weights are frozen, so the only
@@ -173,7 +173,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
         if self.impl == "fast" and x.device.type == "cpu" and self.d_in % _KERNEL_D_IN_MULTIPLE == 0:
             if torch.is_grad_enabled() and x.requires_grad:
-                return _KernelWithInputGradient.apply(x, self)
+                return KernelWithInputGradient.apply(x, self)
             return self._kernel_forward(x)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
@@ -282,6 +282,34 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
 
 
+def int4_kernel_operands(
+    levels: Int[Tensor, "d_out d_in"], scales: Float[Tensor, "d_out groups"], zeros: Float[Tensor, "d_out groups"]
+) -> tuple[Tensor, Tensor]:
+    """PyTorch's int4 CPU kernel's operands for W = (q - 8) * scale + zero, per group of inputs:
+    the levels q (0..15) in the kernel's own packed layout, and (groups, d_out, 2) scales and zeros
+    in bf16 (the kernel's only fast dtype). The kernel needs d_out in multiples of 16: the extra
+    rows are zero, and `int4_kernel_linear` cuts them from its output."""
+    padded = -levels.shape[0] % 16
+    q = F.pad(levels.to(torch.int32), (0, 0, 0, padded))
+    scales, zeros = (F.pad(t, (0, 0, 0, padded)) for t in (scales, zeros))
+    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    scales_and_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).to(torch.bfloat16)
+    return weight, scales_and_zeros.contiguous()
+
+
+def int4_kernel_linear(x: Float[Tensor, "... d_in"], operands: tuple[Tensor, Tensor], group_size: int, d_out: int,
+                       bias: Tensor | None) -> Float[Tensor, "... d_out"]:
+    """x @ W.T + bias through PyTorch's int4 CPU kernel (`operands` from `int4_kernel_operands`);
+    the kernel takes 2-D bf16 rows, so x is rounded to bf16 on the way in."""
+    weight, scales_and_zeros = operands
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, group_size, scales_and_zeros)
+    if y.shape[1] != d_out:
+        y = y[:, :d_out]  # drop the padding rows
+    y = y.to(x.dtype).reshape(*x.shape[:-1], d_out)
+    return y if bias is None else y + bias.to(x.dtype)
+
+
 class Int4Linear(nn.Module):
     """A Linear whose weight is stored as 4-bit levels with a bf16 scale and zero per group of inputs."""
 
@@ -316,19 +344,13 @@ class Int4Linear(nn.Module):
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
         if self.impl == "fast" and x.device.type == "cpu" and self.group_size % 32 == 0:
             if torch.is_grad_enabled() and x.requires_grad:
-                return _KernelWithInputGradient.apply(x, self)
+                return KernelWithInputGradient.apply(x, self)
             return self._kernel_forward(x)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
     def _kernel_forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
-        weight, scales_and_zeros = self._kernel_operands()
-        rows = x.reshape(-1, self.d_in).to(torch.bfloat16)  # the kernel takes 2-D bf16 input
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, self.group_size, scales_and_zeros)
-        if y.shape[1] != self.d_out:
-            y = y[:, :self.d_out]  # drop the padding rows
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.d_out)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        return int4_kernel_linear(x, self._kernel_operands(), self.group_size, self.d_out, self.bias)
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._kernel = None  # new weights: re-pack them for the kernel on the next call
@@ -340,15 +362,9 @@ class Int4Linear(nn.Module):
             self._kernel_operands()
 
     def _kernel_operands(self) -> tuple[Tensor, Tensor]:
-        """The weight in the kernel's own packed layout, and (groups, d_out, 2) scales and zeros; made
-        once. The kernel needs d_out in multiples of 16: extra rows are zero, and cut from the output."""
+        """The kernel's operands (`int4_kernel_operands`), made once."""
         if self._kernel is None or self._kernel[0].device != self.weight_int4.device:
-            padded = -self.d_out % 16
-            q = F.pad(unpack_nibbles(self.weight_int4).to(torch.int32), (0, 0, 0, padded))
-            scales, zeros = (F.pad(t, (0, 0, 0, padded)) for t in (self.scales, self.zeros))
-            weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-            scales_and_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).to(torch.bfloat16)
-            self._kernel = weight, scales_and_zeros.contiguous()
+            self._kernel = int4_kernel_operands(unpack_nibbles(self.weight_int4), self.scales, self.zeros)
         return self._kernel
 
     def extra_repr(self) -> str:
@@ -364,7 +380,8 @@ def quantize_linears(model: nn.Module, layer_cls: type[Int8Linear] | type[Int4Li
     stays exact. The layers take the model config's `impl` ("fast" or "readable"). A model that
     already holds quantized layers is refused: rounding rounded weights again only loses more.
     """
-    already = {type(m).__name__ for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))}
+    # (Any quantized layer has a dequantized_weight: int8, int4, and llama.cpp's blocks from glasslm.transforms.ggml.)
+    already = {type(m).__name__ for m in model.modules() if hasattr(m, "dequantized_weight")}
     if already:
         raise ValueError(f"the model is already quantized ({', '.join(sorted(already))}); quantize a float model")
     config = getattr(model, "config", None)

@@ -48,6 +48,11 @@ def family_reading(model_type: str | None) -> HFFamily | None:
     return next((family for family in FAMILIES.values() if family.reads(model_type)), None)
 
 
+def family_reading_gguf(arch: str) -> HFFamily | None:
+    """The registered family whose GGUF form has this `general.architecture`, or None."""
+    return next((family for family in FAMILIES.values() if family.gguf and family.gguf.arch == arch), None)
+
+
 def round_trip_problems(family: HFFamily, config: ModelConfig) -> list[str]:
     """What of `config` the family's config.json loses ([] if reading it back gives the same model)."""
     try:

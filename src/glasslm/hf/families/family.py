@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from glasslm.core.config import ModelConfig
+from glasslm.hf.gguf.form import GGUFForm
 from glasslm.hf.plan import WeightTable
 
 
@@ -33,6 +34,8 @@ class HFFamily:
         name tensors in more than one way.
     ignored_tensors: a regex (fullmatch) for buffers old HF files saved that are recomputed here.
     model_types: further `model_type`s that mean this family on import.
+    gguf: how llama.cpp's GGUF files write this family (None: they don't, or it reads as another
+        family's: Mistral's files say "llama").
     """
 
     name: str
@@ -43,6 +46,7 @@ class HFFamily:
     weight_table: Callable[[ModelConfig, set[str] | None], WeightTable]
     ignored_tensors: str = r"(?!)"  # matches nothing
     model_types: tuple[str, ...] = ()
+    gguf: GGUFForm | None = None
 
     def reads(self, model_type: str | None) -> bool:
         """Whether an HF config with this `model_type` is this family."""

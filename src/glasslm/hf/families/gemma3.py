@@ -21,8 +21,9 @@ from glasslm.hf.errors import UnsupportedModelError
 from glasslm.hf.families.common import bias_flags, block_shape_problems, rope_parameters, rope_parameters_to_hf
 from glasslm.hf.families.family import HFFamily
 from glasslm.hf.families.rotary import (
-    ROTARY_BUFFERS, rotary_config_from_hf, rotary_config_to_hf, rotary_weight_table,
+    ROTARY_BUFFERS, rotary_config_from_hf, rotary_config_to_hf, rotary_gguf_form, rotary_weight_table,
 )
+from glasslm.hf.gguf.form import TensorFix
 
 
 def _layer_types(hf: dict[str, Any]) -> list[str]:
@@ -93,8 +94,46 @@ def fit_problems(config: ModelConfig) -> list[str]:
     return problems
 
 
+# llama.cpp's Gemma 3: every 6th layer global (unless the file lists its layers), local layers' RoPE
+# base 10000 unless `rope.freq_base_swa` says, scores scaled by 1/sqrt(head_dim) (1/sqrt(d_model /
+# heads) for the 62-layer 27B), and each norm's gain stored as 1 + w.
+_LLAMA_CPP_WINDOW_PATTERN = 6
+
+
+def _gemma3_from_gguf(values: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    head_dim = values.get("attention.key_length", 256)
+    hf: dict[str, Any] = {
+        "sliding_window_pattern": values.get("attention.sliding_window_pattern", _LLAMA_CPP_WINDOW_PATTERN),
+        "rope_local_base_freq": values.get("rope.freq_base_swa", 10000.0), "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": (values["embedding_length"] // values["attention.head_count"]
+                                  if values.get("block_count") == 62 else head_dim),
+        "sliding_window": values.get("attention.sliding_window"),
+        "final_logit_softcapping": values.get("final_logit_softcapping")}
+    if not values.get("attention.sliding_window"):
+        hf["layer_types"] = ["full_attention"] * values.get("block_count", 0)
+    return hf
+
+
+def _gemma3_to_gguf(hf: dict[str, Any]) -> dict[str, Any]:
+    head_dim = hf["head_dim"] if hf["num_hidden_layers"] != 62 else hf["hidden_size"] // hf["num_attention_heads"]
+    if hf["query_pre_attn_scalar"] != head_dim:
+        raise UnsupportedModelError(f"llama.cpp scales this Gemma 3's attention scores by 1/sqrt({head_dim}); this "
+                                    f"model's query_pre_attn_scalar is {hf['query_pre_attn_scalar']}")
+    types = hf.get("layer_types") or []
+    if "sliding_attention" not in types:
+        return {}
+    if types != ["full_attention" if (i + 1) % _LLAMA_CPP_WINDOW_PATTERN == 0 else "sliding_attention"
+                 for i in range(len(types))]:
+        raise UnsupportedModelError("llama.cpp's Gemma 3 makes every 6th layer global; this model's layers differ")
+    return {"attention.sliding_window": hf["sliding_window"],
+            "rope.freq_base_swa": hf["rope_parameters"]["sliding_attention"]["rope_theta"]}
+
+
+_NORM_GAINS = TensorFix(r".*norm\.weight", lambda t, hf: t - 1, lambda t, hf: t + 1)
+GGUF = rotary_gguf_form("gemma3", _gemma3_from_gguf, _gemma3_to_gguf, fixes=(_NORM_GAINS,))
+
 FAMILY = HFFamily(
     name="gemma3_text", architecture="Gemma3ForCausalLM", config_from_hf=config_from_hf,
     config_to_hf=config_to_hf, fit_problems=fit_problems, weight_table=rotary_weight_table,
-    ignored_tensors=ROTARY_BUFFERS,
+    ignored_tensors=ROTARY_BUFFERS, gguf=GGUF,
 )

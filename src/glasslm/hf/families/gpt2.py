@@ -23,6 +23,7 @@ from glasslm.hf.families.common import (
 )
 from glasslm.hf.families.family import HFFamily
 from glasslm.hf.files import GLASSLM_KEY
+from glasslm.hf.gguf.form import GGUFForm, TensorFix
 from glasslm.hf.plan import SAME, Plan, WeightTable
 
 # HF activation names -> ours. "gelu_new", "gelu_fast" and "gelu_pytorch_tanh" are all the tanh
@@ -134,9 +135,17 @@ def weight_table(config: ModelConfig, hf_names: set[str] | None = None) -> Weigh
     return WeightTable(plan, frozenset(absent))
 
 
+# llama.cpp stores GPT-2's Conv1D weights as ordinary (d_out, d_in) matrices.
+_CONV1D_IN_GGUF = TensorFix(r"(transformer\.)?h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight",
+                            lambda t, hf: t.t(), lambda t, hf: t.t())
+GGUF = GGUFForm("gpt2", {"context_length": "n_positions", "embedding_length": "n_embd", "block_count": "n_layer",
+                         "feed_forward_length": "n_inner", "attention.head_count": "n_head",
+                         "attention.layer_norm_epsilon": "layer_norm_epsilon"},
+                hf_extras=lambda values, names: {"activation_function": "gelu_new"}, fixes=(_CONV1D_IN_GGUF,))
+
 FAMILY = HFFamily(
     name="gpt2", architecture="GPT2LMHeadModel", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
     fit_problems=fit_problems, weight_table=weight_table,
     # Old checkpoints saved the causal mask as buffers attn.bias / attn.masked_bias.
-    ignored_tensors=r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)",
+    ignored_tensors=r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)", gguf=GGUF,
 )

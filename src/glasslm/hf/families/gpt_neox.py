@@ -24,6 +24,7 @@ from glasslm.hf.families.common import bias_flags, block_shape_problems, missing
 from glasslm.hf.families.family import HFFamily
 from glasslm.hf.families.gpt2 import ACTIVATION_NAMES, HF_ACTIVATIONS
 from glasslm.hf.families.rotary import adjacent_pairs_to_hf_rows, hf_rows_to_adjacent_pairs
+from glasslm.hf.gguf.form import GGUFForm, TensorFix
 from glasslm.hf.plan import SAME, Plan, WeightTable
 
 
@@ -113,9 +114,44 @@ def weight_table(config: ModelConfig, hf_names: set[str] | None = None) -> Weigh
     return WeightTable(plan)
 
 
+def _qkv_blocks(to_hf: bool):
+    """llama.cpp stores query_key_value as [all q | all k | all v] (its converter regroups HF's
+    per-head [q0 k0 v0 | q1 k1 v1 | ...]); biases alike."""
+
+    def regroup(t: Tensor, hf: Any) -> Tensor:
+        heads = hf["num_attention_heads"]
+        grouped = (3, heads) if to_hf else (heads, 3)
+        return t.reshape(*grouped, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+    return regroup
+
+
+def _neox_from_gguf(values: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    head_dim = values["embedding_length"] // values["attention.head_count"]
+    rotated = values.get("rope.dimension_count", head_dim)
+    return {"hidden_act": "gelu", "use_parallel_residual": bool(values.get("use_parallel_residual", True)),
+            "rope_parameters": {"rope_theta": float(values.get("rope.freq_base", 10000.0)),
+                                "partial_rotary_factor": rotated / head_dim}}
+
+
+def _neox_to_gguf(hf: dict[str, Any]) -> dict[str, Any]:
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    rope = hf["rope_parameters"]
+    return {"rope.dimension_count": round(head_dim * rope["partial_rotary_factor"]), "rope.freq_base": rope["rope_theta"],
+            "use_parallel_residual": hf["use_parallel_residual"]}
+
+
+GGUF = GGUFForm(
+    "gptneox", {"context_length": "max_position_embeddings", "embedding_length": "hidden_size",
+                "block_count": "num_hidden_layers", "feed_forward_length": "intermediate_size",
+                "attention.head_count": "num_attention_heads", "attention.layer_norm_epsilon": "layer_norm_eps"},
+    hf_extras=_neox_from_gguf, gguf_extras=_neox_to_gguf,
+    fixes=(TensorFix(r"gpt_neox\.layers\.\d+\.attention\.query_key_value\.(weight|bias)",
+                     _qkv_blocks(to_hf=True), _qkv_blocks(to_hf=False)),))
+
 FAMILY = HFFamily(
     name="gpt_neox", architecture="GPTNeoXForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
     fit_problems=fit_problems, weight_table=weight_table,
     # Old checkpoints saved the causal mask and rotary frequencies as buffers.
-    ignored_tensors=r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)",
+    ignored_tensors=r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)", gguf=GGUF,
 )

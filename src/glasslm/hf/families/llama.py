@@ -17,8 +17,10 @@ from glasslm.core.config import ModelConfig
 from glasslm.hf.families.common import bias_flags
 from glasslm.hf.families.family import HFFamily
 from glasslm.hf.families.rotary import (
-    ROTARY_BUFFERS, rotary_config_from_hf, rotary_config_to_hf, rotary_shape_problems, rotary_weight_table,
+    ROTARY_BUFFERS, adjacent_pairs_to_hf_rows, hf_rows_to_adjacent_pairs, rotary_config_from_hf, rotary_config_to_hf,
+    rotary_gguf_form, rotary_shape_problems, rotary_weight_table,
 )
+from glasslm.hf.gguf.form import TensorFix
 
 
 def config_from_hf(hf: dict[str, Any], context_length: int | None) -> ModelConfig:
@@ -42,7 +44,23 @@ def fit_problems(config: ModelConfig) -> list[str]:
     return problems
 
 
+def _permuted_rows(role: str) -> TensorFix:
+    """llama.cpp stores Llama's q and k rows in Meta's original rotary order (adjacent pairs, ours),
+    not HF's half-split one: its converter permutes them (weights and biases) per head."""
+
+    def heads(hf: Any) -> int:
+        return hf["num_attention_heads"] if role == "q" else hf.get("num_key_value_heads") or hf["num_attention_heads"]
+
+    def rows(reorder: Any) -> Any:
+        return lambda t, hf: (reorder(t[:, None], heads(hf))[:, 0] if t.dim() == 1 else reorder(t, heads(hf)))
+
+    return TensorFix(rf"model\.layers\.\d+\.self_attn\.{role}_proj\.(weight|bias)",
+                     rows(adjacent_pairs_to_hf_rows), rows(hf_rows_to_adjacent_pairs))
+
+
+GGUF = rotary_gguf_form("llama", fixes=(_permuted_rows("q"), _permuted_rows("k")))
+
 FAMILY = HFFamily(
     name="llama", architecture="LlamaForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-    fit_problems=fit_problems, weight_table=rotary_weight_table, ignored_tensors=ROTARY_BUFFERS,
+    fit_problems=fit_problems, weight_table=rotary_weight_table, ignored_tensors=ROTARY_BUFFERS, gguf=GGUF,
 )

@@ -18,7 +18,8 @@ from glasslm.core.config import ModelConfig
 from glasslm.hf.families.common import bias_flags, uniform_sliding_window
 from glasslm.hf.families.family import HFFamily
 from glasslm.hf.families.rotary import (
-    ROTARY_BUFFERS, rotary_config_from_hf, rotary_config_to_hf, rotary_shape_problems, rotary_weight_table,
+    ROTARY_BUFFERS, rotary_config_from_hf, rotary_config_to_hf, rotary_gguf_form, rotary_shape_problems,
+    rotary_weight_table,
 )
 
 
@@ -48,4 +49,5 @@ def fit_problems(config: ModelConfig) -> list[str]:
 FAMILY = HFFamily(
     name="qwen3", architecture="Qwen3ForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
     fit_problems=fit_problems, weight_table=rotary_weight_table, ignored_tensors=ROTARY_BUFFERS,
+    gguf=rotary_gguf_form("qwen3"),
 )

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from torch import Tensor
 from glasslm.core.config import ModelConfig
 from glasslm.hf.errors import UnsupportedModelError
 from glasslm.hf.families.common import bias_fields, bias_flags, block_shape_problems, rope_from_hf, rope_to_hf
+from glasslm.hf.gguf.form import ROTARY_KEYS, GGUFForm, TensorFix
 from glasslm.hf.plan import SAME, Plan, WeightTable
 
 
@@ -190,3 +192,46 @@ def qk_norm_conversion(config: ModelConfig):
 
 
 ROTARY_BUFFERS = r".*rotary_emb\.inv_freq"  # old Llama files saved these; recomputed from the config
+
+
+def _head_dim(hf: Mapping[str, Any]) -> int:
+    return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+
+
+def rotary_hf_extras(values: Mapping[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """What every Llama-shaped GGUF file says beyond `ROTARY_KEYS`: rotating fewer dims than a
+    head has (`rope.dimension_count`, refused by families that cannot), biases from which tensors it
+    holds (Llama's attention_bias / mlp_bias; the other families fix theirs)."""
+    hf: dict[str, Any] = {"attention_bias": "blk.0.attn_q.bias" in tensor_names,
+                          "mlp_bias": "blk.0.ffn_up.bias" in tensor_names}
+    heads = values.get("attention.head_count")
+    head_dim = values.get("attention.key_length") or (values.get("embedding_length", 0) // heads if heads else None)
+    rotated = values.get("rope.dimension_count")
+    if rotated is not None and head_dim and rotated != head_dim:
+        hf["partial_rotary_factor"] = rotated / head_dim
+        hf.setdefault("rope_scaling", {})["partial_rotary_factor"] = rotated / head_dim
+    return hf
+
+
+def rotary_gguf_extras(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The GGUF values llama.cpp needs that config.json says another way: rotated dims, k/v widths."""
+    head_dim = _head_dim(hf)
+    params = hf.get("rope_parameters") or {}
+    params = params.get("full_attention", params)
+    rotated = round(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+    values = {"rope.dimension_count": rotated, "attention.key_length": head_dim, "attention.value_length": head_dim}
+    if "rope_theta" in params:  # (Gemma's config.json says it only per layer type)
+        values["rope.freq_base"] = float(params["rope_theta"])
+    return values
+
+
+def rotary_gguf_form(arch: str, hf_extras=None, gguf_extras=None, fixes: tuple[TensorFix, ...] = ()) -> GGUFForm:
+    """A Llama-shaped family's GGUF form: `ROTARY_KEYS`, the shared extras, and the family's own."""
+
+    def read(values: Mapping[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+        return {**rotary_hf_extras(values, tensor_names), **(hf_extras(values, tensor_names) if hf_extras else {})}
+
+    def write(hf: Mapping[str, Any]) -> dict[str, Any]:
+        return {**rotary_gguf_extras(hf), **(gguf_extras(hf) if gguf_extras else {})}
+
+    return GGUFForm(arch, ROTARY_KEYS, hf_extras=read, gguf_extras=write, fixes=fixes)

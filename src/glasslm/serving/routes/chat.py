@@ -16,20 +16,20 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
-from glasslm.generation.engine import Job, Overloaded, Sampling, ShuttingDown
+from glasslm.generation.engine import Job, Overloaded, ShuttingDown
 from glasslm.serving.context import Served, ServedDep
 from glasslm.serving.errors import error_response
-from glasslm.serving.schemas import BadRequest, StreamOptions, finite_number, stop_strings
+from glasslm.serving.events import gather, server_sent
+from glasslm.serving.schemas import BadRequest, SamplingFields, error_event
 from glasslm.tokenizers.chat import ChatTemplateError, chat_prompt
 
 router = APIRouter()
@@ -39,34 +39,24 @@ NO_TEMPLATE = ("this model has no chat template, so messages cannot be rendered:
                "or use /v1/completions with your own prompt")
 
 
-class ChatRequest(BaseModel):
-    """OpenAI's POST /v1/chat/completions body; `top_k`, `min_p` and `ignore_eos` are extensions (as vLLM's)."""
+class ChatRequest(SamplingFields):
+    """OpenAI's POST /v1/chat/completions body, with `SamplingFields`' extensions (as vLLM's).
 
-    model_config = ConfigDict(extra="forbid")
+    Fields OpenAI clients send that change nothing here are accepted at the value that means so:
+    `response_format` {"type": "text"}, `tools` [], `tool_choice` null or "none", `store` false,
+    and `metadata` (kept nowhere: glasslm stores no conversations).
+    """
 
-    model: str | None = None
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # 0: off
-    min_p: float = Field(0.0, ge=0.0, le=1.0)  # 0: off
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # go on past the model's end-of-sequence tokens
-    # OpenAI fields accepted only at the value that means "not used":
-    n: int = Field(1, ge=1, le=1)
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
-    user: str | None = None
-
-    _finite = field_validator("temperature")(finite_number)
-    _stops = field_validator("stop")(stop_strings)
+    response_format: dict[str, Any] | None = None  # {"type": "text"} only
+    tools: list[dict[str, Any]] | None = None  # [] only: glasslm calls no tools
+    tool_choice: str | dict[str, Any] | None = None  # null or "none" only
+    metadata: dict[str, str] | None = None  # accepted; nothing is stored, so it changes nothing
+    store: bool | None = None  # false or null only
 
     @field_validator("top_logprobs")
     @classmethod
@@ -76,10 +66,28 @@ class ChatRequest(BaseModel):
             raise ValueError("needs logprobs: true")
         return v
 
-    def sampling(self, max_tokens: int) -> Sampling:
-        return Sampling(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k or None,
-                        top_p=self.top_p if self.top_p < 1.0 else None, min_p=self.min_p or None, seed=self.seed,
-                        stop=tuple(self.stop or ()), logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v != {"type": "text"}:
+            raise ValueError('only {"type": "text"} is supported (glasslm serve does not constrain output to JSON)')
+        return v
+
+    @field_validator("tools", "tool_choice", "store")
+    @classmethod
+    def _not_used(cls, v: Any, info: ValidationInfo) -> Any:
+        if v not in (None, [], "none", False) or isinstance(v, dict):
+            neutral = {"tools": "[]", "tool_choice": 'null or "none"', "store": "false"}[info.field_name]
+            raise ValueError(f"not supported by glasslm serve (leave it out, or at {neutral})")
+        return v
+
+    def alternatives(self) -> tuple[str, int | None]:
+        return "top_logprobs", self.top_logprobs
+
+    def asked_tokens(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
 
 
 def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -105,124 +113,112 @@ def _prompt_ids(body: ChatRequest, served: Served) -> list[int]:
         raise BadRequest(f"messages: {err}", "messages") from None
     except (TypeError, ValueError, KeyError, AttributeError) as err:  # a template meeting content it did not expect
         raise BadRequest(f"messages: the chat template could not render these messages ({err})", "messages") from None
-    vocab = served.model.config.vocab_size
-    if body.top_logprobs is not None and body.top_logprobs > vocab:
-        raise BadRequest(f"top_logprobs: {body.top_logprobs} is more than the vocabulary's {vocab} tokens",
-                         "top_logprobs")
     return served.encode(text, what="messages")
 
 
 def _max_tokens(body: ChatRequest, served: Served, prompt_length: int) -> int:
-    """The request's limit, else what is left of the context (as vLLM does), within the server's limit."""
-    limit = served.config.max_tokens_limit
-    asked = body.max_completion_tokens or body.max_tokens
+    """The request's limit (checked by `Served.check`), else what is left of the context (as vLLM does),
+    within the server's limit."""
+    asked = body.asked_tokens()[1]
     if asked is None:
-        return max(1, min(limit, served.context_length - prompt_length))
-    if asked > limit:
-        field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        raise BadRequest(f"{field}: {asked} is more than this server's limit {limit}", field)
+        return max(1, min(served.config.max_tokens_limit, served.context_length - prompt_length))
     return asked
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request, served: ServedDep) -> Any:
-    if body.model is not None and body.model != served.name:
-        return error_response(404, f"model {body.model!r} not found; this server serves {served.name!r}",
-                              "not_found", "model")
+    served.check(body)
     prompt = _prompt_ids(body, served)
-    job = Job(prompt, body.sampling(_max_tokens(body, served, len(prompt))), served.tokenizer,
-              asyncio.get_running_loop(), stop_tokens=frozenset() if body.ignore_eos else served.eos,
-              id=f"chatcmpl-{uuid.uuid4().hex[:24]}")
+    max_tokens = _max_tokens(body, served, len(prompt))
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    shown, loop, events = served.shown_for(body.skip_special_tokens), asyncio.get_running_loop(), asyncio.Queue()
+    chat_id, stops = f"chatcmpl-{uuid.uuid4().hex[:24]}", body.stop_tokens(served.eos)
+    jobs = [Job(prompt, body.sampling(max_tokens, choice, top), shown, loop, stop_tokens=stops, id=chat_id,
+                events=events, index=choice) for choice in range(body.n)]
     try:
-        served.engine.submit(job)
+        served.engine.submit_all(jobs)
     except Overloaded as err:
         return error_response(429, str(err), "overloaded")
     except ShuttingDown as err:
         return error_response(503, str(err), "unavailable")
+
+    def cancel() -> None:
+        for job in jobs:
+            job.cancelled.set()  # a no-op once finished; otherwise the client went away
+
+    chat = _Chat(jobs, body, served.name, shown)
     if body.stream:
-        return StreamingResponse(_stream(job, body, served), media_type="text/event-stream",
+        return StreamingResponse(server_sent(chat.chunks(), cancel), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        events = await _collect(job, request)
+        received = await gather(jobs, request)
     finally:
-        job.cancelled.set()
-    if events is None or "error" in events[-1]:
-        message = "client disconnected" if events is None else events[-1]["error"]
-        return error_response(500, message, "server_error")
-    return _completion(job, body, served, events)
+        cancel()
+    if isinstance(received, str):
+        return error_response(500, received, "server_error")
+    return chat.result(received)
 
 
-def _token_logprobs(events: list[dict[str, Any]], tokenizer: Any) -> dict[str, Any]:
-    """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
-    def entry(token: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer.decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+@dataclass
+class _Chat:
+    """One chat request's jobs (one per choice, sharing an event queue) and OpenAI's shapes of their events."""
 
-    return {"content": [{**entry(e["token"], e["logprob"]),
-                         "top_logprobs": [entry(t, lp) for t, lp in e.get("top", [])]} for e in events]}
+    jobs: list[Job]
+    body: ChatRequest
+    name: str
+    tokenizer: Any  # decodes as responses show text (`Served.shown_for`)
 
+    def logprobs(self, events: list[dict[str, Any]]) -> dict[str, Any]:
+        """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = self.tokenizer.decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-def _usage(job: Job) -> dict[str, int]:
-    return {"prompt_tokens": len(job.prompt), "completion_tokens": len(job.generated),
-            "total_tokens": len(job.prompt) + len(job.generated)}
+        return {"content": [{**entry(e["token"], e["logprob"]),
+                             "top_logprobs": [entry(t, lp) for t, lp in e.get("top", [])]} for e in events]}
 
+    def usage(self) -> dict[str, int]:
+        """The prompt counted once; completion tokens summed over the choices."""
+        prompt, completion = len(self.jobs[0].prompt), sum(len(job.generated) for job in self.jobs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-def _completion(job: Job, body: ChatRequest, served: Served, events: list[dict[str, Any]]) -> dict[str, Any]:
-    tokens = [e for e in events if "token" in e]
-    choice = {"index": 0, "message": {"role": "assistant", "content": "".join(e["text"] for e in events)},
-              "logprobs": _token_logprobs(tokens, served.tokenizer) if body.logprobs else None,
-              "finish_reason": job.finish_reason}
-    return {"id": job.id, "object": "chat.completion", "created": int(job.created), "model": served.name,
-            "choices": [choice], "usage": _usage(job)}
+    def payload(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        job = self.jobs[0]
+        return {"id": job.id, "object": obj, "created": int(job.created), "model": self.name, "choices": choices,
+                **extra}
 
+    def result(self, events: list[dict[str, Any]]) -> dict[str, Any]:
+        """The whole answer: one choice per job."""
+        choices = []
+        for job in self.jobs:
+            mine = [e for e in events if e["index"] == job.index]
+            tokens = [e for e in mine if "token" in e]
+            choices.append({"index": job.index, "finish_reason": job.finish_reason,
+                            "message": {"role": "assistant", "content": "".join(e["text"] for e in mine)},
+                            "logprobs": self.logprobs(tokens) if self.body.logprobs else None})
+        return self.payload("chat.completion", choices, usage=self.usage())
 
-async def _collect(job: Job, request: Request) -> list[dict[str, Any]] | None:
-    """Every event of the job up to its finish (or error); None if the client went away first."""
-    events: list[dict[str, Any]] = []
-    checked = time.monotonic()
-    while True:
-        try:
-            event = await asyncio.wait_for(job.events.get(), timeout=0.25)
-        except asyncio.TimeoutError:
-            event = None
-        if time.monotonic() - checked > 0.25:  # tokens may flow without pause: look by the clock
-            checked = time.monotonic()
-            if await request.is_disconnected():
-                return None
-        if event is not None:
-            events.append(event)
-            if "finish_reason" in event or "error" in event:
-                return events
+    def chunk(self, index: int, delta: dict[str, Any], finish: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self.payload("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs,
+                                                       "finish_reason": finish}])
 
-
-def _chunk(job: Job, served: Served, delta: dict[str, Any], finish: str | None = None,
-           logprobs: dict[str, Any] | None = None) -> str:
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-    payload = {"id": job.id, "object": "chat.completion.chunk", "created": int(job.created),
-               "model": served.name, "choices": [choice]}
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-async def _stream(job: Job, body: ChatRequest, served: Served) -> AsyncIterator[str]:
-    """Server-sent events: the role first, then content deltas, then finish_reason (and usage), then [DONE]."""
-    try:
-        yield _chunk(job, served, {"role": "assistant", "content": ""})
-        while True:
-            event = await job.events.get()
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """Each choice's role first, then content deltas as they come, then each one's finish_reason
+        (and usage last, if asked)."""
+        for job in self.jobs:
+            yield self.chunk(job.index, {"role": "assistant", "content": ""})
+        events, unfinished = self.jobs[0].events, len(self.jobs)
+        while unfinished:
+            event = await events.get()
             if "error" in event:
-                error = {"message": event["error"], "type": "server_error", "param": None, "code": 500}
-                yield f"data: {json.dumps({'error': error})}\n\n"
+                yield error_event(event["error"])
                 return
-            logprobs = _token_logprobs([event], served.tokenizer) if body.logprobs and "token" in event else None
+            logprobs = self.logprobs([event]) if self.body.logprobs and "token" in event else None
             if event["text"] or logprobs is not None:
-                yield _chunk(job, served, {"content": event["text"]}, logprobs=logprobs)
+                yield self.chunk(event["index"], {"content": event["text"]}, logprobs=logprobs)
             if "finish_reason" in event:
-                yield _chunk(job, served, {}, event["finish_reason"])
-                break
-        if body.stream_options is not None and body.stream_options.include_usage:
-            usage = {"id": job.id, "object": "chat.completion.chunk", "created": int(job.created),
-                     "model": served.name, "choices": [], "usage": _usage(job)}
-            yield f"data: {json.dumps(usage)}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        job.cancelled.set()  # a no-op once finished; otherwise the client went away
+                unfinished -= 1
+                yield self.chunk(event["index"], {}, event["finish_reason"])
+        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+            yield self.payload("chat.completion.chunk", [], usage=self.usage())

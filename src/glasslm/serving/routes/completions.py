@@ -1,4 +1,5 @@
-"""OpenAI's completions API: POST /v1/completions (whole or streamed as server-sent events) and GET /v1/models.
+"""OpenAI's completions API: POST /v1/completions (whole or streamed as server-sent events), GET /v1/models
+and GET /v1/models/{id}.
 
 A request becomes a `Job` for the app's `Engine`; its events become OpenAI's response shapes
 (`glasslm.serving.schemas`). A full queue answers 429 at once, a draining server 503.
@@ -8,16 +9,14 @@ Example:
     >>> app = FastAPI()
     >>> app.include_router(router)
     >>> sorted(app.openapi()["paths"])
-    ['/v1/completions', '/v1/models']
+    ['/v1/completions', '/v1/models', '/v1/models/{model_id}']
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -27,27 +26,33 @@ from glasslm.generation.engine import Job, Overloaded, ShuttingDown
 from glasslm.serving import schemas
 from glasslm.serving.context import Served, ServedDep
 from glasslm.serving.errors import error_response
+from glasslm.serving.events import gather, server_sent
 
 log = logging.getLogger("glasslm.serving")
 
 router = APIRouter()
 
 
+def _model_card(served: Served, request: Request, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": int(request.app.state.started), "owned_by": "glasslm",
+            "max_model_len": served.context_length}
+
+
 @router.get("/v1/models")
 async def models(served: ServedDep, request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": served.name, "object": "model", "created": int(request.app.state.started),
-                                        "owned_by": "glasslm", "max_model_len": served.context_length}]}
+    return {"object": "list", "data": [_model_card(served, request, served.name)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, served: ServedDep, request: Request) -> dict[str, Any]:
+    """One model, as the openai client's `models.retrieve` reads it (404 for a name this server does not answer to)."""
+    served.check_model(model_id)
+    return _model_card(served, request, model_id)
 
 
 @router.post("/v1/completions")
 async def completions(body: schemas.CompletionRequest, request: Request, served: ServedDep) -> Any:
-    if body.model is not None and body.model != served.name:
-        return error_response(404, f"model {body.model!r} not found; this server serves {served.name!r}",
-                              "not_found", "model")
-    limit = served.config.max_tokens_limit
-    if body.max_tokens > limit:
-        raise schemas.BadRequest(f"max_tokens: {body.max_tokens} is more than this server's limit {limit}",
-                                 "max_tokens")
+    served.check(body, len(body.prompts()))
     completion = _jobs(body, served)
     started = time.perf_counter()
     try:
@@ -57,34 +62,33 @@ async def completions(body: schemas.CompletionRequest, request: Request, served:
     except ShuttingDown as err:
         return error_response(503, str(err), "unavailable")
     if body.stream:
-        return StreamingResponse(_events(completion, started), media_type="text/event-stream",
+        return StreamingResponse(server_sent(schemas.stream_chunks(completion), lambda: _done(completion, started)),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        result = await schemas.collect(completion, request)
+        events = await gather(completion.jobs, request)
     finally:
         _done(completion, started)
-    if "error" in result:
-        return error_response(500, result["error"]["message"], "server_error")
-    return result
+    if isinstance(events, str):
+        return error_response(500, events, "server_error")
+    return completion.result(events)
 
 
 def _jobs(body: schemas.CompletionRequest, served: Served) -> schemas.Completion:
     """`n` jobs per prompt, sharing one event queue; choice index = prompt number * n + choice."""
     prompts = body.prompts()
-    many, room = len(prompts) > 1, served.config.max_batch + served.config.max_queue
-    if len(prompts) * body.n > room:  # would never fit, however idle the server: not a 429
-        raise schemas.BadRequest(f"n: {len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} completions; "
-                                 f"this server takes at most {room} at once (--max-batch + --max-queue)", "n")
+    many = len(prompts) > 1
     encoded = [served.encode(p, what=f"prompt[{k}]" if many else "prompt") for k, p in enumerate(prompts)]
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    shown = served.shown_for(body.skip_special_tokens)
+    loop, events, stops = asyncio.get_running_loop(), asyncio.Queue(), body.stop_tokens(served.eos)
     jobs, echoes = [], []
     for prompt, ids in zip(prompts, encoded):
-        echo = (prompt if isinstance(prompt, str) else served.tokenizer.decode(ids)) if body.echo else ""
+        echo = (prompt if isinstance(prompt, str) else shown.decode(ids)) if body.echo else ""
         for choice in range(body.n):
-            jobs.append(Job(ids, body.sampling(choice), served.tokenizer, loop, stop_tokens=served.eos,
-                            events=events, index=len(jobs)))
+            jobs.append(Job(ids, body.choice_sampling(choice), shown, loop, stop_tokens=stops, events=events,
+                            index=len(jobs)))
             echoes.append(echo)
-    return schemas.Completion(jobs, echoes, body, served.name, served.tokenizer)
+    return schemas.Completion(jobs, echoes, body, served.name, shown)
 
 
 def _submit(jobs: list[Job], served: Served) -> None:
@@ -95,16 +99,6 @@ def _submit(jobs: list[Job], served: Served) -> None:
     for job in jobs:
         if job.sampling.max_tokens <= 0 and job.sampling.prompt_logprobs is None:
             job.finish("length")
-
-
-async def _events(completion: schemas.Completion, started: float) -> AsyncIterator[str]:
-    """The server-sent event stream of one request, ending with `data: [DONE]`."""
-    try:
-        async for chunk in schemas.stream_chunks(completion):
-            yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        _done(completion, started)
 
 
 def _done(completion: schemas.Completion, started: float) -> None:

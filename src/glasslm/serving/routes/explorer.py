@@ -27,9 +27,10 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from glasslm.interp.explore import (activation_patching, attention, head_scores, logit_attribution, logit_lens,
-                                    next_token, token_loss, token_texts)
+                                    next_token, page_defaults, token_loss, token_texts)
 from glasslm.serving import schemas
 from glasslm.serving.context import ServedDep
+from glasslm.transforms import parameter_count
 
 STATIC_DIR = Path(__file__).parent.parent / "static"
 LOSS_LIMIT_CONTEXTS = 16  # /api/token-loss scores (and /api/tokenize splits) texts up to this many context lengths
@@ -47,9 +48,10 @@ async def index() -> FileResponse:
 def info(served: ServedDep) -> dict[str, Any]:
     model, c = served.model, served.model.config
     return {"model": served.name, "context_length": c.context_length, "vocab_size": c.vocab_size,
-            "n_layers": c.n_layers, "n_heads": c.n_heads, "d_model": c.d_model, "parameters": model.num_parameters(),
+            "n_layers": c.n_layers, "n_heads": c.n_heads, "d_model": c.d_model, "parameters": parameter_count(model),
             "tokenizer": getattr(served.tokenizer, "kind", type(served.tokenizer).__name__),
-            "max_tokens_limit": served.config.max_tokens_limit}
+            "max_tokens_limit": served.config.max_tokens_limit,
+            "defaults": page_defaults(served.tokenizer, c.context_length)}  # the page's example texts
 
 
 @router.post("/api/tokenize")

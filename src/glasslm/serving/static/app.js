@@ -313,6 +313,19 @@ function drawGrid(where, values, rowLabels, colLabels, scale, describe) {
   return svg;
 }
 
+// The key to a grid's colours, under it: red at -scale, white at 0, blue at +scale, as `diverging` draws
+// them (values beyond ±scale get the full colour); `meaning` says what each end means here.
+function drawLegend(where, scale, meaning) {
+  const legend = document.createElement("div");
+  legend.className = "legend"; legend.dataset.min = -scale; legend.dataset.max = scale;
+  for (const [cls, text] of [["legend-end", `−${scale.toPrecision(3)}`], ["legend-bar", ""],
+                             ["legend-end", `+${scale.toPrecision(3)}`], ["legend-words", meaning]]) {
+    const span = document.createElement("span");
+    span.className = cls; span.textContent = text; legend.appendChild(span);
+  }
+  where.textContent = ""; where.appendChild(legend);
+}
+
 const maxAbs = (rows) => Math.max(1e-9, ...rows.flat().map(Math.abs));
 const fixed = (x) => (x === null ? "–" : x.toFixed(3));
 
@@ -332,6 +345,7 @@ async function showAttribution() {
                          result.heads[0].map((_, h) => `head ${h}`), maxAbs(result.heads),
                          (l, h, v) => `L${l}H${h}: ${v.toFixed(4)}`);
     svg.dataset.token = token.id;
+    drawLegend($("dla-legend"), maxAbs(result.heads), "red takes away from the logit, white is 0, blue adds to it");
     $("dla-title").textContent = `of ${visible(token.text)} (p = ${token.prob.toFixed(3)}, rank ${token.rank + 1}) ` +
                                  `after ${visible(result.texts[result.position])}`;
     drawComponents(result);
@@ -424,6 +438,8 @@ async function showPatching() {
                          (l, p, v) => `${hook} of layer ${l} at ${labels[p]}: ${v.toFixed(4)} ` +
                                       `(logit difference ${result.logit_diff[l][p].toFixed(4)})`);
     svg.dataset.hook = hook;
+    drawLegend($("patch-legend"), 1, "blue 1: the patch restores the clean run; white 0: it changes nothing; " +
+               "red: it moves further from the clean run");
     $("patch-title").textContent = `${hook}: logit difference ${visible(result.answer.text)} − ` +
       `${visible(result.wrong_answer.text)}, clean ${result.clean_logit_diff.toFixed(3)}, ` +
       `corrupted ${result.corrupted_logit_diff.toFixed(3)}`;
@@ -441,13 +457,19 @@ async function defaultNewTokens() {
   box.value = Math.min(Number(box.value), Math.max(1, info.context_length - promptLength));
 }
 
-async function start() {
-  info = await (await fetch("/api/info")).json();
-  $("model-info").textContent = `${info.model}: ${(info.parameters / 1e6).toFixed(2)}M parameters, ` +
-    `${info.n_layers} layers × ${info.n_heads} heads, context ${info.context_length}, ${info.tokenizer} tokenizer`;
-  for (let i = 0; i < info.n_layers; i++) $("layer").add(new Option(String(i), String(i)));
-  for (let i = 0; i < info.n_heads; i++) $("head").add(new Option(String(i), String(i)));
-  await defaultNewTokens();
+// The example texts: the server's (/api/info "defaults"), which this model's tokenizer can encode.
+const DEFAULT_BOXES = { prompt: "prompt", loss_text: "loss-text", inspect_text: "inspect-text",
+                        corrupted_text: "corrupted-text", answer: "answer", wrong_answer: "wrong-answer" };
+
+function applyDefaults(defaults) {
+  for (const [field, id] of Object.entries(DEFAULT_BOXES)) $(id).value = defaults.texts[field];
+  if (defaults.from_vocabulary) {
+    showStatus($("page-status"), "This model's tokenizer cannot encode the usual Shakespeare examples, so the texts " +
+               "below are made from its own vocabulary: a sequence of its tokens repeated, which an induction head copies.");
+  }
+}
+
+function wireControls() {
   $("generate").onclick = generate;
   $("inspect-generation").onclick = inspectGeneration;
   $("stop").onclick = () => gen.controller && gen.controller.abort();
@@ -461,6 +483,28 @@ async function start() {
   $("show-scores").onclick = showHeadScores;
   $("show-patching").onclick = showPatching;
   for (const id of ["temperature", "top-k", "top-p"]) $(id).oninput = controlsChanged;
+}
+
+// Start-up survives any model: the controls are wired first, each later step that can fail says so on
+// the page (and anything else that escapes lands in the status line under the header).
+async function start() {
+  window.addEventListener("unhandledrejection", (event) => showError($("page-status"), event.reason));
+  wireControls();
+  try {
+    const response = await fetch("/api/info");
+    info = await response.json();
+    if (!response.ok) throw new Error(info.error ? info.error.message : response.statusText);
+  } catch (err) {
+    info = null;
+    showError($("model-info"), err);
+    return;
+  }
+  $("model-info").textContent = `${info.model}: ${(info.parameters / 1e6).toFixed(2)}M parameters, ` +
+    `${info.n_layers} layers × ${info.n_heads} heads, context ${info.context_length}, ${info.tokenizer} tokenizer`;
+  for (let i = 0; i < info.n_layers; i++) $("layer").add(new Option(String(i), String(i)));
+  for (let i = 0; i < info.n_heads; i++) $("head").add(new Option(String(i), String(i)));
+  applyDefaults(info.defaults);
+  try { await defaultNewTokens(); } catch (err) { showError($("gen-status"), err); }
   document.body.dataset.ready = "true";
 }
 start();

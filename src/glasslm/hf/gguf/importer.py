@@ -1,0 +1,214 @@
+"""A GGUF file as a glasslm model: `import_gguf(path)`.
+
+The file's architecture picks the family (`family_reading_gguf`), whose GGUF form turns the
+metadata into a config.json and whose weight table — the same one Hugging Face directories are
+read with — turns the tensors into ours, after the form has undone llama.cpp's tensor changes.
+
+Tensors in a 4-bit block format glasslm runs (Q4_0, Q4_1) stay in their blocks when they are
+Linear weights and nothing between the file and the model does more than reorder their rows:
+we find that out by sending each source row's number through the same steps (a column of row
+numbers must come out as a permutation of them; a transpose or any arithmetic shows up). Those
+layers become `BlockLinear`s, recorded as the `q4_0` / `q4_1` transforms; every other tensor (norms,
+embeddings, other formats such as Q8_0, the K-quants, F16) is dequantized to float32 by the gguf
+package. `GGUFImport.summary()` says which went which way.
+
+Example:
+    >>> import tempfile
+    >>> from glasslm.core.model import TransformerLM
+    >>> from glasslm.presets import get_preset
+    >>> from glasslm.hf.gguf.exporter import export_gguf
+    >>> model = TransformerLM(get_preset("llama-tiny")).eval()
+    >>> path = export_gguf(model, tempfile.mkdtemp() + "/tiny.gguf", None, "q4_0")
+    >>> loaded = import_gguf(path)
+    >>> loaded.family, type(loaded.model.blocks[0].mlp.up).__name__
+    ('llama', 'BlockLinear')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from glasslm.core.config import ModelConfig
+from glasslm.core.layers import Linear
+from glasslm.core.model import TransformerLM
+from glasslm.hf.errors import UnsupportedModelError
+from glasslm.hf.families import FAMILIES, HFFamily, family_reading_gguf
+from glasslm.hf.gguf.reader import GGUFFile
+from glasslm.hf.plan import WeightTable
+from glasslm.io.build import empty_model, model_from_state_dict
+from glasslm.transforms import parameter_count
+from glasslm.transforms.ggml import LAYER_FORMATS
+
+EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
+
+
+@dataclasses.dataclass
+class GGUFImport:
+    """A model read from a GGUF file, its tokenizer, and how its tensors came in."""
+
+    model: TransformerLM
+    tokenizer: Any
+    family: str
+    kept: Counter  # ggml type -> tensors kept in their blocks
+    dequantized: Counter  # ggml type -> tensors dequantized to float32
+
+    def summary(self) -> str:
+        """One line: the family, parameters, and which tensors were kept and dequantized.
+
+        >>> import collections
+        >>> GGUFImport(None, None, "llama", collections.Counter({"q4_1": 210}),
+        ...            collections.Counter({"f32": 61, "q8_0": 1})).summary().split("; ", 1)[1]
+        'kept in their blocks: 210 q4_1; dequantized to float32: 61 f32, 1 q8_0'
+        """
+        def counts(c: Counter) -> str:
+            return ", ".join(f"{n} {qtype}" for qtype, n in sorted(c.items())) or "none"
+
+        params = f"{parameter_count(self.model):,} parameters" if self.model is not None else "model"
+        return (f"{self.family} ({params}); kept in their blocks: {counts(self.kept)}; "
+                f"dequantized to float32: {counts(self.dequantized)}")
+
+
+def gguf_family(file: GGUFFile) -> HFFamily:
+    family = family_reading_gguf(file.arch)
+    if family is None:
+        known = sorted(f.gguf.arch for f in FAMILIES.values() if f.gguf)
+        raise UnsupportedModelError(f"{file.path}: GGUF architecture {file.arch!r} is not supported "
+                                    f"(glasslm reads {', '.join(known)})")
+    return family
+
+
+def gguf_hf_config(file: GGUFFile, family: HFFamily) -> dict[str, Any]:
+    """The config.json the file's metadata and tensors describe."""
+    prefix = file.arch + "."
+    values = {key[len(prefix):]: value for key, value in file.metadata.items() if key.startswith(prefix)}
+    names = file.tensor_names()
+    hf = {"model_type": family.name, **family.gguf.hf_config(values, names)}
+    hf["vocab_size"] = file.shape(EMBEDDING)[0]  # the tensor's rows are the truth (the key is optional)
+    hf["tie_word_embeddings"] = _tied(file)
+    return hf
+
+
+def gguf_config(file: GGUFFile, context_length: int | None = None) -> tuple[ModelConfig, HFFamily, dict[str, Any]]:
+    """(config, family, config.json as a dict) of a GGUF file, without reading its weights."""
+    family = gguf_family(file)
+    hf = gguf_hf_config(file, family)
+    return family.config_from_hf(hf, context_length), family, hf
+
+
+def _tied(file: GGUFFile) -> bool:
+    """Tied when the file has no output matrix (llama.cpp then uses the embedding), or one that is
+    byte for byte the embedding (older GPT-2 conversions wrote it twice)."""
+    names = file.tensor_names()
+    if OUTPUT not in names:
+        return True
+    return (file.qtype(OUTPUT) == file.qtype(EMBEDDING) and file.shape(OUTPUT) == file.shape(EMBEDDING)
+            and torch.equal(file.blocks(OUTPUT), file.blocks(EMBEDDING)))
+
+
+def gguf_tensor_names(file: GGUFFile, family: HFFamily, config: ModelConfig, table: WeightTable) -> dict[str, str]:
+    """HF tensor name -> GGUF tensor name for every tensor the table reads, through the gguf package's
+    own name map; refuses a file missing any or holding tensors no part of the model reads."""
+    import gguf
+
+    arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}[file.arch]
+    name_map = gguf.get_tensor_name_map(arch, config.n_layers)
+    names = {hf_name: name_map.get_name(hf_name, try_suffixes=(".weight", ".bias")) for hf_name in table.hf_names()}
+    unmapped = sorted(hf_name for hf_name, gguf_name in names.items() if gguf_name is None)
+    if unmapped:
+        raise UnsupportedModelError(f"the gguf package has no GGUF name for {unmapped[:4]} ({family.name})")
+    have = file.tensor_names()
+    missing = sorted(set(names.values()) - have)
+    unexpected = sorted(have - set(names.values()) - ({OUTPUT} if config.tie_embeddings else set()))
+    if "rope_freqs.weight" in unexpected:
+        raise UnsupportedModelError(f"{file.path}: per-frequency RoPE factors (rope_freqs, Llama 3.1-style rope "
+                                    "scaling) are not supported for GGUF files yet; import the Hugging Face model")
+    if missing or unexpected:
+        raise ValueError(f"{file.path} does not match a {family.name} model with its metadata: missing tensors "
+                         f"{missing[:8]}, unexpected tensors {unexpected[:8]}")
+    return names  # type: ignore[return-value]
+
+
+@dataclasses.dataclass
+class _Reading:
+    """What reading the tensors needs: the file, its family's form, config.json, and the name map."""
+
+    file: GGUFFile
+    family: HFFamily
+    hf: dict[str, Any]
+    names: dict[str, str]
+
+    def hf_tensor(self, hf_name: str) -> Tensor:
+        """An HF tensor in HF's layout, dequantized: llama.cpp's change undone."""
+        return self.family.gguf.to_hf(hf_name, self.file.dequantized(self.names[hf_name]), self.hf)
+
+    def row_order(self, hf_names: tuple[str, ...], to_ours: Callable[..., Tensor]) -> Tensor | None:
+        """Which source row (counting through the sources in order) each row of our tensor is, if our
+        tensor is only the sources' rows reordered; else None."""
+        probes, start = [], 0
+        for hf_name in hf_names:
+            rows = self.file.shape(self.names[hf_name])[0]
+            probe = torch.arange(start, start + rows, dtype=torch.float64)[:, None]   # (rows, 1)
+            probes.append(self.family.gguf.to_hf(hf_name, probe, self.hf))
+            start += rows
+        out = to_ours(*probes)
+        if out.dim() != 2 or out.shape != (start, 1):
+            return None
+        order = out[:, 0]
+        return order.long() if torch.equal(order.sort().values, torch.arange(start, dtype=torch.float64)) else None
+
+
+def _plan_tensors(reading: _Reading, table: WeightTable, linears: set[str], keep_blocks: bool):
+    """(our name -> tensor maker, transform records, kept Counter, dequantized Counter)."""
+    tensors: dict[str, Callable[[], Tensor]] = {}
+    layers: dict[str, list[str]] = {}
+    kept, dequantized = Counter(), Counter()
+    for ours, (hf_names, to_ours, _) in table.entries.items():
+        qtypes = {reading.file.qtype(reading.names[n]) for n in hf_names}
+        layer = ours.removesuffix(".weight")
+        order = None
+        if keep_blocks and layer in linears and len(qtypes) == 1 and qtypes <= set(LAYER_FORMATS):
+            order = reading.row_order(hf_names, to_ours)
+        if order is not None:
+            qtype = qtypes.pop()
+            sources = [reading.names[n] for n in hf_names]
+            tensors[layer + ".weight_blocks"] = (
+                lambda sources=sources, order=order: torch.cat([reading.file.blocks(g) for g in sources])[order])
+            layers.setdefault(qtype, []).append(layer)
+            kept.update({qtype: len(hf_names)})
+        else:
+            tensors[ours] = lambda hf_names=hf_names, to_ours=to_ours: to_ours(*map(reading.hf_tensor, hf_names))
+            dequantized.update(reading.file.qtype(reading.names[n]) for n in hf_names)
+    records = [{"name": qtype, "layers": sorted(names)} for qtype, names in sorted(layers.items())]
+    return tensors, records, kept, dequantized
+
+
+def import_gguf(
+    path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+    context_length: int | None = None, keep_blocks: bool = True,
+) -> GGUFImport:
+    """The model (eval mode) and tokenizer in a GGUF file.
+
+    `keep_blocks=False` dequantizes every tensor (a float model, e.g. to fine-tune all weights);
+    `dtype` converts the float weights; `context_length` overrides a rotary model's.
+    """
+    from glasslm.tokenizers import eos_token_ids
+    from glasslm.tokenizers.gguf import tokenizer_from_gguf
+
+    file = GGUFFile.open(path)
+    config, family, hf = gguf_config(file, context_length)
+    table = family.weight_table(config, None)
+    reading = _Reading(file, family, hf, gguf_tensor_names(file, family, config, table))
+    linears = {name for name, m in empty_model(config).named_modules() if isinstance(m, Linear)}
+    tensors, records, kept, dequantized = _plan_tensors(reading, table, linears, keep_blocks)
+    model = model_from_state_dict(config, tensors, device, dtype, str(path), transforms=records)
+    tokenizer = tokenizer_from_gguf(file.metadata) if "tokenizer.ggml.tokens" in file.metadata else None
+    ends = [file.metadata.get(f"tokenizer.ggml.{role}_token_id") for role in ("eos", "eot", "eom")]
+    model.eos_token_ids = eos_token_ids(tokenizer, {"eos_token_id": [i for i in ends if isinstance(i, int)] or None})
+    return GGUFImport(model, tokenizer, family.name, kept, dequantized)

@@ -1,0 +1,245 @@
+"""GGUF files in and out: every family through glasslm's writer and reader, transformers' own GGUF
+loader as the independent reader, 4-bit blocks kept byte for byte, tokenizers from tokenizer.ggml.*,
+and clear refusals. (llama.cpp itself reads these files in test_gguf_llamacpp.py.)"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+from glasslm.cli import main
+from glasslm.core.model import TransformerLM
+from glasslm.hf import load_model
+from glasslm.hf.errors import UnsupportedModelError
+from glasslm.hf.families.common import computed_fields
+from glasslm.hf.gguf.exporter import export_gguf
+from glasslm.hf.gguf.importer import import_gguf
+from glasslm.hf.gguf.reader import GGUFFile
+from glasslm.presets import get_preset
+from glasslm.tokenizers import HFTokenizer, gpt2_tokenizer, train_tokenizer_from_text
+from glasslm.tokenizers.gguf import UnsupportedTokenizerError, matching_pre_tokenizer, tokenizer_from_gguf
+from glasslm.transforms.ggml import BlockLinear
+
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}" \
+           "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+
+
+def perturbed(config) -> TransformerLM:
+    """A model whose every weight is moved off its initial value (norm gains off 1, biases off 0)."""
+    torch.manual_seed(0)
+    model = TransformerLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+SMALL = dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128, context_length=128)
+# Each family at a small size; the shapes transformers' GGUF loader fills from its own defaults
+# (Qwen3's head_dim 128, Gemma 3's 256, GPT-2's 4 x d_model MLP and 1024 positions) are kept.
+FAMILY_CONFIGS = {
+    "llama": lambda v: get_preset("llama-tiny", vocab_size=v),
+    "qwen2": lambda v: get_preset("llama-tiny", vocab_size=v, attn_qkv_bias=True, n_kv_heads=2),
+    "qwen3": lambda v: get_preset("qwen3-0.6b", vocab_size=v, **{**SMALL, "n_heads": 2}, n_kv_heads=1, d_head=128),
+    "gemma3_text": lambda v: get_preset("gemma3-270m", vocab_size=v, **{**SMALL, "n_layers": 7, "n_heads": 2}, n_kv_heads=1,
+                                   d_head=256, sliding_window=8, global_layers=(5,)),
+    "gpt2": lambda v: get_preset("gpt2-small", vocab_size=v, **{**SMALL, "d_mlp": 256, "context_length": 1024}),
+    "gpt_neox": lambda v: get_preset("pythia-160m", vocab_size=v, **SMALL),
+}
+TRANSFORMERS_READS = ("llama", "qwen2", "qwen3", "gemma3_text", "gpt2")  # (its GGUF loader has no GPT-NeoX)
+
+
+@pytest.fixture(scope="module")
+def bpe(shakespeare_text):
+    return train_tokenizer_from_text(shakespeare_text[:20_000], vocab_size=320)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_every_family_goes_to_gguf_and_back_unchanged(family, bpe, shakespeare_text, tmp_path):
+    model = perturbed(FAMILY_CONFIGS[family](bpe.vocab_size))
+    from glasslm.hf import family_of
+
+    assert family_of(model.config) == family
+    path = export_gguf(model, tmp_path / "m.gguf", bpe, "f32", chat_template=TEMPLATE)
+    loaded = import_gguf(path)
+    # The same model: every config field that changes what it computes agrees (rotary_dims=16 and None
+    # are one thing when a head is 16 wide).
+    assert loaded.family == family and computed_fields(loaded.model.config) == computed_fields(model.config)
+    ids = torch.tensor([bpe.encode(shakespeare_text[:400])[:48]])
+    assert torch.equal(loaded.model(ids), model(ids))
+    assert loaded.tokenizer.encode(shakespeare_text[:2000]) == bpe.encode(shakespeare_text[:2000])
+    assert loaded.tokenizer.config["chat_template"] == TEMPLATE
+
+
+@pytest.mark.parametrize("family", TRANSFORMERS_READS)
+def test_transformers_reads_our_gguf_files_as_the_same_model(family, bpe, shakespeare_text, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = perturbed(FAMILY_CONFIGS[family](bpe.vocab_size))
+    export_gguf(model, tmp_path / "m.gguf", bpe, "f32")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    ids = torch.tensor([bpe.encode(shakespeare_text[:400])[:48]])
+    with torch.no_grad():
+        ours, reference = model(ids), theirs(ids).logits
+    # Same weights, both in float32: differences are summation order only (~1e-6 at these sizes).
+    assert (ours - reference).abs().max() < 2e-5 * reference.abs().max()
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1"])
+def test_4_bit_blocks_are_kept_and_written_back_byte_for_byte(qtype, tmp_path):
+    model = perturbed(get_preset("gpt2-small", vocab_size=256, **{**SMALL, "d_mlp": 256}))
+    first = export_gguf(model, tmp_path / "a.gguf", None, qtype)
+    loaded = import_gguf(first)
+    # GPT-2's Conv1D weights are transposed twice on the way (llama.cpp stores them (d_out, d_in)):
+    # a row order, so its blocks stay blocks too; the embedding is a lookup, so it is dequantized.
+    layers = [m for m in loaded.model.modules() if isinstance(m, BlockLinear)]
+    assert len(layers) == 8 and all(m.qtype == qtype for m in layers)
+    assert loaded.kept == {qtype: 8} and loaded.dequantized[qtype] == 1
+    second = export_gguf(loaded.model, tmp_path / "b.gguf", None, qtype)
+    a, b = GGUFFile.open(first), GGUFFile.open(second)
+    assert a.tensor_names() == b.tensor_names()
+    assert all(torch.equal(a.blocks(name), b.blocks(name)) for name in a.tensor_names())
+    # The kept layers compute with exactly ggml's dequantized values (the readable path).
+    for module in loaded.model.modules():
+        if hasattr(module, "impl"):
+            module.impl = "readable"
+    blocks = a.blocks("blk.0.attn_qkv.weight").numpy()
+    ggml = quants.dequantize(blocks, GGMLQuantizationType[qtype.upper()])
+    assert torch.equal(loaded.model.blocks[0].attn.qkv.dequantized_weight(), torch.from_numpy(ggml))
+
+
+def test_llamas_q_and_k_rows_are_stored_in_llama_cpps_order(tmp_path):
+    """llama.cpp's converter permutes HF's q/k rows back to Meta's adjacent pairs: the file's rows are
+    glasslm's own, and transformers' rows are the half-split order."""
+    model = perturbed(get_preset("llama-tiny", vocab_size=256))
+    export_gguf(model, tmp_path / "m.gguf", None, "f32")
+    file = GGUFFile.open(tmp_path / "m.gguf")
+    q_rows = model.config.n_heads * model.config.d_head
+    assert torch.equal(file.dequantized("blk.0.attn_q.weight"), model.blocks[0].attn.qkv.weight[:q_rows])
+
+
+def test_a_q8_0_file_reads_as_llama_cpps_values(tmp_path):
+    model = perturbed(get_preset("llama-tiny", vocab_size=256))
+    export_gguf(model, tmp_path / "m.gguf", None, "q8_0")
+    file, loaded = GGUFFile.open(tmp_path / "m.gguf"), import_gguf(tmp_path / "m.gguf")
+    assert loaded.kept == {} and loaded.dequantized["q8_0"] > 0
+    raw = file.blocks("blk.1.ffn_gate.weight").numpy()
+    expected = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q8_0))
+    assert torch.equal(loaded.model.blocks[1].mlp.gate.weight, expected)
+
+
+def test_tokenizers_from_gguf_encode_as_the_originals(data_dir, shakespeare_text, tmp_path):
+    gpt2 = gpt2_tokenizer(data_dir)
+    model = perturbed(get_preset("gpt2-small", vocab_size=gpt2.vocab_size, n_layers=1, d_model=32, n_heads=2))
+    export_gguf(model, tmp_path / "g.gguf", gpt2, "f16")
+    back = tokenizer_from_gguf(GGUFFile.open(tmp_path / "g.gguf").metadata)
+    text = shakespeare_text[:5000] + " it's 2026 — café 12345 \n\n  spaces<|endoftext|>"
+    assert back.encode(text) == gpt2.encode(text) and back.decode(back.encode(text)) == text
+    assert matching_pre_tokenizer(back) == "gpt-2"
+    # GPT-2's tokenizer.json (one ByteLevel pre-tokenizer with its own regex) is recognised as "gpt-2" too.
+    from glasslm.tokenizers import save_hf_tokenizer
+
+    save_hf_tokenizer(gpt2, tmp_path / "hf")
+    assert matching_pre_tokenizer(HFTokenizer.from_directory(tmp_path / "hf")) == "gpt-2"
+
+
+def test_unknown_pre_tokenizers_and_vocabularies_are_refused_by_name():
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "tekken", "tokenizer.ggml.tokens": ["a"],
+            "tokenizer.ggml.merges": []}
+    with pytest.raises(UnsupportedTokenizerError, match="'tekken' is not one glasslm runs"):
+        tokenizer_from_gguf(meta)
+    with pytest.raises(UnsupportedTokenizerError, match="tokenizer model 'bert'"):
+        tokenizer_from_gguf({**meta, "tokenizer.ggml.model": "bert"})
+
+
+def write_gguf(path, arch: str, tensors: dict, **values) -> None:
+    writer = GGUFWriter(path, arch)
+    for key, value in values.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_bad_files_get_clear_errors(tmp_path):
+    (tmp_path / "text.gguf").write_text("not a model")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        import_gguf(tmp_path / "text.gguf")
+    model = perturbed(get_preset("llama-tiny", vocab_size=256))
+    good = export_gguf(model, tmp_path / "good.gguf", None, "f32")
+    data = good.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 50])
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        import_gguf(tmp_path / "cut.gguf")
+    write_gguf(tmp_path / "mamba.gguf", "mamba", {"token_embd.weight": np.zeros((4, 8), np.float32)}, block_count=1)
+    with pytest.raises(UnsupportedModelError, match="architecture 'mamba' is not supported"):
+        import_gguf(tmp_path / "mamba.gguf")
+
+
+def test_missing_and_extra_tensors_are_named(tmp_path):
+    model = perturbed(get_preset("llama-tiny", vocab_size=256))
+    file = GGUFFile.open(export_gguf(model, tmp_path / "m.gguf", None, "f32"))
+    values = {k.removeprefix("llama."): v for k, v in file.metadata.items()
+              if k.startswith("llama.") and isinstance(v, int)}
+    tensors = {name: file.dequantized(name).numpy() for name in file.tensor_names()}
+    del tensors["blk.1.ffn_up.weight"]
+    write_gguf(tmp_path / "missing.gguf", "llama", tensors, **values)
+    with pytest.raises(ValueError, match=r"missing tensors \['blk.1.ffn_up.weight'\]"):
+        import_gguf(tmp_path / "missing.gguf")
+    tensors["blk.1.ffn_up.weight"] = file.dequantized("blk.1.ffn_up.weight").numpy()
+    tensors["rope_freqs.weight"] = np.ones(8, np.float32)
+    write_gguf(tmp_path / "rope.gguf", "llama", tensors, **values)
+    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
+        import_gguf(tmp_path / "rope.gguf")
+
+
+def test_the_cli_converts_both_ways_and_every_command_takes_a_gguf(bpe, shakespeare_text, tmp_path, capsys):
+    model = perturbed(get_preset("llama-tiny", vocab_size=bpe.vocab_size))
+    from glasslm.io.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path / "ckpt", model, bpe)
+    (tmp_path / "ckpt" / "chat_template.jinja").write_text(TEMPLATE)
+    assert main(["convert", "--to-gguf", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "m.gguf"),
+                 "--type", "q4_1"]) == 0
+    assert "q4_1 matrices" in capsys.readouterr().out
+    assert main(["convert", "--to-gguf", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "m.gguf")]) == 1
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert main(["convert", "--from-gguf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "back")]) == 0
+    assert "kept in their blocks" in capsys.readouterr().out
+    from glasslm.tokenizers.chat import find_chat_template
+
+    assert find_chat_template(tmp_path / "back") == TEMPLATE
+    reloaded, tokenizer = load_model(tmp_path / "back")
+    direct, _ = load_model(tmp_path / "m.gguf")
+    ids = torch.tensor([bpe.encode(shakespeare_text[:100])])
+    assert torch.equal(reloaded(ids), direct(ids))
+    assert main(["generate", "--checkpoint", str(tmp_path / "m.gguf"), "--prompt", "ROMEO:", "--max-new-tokens", "5",
+                 "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("ROMEO:") and "kept in their blocks" in captured.err
+
+
+def test_a_directory_holding_one_gguf_file_loads_as_it(tmp_path):
+    model = perturbed(get_preset("llama-tiny", vocab_size=256))
+    export_gguf(model, tmp_path / "snapshot" / "model-Q4_0.gguf", None, "q4_0")
+    loaded, _ = load_model(tmp_path / "snapshot")
+    assert isinstance(loaded.blocks[0].attn.qkv, BlockLinear)
+    shutil.copy(tmp_path / "snapshot" / "model-Q4_0.gguf", tmp_path / "snapshot" / "model-Q4_1.gguf")
+    with pytest.raises(ValueError, match="holds 2 GGUF files .*model-Q4_0.gguf, model-Q4_1.gguf.*name the one"):
+        load_model(tmp_path / "snapshot")
+
+
+def test_models_llama_cpp_cannot_run_exactly_are_refused(tmp_path):
+    mistral = perturbed(get_preset("llama-tiny", vocab_size=256, sliding_window=16))
+    with pytest.raises(UnsupportedModelError, match="mistral.*sliding windows"):
+        export_gguf(mistral, tmp_path / "m.gguf", None)
+    gemma = perturbed(FAMILY_CONFIGS["gemma3_text"](256).replace(attn_scale=0.5))
+    with pytest.raises(UnsupportedModelError, match="query_pre_attn_scalar"):
+        export_gguf(gemma, tmp_path / "g.gguf", None)
+    assert not list(tmp_path.iterdir())  # nothing half-written

