@@ -6,7 +6,7 @@ one new module and one line in COMMANDS.
     glasslm train --resume runs/shakespeare-char-cpu --max-steps 4000
     torchrun --nproc_per_node=2 -m glasslm.cli train --batch-size 6 --out runs/ddp
     glasslm plot runs/shakespeare-char-cpu
-    glasslm finetune --checkpoint runs/base --data chat.jsonl --lora-rank 8 --out runs/ft
+    glasslm finetune --checkpoint runs/shakespeare-char-cpu --data examples/chat/shakespeare.jsonl --chat-template examples/chat/template.jinja --out runs/ft
     glasslm merge --checkpoint runs/ft --out runs/ft-merged --to-hf
     glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --max-new-tokens 300
     glasslm eval --checkpoint runs/shakespeare-char-cpu --data tinyshakespeare

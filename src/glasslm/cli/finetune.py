@@ -1,12 +1,14 @@
 """`glasslm finetune`: fine-tune a pretrained model on chat / instruction JSONL, with LoRA adapters
 (the default), QLoRA (--quantize int4|int8: the frozen base quantized) or every weight (--full);
-resumable exactly like `glasslm train`. A LoRA run's checkpoints hold only the adapters plus a
-reference to the base (its path and a hash of its weights); `generate`, `chat`, `serve` and `eval`
-load them as base + adapters, `glasslm merge` writes a full model.
+resumable exactly like `glasslm train`. A LoRA run's checkpoints hold only the adapters, the exact
+base checkpoint and a hash of its weights (--base PATH where the base has moved), and the chat
+template; `generate`, `chat`, `serve` and `eval` load them as base + adapters, `glasslm merge`
+writes a full model.
 
-    glasslm finetune --checkpoint runs/base --data chat.jsonl --lora-rank 8 --out runs/ft
-    glasslm finetune --resume runs/ft --max-steps 400
-    glasslm finetune --checkpoint Qwen/Qwen2-0.5B --data chat.jsonl --quantize int4 --out runs/qlora \\
+    glasslm finetune --checkpoint runs/shakespeare-char-cpu --data examples/chat/shakespeare.jsonl \\
+        --chat-template examples/chat/template.jinja --out runs/ft
+    glasslm finetune --resume runs/ft --max-steps 1200
+    glasslm finetune --checkpoint Qwen/Qwen2-0.5B --data chat.jsonl --quantize int4 --lr 2e-4 --out runs/qlora \\
         --export-peft runs/qlora-peft
 """
 
@@ -180,8 +182,10 @@ def _export_peft(model: Any, directory: str, base: str, config: FinetuneConfig) 
 COMMAND = Command("finetune", finetune, "fine-tune a model on chat JSONL: LoRA, QLoRA (--quantize) or --full",
                   description=__doc__.split("\n\n")[0],
                   examples=(
-                      'glasslm finetune --checkpoint runs/base --data chat.jsonl --lora-rank 8 --out runs/ft',
-                      'glasslm finetune --checkpoint runs/base --data chat.jsonl --quantize int4 --out runs/qlora',
-                      'glasslm finetune --resume runs/ft --max-steps 400',
-                      'glasslm finetune --resume runs/ft --base copies/ckpt-000600 --max-steps 400   # the base moved',
+                      'glasslm finetune --checkpoint runs/shakespeare-char-cpu --data examples/chat/shakespeare.jsonl '
+                      '--chat-template examples/chat/template.jinja --out runs/ft',
+                      'glasslm finetune --checkpoint Qwen/Qwen2-0.5B --data chat.jsonl --quantize int4 --lr 2e-4 '
+                      '--out runs/qlora',
+                      'glasslm finetune --resume runs/ft --max-steps 1200',
+                      'glasslm finetune --resume runs/ft --base copies/ckpt-000600 --max-steps 1200   # the base moved',
                   ))
