@@ -95,16 +95,19 @@ def read_conversations(path: str | os.PathLike) -> list[list[dict[str, Any]]]:
     return conversations
 
 
-def encode_conversation(tokenizer: Any, template: str | ChatFormat, messages: Sequence[dict[str, Any]]) -> SFTExample:
+def encode_conversation(tokenizer: Any, template: str | ChatFormat, messages: Sequence[dict[str, Any]],
+                        first_trained: int = 0) -> SFTExample:
     """Token ids of the conversation rendered with `template` and `tokenizer`'s special tokens, and
-    labels that train only its assistant turns."""
+    labels that train only its assistant turns (those from message `first_trained` on: a preference
+    pair trains its completion, not the assistant turns of its prompt)."""
     chat = template if isinstance(template, ChatFormat) else ChatFormat.for_tokenizer(template, tokenizer)
     text, spans = chat.assistant_spans(messages)
+    turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
     ids: list[int] = []
     trained: list[bool] = []
     cursor = 0
-    for start, end in [*spans, (len(text), len(text))]:
-        for piece, is_assistant in ((text[cursor:start], False), (text[start:end], True)):
+    for (start, end), turn in zip([*spans, (len(text), len(text))], [*turns, len(messages)]):
+        for piece, is_assistant in ((text[cursor:start], False), (text[start:end], turn >= first_trained)):
             piece_ids = tokenizer.encode(piece) if piece else []
             ids += piece_ids
             trained += [is_assistant] * len(piece_ids)

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from glasslm.core.layers import cross_entropy
 from glasslm.training.parts import TrainingParts
 from glasslm.training.step import autocast_context
 
@@ -130,7 +129,7 @@ def time_micro_batch(parts: TrainingParts, rows: int | None = None) -> float:
     while len(timings) < least or (sum(timings) < PROBE_S and len(timings) < PROBE_RUNS):
         started = time.perf_counter()
         with autocast_context(cfg, parts.device):
-            loss = cross_entropy(parts.step_model(xc), yc)  # (b / accum, t) -> ()
+            loss = parts.objective(parts.step_model, xc, yc)[0]  # (b / accum, t) -> ()
         loss.backward()
         if cuda:
             torch.cuda.synchronize(parts.device)

@@ -49,6 +49,10 @@ FINETUNE_KEY = "finetune"  # meta.json: how the run was set up (base, method, da
 class FinetuneConfig:
     """fine-tuning method"""
 
+    # sft: learn the assistant turns of conversations; dpo: prefer each record's chosen completion to
+    # its rejected one (preference JSONL: prompt, chosen, rejected; glasslm.training.dpo)
+    method: Literal["sft", "dpo"] = "sft"
+    dpo_beta: float = 0.1  # DPO: the β of the implicit reward; smaller lets the model move further from the reference
     full: bool = False  # train every weight instead of LoRA adapters
     # LoRA defaults: measured on the demo model (docs/training.md#choosing-the-lora-defaults), where
     # adapters on q,v alone (with lr 2e-4, glasslm's defaults before) left the answers unlearned
@@ -87,6 +91,13 @@ class FinetuneConfig:
                              "(QLoRA is LoRA on a quantized base)")
         if not self.full:
             self.lora()
+        if self.method not in ("sft", "dpo"):
+            raise ValueError(f"method: unknown fine-tuning method {self.method!r} (sft, dpo)")
+        if self.method == "dpo" and not self.dpo_beta > 0:
+            raise ValueError(f"--dpo-beta must be positive, got {self.dpo_beta}")
+        if self.method == "dpo" and not self.full and (self.lora_bias != "none" or self.lora_full.strip()):
+            raise ValueError("--method dpo with LoRA uses the base (adapters off) as its reference, which biases "
+                             "and whole modules trained in place (--lora-bias, --lora-full) would change; drop them")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
 
