@@ -364,6 +364,10 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
         add=FINETUNE_RUN, needs=("BASE", "chat.jsonl"), slow=True, creates=("runs/qlora/latest",)),
     "glasslm finetune --checkpoint BASE --data chat.jsonl --full --lr 2e-5 --out runs/full": Run(
         add=FINETUNE_RUN, needs=("BASE", "chat.jsonl"), slow=True, creates=("runs/full/latest",)),
+    "glasslm finetune --checkpoint BASE --method dpo --data prefs.jsonl --out runs/dpo": Run(
+        add=FINETUNE_RUN, needs=("BASE", "prefs.jsonl"), creates=("runs/dpo/latest",)),
+    "glasslm finetune --checkpoint BASE --method dpo --data prefs.jsonl --dpo-beta 0.5 --full --lr 2e-5 --out "
+    "runs/dpo-full": Run(add=FINETUNE_RUN, needs=("BASE", "prefs.jsonl"), slow=True, creates=("runs/dpo-full/latest",)),
     "glasslm merge --checkpoint runs/ft --out runs/ft-merged": Run(
         needs=("runs/ft",), creates=("runs/ft-merged/model.safetensors",)),
     "glasslm finetune --checkpoint BASE --data chat.jsonl --lora-dora --lora-rslora --lora-bias all --lora-full "
@@ -650,6 +654,16 @@ def _chat_jsonl(sandbox: Sandbox) -> str:
                    for question, answer in pairs * 2)
 
 
+def _prefs_jsonl(sandbox: Sandbox) -> str:
+    """Preference pairs in both of the shapes docs/training.md shows (text, and message lists)."""
+    pairs = [("what is this?", "a small model.", "a big dog."), ("say yes", "yes.", "no."),
+             ("count to three", "one two three.", "three two one."), ("good night", "sleep well.", "wake up!")]
+    text = [{"prompt": question, "chosen": good, "rejected": bad} for question, good, bad in pairs]
+    messages = [{"prompt": [{"role": "user", "content": question}], "chosen": [{"role": "assistant", "content": good}],
+                 "rejected": [{"role": "assistant", "content": bad}]} for question, good, bad in pairs]
+    return "".join(json.dumps(record) + "\n" for record in text + messages)
+
+
 def _task_folder(sandbox: Sandbox, target: Path) -> None:
     """my_tasks/: an lm-eval multiple-choice task `my_task` on local data."""
     target.mkdir(parents=True)
@@ -708,5 +722,6 @@ STAND_INS = {
     "my.txt": _write(lambda sandbox: _shakespeare(sandbox)[:20_000].lower()),
     "prompt.txt": _write(lambda sandbox: "ROMEO:"),
     "chat.jsonl": _write(_chat_jsonl),
+    "prefs.jsonl": _write(_prefs_jsonl),
     "t.jinja": _write(lambda sandbox: TEMPLATE),
 }
