@@ -181,11 +181,12 @@ def test_a_few_dpo_lora_steps_raise_the_margin_of_the_training_pairs(gguf, tmp_p
              ("Which planet is known as the red planet?", "Mars.", "Venus."),
              ("Who wrote Romeo and Juliet?", "William Shakespeare.", "Charles Dickens.")]
     data = tmp_path / "prefs.jsonl"
-    data.write_text("".join(json.dumps({"prompt": q, "chosen": good, "rejected": bad}) + "\n" for q, good, bad in pairs))
+    data.write_text("".join(json.dumps({"prompt": q, "chosen": good, "rejected": bad}) + "\n"
+                            for q, good, bad in pairs))
     run = tmp_path / "dpo"
     assert main(["finetune", "--checkpoint", str(gguf), "--method", "dpo", "--data", str(data), "--out", str(run),
-                 "--max-steps", "3", "--batch-size", "4", "--lr", "2e-3", "--lora-sites", "q,v,mlp_up", "--val-fraction",
-                 "0", "--log-interval", "1", "--warmup-steps", "0", "--threads", "2", "--no-progress"]) == 0
+                 "--max-steps", "3", "--batch-size", "4", "--lr", "2e-3", "--lora-sites", "q,v,mlp_up",
+                 "--val-fraction", "0", "--log-interval", "1", "--warmup-steps", "0", "--threads", "2", "--no-progress"]) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     margins = [r["rewards/margins"] for r in records if "rewards/margins" in r]
     # step 1 is measured at the reference's own weights (margin 0); the margin grows from there

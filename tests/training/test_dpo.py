@@ -18,8 +18,8 @@ from glasslm.io.checkpoint import WEIGHTS_FILE, read_safetensors, resolve_checkp
 from glasslm.presets import get_preset
 from glasslm.tokenizers import CharTokenizer
 from glasslm.training.batches import PreferenceBatches
-from glasslm.training.dpo import DPOObjective, preference_batches, reference_model, sequence_log_probs
-from glasslm.training.finetune import FinetuneConfig, prepare_model
+from glasslm.training.dpo import DPOObjective, reference_model, sequence_log_probs
+from glasslm.training.finetune import FinetuneConfig, chat_batches, prepare_model
 from glasslm.transforms.lora import adapters_disabled, lora_layers
 
 TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}"
@@ -230,7 +230,7 @@ def test_empty_preference_data_is_refused(tmp_path):
 
 def test_pairs_whose_completion_falls_outside_the_context_are_refused(tmp_path):
     path = _write_jsonl(tmp_path / "prefs.jsonl", [{"prompt": "a" * 60, "chosen": "b", "rejected": "c"}] * 4)
-    train, _ = preference_batches(path, TOKENIZER, TEMPLATE, 32, 0.0, 0)
+    train, _ = chat_batches(path, TOKENIZER, TEMPLATE, 32, 0.0, 0, preferences=True)
     with pytest.raises(ValueError, match="keep no completion token within context_length=32"):
         train.check("training")
 

@@ -130,7 +130,7 @@ def _model_and_data(base: str, config: FinetuneConfig, train_config: TrainConfig
     """The model to train (base + adapters), its tokenizer, the checkpoints' meta, the batches and
     the loss (DPO's holds its reference: the base, taken before any resumed weights are loaded); a
     resumed run re-reads its recorded data and template, on the base its adapters were trained on."""
-    from glasslm.training.dpo import DPOObjective, preference_batches, reference_model
+    from glasslm.training.dpo import DPOObjective, reference_model
     from glasslm.training.finetune import FINETUNE_KEY, chat_batches, chat_template, prepare_model
     from glasslm.training.step import next_token_loss
 
@@ -143,9 +143,8 @@ def _model_and_data(base: str, config: FinetuneConfig, train_config: TrainConfig
     model, tokenizer, meta = prepare_model(base, config, seed=train_config.seed)
     if resume is None:
         template = chat_template(base, tokenizer, config)
-    batch_sources = preference_batches if config.method == "dpo" else chat_batches
-    batches = batch_sources(data, tokenizer, template, model.config.context_length, config.val_fraction,
-                            train_config.seed)
+    batches = chat_batches(data, tokenizer, template, model.config.context_length, config.val_fraction,
+                           train_config.seed, preferences=config.method == "dpo")
     objective = (DPOObjective(reference_model(model, config.full), config.dpo_beta) if config.method == "dpo"
                  else next_token_loss)
     meta[FINETUNE_KEY] |= {"data": str(Path(data).resolve()), "template": template}

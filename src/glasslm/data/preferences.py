@@ -25,13 +25,12 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glasslm.data.sft import IGNORE_INDEX, SFTExample, encode_conversation
+from glasslm.data.sft import IGNORE_INDEX, SFTExample, encode_conversation, read_records
 from glasslm.tokenizers.chat import ChatFormat, ChatTemplateError, check_messages
 
 __all__ = ["IGNORE_INDEX", "PreferencePair", "PreferenceRecord", "encode_preference", "load_preference_pairs",
@@ -89,19 +88,7 @@ def record_pair(record: Any, where: str) -> PreferenceRecord:
 
 def read_preferences(path: str | os.PathLike) -> list[PreferenceRecord]:
     """Every preference record of a JSONL file (blank lines skipped); errors name the line."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not JSON ({err.msg})") from None
-            records.append(record_pair(record, f"{path}:{number}"))
-    if not records:
-        raise ValueError(f"{path} holds no preference pairs")
-    return records
+    return read_records(path, record_pair, "preference pairs")
 
 
 def encode_preference(tokenizer: Any, template: str | ChatFormat, record: PreferenceRecord) -> PreferencePair:

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from jaxtyping import Int
@@ -41,6 +41,7 @@ from torch import Tensor
 from glasslm.tokenizers.chat import ChatFormat, ChatTemplateError, check_messages
 
 IGNORE_INDEX = -100  # cross_entropy's ignore_index: positions the loss leaves out
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,10 @@ def record_messages(record: Any, where: str) -> list[dict[str, Any]]:
     return messages
 
 
-def read_conversations(path: str | os.PathLike) -> list[list[dict[str, Any]]]:
-    """Every conversation in a JSONL file (blank lines skipped); errors name the line."""
-    conversations = []
+def read_records(path: str | os.PathLike, parse: Callable[[Any, str], T], what: str) -> list[T]:
+    """`parse(record, "path:line")` of every record of a JSONL file (blank lines skipped); a line that
+    is not JSON is named, and a file with no records is refused as holding no `what`."""
+    records = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -89,10 +91,15 @@ def read_conversations(path: str | os.PathLike) -> list[list[dict[str, Any]]]:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number}: not JSON ({err.msg})") from None
-            conversations.append(record_messages(record, f"{path}:{number}"))
-    if not conversations:
-        raise ValueError(f"{path} holds no conversations")
-    return conversations
+            records.append(parse(record, f"{path}:{number}"))
+    if not records:
+        raise ValueError(f"{path} holds no {what}")
+    return records
+
+
+def read_conversations(path: str | os.PathLike) -> list[list[dict[str, Any]]]:
+    """Every conversation in a JSONL file (blank lines skipped); errors name the line."""
+    return read_records(path, record_messages, "conversations")
 
 
 def encode_conversation(tokenizer: Any, template: str | ChatFormat, messages: Sequence[dict[str, Any]],

@@ -123,7 +123,8 @@ class PreferenceBatches:
     def check(self, name: str) -> None:
         if not self.pairs:
             raise ValueError(f"{name} data holds no preference pairs")
-        cut = [i for i, p in enumerate(self.pairs) if not (self.sides._trained(p.chosen) and self.sides._trained(p.rejected))]
+        trained = self.sides._trained
+        cut = [i for i, p in enumerate(self.pairs) if not (trained(p.chosen) and trained(p.rejected))]
         if cut:
             raise ValueError(f"{name} data: {len(cut)} of {len(self.pairs)} pairs (the first: pair {cut[0] + 1}) keep "
                              f"no completion token within context_length={self.context_length}; shorten their prompts")

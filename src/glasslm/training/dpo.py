@@ -27,8 +27,7 @@ Example (a policy that prefers the chosen completions more than its reference do
 from __future__ import annotations
 
 import copy
-import os
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +36,7 @@ from torch import Tensor, nn
 
 from glasslm.core.layers import upcast
 from glasslm.core.model import TransformerLM
-from glasslm.data.preferences import load_preference_pairs
-from glasslm.data.sft import IGNORE_INDEX, split_examples
-from glasslm.training.batches import PreferenceBatches
+from glasslm.data.sft import IGNORE_INDEX
 from glasslm.transforms.lora import adapters_disabled, lora_layers
 
 
@@ -104,13 +101,3 @@ def reference_model(model: TransformerLM, full: bool) -> Callable[[Tensor], Tens
 
     return base_logits
 
-
-def preference_batches(data: str | os.PathLike, tokenizer: Any, template: str, context_length: int,
-                       val_fraction: float, seed: int) -> tuple[PreferenceBatches, PreferenceBatches | None]:
-    """(training, validation) batch sources from a preference JSONL file (glasslm.data.preferences)."""
-    if tokenizer is None:
-        raise ValueError("the base holds no tokenizer, so the preference pairs cannot be encoded")
-    pairs = load_preference_pairs(data, tokenizer, template)
-    train_pairs, val_pairs = split_examples(pairs, val_fraction, seed)
-    return (PreferenceBatches(train_pairs, context_length),
-            PreferenceBatches(val_pairs, context_length) if val_pairs else None)

@@ -6,8 +6,8 @@ whose loss covers only the assistant's tokens (glasslm.training.batches.SFTBatch
 - `prepare_model`: the base (any checkpoint `glasslm.hf.load_model` reads), quantized and given
   adapters as asked; returns the metadata that makes the run's checkpoints adapter checkpoints
   (only the adapters' tensors, plus the base's path and a hash of its weights).
-- `chat_batches`: a chat / instruction JSONL rendered with the chat template, split into training
-  and held-out conversations.
+- `chat_batches`: a chat / instruction JSONL (or a preference JSONL, for DPO) rendered with the
+  chat template, split into training and held-out conversations.
 - `merge_adapters`: a plain model with the adapters written into its weights (a QLoRA base is
   dequantized first: the merged weights are the dequantized base plus the update).
 
@@ -36,7 +36,8 @@ from glasslm.core.layers import Linear
 from glasslm.core.model import TransformerLM
 from glasslm.data.sft import load_sft_examples, split_examples
 from glasslm.io.checkpoint import ADAPTER_BASE_KEY, weights_sha256
-from glasslm.training.batches import SFTBatches
+from glasslm.data.preferences import load_preference_pairs
+from glasslm.training.batches import BatchSource, PreferenceBatches, SFTBatches
 from glasslm.transforms import applied_transforms, apply_transform, transform_names
 from glasslm.transforms.lora import SITES, LoRAConfig, lora_layers, remove_lora
 from glasslm.transforms.ggml import BlockLinear
@@ -177,14 +178,15 @@ def chat_template(base: str, tokenizer: Any, config: FinetuneConfig) -> str:
 
 
 def chat_batches(data: str | os.PathLike, tokenizer: Any, template: str, context_length: int,
-                 val_fraction: float, seed: int) -> tuple[SFTBatches, SFTBatches | None]:
-    """(training, validation) batch sources from a chat / instruction JSONL file."""
+                 val_fraction: float, seed: int, preferences: bool = False) -> tuple[BatchSource, BatchSource | None]:
+    """(training, validation) batch sources from a chat / instruction JSONL file, or with
+    `preferences` from a preference JSONL file (glasslm.data.preferences: DPO's pairs)."""
     if tokenizer is None:
         raise ValueError("the base holds no tokenizer, so the conversations cannot be encoded")
-    examples = load_sft_examples(data, tokenizer, template)
-    train_examples, val_examples = split_examples(examples, val_fraction, seed)
-    return (SFTBatches(train_examples, context_length),
-            SFTBatches(val_examples, context_length) if val_examples else None)
+    load, source = (load_preference_pairs, PreferenceBatches) if preferences else (load_sft_examples, SFTBatches)
+    train_examples, val_examples = split_examples(load(data, tokenizer, template), val_fraction, seed)
+    return (source(train_examples, context_length),
+            source(val_examples, context_length) if val_examples else None)
 
 
 @torch.no_grad()
