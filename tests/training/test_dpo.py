@@ -67,19 +67,29 @@ def _hf_llama(seed: int):
     return model
 
 
-def _trl_step(policy, reference, tokenizer, beta, tmp_path):
-    """TRL's DPOTrainer on TRL_RECORDS: (its tokenized pairs, its loss, its logged metrics) for one batch."""
+def _trl_trainer(policy, reference, tokenizer, beta, tmp_path, peft_config=None):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
     args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, beta=beta,
                      per_device_train_batch_size=len(TRL_RECORDS), save_strategy="no", bf16=False)
-    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_list(TRL_RECORDS),
-                         processing_class=tokenizer)
+    return DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_list(TRL_RECORDS),
+                      processing_class=tokenizer, peft_config=peft_config)
+
+
+def _trl_step(trainer):
+    """TRL's DPOTrainer on TRL_RECORDS: (its tokenized pairs, its loss, its logged metrics) for one batch."""
     examples = [trainer.train_dataset[i] for i in range(len(TRL_RECORDS))]
     trainer.model.train()
     loss = trainer.compute_loss(trainer.model, trainer.data_collator(examples))
     return examples, loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+def _our_step(policy, reference, tokenizer, template, tmp_path, beta):
+    pairs = load_preference_pairs(_write_jsonl(tmp_path / "prefs.jsonl", TRL_RECORDS), tokenizer, template)
+    x, y = PreferenceBatches(pairs, 128).eval_batches(len(pairs), 1, torch.Generator()).__next__()[:2]
+    loss, stats = DPOObjective(reference, beta)(policy.train(), x, y)
+    return pairs, x, y, loss, stats
 
 
 def test_the_loss_rewards_and_margins_equal_trls_on_the_same_batch_and_weights(tmp_path):
@@ -92,16 +102,14 @@ def test_the_loss_rewards_and_margins_equal_trls_on_the_same_batch_and_weights(t
     policy, our_tokenizer = load_model(tmp_path / "policy")
     reference, _ = load_model(tmp_path / "reference")
     template = load_chat_template(tmp_path / "policy", our_tokenizer)
-    pairs = load_preference_pairs(_write_jsonl(tmp_path / "prefs.jsonl", TRL_RECORDS), our_tokenizer, template)
-    examples, trl_loss, trl = _trl_step(_hf_llama(0), _hf_llama(1), tokenizer, beta, tmp_path)
+    pairs, x, y, loss, stats = _our_step(policy, reference, our_tokenizer, template, tmp_path, beta)
+    examples, trl_loss, trl = _trl_step(_trl_trainer(_hf_llama(0), _hf_llama(1), tokenizer, beta, tmp_path))
 
     for pair, example in zip(pairs, examples):  # the same tokens, the same completion positions
         for side, ours in (("chosen", pair.chosen), ("rejected", pair.rejected)):
             assert ours.ids == example["prompt_ids"] + example[f"{side}_ids"]
             labelled = [t + 1 for t, label in enumerate(ours.labels) if label != -100]
             assert labelled == list(range(len(example["prompt_ids"]), len(ours.ids)))
-    x, y = PreferenceBatches(pairs, 128).eval_batches(len(pairs), 1, torch.Generator()).__next__()[:2]
-    loss, stats = DPOObjective(reference, beta)(policy.train(), x, y)
     assert loss.item() == pytest.approx(trl_loss, rel=1e-5)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert stats[key].item() == pytest.approx(trl[key], rel=1e-4, abs=1e-6), key
@@ -109,6 +117,39 @@ def test_the_loss_rewards_and_margins_equal_trls_on_the_same_batch_and_weights(t
     log_probs = sequence_log_probs(policy(x), y)
     assert log_probs[0::2].mean().item() == pytest.approx(trl["logps/chosen"], rel=1e-5)
     assert log_probs[1::2].mean().item() == pytest.approx(trl["logps/rejected"], rel=1e-5)
+
+
+def test_with_lora_the_loss_equals_trls_whose_reference_is_the_peft_base(tmp_path):
+    """TRL given a new adapter (peft_config, ref_model=None) uses the base with the adapter disabled as
+    its reference; the same adapter, moved off its init and loaded into glasslm, gives the same loss."""
+    import peft
+
+    from glasslm.hf import load_chat_template, load_model
+
+    tokenizer, beta = hf_tokenizer(), 0.3
+    _hf_llama(0).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    trainer = _trl_trainer(_hf_llama(0), None, tokenizer, beta, tmp_path, peft_config=config)
+    torch.manual_seed(5)
+    with torch.no_grad():  # trained adapters: B away from its zero start
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    trainer.model.save_pretrained(tmp_path / "adapter")
+    adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    adapter_config["base_model_name_or_path"] = str(tmp_path / "base")
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(adapter_config))
+    _, trl_loss, trl = _trl_step(trainer)
+
+    policy, our_tokenizer = load_model(tmp_path / "adapter")  # glasslm's LoRA model: base + the same adapters
+    template = load_chat_template(tmp_path / "base", our_tokenizer)
+    _, _, _, loss, stats = _our_step(policy, reference_model(policy, full=False), our_tokenizer, template, tmp_path,
+                                     beta)
+    assert loss.item() == pytest.approx(trl_loss, rel=1e-5)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert stats[key].item() == pytest.approx(trl[key], rel=1e-4, abs=1e-6), key
+    assert abs(trl["rewards/margins"]) > 1e-2
 
 
 # ----- the reference -----
