@@ -78,6 +78,9 @@ class DPOObjective:
 
     def __call__(self, model: nn.Module, x: Int[Tensor, "rows seq"],
                  y: Int[Tensor, "rows seq"]) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
+        if x.shape[0] % 2:
+            raise ValueError(f"a preference batch holds pairs (chosen, rejected) in adjacent rows; got "
+                             f"{x.shape[0]} rows")
         log_probs = sequence_log_probs(model(x), y)                                   # (2 * pairs,)
         with torch.no_grad():
             reference_log_probs = sequence_log_probs(self.reference(x), y)            # (2 * pairs,)
