@@ -368,6 +368,8 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
         add=FINETUNE_RUN, needs=("BASE", "prefs.jsonl"), creates=("runs/dpo/latest",)),
     "glasslm finetune --checkpoint BASE --method dpo --data prefs.jsonl --dpo-beta 0.5 --full --lr 2e-5 --out "
     "runs/dpo-full": Run(add=FINETUNE_RUN, needs=("BASE", "prefs.jsonl"), slow=True, creates=("runs/dpo-full/latest",)),
+    "glasslm finetune --checkpoint BASE --method simpo --data prefs.jsonl --dpo-beta 2.0 --out runs/simpo": Run(
+        add=FINETUNE_RUN, needs=("BASE", "prefs.jsonl"), slow=True, creates=("runs/simpo/latest",)),
     "glasslm merge --checkpoint runs/ft --out runs/ft-merged": Run(
         needs=("runs/ft",), creates=("runs/ft-merged/model.safetensors",)),
     "glasslm finetune --checkpoint BASE --data chat.jsonl --lora-dora --lora-rslora --lora-bias all --lora-full "

@@ -18,7 +18,7 @@ from glasslm.io.checkpoint import WEIGHTS_FILE, read_safetensors, resolve_checkp
 from glasslm.presets import get_preset
 from glasslm.tokenizers import CharTokenizer
 from glasslm.training.batches import PreferenceBatches
-from glasslm.training.dpo import DPOObjective, reference_model, sequence_log_probs
+from glasslm.training.dpo import DPOObjective, SimPOObjective, reference_model, sequence_log_probs
 from glasslm.training.finetune import FinetuneConfig, chat_batches, prepare_model
 from glasslm.transforms.lora import adapters_disabled, lora_layers
 
@@ -85,10 +85,10 @@ def _trl_step(trainer):
     return examples, loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
 
-def _our_step(policy, reference, tokenizer, template, tmp_path, beta):
+def _our_step(policy, reference, tokenizer, template, tmp_path, beta, objective=None):
     pairs = load_preference_pairs(_write_jsonl(tmp_path / "prefs.jsonl", TRL_RECORDS), tokenizer, template)
     x, y = PreferenceBatches(pairs, 128).eval_batches(len(pairs), 1, torch.Generator()).__next__()[:2]
-    loss, stats = DPOObjective(reference, beta)(policy.train(), x, y)
+    loss, stats = (objective or DPOObjective(reference, beta))(policy.train(), x, y)
     return pairs, x, y, loss, stats
 
 
@@ -150,6 +150,37 @@ def test_with_lora_the_loss_equals_trls_whose_reference_is_the_peft_base(tmp_pat
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert stats[key].item() == pytest.approx(trl[key], rel=1e-4, abs=1e-6), key
     assert abs(trl["rewards/margins"]) > 1e-2
+
+
+def test_the_simpo_loss_equals_trls_cpo_trainers_on_the_same_weights(tmp_path):
+    """SimPO is TRL's CPOTrainer with loss_type="simpo" (and cpo_alpha=0): its own log-probability
+    averaging (`get_batch_logps`) and loss (`cpo_loss`), run on transformers' logits."""
+    from types import SimpleNamespace
+
+    from trl.experimental.cpo import CPOTrainer
+
+    from glasslm.hf import load_chat_template, load_model
+
+    beta, gamma = 2.0, 0.5
+    hf_model = _hf_llama(0).eval()
+    hf_model.save_pretrained(tmp_path / "policy")
+    hf_tokenizer().save_pretrained(tmp_path / "policy")
+    policy, tokenizer = load_model(tmp_path / "policy")
+    template = load_chat_template(tmp_path / "policy", tokenizer)
+    _, x, y, loss, stats = _our_step(policy, None, tokenizer, template, tmp_path, beta, SimPOObjective(beta, gamma))
+
+    labels = torch.full_like(x, -100)  # TRL's labels: the token itself at each answer position, unshifted
+    labels[:, 1:] = torch.where(y[:, :-1] != -100, x[:, 1:], -100)
+    with torch.no_grad():
+        mean_log_probs = CPOTrainer.get_batch_logps(hf_model(x).logits, labels, average_log_prob=True)
+    trl = SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=gamma, beta=beta, label_smoothing=0.0,
+                          accelerator=SimpleNamespace(device="cpu"))
+    losses, chosen, rejected = CPOTrainer.cpo_loss(trl, mean_log_probs[0::2], mean_log_probs[1::2])
+    assert loss.item() == pytest.approx(losses.mean().item(), rel=1e-5)
+    assert stats["rewards/chosen"].item() == pytest.approx(chosen.mean().item(), rel=1e-5)
+    assert stats["rewards/rejected"].item() == pytest.approx(rejected.mean().item(), rel=1e-5)
+    assert stats["rewards/margins"].item() == pytest.approx((chosen - rejected).mean().item(), rel=1e-4)
+    assert abs((chosen - rejected).mean().item()) > 1e-2
 
 
 # ----- the reference -----
@@ -226,6 +257,12 @@ def test_a_tiny_model_learns_a_preference_held_out_accuracy_rises_well_above_cha
     assert last["val_rewards/accuracies"] >= 0.8  # chance is 0.5: 40 held-out pairs, never trained on
     assert last["val_rewards/margins"] > 1.0
     assert last["val_loss"] < 0.5  # log 2 = 0.69 at the start, where the policy is the reference
+
+
+def test_simpo_learns_the_same_preference_without_a_reference(prefs):
+    records = _dpo(prefs, "simpo", "--method", "simpo", "--dpo-beta", "2.0", "--full", "--lr", "3e-3",
+                   "--max-steps", "100", "--eval-interval", "100")
+    assert records[-1]["val_rewards/accuracies"] >= 0.8
 
 
 @pytest.mark.parametrize("extra", [(), ("--quantize", "int4"), ("--full",)], ids=["lora", "qlora", "full"])

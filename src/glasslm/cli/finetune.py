@@ -75,8 +75,8 @@ def finetune(run: FinetuneRun, method: Annotated[dict[str, Any], FinetuneConfig]
     if resume is None and not config.full and "lr" not in training:
         _note_untested_lr(parameter_count(model), train_config.lr)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    what = "preference pairs" if config.method == "dpo" else "conversations"
-    print(f"fine-tuning {meta['finetune']['base']} ({'DPO, ' if config.method == 'dpo' else ''}"
+    what = "conversations" if config.method == "sft" else "preference pairs"
+    print(f"fine-tuning {meta['finetune']['base']} ({'' if config.method == 'sft' else config.method.upper() + ', '}"
           f"{'full' if config.full else 'LoRA'}{', ' + config.quantize + ' base' if config.quantize != 'none' else ''}): "
           f"{n_train:,} trainable of {parameter_count(model):,} parameters; {len(data[0])} training / "
           f"{len(data[1]) if data[1] else 0} held-out {what} -> {out}")
@@ -130,7 +130,7 @@ def _model_and_data(base: str, config: FinetuneConfig, train_config: TrainConfig
     """The model to train (base + adapters), its tokenizer, the checkpoints' meta, the batches and
     the loss (DPO's holds its reference: the base, taken before any resumed weights are loaded); a
     resumed run re-reads its recorded data and template, on the base its adapters were trained on."""
-    from glasslm.training.dpo import DPOObjective, reference_model
+    from glasslm.training.dpo import preference_objective
     from glasslm.training.finetune import FINETUNE_KEY, chat_batches, chat_template, prepare_model
     from glasslm.training.step import next_token_loss
 
@@ -144,9 +144,9 @@ def _model_and_data(base: str, config: FinetuneConfig, train_config: TrainConfig
     if resume is None:
         template = chat_template(base, tokenizer, config)
     batches = chat_batches(data, tokenizer, template, model.config.context_length, config.val_fraction,
-                           train_config.seed, preferences=config.method == "dpo")
-    objective = (DPOObjective(reference_model(model, config.full), config.dpo_beta) if config.method == "dpo"
-                 else next_token_loss)
+                           train_config.seed, preferences=config.method != "sft")
+    objective = (next_token_loss if config.method == "sft" else
+                 preference_objective(config.method, model, config.full, config.dpo_beta, config.simpo_gamma))
     meta[FINETUNE_KEY] |= {"data": str(Path(data).resolve()), "template": template}
     return model, tokenizer, meta, batches, objective
 

@@ -14,7 +14,8 @@ reference is the model with its adapters switched off, the base it trains on
 a full fine-tune keeps a frozen copy of the starting weights.
 
 This is TRL's `DPOTrainer` with its default loss ("sigmoid"); tests/training/test_dpo.py checks the
-loss, rewards and margins against it on the same batch and weights.
+loss, rewards and margins against it on the same batch and weights. SimPO (`simpo_loss`) is the
+reference-free relative: the mean token log-probability in place of the sum, and a margin γ.
 
 Example (a policy that prefers the chosen completions more than its reference does):
     >>> import torch
@@ -59,10 +60,30 @@ def dpo_loss(policy_chosen: Float[Tensor, "pairs"], policy_rejected: Float[Tenso
     chosen_rewards = beta * (policy_chosen - reference_chosen)                        # (pairs,)
     rejected_rewards = beta * (policy_rejected - reference_rejected)                  # (pairs,)
     losses = -F.logsigmoid(chosen_rewards - rejected_rewards)                         # (pairs,)
+    return losses.mean(), reward_stats(chosen_rewards, rejected_rewards)
+
+
+def simpo_loss(policy_chosen_mean: Float[Tensor, "pairs"], policy_rejected_mean: Float[Tensor, "pairs"],
+               beta: float, gamma: float) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
+    """SimPO (Meng et al., 2024), which needs no reference: with m(y) the mean log-probability of the
+    answer's tokens, r(y) = β m(y) and L = -log σ(r(y_w) - r(y_l) - γ), a margin γ the chosen answer's
+    reward must clear (TRL's CPOTrainer with loss_type="simpo" and cpo_alpha=0)."""
+    chosen_rewards, rejected_rewards = beta * policy_chosen_mean, beta * policy_rejected_mean  # (pairs,) each
+    losses = -F.logsigmoid(chosen_rewards - rejected_rewards - gamma)                 # (pairs,)
+    return losses.mean(), reward_stats(chosen_rewards, rejected_rewards)
+
+
+def reward_stats(chosen_rewards: Float[Tensor, "pairs"], rejected_rewards: Float[Tensor, "pairs"]) -> dict[str, Tensor]:
+    """TRL's logged statistics: the mean rewards, their mean margin, how often the chosen one's is higher."""
     chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
-    return losses.mean(), {"rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
-                           "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-                           "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean()}
+    return {"rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean()}
+
+
+def _check_pairs(x: Tensor) -> None:
+    if x.shape[0] % 2:
+        raise ValueError(f"a preference batch holds pairs (chosen, rejected) in adjacent rows; got {x.shape[0]} rows")
 
 
 class DPOObjective:
@@ -78,14 +99,37 @@ class DPOObjective:
 
     def __call__(self, model: nn.Module, x: Int[Tensor, "rows seq"],
                  y: Int[Tensor, "rows seq"]) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
-        if x.shape[0] % 2:
-            raise ValueError(f"a preference batch holds pairs (chosen, rejected) in adjacent rows; got "
-                             f"{x.shape[0]} rows")
+        _check_pairs(x)
         log_probs = sequence_log_probs(model(x), y)                                   # (2 * pairs,)
         with torch.no_grad():
             reference_log_probs = sequence_log_probs(self.reference(x), y)            # (2 * pairs,)
         return dpo_loss(log_probs[0::2], log_probs[1::2], reference_log_probs[0::2], reference_log_probs[1::2],
                         self.beta)
+
+
+class SimPOObjective:
+    """The SimPO loss of a batch from `PreferenceBatches`: no reference model, the mean log-probability
+    per answer token in place of the sum."""
+
+    def __init__(self, beta: float, gamma: float):
+        if beta <= 0:
+            raise ValueError(f"--dpo-beta must be positive, got {beta}")
+        self.beta, self.gamma = beta, gamma
+
+    def __call__(self, model: nn.Module, x: Int[Tensor, "rows seq"],
+                 y: Int[Tensor, "rows seq"]) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
+        _check_pairs(x)
+        answer_tokens = (y != IGNORE_INDEX).sum(dim=-1).clamp(min=1)                  # (2 * pairs,)
+        mean_log_probs = sequence_log_probs(model(x), y) / answer_tokens              # (2 * pairs,)
+        return simpo_loss(mean_log_probs[0::2], mean_log_probs[1::2], self.beta, self.gamma)
+
+
+def preference_objective(method: str, model: TransformerLM, full: bool, beta: float,
+                         simpo_gamma: float) -> DPOObjective | SimPOObjective:
+    """The objective `glasslm finetune --method dpo|simpo` trains `model` (as `prepare_model` returns it) on."""
+    if method == "simpo":
+        return SimPOObjective(beta, simpo_gamma)
+    return DPOObjective(reference_model(model, full), beta)
 
 
 def reference_model(model: TransformerLM, full: bool) -> Callable[[Tensor], Tensor]:

@@ -51,9 +51,12 @@ class FinetuneConfig:
     """fine-tuning method"""
 
     # sft: learn the assistant turns of conversations; dpo: prefer each record's chosen completion to
-    # its rejected one (preference JSONL: prompt, chosen, rejected; glasslm.training.dpo)
-    method: Literal["sft", "dpo"] = "sft"
-    dpo_beta: float = 0.1  # DPO: the β of the implicit reward; smaller lets the model move further from the reference
+    # its rejected one (preference JSONL: prompt, chosen, rejected; glasslm.training.dpo); simpo: the
+    # same without a reference model, on each answer's mean token log-probability
+    method: Literal["sft", "dpo", "simpo"] = "sft"
+    # DPO, SimPO: the β of the reward (DPO: a smaller β lets the model move further from the reference)
+    dpo_beta: float = 0.1
+    simpo_gamma: float = 0.5  # SimPO: the margin γ the chosen answer's reward must clear
     full: bool = False  # train every weight instead of LoRA adapters
     # LoRA defaults: measured on the demo model (docs/training.md#choosing-the-lora-defaults), where
     # adapters on q,v alone (with lr 2e-4, glasslm's defaults before) left the answers unlearned
@@ -92,9 +95,9 @@ class FinetuneConfig:
                              "(QLoRA is LoRA on a quantized base)")
         if not self.full:
             self.lora()
-        if self.method not in ("sft", "dpo"):
-            raise ValueError(f"method: unknown fine-tuning method {self.method!r} (sft, dpo)")
-        if self.method == "dpo" and not self.dpo_beta > 0:
+        if self.method not in ("sft", "dpo", "simpo"):
+            raise ValueError(f"method: unknown fine-tuning method {self.method!r} (sft, dpo, simpo)")
+        if self.method != "sft" and not self.dpo_beta > 0:
             raise ValueError(f"--dpo-beta must be positive, got {self.dpo_beta}")
         if self.method == "dpo" and not self.full and (self.lora_bias != "none" or self.lora_full.strip()):
             raise ValueError("--method dpo with LoRA uses the base (adapters off) as its reference, which biases "
