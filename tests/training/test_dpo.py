@@ -1,7 +1,8 @@
-"""Preference tuning (DPO): the loss, rewards and margins against TRL's DPOTrainer on the same batch
-and weights; the LoRA reference is the adapter-free base; a tiny model learns a synthetic preference
-(held-out accuracy well above chance); bad preference data is refused with the line and field named;
-`glasslm finetune --method dpo` runs LoRA, QLoRA and full, logs the rewards, and resumes exactly."""
+"""Preference tuning (DPO, SimPO): the loss, rewards and margins against TRL's DPOTrainer (full and
+LoRA) and CPOTrainer (SimPO) on the same batch and weights; the LoRA reference is the adapter-free
+base; a tiny model learns a synthetic preference (held-out accuracy well above chance); bad preference
+data is refused with the line and field named; `glasslm finetune --method dpo` runs LoRA, QLoRA and
+full, logs the rewards, and resumes exactly."""
 
 from __future__ import annotations
 
