@@ -81,25 +81,35 @@ def reward_stats(chosen_rewards: Float[Tensor, "pairs"], rejected_rewards: Float
             "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean()}
 
 
-def _check_pairs(x: Tensor) -> None:
-    if x.shape[0] % 2:
-        raise ValueError(f"a preference batch holds pairs (chosen, rejected) in adjacent rows; got {x.shape[0]} rows")
+class PairObjective:
+    """What the preference losses share, as a `glasslm.training.step.Objective` for the training loop:
+    a batch from `PreferenceBatches` (rows 2i and 2i + 1: pair i's chosen and rejected sides) and a β."""
 
-
-class DPOObjective:
-    """The DPO loss of a batch from `PreferenceBatches` (rows 2i and 2i + 1: pair i's chosen and
-    rejected sides): a `glasslm.training.step.Objective` for the training loop.
-
-    `reference` maps a batch of ids to the reference model's logits (see `reference_model`)."""
-
-    def __init__(self, reference: Callable[[Tensor], Tensor], beta: float):
+    def __init__(self, beta: float):
         if beta <= 0:
             raise ValueError(f"--dpo-beta must be positive, got {beta}")
-        self.reference, self.beta = reference, beta
+        self.beta = beta
 
     def __call__(self, model: nn.Module, x: Int[Tensor, "rows seq"],
                  y: Int[Tensor, "rows seq"]) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
-        _check_pairs(x)
+        if x.shape[0] % 2:
+            raise ValueError(f"a preference batch holds pairs (chosen, rejected) in adjacent rows; "
+                             f"got {x.shape[0]} rows")
+        return self.pair_loss(model, x, y)
+
+    def pair_loss(self, model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        raise NotImplementedError
+
+
+class DPOObjective(PairObjective):
+    """The DPO loss; `reference` maps a batch of ids to the reference model's logits (see `reference_model`)."""
+
+    def __init__(self, reference: Callable[[Tensor], Tensor], beta: float):
+        super().__init__(beta)
+        self.reference = reference
+
+    def pair_loss(self, model: nn.Module, x: Int[Tensor, "rows seq"],
+                  y: Int[Tensor, "rows seq"]) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
         log_probs = sequence_log_probs(model(x), y)                                   # (2 * pairs,)
         with torch.no_grad():
             reference_log_probs = sequence_log_probs(self.reference(x), y)            # (2 * pairs,)
@@ -107,25 +117,22 @@ class DPOObjective:
                         self.beta)
 
 
-class SimPOObjective:
-    """The SimPO loss of a batch from `PreferenceBatches`: no reference model, the mean log-probability
-    per answer token in place of the sum."""
+class SimPOObjective(PairObjective):
+    """The SimPO loss: no reference model, the mean log-probability per answer token in place of the sum."""
 
     def __init__(self, beta: float, gamma: float):
-        if beta <= 0:
-            raise ValueError(f"--dpo-beta must be positive, got {beta}")
-        self.beta, self.gamma = beta, gamma
+        super().__init__(beta)
+        self.gamma = gamma
 
-    def __call__(self, model: nn.Module, x: Int[Tensor, "rows seq"],
-                 y: Int[Tensor, "rows seq"]) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
-        _check_pairs(x)
+    def pair_loss(self, model: nn.Module, x: Int[Tensor, "rows seq"],
+                  y: Int[Tensor, "rows seq"]) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
         answer_tokens = (y != IGNORE_INDEX).sum(dim=-1).clamp(min=1)                  # (2 * pairs,)
         mean_log_probs = sequence_log_probs(model(x), y) / answer_tokens              # (2 * pairs,)
         return simpo_loss(mean_log_probs[0::2], mean_log_probs[1::2], self.beta, self.gamma)
 
 
 def preference_objective(method: str, model: TransformerLM, full: bool, beta: float,
-                         simpo_gamma: float) -> DPOObjective | SimPOObjective:
+                         simpo_gamma: float) -> PairObjective:
     """The objective `glasslm finetune --method dpo|simpo` trains `model` (as `prepare_model` returns it) on."""
     if method == "simpo":
         return SimPOObjective(beta, simpo_gamma)
