@@ -212,7 +212,7 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
                                     "test_a_fresh_data_directory_gets_gpt2_from_the_public_urls", ""),
     "glasslm finetune --checkpoint runs/shakespeare-char-cpu --data examples/chat/shakespeare.jsonl --chat-template "
     "examples/chat/template.jinja --out runs/ft": Run(add=FINETUNE_RUN, needs=("runs/shakespeare-char-cpu",),
-                                                      creates=("runs/ft/latest", "runs/ft/chat_template.jinja")),
+                                                      creates=("runs/ft/latest", "runs/ft/ckpt-000002/chat_template.jinja")),
     "glasslm chat --checkpoint runs/ft --temperature 0": Run(add=SHORT, needs=("runs/ft",), stdin="Greet Romeo.\n"),
     "glasslm finetune --resume runs/ft --max-steps 1200": Run(add=("--max-steps", "3"), needs=("runs/ft",), slow=True,
                                                              creates=("runs/ft/ckpt-000003",)),
