@@ -9,7 +9,7 @@ again in a new process with the cache the first filled (every later run: warm). 
 is the number of new tokens after which the compile has paid for itself:
 compile seconds / (eager seconds per token - compiled seconds per token).
 
-    python benchmarks/bench_compile.py                    # the README's presets, 512 tokens, 3 repeats
+    python benchmarks/bench_compile.py                    # three presets, 512 tokens, 3 repeats
     python benchmarks/bench_compile.py --presets shakespeare-char-cpu --new-tokens 64 --repeats 1
     python benchmarks/bench_compile.py --smoke            # every step on a 1-layer model, 8 tokens (the suite runs it)
 """

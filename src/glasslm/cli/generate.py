@@ -48,7 +48,7 @@ SAMPLING = Group("sampling", skip=frozenset({"logprobs", "pad_token", "vocab_lim
 
 def generate(source: CheckpointOption, prompt: PromptOptions, sampling: Annotated[GenerationConfig, SAMPLING],
              runtime: RuntimeOptions, speculation: DraftOptions) -> int:
-    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True)
+    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True, base=source.base)
     draft = None
     if speculation.draft:
         if sampling.temperature != 0:
@@ -69,11 +69,12 @@ def _say_whether_compiling_pays(model: Any, sampling: GenerationConfig, drafting
     does nothing (speculative decoding runs eagerly) or when this generation is too short to win
     the compiling back. Interactive answers share one compiled step, so they are not judged."""
     from glasslm.generation.compiled import compile_advice
+    from glasslm.transforms import parameter_count
 
     if drafting:
         print("note: --compile does nothing with --draft: speculative decoding runs eagerly", file=sys.stderr)
         return
-    advice = None if interactive else compile_advice(model.num_parameters(), sampling.max_new_tokens)
+    advice = None if interactive else compile_advice(parameter_count(model), sampling.max_new_tokens)
     if advice:
         print(advice, file=sys.stderr)
 
@@ -182,6 +183,6 @@ def _answer_lines(writer: _Writer) -> None:
 
 COMMAND = Command("sample", generate, "write text from a trained checkpoint (streamed)", aliases=("generate",),
                   examples=(
-                      'glasslm generate --checkpoint runs/shakespeare --prompt "ROMEO:" --max-new-tokens 300',
-                      'glasslm generate --checkpoint runs/shakespeare --interactive',
+                      'glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --max-new-tokens 300',
+                      'glasslm generate --checkpoint runs/shakespeare-char-cpu --interactive',
                   ))

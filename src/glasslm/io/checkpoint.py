@@ -39,12 +39,15 @@ from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
 from glasslm.io.build import model_from_state_dict
 from glasslm.tokenizers import (
-    BPE_DESCRIPTOR_FILE, SPM_FILE, TOKENIZER_FILE, eos_token_ids, load_tokenizer, read_generation_config,
+    eos_token_ids, has_tokenizer, load_tokenizer, read_generation_config, save_hf_tokenizer,
 )
+from glasslm.tokenizers.chat import CHAT_TEMPLATE_FILE
 from glasslm.transforms import applied_transforms
 
 WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
+# glasslm's model config, under a name of its own: HF loaders (AutoTokenizer too) read any config.json as theirs.
+CONFIG_FILE = "glasslm_config.json"
+LEGACY_CONFIG_FILE = "config.json"  # where glasslm wrote it before; still read
 META_FILE = "meta.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_JSON = "optimizer.json"
@@ -52,6 +55,7 @@ TRAINER_STATE_JSON = "trainer_state.json"  # a training checkpoint's step, RNGs 
 TRAINER_STATE_TENSORS = "trainer_state.safetensors"
 POINTER_NAMES = ("latest", "best")
 CHECKPOINT_PREFIX = "ckpt-"  # numbered checkpoints in a run directory: ckpt-000500
+_NUMBERED = re.compile(rf"{CHECKPOINT_PREFIX}\d+")
 # Files and directories being written are `.<name>.tmp-...`; a replaced checkpoint is briefly `.<name>.old-<pid>`.
 STAGING_MARK, REPLACED_MARK = ".tmp-", ".old-"
 TRANSFORMS_KEY = "transforms"  # meta.json: the transforms applied, [{"name": "int8", ...options}, ...]
@@ -59,8 +63,11 @@ LEGACY_QUANTIZATION_KEY = "quantization"  # meta.json of glasslm 0.1.0's quantiz
 # meta.json of an adapter checkpoint (a LoRA run): {"path": base checkpoint, "sha256": weights_sha256 of
 # its weights}; model.safetensors then holds only the adapters (glasslm.hf.load_model applies them).
 ADAPTER_BASE_KEY = "adapter_of"
-# Any one of these means the checkpoint holds a tokenizer (`load_tokenizer` tells which kind).
-TOKENIZER_FILES = (TOKENIZER_FILE, BPE_DESCRIPTOR_FILE, SPM_FILE)
+# The kinds of tokenizer whose glasslm files a checkpoint pairs with HF's (tokenizer.json + tokenizer_config.json).
+_HF_FORM_BESIDE = ("char", "bpe")
+# In a numbered checkpoint that LoRA runs were trained on: {"runs": [their run directories]}. Pruning
+# keeps the checkpoint while one of them still names it as its base.
+ADAPTER_RUNS_FILE = "adapter_runs.json"
 
 
 class CheckpointWriteError(RuntimeError):
@@ -84,11 +91,13 @@ def save_checkpoint(
     extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
     extra_json: dict[str, Any] | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Write model weights, config, tokenizer and a small JSON of metadata to `directory`, atomically.
 
     `extra_tensors` maps file names (e.g. "optimizer.safetensors") to tensors and `extra_json`
-    maps file names to JSON-able objects; both land in the same atomic rename. `state_dict`
+    maps file names to JSON-able objects; both land in the same atomic rename. `chat_template`
+    is kept beside the tokenizer as chat_template.jinja (where transformers 5 keeps it). `state_dict`
     replaces `model.state_dict()` (a sharded model gathers its full weights first). The transforms
     applied to `model` (int8 ...) are recorded in the metadata under "transforms", for loading.
     """
@@ -103,6 +112,10 @@ def save_checkpoint(
         (staging / CONFIG_FILE).write_text(model.config.to_json())
         if tokenizer is not None:
             tokenizer.save(staging)
+            if getattr(tokenizer, "kind", None) in _HF_FORM_BESIDE:  # so AutoTokenizer reads the checkpoint too
+                save_hf_tokenizer(tokenizer, staging, model.config.context_length)
+        if chat_template is not None:
+            (staging / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
         (staging / META_FILE).write_text(json.dumps(meta, indent=2))
         for name, tensors in (extra_tensors or {}).items():
             save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, staging / name)
@@ -197,7 +210,7 @@ def load_checkpoint(
     model = model_from_state_dict(config, read_safetensors(weights_path, device), device, source=str(weights_path),
                                   transforms=recorded_transforms(meta))
     tokenizer = None
-    if any((path / name).exists() for name in TOKENIZER_FILES):
+    if has_tokenizer(path):
         tokenizer = load_tokenizer(path)
     model.eos_token_ids = eos_token_ids(tokenizer, read_generation_config(path))
     return model, tokenizer, meta
@@ -343,7 +356,9 @@ def resolve_checkpoint(path: str | os.PathLike, prefer: tuple[str, ...] = ("best
     """A checkpoint directory from a checkpoint directory, a pointer file, or a run directory.
 
     A run directory resolves through its pointer files in the order of `prefer`: sampling
-    wants the best weights, resuming wants the latest.
+    wants the best weights, resuming wants the latest. One with no pointer (a run killed after its
+    first checkpoint was renamed into place, before `latest` named it) resolves to its newest
+    numbered checkpoint.
     """
     path = Path(path)
     if path.is_file() and path.name in POINTER_NAMES:
@@ -355,7 +370,7 @@ def resolve_checkpoint(path: str | os.PathLike, prefer: tuple[str, ...] = ("best
                                 f"{CHECKPOINT_PREFIX}* directories, or its latest/best pointer file)")
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
-    if (path / CONFIG_FILE).exists() or (path / WEIGHTS_FILE).exists():
+    if any((path / name).exists() for name in (CONFIG_FILE, LEGACY_CONFIG_FILE, WEIGHTS_FILE)):
         return path
     for pointer in prefer:
         target = read_pointer(path, pointer)
@@ -363,18 +378,89 @@ def resolve_checkpoint(path: str | os.PathLike, prefer: tuple[str, ...] = ("best
             if not target.is_dir():
                 raise FileNotFoundError(f"{path / pointer} names {target.name}, which does not exist")
             return target
-    raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory with {' or '.join(prefer)} pointers")
+    newest = newest_checkpoint(path)
+    if newest is not None:  # killed after a checkpoint's rename, before its pointers: still a run
+        return newest
+    raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory (no {' or '.join(prefer)} pointer, "
+                            f"no {CHECKPOINT_PREFIX}NNNNNN checkpoint)")
+
+
+def numbered_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """The run directory's numbered checkpoints that hold a model, oldest first. Each is complete:
+    a checkpoint is staged under a hidden name and only renamed to its number once fully written.
+
+    >>> run = Path(tempfile.mkdtemp())
+    >>> for name in ("ckpt-000002", "ckpt-000010", ".ckpt-000012.tmp-1", "notes"):
+    ...     (run / name).mkdir()
+    ...     _ = (run / name / CONFIG_FILE).write_text("{}"), (run / name / WEIGHTS_FILE).write_text("")
+    >>> [p.name for p in numbered_checkpoints(run)], newest_checkpoint(run).name
+    (['ckpt-000002', 'ckpt-000010'], 'ckpt-000010')
+    """
+    found = [p for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*") if _NUMBERED.fullmatch(p.name) and p.is_dir()]
+    return sorted((p for p in found if (p / CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file()),
+                  key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def newest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The highest-numbered complete checkpoint of a run directory, if it has one."""
+    numbered = numbered_checkpoints(run_dir)
+    return numbered[-1] if numbered else None
 
 
 def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` numbered checkpoints, never one a pointer names."""
+    """Delete all but the newest `keep_last` numbered checkpoints, never one a pointer names nor one
+    that a LoRA run still uses as its base (`record_adapter_run`)."""
     run_dir = Path(run_dir)
     protected = {read_pointer(run_dir, p) for p in POINTER_NAMES} - {None}
     numbered = sorted(p for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
-    doomed = [p for p in numbered[:-keep_last] if p not in protected] if keep_last > 0 else []
+    doomed = [p for p in numbered[:-keep_last] if p not in protected and not adapter_runs_using(p)] \
+        if keep_last > 0 else []
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+def record_adapter_run(checkpoint: str | os.PathLike, run_dir: str | os.PathLike) -> bool:
+    """Note in a numbered checkpoint that the LoRA run `run_dir` is trained on it, so that its own
+    run's `--keep-last` never prunes it while that run uses it. Only numbered checkpoints of a run
+    directory are noted (nothing else is pruned). False where the note could not be written."""
+    checkpoint = Path(checkpoint)
+    if not (checkpoint.name.startswith(CHECKPOINT_PREFIX) and (checkpoint.parent / "latest").is_file()):
+        return True
+    runs = _noted_runs(checkpoint)
+    if str(Path(run_dir).resolve()) in runs:
+        return True
+    tmp = checkpoint / f".{ADAPTER_RUNS_FILE}{STAGING_MARK}{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps({"runs": [*runs, str(Path(run_dir).resolve())]}, indent=1))
+        os.replace(tmp, checkpoint / ADAPTER_RUNS_FILE)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return False
+    return True
+
+
+def adapter_runs_using(checkpoint: Path) -> list[Path]:
+    """The LoRA runs noted in `checkpoint` that still exist and whose newest checkpoint still names
+    it as the base (a deleted or overwritten run no longer keeps it)."""
+    using = []
+    for run in map(Path, _noted_runs(checkpoint)):
+        try:
+            meta = read_json(resolve_checkpoint(run, prefer=("latest",)) / META_FILE)
+        except (FileNotFoundError, ValueError):
+            continue
+        base = meta.get(ADAPTER_BASE_KEY) if isinstance(meta, dict) else None
+        if isinstance(base, dict) and base.get("path") == str(checkpoint.resolve()):
+            using.append(run)
+    return using
+
+
+def _noted_runs(checkpoint: Path) -> list[str]:
+    try:
+        runs = json.loads((checkpoint / ADAPTER_RUNS_FILE).read_text(encoding="utf-8")).get("runs", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [r for r in runs if isinstance(r, str)] if isinstance(runs, list) else []
 
 
 def remove_stale_staging(run_dir: str | os.PathLike) -> None:
@@ -386,6 +472,10 @@ def remove_stale_staging(run_dir: str | os.PathLike) -> None:
 
 
 def load_config(path: Path) -> ModelConfig:
+    """The model config in the file `path` (a checkpoint's `glasslm_config.json`; beside a checkpoint
+    written before that name, its `config.json`)."""
+    if path.name == CONFIG_FILE and not path.is_file() and (path.parent / LEGACY_CONFIG_FILE).is_file():
+        path = path.parent / LEGACY_CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: not a glasslm checkpoint?")
     data = read_json(path)
