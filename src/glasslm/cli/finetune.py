@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from glasslm.cli.command import Command
+from glasslm.cli.common import resolve_device, set_threads
 from glasslm.cli.options import Group
 from glasslm.training.config import TrainConfig
 from glasslm.training.finetune import FinetuneConfig
@@ -65,10 +66,8 @@ def finetune(run: FinetuneRun, method: Annotated[dict[str, Any], FinetuneConfig]
     from glasslm.transforms import parameter_count
 
     base, config, train_config, out, resume = _plan(run, method, training)
-    if train_config.threads:
-        import torch
-
-        torch.set_num_threads(train_config.threads)
+    if resolve_device(train_config.device) == "cpu" or train_config.threads:
+        set_threads(train_config.threads)  # the thread count the estimate is timed with
     model, tokenizer, meta, data, objective = _model_and_data(base, config, train_config,
                                                               run.data if resume is None else None, resume)
     _keep_base(meta, out)

@@ -48,6 +48,9 @@ class BatchSource(Protocol):
                      generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor, float]]:
         """Validation batches (inputs, labels, weight); the validation loss is their weighted mean."""
 
+    def eval_batch_count(self, rows: int, iters: int) -> int:
+        """How many batches `eval_batches(rows, iters, ...)` gives (for the training-time estimate)."""
+
     def tokens_per_row(self) -> float:
         """Positions per row, on average (for tokens/s)."""
 
@@ -69,6 +72,9 @@ class WindowBatches:
     def eval_batches(self, rows: int, iters: int, generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor, float]]:
         for _ in range(iters):  # every batch holds rows * context positions: equal weights
             yield *self.draw(rows, generator), 1.0
+
+    def eval_batch_count(self, rows: int, iters: int) -> int:
+        return iters
 
     def tokens_per_row(self) -> float:
         return float(self.context_length)
@@ -104,6 +110,9 @@ class SFTBatches:
         for start in range(0, len(self.examples), rows):
             x, y = padded_batch(self.examples[start:start + rows], self.context_length, self.pad_id)
             yield x, y, float((y != IGNORE_INDEX).sum())
+
+    def eval_batch_count(self, rows: int, iters: int) -> int:
+        return -(-len(self.examples) // rows)
 
     def tokens_per_row(self) -> float:
         return sum(min(len(e.ids), self.context_length) for e in self.examples) / max(1, len(self.examples))
@@ -142,6 +151,9 @@ class PreferenceBatches:
         for start in range(0, len(self.pairs), rows):
             batch = self.pairs[start:start + rows]
             yield *self._batch(batch), float(len(batch))
+
+    def eval_batch_count(self, rows: int, iters: int) -> int:
+        return -(-len(self.pairs) // rows)
 
     def tokens_per_row(self) -> float:
         """Positions per drawn row, i.e. per pair (both sides)."""
