@@ -7,6 +7,7 @@ full, logs the rewards, and resumes exactly."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -281,6 +282,20 @@ def test_a_dpo_run_raises_the_margin_and_resumes_where_the_uninterrupted_one_end
     assert json.loads((saved / "meta.json").read_text())["finetune"]["method"] == "dpo"
     lora_only = all(".lora_" in name for name in read_safetensors(saved / WEIGHTS_FILE))
     assert lora_only == ("--full" not in extra)  # a LoRA run's checkpoints hold only the adapters
+
+
+def test_a_time_limited_run_times_whole_pairs(tmp_path):
+    """Under a time limit the estimate first times one drawn row alone: for preference batches that is
+    one pair, two tensor rows (one row alone would be refused as half a pair)."""
+    from glasslm.training.config import TrainConfig
+    from glasslm.training.loop import train
+
+    data = _write_jsonl(tmp_path / "prefs.jsonl", _synthetic_preferences(20, seed=0))
+    model, tokenizer, _ = prepare_model(str(save_checkpoint(tmp_path / "base", _tiny(), TOKENIZER)), FinetuneConfig())
+    batches = chat_batches(data, tokenizer, TEMPLATE, 48, 0.2, 0, preferences=True)
+    result = train(model, TrainConfig(max_steps=1, batch_size=4, progress=False, device="cpu"), *batches,
+                   refuse_longer_than_s=3600, objective=DPOObjective(reference_model(model, full=False), 0.1))
+    assert result.step == 1 and result.val_losses[0][1] == pytest.approx(math.log(2), abs=1e-3)
 
 
 # ----- bad input -----

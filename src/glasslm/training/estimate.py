@@ -144,6 +144,8 @@ def time_micro_batch(parts: TrainingParts, rows: int | None = None) -> float:
     cuda = torch.device(parts.device).type == "cuda"
     cuda_state = torch.cuda.get_rng_state(parts.device) if cuda else None
     x, y = parts.next_batch()
+    if rows is not None:  # a drawn row may be several tensor rows (a preference pair: two)
+        rows *= x.shape[0] // (cfg.batch_size * cfg.grad_accum_steps)
     xc, yc = x.tensor_split(cfg.grad_accum_steps)[0][:rows], y.tensor_split(cfg.grad_accum_steps)[0][:rows]
 
     def forward_backward() -> float:
