@@ -41,14 +41,20 @@ from glasslm.data.sft import IGNORE_INDEX
 from glasslm.transforms.lora import adapters_disabled, lora_layers
 
 
+def token_log_probs(logits: Float[Tensor, "rows seq vocab"],
+                    labels: Int[Tensor, "rows seq"]) -> Float[Tensor, "rows seq"]:
+    """log p(label) at every position; 0 where the label is IGNORE_INDEX (the prompt, the padding)."""
+    rows, seq, vocab = logits.shape
+    log_probs = -F.cross_entropy(upcast(logits).reshape(rows * seq, vocab), labels.reshape(-1),
+                                 ignore_index=IGNORE_INDEX, reduction="none")  # (rows * seq,)
+    return log_probs.view(rows, seq)
+
+
 def sequence_log_probs(logits: Float[Tensor, "rows seq vocab"],
                        labels: Int[Tensor, "rows seq"]) -> Float[Tensor, "rows"]:
     """log π(completion | prompt) of each row: the sum of log p(label) over its labelled positions
     (labels equal to IGNORE_INDEX, the prompt and the padding, add nothing)."""
-    rows, seq, vocab = logits.shape
-    token_log_probs = -F.cross_entropy(upcast(logits).reshape(rows * seq, vocab), labels.reshape(-1),
-                                       ignore_index=IGNORE_INDEX, reduction="none")  # (rows * seq,): 0 where ignored
-    return token_log_probs.view(rows, seq).sum(dim=-1)
+    return token_log_probs(logits, labels).sum(dim=-1)
 
 
 def dpo_loss(policy_chosen: Float[Tensor, "pairs"], policy_rejected: Float[Tensor, "pairs"],
