@@ -70,3 +70,18 @@ def llama_chat_dir(directory: Path, prompts: list[str], template: str | None = T
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory, model, tokenizer
+
+
+def hf_llama(seed: int):
+    """A tiny transformers Llama with random weights, drawn from `seed` (no two alike)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(hf_tokenizer()), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # initial Llama weights are small; these give log-probabilities far from uniform
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return model

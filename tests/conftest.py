@@ -47,6 +47,15 @@ def unchecked_shapes():
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models on one thread: a second thread only waits for a core on a loaded machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     """The shared test data directory ($GLASSLM_DATA_DIR; CI points it at ../shared/data)."""

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from chat_models import hf_tokenizer
+from chat_models import hf_llama, hf_tokenizer
 from glasslm.cli import main
 from glasslm.core.model import TransformerLM
 from glasslm.data.preferences import load_preference_pairs, read_preferences
@@ -28,12 +28,7 @@ TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endf
 TOKENIZER = CharTokenizer.from_text("abcdefgh xyz ua:;")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _write_jsonl(path, records):
@@ -52,21 +47,6 @@ TRL_RECORDS = [
     {"prompt": [{"role": "user", "content": "count"}], "chosen": [{"role": "assistant", "content": "one two"}],
      "rejected": [{"role": "assistant", "content": "three, four!"}]},
 ]
-
-
-def _hf_llama(seed: int):
-    """A tiny transformers Llama with random weights, drawn from `seed` (no two alike)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=len(hf_tokenizer()), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # initial Llama weights are small; these give log-probabilities far from uniform
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    return model
 
 
 def _trl_trainer(policy, reference, tokenizer, beta, tmp_path, peft_config=None):
@@ -99,13 +79,13 @@ def test_the_loss_rewards_and_margins_equal_trls_on_the_same_batch_and_weights(t
 
     tokenizer, beta = hf_tokenizer(), 0.3
     for name, seed in (("policy", 0), ("reference", 1)):
-        _hf_llama(seed).save_pretrained(tmp_path / name)
+        hf_llama(seed).save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
     policy, our_tokenizer = load_model(tmp_path / "policy")
     reference, _ = load_model(tmp_path / "reference")
     template = load_chat_template(tmp_path / "policy", our_tokenizer)
     pairs, x, y, loss, stats = _our_step(policy, reference, our_tokenizer, template, tmp_path, beta)
-    examples, trl_loss, trl = _trl_step(_trl_trainer(_hf_llama(0), _hf_llama(1), tokenizer, beta, tmp_path))
+    examples, trl_loss, trl = _trl_step(_trl_trainer(hf_llama(0), hf_llama(1), tokenizer, beta, tmp_path))
 
     for pair, example in zip(pairs, examples):  # the same tokens, the same completion positions
         for side, ours in (("chosen", pair.chosen), ("rejected", pair.rejected)):
@@ -129,10 +109,10 @@ def test_with_lora_the_loss_equals_trls_whose_reference_is_the_peft_base(tmp_pat
     from glasslm.hf import load_chat_template, load_model
 
     tokenizer, beta = hf_tokenizer(), 0.3
-    _hf_llama(0).save_pretrained(tmp_path / "base")
+    hf_llama(0).save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-    trainer = _trl_trainer(_hf_llama(0), None, tokenizer, beta, tmp_path, peft_config=config)
+    trainer = _trl_trainer(hf_llama(0), None, tokenizer, beta, tmp_path, peft_config=config)
     torch.manual_seed(5)
     with torch.no_grad():  # trained adapters: B away from its zero start
         for name, p in trainer.model.named_parameters():
@@ -164,7 +144,7 @@ def test_the_simpo_loss_equals_trls_cpo_trainers_on_the_same_weights(tmp_path):
     from glasslm.hf import load_chat_template, load_model
 
     beta, gamma = 2.0, 0.5
-    hf_model = _hf_llama(0).eval()
+    hf_model = hf_llama(0).eval()
     hf_model.save_pretrained(tmp_path / "policy")
     hf_tokenizer().save_pretrained(tmp_path / "policy")
     policy, tokenizer = load_model(tmp_path / "policy")

@@ -4,35 +4,21 @@ advantages against TRL's normalisation, and the per-token log-probabilities agai
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from chat_models import hf_tokenizer
+from chat_models import hf_llama, hf_tokenizer
+from glasslm.data.problems import load_problems, read_problems
 from glasslm.data.sft import IGNORE_INDEX, SFTExample, padded_batch
 from glasslm.training.dpo import token_log_probs
+from glasslm.tokenizers import CharTokenizer
 from glasslm.training.grpo import group_advantages, grpo_loss
+from glasslm.training.rewards import load_reward, score
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _hf_llama(seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=len(hf_tokenizer()), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # log-probabilities far from uniform
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    return model
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _trl_trainer(model: str, tmp_path, beta: float, epsilon: float, group_size: int):
@@ -88,7 +74,7 @@ def test_the_loss_equals_trls_on_the_same_samples(tmp_path, beta):
     from glasslm.hf import load_model
 
     epsilon = 0.2
-    _hf_llama(0).save_pretrained(tmp_path / "policy")
+    hf_llama(0).save_pretrained(tmp_path / "policy")
     hf_tokenizer().save_pretrained(tmp_path / "policy")
     policy, _ = load_model(tmp_path / "policy")
     trainer = _trl_trainer(str(tmp_path / "policy"), tmp_path, beta, epsilon, group_size=2)  # its reference: the same file
@@ -129,3 +115,65 @@ def test_the_group_advantages_are_trls_normalisation():
     assert torch.equal(group_advantages(torch.full((4,), 0.7), 2), torch.zeros(4))  # no signal, no step
     with pytest.raises(ValueError, match="groups"):
         group_advantages(rewards, 3)
+
+
+# ----- rewards and problem records -----
+
+def _write_jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def test_the_built_in_rewards():
+    exact = load_reward("exact_match")
+    assert [score(exact, "q", c, "Paris") for c in ("It is paris.", "Paris!", "Paris is it", "", "**Paris**")] \
+        == [1.0, 1.0, 0.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="needs an 'answer'"):
+        score(exact, "q", "4", None)
+    tagged = load_reward(r"regex:<answer>\d+</answer>")
+    assert [score(tagged, "q", c, None) for c in ("<answer>12</answer>\n", "so <answer>12</answer>", "<answer>x</answer>")] \
+        == [1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="not a regular expression"):
+        load_reward("regex:(")
+
+
+def test_a_reward_named_by_module_or_file(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def length(prompt, completion):\n    return len(completion)\n"
+        "def has(prompt, completion, answer):\n    return answer in completion\n"
+        "def broken(prompt, completion):\n    return 'high'\n"
+        "def nothing():\n    return 1.0\n")
+    by_file = load_reward(f"{tmp_path / 'my_rewards.py'}:length")
+    assert score(by_file, "p", "abc", None) == 3.0
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert score(load_reward("my_rewards:has"), "p", "x 4 y", "4") == 1.0  # a bool counts as 0 or 1
+    with pytest.raises(ValueError, match="finite number"):
+        score(load_reward("my_rewards:broken"), "p", "c", None)
+    for spec, message in (("my_rewards:missing", "no function 'missing'"), ("no_such_module_x:f", "cannot import"),
+                          (f"{tmp_path / 'absent.py'}:f", "no file"), ("my_rewards:nothing", "must take"),
+                          ("exact", "give exact_match")):
+        with pytest.raises(ValueError, match=message):
+            load_reward(spec)
+
+
+def test_problem_records_are_rendered_with_the_generation_prompt(tmp_path):
+    template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}" \
+               "{% if add_generation_prompt %}a:{% endif %}"
+    tokenizer = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz 0123456789+?:;")
+    path = _write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "what is 2+2?", "answer": "4"},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1?"}], "answer": 2},
+        "", {"prompt": "say hi"}])
+    problems = load_problems(path, tokenizer, template)
+    assert [tokenizer.decode(p.prompt_ids) for p in problems] == ["u:what is 2+2?;a:", "s:be brief;u:1+1?;a:", "u:say hi;a:"]
+    assert [p.prompt_text for p in problems] == [tokenizer.decode(p.prompt_ids) for p in problems]
+    assert [p.problem.answer for p in problems] == ["4", "2", None]
+    bad = [({"answer": "4"}, ":1: missing field 'prompt'"), ({"prompt": "q", "answer": [4]}, ":1: answer must be"),
+           ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "assistant turn"),
+           ({"prompt": [{"role": "robot", "content": "q"}]}, ":1: prompt: messages\\[0\\].role"), ("[1]", ":1: a record must be a JSON object"),
+           ("{", ":1: not JSON")]
+    for record, message in bad:
+        with pytest.raises(ValueError, match=message):
+            read_problems(_write_jsonl(tmp_path / "bad.jsonl", [record]))
+    with pytest.raises(ValueError, match="holds no problems"):
+        read_problems(_write_jsonl(tmp_path / "empty.jsonl", [""]))

@@ -28,12 +28,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from glasslm.data.sft import IGNORE_INDEX, SFTExample, encode_conversation, read_records
 from glasslm.tokenizers.chat import ChatFormat, ChatTemplateError, check_messages
 
-__all__ = ["IGNORE_INDEX", "PreferencePair", "PreferenceRecord", "encode_preference", "load_preference_pairs",
+R = TypeVar("R")
+E = TypeVar("E")
+
+__all__ = ["IGNORE_INDEX", "PreferencePair", "PreferenceRecord", "encode_preference", "load_encoded", "load_preference_pairs",
            "read_preferences", "record_pair"]
 
 
@@ -54,7 +57,7 @@ class PreferencePair:
     rejected: SFTExample
 
 
-def _messages(value: Any, role: str, where: str, name: str) -> list[dict[str, Any]]:
+def field_messages(value: Any, role: str, where: str, name: str) -> list[dict[str, Any]]:
     """A text as one message of `role`, or a message list checked; errors name the field."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
@@ -76,10 +79,10 @@ def record_pair(record: Any, where: str) -> PreferenceRecord:
     if missing:
         raise ValueError(f"{where}: missing field {missing[0]!r} (a record holds 'prompt' or 'messages', 'chosen' "
                          f"and 'rejected'; it has {sorted(record)})")
-    prompt = _messages(record[prompt_key], "user", where, prompt_key)
+    prompt = field_messages(record[prompt_key], "user", where, prompt_key)
     if prompt[-1]["role"] == "assistant":
         raise ValueError(f"{where}: {prompt_key} ends with an assistant turn; the completions answer it")
-    sides = [_messages(record[k], "assistant", where, k) for k in ("chosen", "rejected")]
+    sides = [field_messages(record[k], "assistant", where, k) for k in ("chosen", "rejected")]
     for name, side in zip(("chosen", "rejected"), sides):
         if side[0]["role"] != "assistant":
             raise ValueError(f"{where}: {name} must start with an assistant message, got role {side[0]['role']!r}")
@@ -101,11 +104,18 @@ def encode_preference(tokenizer: Any, template: str | ChatFormat, record: Prefer
 def load_preference_pairs(path: str | os.PathLike, tokenizer: Any, template: str) -> list[PreferencePair]:
     """Read and encode every preference pair of a JSONL file; a record the template cannot render is
     named by its line."""
+    return load_encoded(path, read_preferences, encode_preference, tokenizer, template, "pair")
+
+
+def load_encoded(path: str | os.PathLike, read: Callable[[Path], list[R]], encode: Callable[[Any, ChatFormat, R], E],
+                 tokenizer: Any, template: str, what: str) -> list[E]:
+    """`encode(tokenizer, chat, record)` of every record `read` finds in a JSONL file; a record the
+    template cannot render is named (`what` and its number)."""
     chat = ChatFormat.for_tokenizer(template, tokenizer)
-    pairs = []
-    for number, record in enumerate(read_preferences(Path(path)), start=1):
+    encoded = []
+    for number, record in enumerate(read(Path(path)), start=1):
         try:
-            pairs.append(encode_preference(tokenizer, chat, record))
+            encoded.append(encode(tokenizer, chat, record))
         except ChatTemplateError as err:
-            raise ValueError(f"{path}: pair {number}: {err}") from None
-    return pairs
+            raise ValueError(f"{path}: {what} {number}: {err}") from None
+    return encoded
