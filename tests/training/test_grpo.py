@@ -10,8 +10,12 @@ import pytest
 import torch
 
 from chat_models import hf_llama, hf_tokenizer
+from glasslm.cli import main
+from glasslm.core.model import TransformerLM
 from glasslm.data.problems import load_problems, read_problems
 from glasslm.data.sft import IGNORE_INDEX, SFTExample, padded_batch
+from glasslm.io.checkpoint import resolve_checkpoint, save_checkpoint
+from glasslm.presets import get_preset
 from glasslm.training.dpo import token_log_probs
 from glasslm.tokenizers import CharTokenizer
 from glasslm.training.grpo import group_advantages, grpo_loss
@@ -177,3 +181,73 @@ def test_problem_records_are_rendered_with_the_generation_prompt(tmp_path):
             read_problems(_write_jsonl(tmp_path / "bad.jsonl", [record]))
     with pytest.raises(ValueError, match="holds no problems"):
         read_problems(_write_jsonl(tmp_path / "empty.jsonl", [""]))
+
+
+# ----- glasslm finetune --method grpo -----
+
+TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}"
+TOKENIZER = CharTokenizer.from_text("abcdefgh xyz ua:;")
+
+
+@pytest.fixture
+def problems(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    words = ["".join("abcdefgh"[i] for i in torch.randint(8, (4,), generator=generator).tolist()) for _ in range(64)]
+    _write_jsonl(tmp_path / "problems.jsonl", [{"prompt": w, "answer": w[0]} for w in words])
+    torch.manual_seed(0)
+    model = TransformerLM(get_preset("llama-tiny", vocab_size=TOKENIZER.vocab_size, context_length=48, n_layers=2))
+    save_checkpoint(tmp_path / "base", model, TOKENIZER)
+    (tmp_path / "t.jinja").write_text(TEMPLATE + "a:")
+    (tmp_path / "rewards.py").write_text("def xs(prompt, completion):\n"
+                                         "    return completion.count('x') / max(1, len(completion))\n")
+    return tmp_path
+
+
+def _grpo(folder, out, *extra):
+    args = ["finetune", "--checkpoint", str(folder / "base"), "--method", "grpo", "--data", str(folder / "problems.jsonl"),
+            "--chat-template", str(folder / "t.jinja"), "--out", str(folder / out), "--batch-size", "8",
+            "--warmup-steps", "0", "--no-progress", "--device", "cpu", "--threads", "1", *extra]
+    assert main(args) == 0
+    return [json.loads(line) for line in (folder / out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_tiny_model_learns_to_raise_its_reward(problems):
+    """A random model writes 'x' in about 1 of 17 characters; rewarded for them, it writes more."""
+    records = _grpo(problems, "grpo", "--full", "--lr", "3e-3", "--max-steps", "16", "--log-interval", "1",
+                    "--reward", f"{problems / 'rewards.py'}:xs", "--max-new-tokens", "4", "--group-size", "4")
+    for key in ("reward", "reward_std", "kl", "completion_length", "clip_ratio"):
+        assert key in records[0], key
+    assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1 samples from the reference itself
+    assert records[0]["reward"] < 0.3
+    assert sum(r["reward"] for r in records[-4:]) / 4 > 0.8
+    assert records[-1]["kl"] > 0.1  # the policy has moved from its reference
+
+
+def test_a_lora_run_with_exact_match_logs_its_rewards_and_resumes(problems):
+    records = _grpo(problems, "lora", "--reward", "exact_match", "--max-new-tokens", "3", "--max-steps", "2",
+                    "--log-interval", "1")
+    assert len(records) == 2
+    assert all(0.0 <= r["reward"] <= 1.0 and 1 <= r["completion_length"] <= r["completion_length_max"] == 3
+               for r in records)
+    assert main(["finetune", "--resume", str(problems / "lora"), "--max-steps", "3", "--no-progress"]) == 0
+    saved = resolve_checkpoint(problems / "lora", prefer=("latest",))
+    assert json.loads((saved / "meta.json").read_text())["finetune"]["reward"] == "exact_match"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ((), "needs --reward"), (("--reward", "exact_match", "--group-size", "1"), "group-size"),
+    (("--reward", "exact_match", "--grpo-epsilon", "0"), "grpo-epsilon"),
+    (("--reward", "exact_match", "--lora-bias", "all"), "reference"),
+    (("--reward", "nowhere_module:f"), "cannot import"),
+    (("--reward", "exact_match", "--max-new-tokens", "46"), "no room for --max-new-tokens 46"),
+])
+def test_grpo_options_are_checked(problems, extra, message, capsys):
+    args = ["finetune", "--checkpoint", str(problems / "base"), "--method", "grpo", "--data",
+            str(problems / "problems.jsonl"), "--chat-template", str(problems / "t.jinja"), "--out", str(problems / "bad"),
+            "--max-steps", "1", "--no-progress", *extra]
+    try:
+        code = main(args)
+    except SystemExit as exited:  # argparse's own checks (a minimum)
+        code = exited.code
+    assert code != 0
+    assert message in capsys.readouterr().err

@@ -74,7 +74,7 @@ def finetune(run: FinetuneRun, method: Annotated[dict[str, Any], FinetuneConfig]
     if resume is None and not config.full and "lr" not in training:
         _note_untested_lr(parameter_count(model), train_config.lr)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    what = "conversations" if config.method == "sft" else "preference pairs"
+    what = {"sft": "conversations", "grpo": "problems"}.get(config.method, "preference pairs")
     print(f"fine-tuning {meta['finetune']['base']} ({'' if config.method == 'sft' else config.method.upper() + ', '}"
           f"{'full' if config.full else 'LoRA'}{', ' + config.quantize + ' base' if config.quantize != 'none' else ''}): "
           f"{n_train:,} trainable of {parameter_count(model):,} parameters; {len(data[0])} training / "
@@ -131,6 +131,7 @@ def _model_and_data(base: str, config: FinetuneConfig, train_config: TrainConfig
     resumed run re-reads its recorded data and template, on the base its adapters were trained on."""
     from glasslm.training.dpo import preference_objective
     from glasslm.training.finetune import FINETUNE_KEY, chat_batches, chat_template, prepare_model
+    from glasslm.training.grpo import grpo_setup
     from glasslm.training.step import next_token_loss
 
     if resume is not None:
@@ -142,10 +143,13 @@ def _model_and_data(base: str, config: FinetuneConfig, train_config: TrainConfig
     model, tokenizer, meta = prepare_model(base, config, seed=train_config.seed)
     if resume is None:
         template = chat_template(base, tokenizer, config)
-    batches = chat_batches(data, tokenizer, template, model.config.context_length, config.val_fraction,
-                           train_config.seed, preferences=config.method != "sft")
-    objective = (next_token_loss if config.method == "sft" else
-                 preference_objective(config.method, model, config.full, config.dpo_beta, config.simpo_gamma))
+    if config.method == "grpo":
+        batches, objective = grpo_setup(data, model, tokenizer, template, config)
+    else:
+        batches = chat_batches(data, tokenizer, template, model.config.context_length, config.val_fraction,
+                               train_config.seed, preferences=config.method != "sft")
+        objective = (next_token_loss if config.method == "sft" else
+                     preference_objective(config.method, model, config.full, config.dpo_beta, config.simpo_gamma))
     meta[FINETUNE_KEY] |= {"data": str(Path(data).resolve()), "template": template}
     return model, tokenizer, meta, batches, objective
 

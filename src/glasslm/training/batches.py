@@ -11,6 +11,8 @@ and gives the validation batches. Labels equal to IGNORE_INDEX are left out of t
 - `PreferenceBatches` (preference tuning, glasslm.training.dpo): pairs of conversations, each
   pair's chosen and rejected sides in adjacent rows (2i, 2i + 1), so every split of a batch into
   even slices (processes, micro-batches) keeps the pairs whole.
+- `ProblemBatches` (GRPO, glasslm.training.grpo): problem numbers; the objective samples the
+  completions and scores them.
 
 Example:
     >>> import torch
@@ -32,6 +34,7 @@ from torch import Tensor
 
 from glasslm.data import get_batch
 from glasslm.data.preferences import PreferencePair
+from glasslm.data.problems import EncodedProblem
 from glasslm.data.sft import IGNORE_INDEX, SFTExample, padded_batch
 
 
@@ -158,6 +161,48 @@ class PreferenceBatches:
     def tokens_per_row(self) -> float:
         """Positions per drawn row, i.e. per pair (both sides)."""
         return 2 * self.sides.tokens_per_row()
+
+
+class ProblemBatches:
+    """Problems for GRPO (glasslm.training.grpo), drawn uniformly at random (with replacement): a batch
+    is `rows` problem numbers, (rows, 1) as both inputs and labels; the objective samples the
+    completions. Each prompt must leave room for `max_new_tokens` within the context."""
+
+    def __init__(self, problems: Sequence[EncodedProblem], context_length: int, max_new_tokens: int):
+        self.problems, self.context_length, self.max_new_tokens = list(problems), context_length, max_new_tokens
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+    def check(self, name: str) -> None:
+        if not self.problems:
+            raise ValueError(f"{name} data holds no problems")
+        room = self.context_length - self.max_new_tokens
+        long = [i for i, p in enumerate(self.problems) if len(p.prompt_ids) > room]
+        if long:
+            raise ValueError(f"{name} data: {len(long)} of {len(self.problems)} prompts (the first: problem "
+                             f"{long[0] + 1}, {len(self.problems[long[0]].prompt_ids)} tokens) leave no room for "
+                             f"--max-new-tokens {self.max_new_tokens} within context_length={self.context_length}")
+
+    def _batch(self, numbers: Sequence[int]) -> tuple[Tensor, Tensor]:
+        x = torch.tensor(numbers, dtype=torch.long)[:, None]                       # (rows, 1)
+        return x, x.clone()
+
+    def draw(self, rows: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        return self._batch(torch.randint(len(self.problems), (rows,), generator=generator).tolist())
+
+    def eval_batches(self, rows: int, iters: int, generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor, float]]:
+        """Every problem once, each batch weighted by its problems."""
+        for start in range(0, len(self.problems), rows):
+            numbers = list(range(start, min(start + rows, len(self.problems))))
+            yield *self._batch(numbers), float(len(numbers))
+
+    def eval_batch_count(self, rows: int, iters: int) -> int:
+        return -(-len(self.problems) // rows)
+
+    def tokens_per_row(self) -> float:
+        """Prompt positions per problem, on average (the completions' are not known before sampling)."""
+        return sum(len(p.prompt_ids) for p in self.problems) / max(1, len(self.problems))
 
 
 def as_batch_source(data: Tensor | BatchSource | None, context_length: int) -> BatchSource | None:

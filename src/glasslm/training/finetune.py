@@ -52,11 +52,18 @@ class FinetuneConfig:
 
     # sft: learn the assistant turns of conversations; dpo: prefer each record's chosen completion to
     # its rejected one (preference JSONL: prompt, chosen, rejected; glasslm.training.dpo); simpo: the
-    # same without a reference model, on each answer's mean token log-probability
-    method: Literal["sft", "dpo", "simpo"] = "sft"
+    # same without a reference model, on each answer's mean token log-probability; grpo: raise a reward
+    # on sampled answers (problem JSONL: prompt, answer; glasslm.training.grpo)
+    method: Literal["sft", "dpo", "simpo", "grpo"] = "sft"
     # DPO, SimPO: the β of the reward (DPO: a smaller β lets the model move further from the reference)
     dpo_beta: float = 0.1
     simpo_gamma: float = 0.5  # SimPO: the margin γ the chosen answer's reward must clear
+    # GRPO: exact_match, regex:PATTERN, MODULE:FUNCTION or file.py:FUNCTION (glasslm.training.rewards)
+    reward: str | None = None
+    group_size: int = field(default=4, metadata={"minimum": 2})  # GRPO: completions sampled per prompt
+    max_new_tokens: int = field(default=32, metadata={"minimum": 1})  # GRPO: the longest completion sampled
+    grpo_beta: float = 0.04  # GRPO: weight of the KL term to the reference (0: none, no reference kept)
+    grpo_epsilon: float = 0.2  # GRPO: the probability ratio is clipped to [1 - ε, 1 + ε]
     full: bool = False  # train every weight instead of LoRA adapters
     # LoRA defaults: measured on the demo model (docs/training.md#choosing-the-lora-defaults), where
     # adapters on q,v alone (with lr 2e-4, glasslm's defaults before) left the answers unlearned
@@ -95,15 +102,29 @@ class FinetuneConfig:
                              "(QLoRA is LoRA on a quantized base)")
         if not self.full:
             self.lora()
-        if self.method not in ("sft", "dpo", "simpo"):
-            raise ValueError(f"method: unknown fine-tuning method {self.method!r} (sft, dpo, simpo)")
-        if self.method != "sft" and not self.dpo_beta > 0:
+        if self.method not in ("sft", "dpo", "simpo", "grpo"):
+            raise ValueError(f"method: unknown fine-tuning method {self.method!r} (sft, dpo, simpo, grpo)")
+        if self.method in ("dpo", "simpo") and not self.dpo_beta > 0:
             raise ValueError(f"--dpo-beta must be positive, got {self.dpo_beta}")
-        if self.method == "dpo" and not self.full and (self.lora_bias != "none" or self.lora_full.strip()):
-            raise ValueError("--method dpo with LoRA uses the base (adapters off) as its reference, which biases "
-                             "and whole modules trained in place (--lora-bias, --lora-full) would change; drop them")
+        if self.method == "grpo":
+            self._check_grpo()
+        base_reference = self.method == "dpo" or (self.method == "grpo" and self.grpo_beta != 0)
+        if base_reference and not self.full and (self.lora_bias != "none" or self.lora_full.strip()):
+            raise ValueError(f"--method {self.method} with LoRA uses the base (adapters off) as its reference, which "
+                             "biases and whole modules trained in place (--lora-bias, --lora-full) would change; drop them")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+
+
+    def _check_grpo(self) -> None:
+        if not self.reward:
+            raise ValueError("--method grpo needs --reward: exact_match, regex:PATTERN, MODULE:FUNCTION or file.py:FUNCTION")
+        if self.group_size < 2 or self.max_new_tokens < 1:
+            raise ValueError(f"--group-size must be at least 2 and --max-new-tokens at least 1, got {self.group_size} "
+                             f"and {self.max_new_tokens}")
+        if not self.grpo_epsilon > 0 or not self.grpo_beta >= 0:
+            raise ValueError(f"--grpo-epsilon must be positive and --grpo-beta at least 0, got {self.grpo_epsilon} "
+                             f"and {self.grpo_beta}")
 
 
 def base_reference(path: str | os.PathLike) -> str:

@@ -32,9 +32,22 @@ samples' own policy (ρ = 1) the loss is minus the advantages' mean over the com
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, Callable
+
 import torch
-from jaxtyping import Bool, Float
-from torch import Tensor
+from jaxtyping import Bool, Float, Int
+from torch import Tensor, nn
+
+from glasslm.core.model import TransformerLM
+from glasslm.data.problems import EncodedProblem, load_problems
+from glasslm.data.sft import IGNORE_INDEX, SFTExample, padded_batch
+from glasslm.generation.decoding import decode_steps
+from glasslm.generation.sampling import GenerationConfig, with_eos, with_vocab_limit
+from glasslm.training.batches import ProblemBatches
+from glasslm.training.dpo import reference_model, token_log_probs
+from glasslm.training.finetune import FinetuneConfig
+from glasslm.training.rewards import Reward, load_reward, score
 
 ADVANTAGE_EPS = 1e-4  # TRL's: keeps a group whose rewards are all equal at advantage 0
 
@@ -75,3 +88,95 @@ def grpo_loss(policy: Float[Tensor, "rows seq"], old: Float[Tensor, "rows seq"],
     is_clipped = ((ratio < 1 - epsilon) & (advantages < 0)) | ((ratio > 1 + epsilon) & (advantages > 0))
     stats["clip_ratio"] = ((is_clipped.to(mask.dtype) * mask).sum() / tokens).detach()
     return (per_token * mask).sum() / tokens, stats
+
+
+def sample_completions(model: TransformerLM, prompts: Sequence[Sequence[int]], config: GenerationConfig) -> list[list[int]]:
+    """One sampled completion of each prompt, from glasslm's batched KV-cache decoding (`decode_steps`),
+    each ending with the stop token the model chose (kept: the policy learns when to stop too) or
+    after config.max_new_tokens tokens."""
+    stops = set(config.stop_tokens)
+    completions: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for step in decode_steps(model, prompts, config):
+        for row, token in enumerate(step.tokens.tolist()):
+            if not done[row]:
+                completions[row].append(token)
+                done[row] = token in stops
+        if all(done):
+            break
+    return completions
+
+
+def completion_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                    context_length: int) -> tuple[Int[Tensor, "rows seq"], Int[Tensor, "rows seq"]]:
+    """(prompt + completion ids, labels on the completion's tokens only), right-padded."""
+    examples = [SFTExample([*p, *c], [IGNORE_INDEX] * (len(p) - 1) + [*c, IGNORE_INDEX])
+                for p, c in zip(prompts, completions)]
+    return padded_batch(examples, context_length)
+
+
+class GRPOObjective:
+    """GRPO as a `glasslm.training.step.Objective`: each batch row names a problem (`ProblemBatches`);
+    the policy samples `group_size` completions of each, the reward scores them, and the loss is
+    `grpo_loss` on them. `reference` maps ids to the reference's logits (glasslm.training.dpo.reference_model)."""
+
+    def __init__(self, problems: Sequence[EncodedProblem], tokenizer: Any, reward: Reward,
+                 reference: Callable[[Tensor], Tensor] | None, generation: GenerationConfig, group_size: int,
+                 epsilon: float, beta: float):
+        self.problems, self.tokenizer, self.reward, self.reference = list(problems), tokenizer, reward, reference
+        self.generation, self.group_size, self.epsilon, self.beta = generation, group_size, epsilon, beta
+
+    def __call__(self, model: nn.Module, x: Int[Tensor, "prompts 1"],
+                 y: Int[Tensor, "prompts 1"]) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
+        group = [self.problems[i] for i in x[:, 0].tolist() for _ in range(self.group_size)]
+        prompts = [p.prompt_ids for p in group]
+        completions = self._sample(model, prompts)
+        rewards = torch.tensor([score(self.reward, p.problem.prompt[-1].get("content") or "", self._text(c),
+                                      p.problem.answer) for p, c in zip(group, completions)])
+        ids, labels = completion_rows(prompts, completions, model.config.context_length)  # (rows, seq) each
+        ids, labels = ids.to(x.device), labels.to(x.device)
+        policy = token_log_probs(model(ids), labels)                                       # (rows, seq)
+        reference = None
+        if self.beta != 0.0:
+            with torch.no_grad():
+                reference = token_log_probs(self.reference(ids), labels)                   # (rows, seq)
+        advantages = group_advantages(rewards, self.group_size).to(policy.device)          # (rows,)
+        loss, stats = grpo_loss(policy, policy.detach(), reference, advantages, labels != IGNORE_INDEX,
+                                self.epsilon, self.beta)
+        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
+        group_std = rewards.view(-1, self.group_size).std(dim=1).mean()
+        return loss, stats | {"reward": rewards.mean(), "reward_std": group_std,
+                              "completion_length": lengths.mean(), "completion_length_max": lengths.max()}
+
+    def _text(self, completion: list[int]) -> str:
+        """What the reward sees: the completion's text, without the stop token that ended it."""
+        if completion and completion[-1] in self.generation.stop_tokens:
+            completion = completion[:-1]
+        return self.tokenizer.decode(completion)
+
+    def _sample(self, model: nn.Module, prompts: list[list[int]]) -> list[list[int]]:
+        """Completions sampled with dropout off and no gradient; the model's mode is restored."""
+        training = model.training
+        model.eval()
+        try:
+            return sample_completions(model, prompts, self.generation)
+        finally:
+            model.train(training)
+
+
+def grpo_setup(data: str, model: TransformerLM, tokenizer: Any, template: str,
+               config: FinetuneConfig) -> tuple[tuple[ProblemBatches, None], GRPOObjective]:
+    """(the problems as batches, no held-out set; the objective) `glasslm finetune --method grpo` trains
+    `model` (as `prepare_model` returns it, before training moves it) with. Completions are sampled at
+    temperature 1 from the model's own distribution, stopping at its eos ids, as TRL's defaults do."""
+    if tokenizer is None:
+        raise ValueError("the base holds no tokenizer, so the problems cannot be encoded")
+    assert config.reward is not None  # FinetuneConfig.check
+    reward = load_reward(config.reward)
+    problems = load_problems(data, tokenizer, template)
+    generation = with_vocab_limit(with_eos(GenerationConfig(max_new_tokens=config.max_new_tokens), model, tokenizer),
+                                  model, tokenizer)
+    reference = reference_model(model, config.full) if config.grpo_beta != 0.0 else None
+    objective = GRPOObjective(problems, tokenizer, reward, reference, generation, config.group_size,
+                              config.grpo_epsilon, config.grpo_beta)
+    return (ProblemBatches(problems, model.config.context_length, config.max_new_tokens), None), objective
