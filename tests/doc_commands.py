@@ -373,6 +373,11 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "runs/dpo-full": Run(add=FINETUNE_RUN, needs=("BASE", "prefs.jsonl"), slow=True, creates=("runs/dpo-full/latest",)),
     "glasslm finetune --checkpoint BASE --method simpo --data prefs.jsonl --dpo-beta 2.0 --out runs/simpo": Run(
         add=FINETUNE_RUN, needs=("BASE", "prefs.jsonl"), slow=True, creates=("runs/simpo/latest",)),
+    "glasslm finetune --checkpoint BASE --method grpo --data problems.jsonl --reward exact_match --out runs/grpo": Run(
+        add=FINETUNE_RUN, needs=("BASE", "problems.jsonl"), creates=("runs/grpo/latest",)),
+    "glasslm finetune --checkpoint BASE --method grpo --data problems.jsonl --reward my_rewards.py:brevity --group-size "
+    "8 --grpo-beta 0 --out runs/grpo-own": Run(add=FINETUNE_RUN, needs=("BASE", "problems.jsonl", "my_rewards.py"),
+                                               slow=True, creates=("runs/grpo-own/latest",)),
     "glasslm merge --checkpoint runs/ft --out runs/ft-merged": Run(
         needs=("runs/ft",), creates=("runs/ft-merged/model.safetensors",)),
     "glasslm finetune --checkpoint BASE --data chat.jsonl --lora-dora --lora-rslora --lora-bias all --lora-full "
@@ -728,5 +733,10 @@ STAND_INS = {
     "prompt.txt": _write(lambda sandbox: "ROMEO:"),
     "chat.jsonl": _write(_chat_jsonl),
     "prefs.jsonl": _write(_prefs_jsonl),
+    "problems.jsonl": _write(lambda sandbox: "".join(json.dumps(record) + "\n" for record in (
+        {"prompt": "one and one?", "answer": "two"},
+        {"messages": [{"role": "system", "content": "answer in a word."}, {"role": "user", "content": "say yes"}],
+         "answer": "yes"}))),
+    "my_rewards.py": _write(lambda sandbox: "def brevity(prompt, completion):\n    return -len(completion)\n"),
     "t.jinja": _write(lambda sandbox: TEMPLATE),
 }
