@@ -1,5 +1,6 @@
-"""`glasslm finetune`: fine-tune a pretrained model on chat / instruction JSONL, or tune it towards
-preferred answers (--method dpo on preference JSONL), with LoRA adapters (the default), QLoRA
+"""`glasslm finetune`: fine-tune a pretrained model on chat / instruction JSONL, tune it towards
+preferred answers (--method dpo on preference JSONL) or towards a reward on its own sampled answers
+(--method grpo on problem JSONL), with LoRA adapters (the default), QLoRA
 (--quantize int4|int8: the frozen base quantized) or every weight (--full); resumable exactly like
 `glasslm train`. A LoRA run's checkpoints hold only the adapters, the exact
 base checkpoint and a hash of its weights (--base PATH where the base has moved), and the chat
@@ -49,7 +50,7 @@ class FinetuneRun:
     """what to fine-tune, on what, and where"""
 
     checkpoint: str | None = None  # the base: glasslm checkpoint, HF model directory or cached hub name
-    # conversations or instruction records (--method dpo: prompt / chosen / rejected records)
+    # conversations or instruction records (--method dpo: prompt / chosen / rejected records; grpo: prompt / answer)
     data: str | None = field(default=None, metadata={"metavar": "JSONL"})
     out: str | None = None  # run directory (checkpoints, metrics.jsonl); none: runs/finetune-<base name>
     resume: str | None = field(default=None, metadata={"metavar": "DIR"})  # continue a fine-tuning run exactly
@@ -202,5 +203,7 @@ COMMAND = Command("finetune", finetune, "fine-tune a model on chat JSONL: LoRA, 
                       '--out runs/qlora',
                       'glasslm finetune --resume runs/ft --max-steps 1200',
                       'glasslm finetune --checkpoint HuggingFaceTB/SmolLM2-135M-Instruct --method dpo --data prefs.jsonl --out runs/dpo',
+                      'glasslm finetune --checkpoint HuggingFaceTB/SmolLM2-135M-Instruct --method grpo --data problems.jsonl '
+                      '--reward exact_match --out runs/grpo',
                       'glasslm finetune --resume runs/ft --base copies/ckpt-000600 --max-steps 1200   # the base moved',
                   ))
