@@ -195,6 +195,27 @@ def test_a_few_dpo_lora_steps_raise_the_margin_of_the_training_pairs(gguf, tmp_p
 
 
 @pytest.mark.slow
+def test_a_few_grpo_lora_steps_sample_score_and_move_from_the_reference(gguf, tmp_path):
+    """GRPO end to end on the real model: groups sampled through the KV-cache decoder, scored by
+    exact_match, trained; step 1 samples from the reference itself (KL 0), later steps have moved."""
+    problems = [("What is 2 plus 3? Reply with just the number.", "5"), ("What is 4 plus 4? Reply with just the number.", "8"),
+                ("What is 7 minus 2? Reply with just the number.", "5"), ("What is 3 times 3? Reply with just the number.", "9")]
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in problems))
+    run = tmp_path / "grpo"
+    assert main(["finetune", "--checkpoint", str(gguf), "--method", "grpo", "--data", str(data), "--reward", "exact_match",
+                 "--out", str(run), "--max-steps", "2", "--batch-size", "2", "--group-size", "4", "--max-new-tokens", "12",
+                 "--lr", "2e-3", "--lora-sites", "q,v,mlp_up", "--log-interval", "1", "--warmup-steps", "0",
+                 "--threads", "1", "--no-progress"]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert all(0.0 <= r["reward"] <= 1.0 and 1 <= r["completion_length"] <= r["completion_length_max"] <= 12
+               for r in records)
+    assert records[1]["kl"] > 0 or records[0]["grad_norm"] == 0  # no step moves a group whose rewards were all equal
+
+
+@pytest.mark.slow
 def test_eval_perplexity_on_tiny_shakespeare_matches_llama_cpps(gguf, data_dir, capsys):
     assert main(["eval", "--checkpoint", str(gguf), "--data", str(data_dir / "tinyshakespeare.txt"), "--split",
                  "val", "--max-tokens", "1024", "--stride", "256"]) == 0

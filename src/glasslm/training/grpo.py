@@ -10,7 +10,7 @@ much better it scored than its group:
     L        = Σ_i Σ_t (L_clip + β KL) / Σ_i |o_i|                            (`grpo_loss`: loss)
 
 π_old is the policy that sampled the completions (with one update per sample, as here and TRL's
-default, ρ = 1 in value but not in gradient; the KL term is weighted by ρ, which makes its gradient
+default, ρ = 1 in value, so the clipping never binds, but not in gradient; the KL term is weighted by ρ, which makes its gradient
 the reverse KL's without bias, TRL's `use_bias_correction_kl`), π_ref the model training started from (LoRA: the base
 with its adapters off, as DPO's reference). The loss is summed over every completion token of the
 batch and divided by their count (TRL 1.16's default `loss_type="dapo"`), the std is the sample std
@@ -144,9 +144,9 @@ class GRPOObjective:
         loss, stats = grpo_loss(policy, policy.detach(), reference, advantages, labels != IGNORE_INDEX,
                                 self.epsilon, self.beta)
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
-        group_std = rewards.view(-1, self.group_size).std(dim=1).mean()
-        return loss, stats | {"reward": rewards.mean(), "reward_std": group_std,
-                              "completion_length": lengths.mean(), "completion_length_max": lengths.max()}
+        sampled = {"reward": rewards.mean(), "reward_std": rewards.view(-1, self.group_size).std(dim=1).mean(),
+                   "completion_length": lengths.mean(), "completion_length_max": lengths.max()}
+        return loss, stats | {name: value.to(loss.device) for name, value in sampled.items()}
 
     def _text(self, completion: list[int]) -> str:
         """What the reward sees: the completion's text, without the stop token that ended it."""
