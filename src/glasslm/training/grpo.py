@@ -9,13 +9,15 @@ much better it scored than its group:
     KL_i,t   = ρ (π_ref / π - log(π_ref / π) - 1)                             (`grpo_loss`: kl, the k3 estimator)
     L        = Σ_i Σ_t (L_clip + β KL) / Σ_i |o_i|                            (`grpo_loss`: loss)
 
-π_old is the policy that sampled the completions (with one update per sample, as here and TRL's
-default, ρ = 1 in value, so the clipping never binds, but not in gradient; the KL term is weighted by ρ, which makes its gradient
-the reverse KL's without bias, TRL's `use_bias_correction_kl`), π_ref the model training started from (LoRA: the base
-with its adapters off, as DPO's reference). The loss is summed over every completion token of the
-batch and divided by their count (TRL 1.16's default `loss_type="dapo"`), the std is the sample std
-(Bessel-corrected) of each group (TRL's `scale_rewards="group"`). tests/training/test_grpo.py checks
-the loss against TRL's `GRPOTrainer._compute_loss` on the same samples.
+π_old is the policy that sampled the completions: with one update per sample (as here, and TRL's
+default) ρ = 1 in value, so the clipping never binds, but not in gradient. The KL term is weighted by
+ρ, which makes its gradient the reverse KL's without bias (TRL's `use_bias_correction_kl`). π_ref is
+the model training started from (LoRA: the base with its adapters off, as DPO's reference). The loss
+is summed over every completion token of the batch and divided by their count (TRL 1.16's default
+`loss_type="dapo"`); the std is each group's sample std, Bessel-corrected (`scale_rewards="group"`).
+tests/training/test_grpo.py checks the loss against TRL's `GRPOTrainer._compute_loss` on the same
+samples. `GRPOObjective` is the training loop's objective (it samples through glasslm's KV-cache
+decoding, `sample_completions`); `grpo_setup` builds it for `glasslm finetune --method grpo`.
 
 Example (two groups of two: the better completion of the first group gets advantage +0.707; on the
 samples' own policy (ρ = 1) the loss is minus the advantages' mean over the completion tokens):
