@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from glasslm.kernels import build
 from glasslm.kernels.qmatmul import (
-    QuantizedMatrix, activation_error_bound, dequantize_rows, float_error_bound, kernel_ops, pack, qlinear, qmatmul,
-    quantize_rows_reference, summation_error_bound, unpack_levels,
+    QuantizedMatrix, activation_error_bound, activation_rows, dequantize_rows, float_error_bound, kernel_ops, pack,
+    qlinear, qmatmul, qmatmul_reference, quantize_block_rows, quantize_rows_reference, summation_error_bound,
+    unpack_levels,
 )
 from glasslm.transforms.ggml import block_matrix, quantize_blocks
 
@@ -75,14 +76,21 @@ def test_pack_lays_out_every_level_and_unpack_restores_it(kind):
 
 def test_activations_are_the_readable_rounding_bit_for_bit(isa):
     x = activations(5)
-    x[2, :32] = torch.arange(32) - 15.5  # ties: 127 / 15.5 * (k + 0.5) lands on halves for none; fine values
     x[3, :32] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5] * 6 + [0.0, 127.0])  # exact halves: round to even
-    ours = kernel_ops().quantize_rows(x)
     reference = quantize_rows_reference(x)
-    for got, want in zip(ours, reference):
+    for got, want in zip(kernel_ops().quantize_rows(x), reference):
         assert got.dtype == want.dtype and torch.equal(got, want)
-    assert reference[0][3, :5].tolist() == [0, 2, 2, 0, -2]  # 0.5, 1.5, 2.5, -0.5, -2.5 at scale 1: half to even
-    assert torch.equal(reference[2], reference[0].float().reshape(5, -1, 32).sum(-1).to(torch.int32))
+    assert torch.equal(reference[2], reference[0].float().reshape(10, -1, 32).sum(-1).to(torch.int32))
+    q, d, _ = quantize_block_rows(x)
+    assert q[3, :5].tolist() == [0, 2, 2, 0, -2]  # 0.5, 1.5, 2.5, -0.5, -2.5 at scale 1: half to even
+    # The second pass rounds what the first left over in steps of dx / 256: x is then within half of that
+    # step (a whole one where a leftover of exactly dx / 2 is cut to 127), plus the float32 rounding of
+    # the leftover (x - xq * dx: two roundings, of 2^-24 of |x| at most).
+    q2, d2, _ = quantize_rows_reference(x)
+    assert torch.equal(q2[0::2], q) and torch.equal(d2[1::2], d / 256)
+    gap = (x.double() - activation_rows(q2, d2)).abs().reshape(5, -1, 32)
+    top = x.abs().reshape(5, -1, 32).amax(-1, keepdim=True).double()
+    assert torch.all(gap <= d2[1::2, :, None].double() + 2**-23 * top) and gap.max() > 0
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -90,16 +98,17 @@ def test_activations_are_the_readable_rounding_bit_for_bit(isa):
 def test_kernel_equals_the_readable_product_within_float_rounding(isa, kind, rows):
     matrix, x = matrix_of(kind), activations(rows)
     bias = torch.randn(40)
-    reference = F.linear(dequantize_rows(*quantize_rows_reference(x)[:2]), matrix.weight(), bias)
+    reference = qmatmul_reference(*quantize_rows_reference(x), matrix, bias)
     got = qlinear(x, pack(matrix), bias)
     assert got.shape == (rows, 40) and got.dtype == torch.float32
     bound = float_error_bound(x, matrix)
     assert torch.all((got - reference).abs() <= bound)
-    # The bound is tight enough to catch a real mistake: the weights one level off, or a block dropped.
+    # The bound is tight enough to catch a real mistake: the weights one level off, or one pass left out.
     wrong = QuantizedMatrix(matrix.levels, matrix.scales, matrix.mins, matrix.bits, matrix.offset + 1,
                             matrix.group_size, matrix.row_scale)
-    assert not torch.all((F.linear(dequantize_rows(*quantize_rows_reference(x)[:2]), wrong.weight(), bias)
-                          - got).abs() <= bound)
+    assert not torch.all((qmatmul_reference(*quantize_rows_reference(x), wrong, bias) - got).abs() <= bound)
+    one_pass = qmatmul_reference(*quantize_block_rows(x), matrix, bias, passes=1)
+    assert not torch.all((one_pass - got).abs() <= bound)
     # And against the float product: the activations' rounding, at most half a step per input.
     assert torch.all((got - F.linear(x, matrix.weight(), bias)).abs() <= activation_error_bound(x, matrix))
 
@@ -114,7 +123,7 @@ def test_every_path_gives_each_row_what_it_alone_gets(kind):
             outs[name] = qlinear(x, packed)
             assert torch.equal(torch.cat([qlinear(row[None], packed) for row in x]), outs[name])
     # The paths add in different orders, each within the float bound of the readable product.
-    reference = F.linear(dequantize_rows(*quantize_rows_reference(x)[:2]), matrix.weight())
+    reference = qmatmul_reference(*quantize_rows_reference(x), matrix)
     for out in outs.values():
         assert torch.all((out - reference).abs() <= float_error_bound(x, matrix))
 
@@ -179,7 +188,7 @@ def test_kernel_equals_llama_cpps_dot_products_on_its_own_activations(ggml, isa,
     act_kind = "q8_1" if qtype == "q4_1" else "q8_0"
     act_bytes, q, d, sums = ggml_activations(base, x, act_kind)
     matrix = block_matrix(blocks, qtype)
-    ours = qmatmul(q, d, sums, pack(matrix))
+    ours = qmatmul(q, d, sums, pack(matrix), passes=1)
     theirs = np.zeros((3, 40), dtype=np.float32)
     dot = getattr(cpu, f"ggml_vec_dot_{qtype}_{act_kind}")
     weights = np.ascontiguousarray(blocks.numpy())
@@ -187,7 +196,7 @@ def test_kernel_equals_llama_cpps_dot_products_on_its_own_activations(ggml, isa,
         for o in range(40):
             dot(ctypes.c_int(256), _floats(theirs[r, o:]), ctypes.c_size_t(0), weights[o].ctypes.data_as(ctypes.c_void_p),
                 ctypes.c_size_t(0), act_bytes[r].ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(0), ctypes.c_int(1))
-    bound = summation_error_bound(dequantize_rows(q, d), matrix)
+    bound = summation_error_bound(dequantize_rows(q, d).abs(), matrix, passes=1)
     if qtype == "q4_1":  # llama.cpp's m * fp16(d * sum) against our m * d * sum: 2^-11 of each block's term
         block_terms = (d * sums.float()).abs()[:, None, :] * matrix.mins.float().abs()[None, :, :]
         bound = bound + (2**-11 * block_terms).sum(-1)

@@ -4,25 +4,30 @@
 // qmatmul_reference), the packed weight layout (pack_levels) and the tests' error bounds. This file
 // computes the same numbers:
 //
-//   activations: each row cut into blocks of 32, each block rounded to int8 with one float32 scale
-//                (dx = max|x| / 127, xq = round(x / dx)), and the block's sum of xq kept;
+//   activations: each row cut into blocks of 32; a block is rounded to int8 with the float32 scale
+//                d1 = max|x| / 127, and what that leaves over is rounded to int8 with d2 = d1 / 256:
+//                x ~ d2 * (256 * q1 + q2), a 16-bit integer per input, in two bytes;
 //   weights:     unsigned levels u (0..15, or 0..255 for 8-bit weights stored as w + 128) in panels
 //                of 16 output rows, with a scale per group of blocks (fp16 or bf16) and, optionally,
 //                a minimum; the weight is W = (u - offset) * scale + min;
-//   product:     y[o] = sum over blocks b of  scale * dx_b * (sum_i u_i xq_i - offset * sum_i xq_i)
-//                                            + min * dx_b * sum_i xq_i,
+//   product:     y[o] = sum over blocks b of  scale * d2 * (sum_i u_i (256 q1_i + q2_i) - offset * s)
+//                                            + min * d2 * s,        s = sum_i (256 q1_i + q2_i),
 //                the bracket in exact int32 arithmetic, then times row_scale[o], plus bias[o].
 //
 // One panel's 16 rows are interleaved four inputs at a time, so one 32-bit lane of a 512-bit register
 // holds four inputs of one output row and a single VNNI instruction (vpdpbusd: unsigned bytes times
-// signed bytes, summed in fours into int32) feeds 16 outputs from one broadcast of four activations.
+// signed bytes, summed in fours into int32) feeds 16 outputs from one broadcast of four activation
+// bytes; each byte of the activations gets its own sums, joined as 256 * first + second.
 // Three paths share that layout, chosen at run time (select_isa): AVX-512 VNNI, AVX2 (vpmaddubsw),
 // and plain C++, which also runs where the CPU is not x86.
 
 #include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -36,6 +41,7 @@
 #include <optional>
 #include <string_view>
 #include <tuple>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -51,6 +57,8 @@ namespace glasslm_kernels {
 constexpr int64_t kBlock = 32;  // inputs per block (activations and weights alike)
 constexpr int64_t kPanel = 16;  // output rows interleaved in one panel
 constexpr int kTile = 4;        // activation rows sharing one pass over a panel's weights
+constexpr int kPasses = 2;      // int8 rows per activation row (its rounding, and the rest's)
+constexpr float kSecondStep = 1.0f / 256;  // the second pass's scale, relative to the first's
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
@@ -102,11 +110,21 @@ struct Weights {
   int64_t panel_block_bytes() const { return kPanel * kBlock * bits / 8; }
 };
 
+// Activation row r is int8 rows 2r (q1) and 2r + 1 (q2); d holds each pass's scale (d2 = d1 / 256),
+// sums each pass's sum of levels.
 struct Rows {
-  const int8_t* q;       // (rows, blocks * 32)
-  const float* d;        // (rows, blocks)
-  const int32_t* sums;   // (rows, blocks)
+  const int8_t* q;       // (2 * count, blocks * 32)
+  const float* d;        // (2 * count, blocks)
+  const int32_t* sums;   // (2 * count, blocks)
   int64_t count, blocks;
+
+  const int8_t* levels(int64_t row, int pass, int64_t block) const {
+    return q + ((kPasses * row + pass) * blocks + block) * kBlock;
+  }
+  int64_t at(int64_t row, int pass, int64_t block) const { return (kPasses * row + pass) * blocks + block; }
+  // The block's s = sum of 256 * q1 + q2, and its scale d2.
+  int32_t joined_sum(int64_t row, int64_t block) const { return 256 * sums[at(row, 0, block)] + sums[at(row, 1, block)]; }
+  float step(int64_t row, int64_t block) const { return d[at(row, 1, block)]; }
 };
 
 float scale_value(uint16_t bits, bool bf16) {
@@ -130,22 +148,19 @@ inline int level_at(const uint8_t* block, int bits, int k, int lane, int t) {
 
 void tile_scalar(const Weights& w, const Rows& x, int64_t panel, int64_t row0, int rows, float* y, int64_t ld_y) {
   const int64_t step = w.panel_block_bytes();
-  const int64_t width = x.blocks * kBlock;
-  for (int r = 0; r < rows; ++r) {
-    const int64_t row = row0 + r;
+  for (int64_t row = row0; row < row0 + rows; ++row) {
     float acc[kPanel] = {};
     for (int64_t b = 0; b < w.blocks; ++b) {
       const uint8_t* block = w.levels + (panel * w.blocks + b) * step;
       const int64_t group = panel * w.groups + b / w.group_blocks;
-      const int8_t* xq = x.q + row * width + b * kBlock;
-      const int32_t sum = x.sums[row * x.blocks + b];
-      const float dx = x.d[row * x.blocks + b];
+      const int32_t sum = x.joined_sum(row, b);
+      const float dx = x.step(row, b);
       for (int lane = 0; lane < kPanel; ++lane) {
         int32_t dot = -w.offset * sum;
-        for (int k = 0; k < 8; ++k) {
-          for (int t = 0; t < 4; ++t) {
-            dot += level_at(block, w.bits, k, lane, t) * xq[4 * k + t];
-          }
+        for (int pass = 0; pass < kPasses; ++pass) {
+          const int8_t* xq = x.levels(row, pass, b);
+          const int32_t weight = pass == 0 ? 256 : 1;
+          for (int i = 0; i < kBlock; ++i) dot += weight * level_at(block, w.bits, i / 4, lane, i % 4) * xq[i];
         }
         const float scale = scale_value(w.scales[group * kPanel + lane], w.bf16);
         acc[lane] += (scale * dx) * static_cast<float>(dot);
@@ -201,11 +216,21 @@ GLASSLM_AVX512 inline void unpack_block512(const uint8_t* block, __m512i* levels
   }
 }
 
+// sum_i u_i xq_i over one block for all 16 rows, added to `start`: two chains of four vpdpbusd, so
+// consecutive ones do not wait on each other.
+GLASSLM_AVX512 inline __m512i block_dot512(const __m512i* levels, const int8_t* xq, __m512i start) {
+  __m512i odd = _mm512_setzero_si512();
+  for (int k = 0; k < 8; k += 2) {
+    start = _mm512_dpbusd_epi32(start, levels[k], broadcast4(xq + 4 * k));
+    odd = _mm512_dpbusd_epi32(odd, levels[k + 1], broadcast4(xq + 4 * k + 4));
+  }
+  return _mm512_add_epi32(start, odd);
+}
+
 template <int BITS, bool BF16, bool MINS, int ROWS>
 GLASSLM_AVX512 void tile_avx512(const Weights& w, const Rows& x, int64_t panel, int64_t row0, float* y,
                                 int64_t ld_y) {
   const int64_t step = w.panel_block_bytes();
-  const int64_t width = x.blocks * kBlock;
   const uint8_t* block = w.levels + panel * w.blocks * step;
   __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
@@ -218,17 +243,13 @@ GLASSLM_AVX512 void tile_avx512(const Weights& w, const Rows& x, int64_t panel, 
       __m512i levels[8];
       unpack_block512<BITS>(block, levels);
       for (int r = 0; r < ROWS; ++r) {
-        const int64_t at = (row0 + r) * x.blocks + b;
-        const int8_t* xq = x.q + (row0 + r) * width + b * kBlock;
-        const int32_t sum = x.sums[at];
-        // Two chains of four, so consecutive vpdpbusd do not wait on each other.
-        __m512i even = _mm512_set1_epi32(-w.offset * sum), odd = _mm512_setzero_si512();
-        for (int k = 0; k < 8; k += 2) {
-          even = _mm512_dpbusd_epi32(even, levels[k], broadcast4(xq + 4 * k));
-          odd = _mm512_dpbusd_epi32(odd, levels[k + 1], broadcast4(xq + 4 * k + 4));
-        }
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
-        const float dx = x.d[at];
+        const int64_t row = row0 + r;
+        const int32_t sum = x.joined_sum(row, b);
+        // 256 * (first byte's sums) + (second byte's), the offset taken off in the same integers.
+        const __m512i first = block_dot512(levels, x.levels(row, 0, b), _mm512_setzero_si512());
+        const __m512i second = block_dot512(levels, x.levels(row, 1, b), _mm512_set1_epi32(-w.offset * sum));
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(first, 8), second));
+        const float dx = x.step(row, b);
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(dx)), dot, acc[r]);
         if constexpr (MINS) acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(dx * static_cast<float>(sum)), acc[r]);
       }
@@ -307,7 +328,6 @@ GLASSLM_AVX2 inline void unpack_half_block256(const uint8_t* half, __m256i* leve
 template <int BITS, bool BF16, bool MINS, int ROWS>
 GLASSLM_AVX2 void tile_avx2(const Weights& w, const Rows& x, int64_t panel, int64_t row0, float* y, int64_t ld_y) {
   const int64_t step = w.panel_block_bytes();
-  const int64_t width = x.blocks * kBlock;
   // 8-bit weights are multiplied as signed numbers here, so no offset is taken off.
   const int32_t offset = BITS == 4 ? w.offset : 0;
   for (int half = 0; half < 2; ++half) {
@@ -324,11 +344,13 @@ GLASSLM_AVX2 void tile_avx2(const Weights& w, const Rows& x, int64_t panel, int6
         __m256i levels[8];
         unpack_half_block256<BITS>(block, levels);
         for (int r = 0; r < ROWS; ++r) {
-          const int64_t at = (row0 + r) * x.blocks + b;
-          const int32_t sum = x.sums[at];
-          const __m256i dot = _mm256_add_epi32(block_dot_avx2<BITS>(levels, x.q + (row0 + r) * width + b * kBlock),
+          const int64_t row = row0 + r;
+          const int32_t sum = x.joined_sum(row, b);
+          const __m256i first = block_dot_avx2<BITS>(levels, x.levels(row, 0, b));
+          const __m256i second = block_dot_avx2<BITS>(levels, x.levels(row, 1, b));
+          const __m256i dot = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(first, 8), second),
                                                _mm256_set1_epi32(-offset * sum));
-          const float dx = x.d[at];
+          const float dx = x.step(row, b);
           acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(dot), acc[r]);
           if constexpr (MINS) acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(dx * static_cast<float>(sum)), acc[r]);
         }
@@ -412,50 +434,62 @@ void matmul_rows(const Weights& w, const Rows& x, float* y) {
 // ----------------------------------------------------------------------------------------------
 // Activations: rows of float32 to int8 blocks (quantize_rows_reference in qmatmul.py, bit for bit).
 
-void quantize_block(const float* x, int8_t* q, float* d, int32_t* sum) {
+// round(x * inverse) into q, clamped to -127..127 (half to even, as torch.round); returns the sum.
+int32_t round_block(const float* x, float inverse, int8_t* q) {
+  int32_t total = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    const float v = std::nearbyint(x[i] * inverse);
+    q[i] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+    total += q[i];
+  }
+  return total;
+}
+
+#if GLASSLM_X86
+GLASSLM_AVX512 int32_t round_block_avx512(const float* x, float inverse, int8_t* q) {
+  const __m512 scale = _mm512_set1_ps(inverse);
+  const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+  __m512i total = _mm512_setzero_si512();
+  for (int half = 0; half < 2; ++half) {
+    // cvtps_epi32 rounds to nearest even (the default rounding mode), as torch.round.
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * half), scale));
+    v = _mm512_min_epi32(_mm512_max_epi32(v, bottom), top);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * half), _mm512_cvtepi32_epi8(v));
+    total = _mm512_add_epi32(total, v);
+  }
+  return _mm512_reduce_add_epi32(total);
+}
+#endif
+
+// One block of one row into its two passes (at `first` and `second`, indices of blocks in q, d, sums).
+void quantize_block(const float* x, bool avx512, int64_t first, int64_t second, int8_t* q, float* d, int32_t* sums) {
   float amax = 0.0f;
   for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float scale = amax / 127.0f;
   const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
-  int32_t total = 0;
-  for (int i = 0; i < kBlock; ++i) {
-    const float v = std::nearbyint(x[i] * inverse);  // round half to even, as torch.round
-    const int8_t level = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
-    q[i] = level;
-    total += level;
-  }
-  *d = scale;
-  *sum = total;
-}
-
+  auto round = [&](const float* in, float by, int8_t* out) {
 #if GLASSLM_X86
-GLASSLM_AVX512 void quantize_block_avx512(const float* x, int8_t* q, float* d, int32_t* sum) {
-  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const float scale = amax / 127.0f;
-  const __m512 inverse = _mm512_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
-  // cvtps_epi32 rounds to nearest even (the default rounding mode), as torch.round.
-  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));
-  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
-  *d = scale;
-  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-}
+    if (avx512) return round_block_avx512(in, by, out);
 #endif
+    return round_block(in, by, out);
+  };
+  sums[first] = round(x, inverse, q + first * kBlock);
+  d[first] = scale;
+  float left[kBlock];  // what the first pass left over: multiplied, then subtracted, as the reference
+  for (int i = 0; i < kBlock; ++i) left[i] = x[i] - static_cast<float>(q[first * kBlock + i]) * scale;
+  sums[second] = round(left, inverse * 256.0f, q + second * kBlock);
+  d[second] = scale * kSecondStep;
+}
 
 void quantize_into(const float* x, int64_t rows, int64_t width, int8_t* q, float* d, int32_t* sums) {
   const int64_t blocks = width / kBlock;
   const bool avx512 = current_isa() == kAvx512;
   at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / width), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin * blocks; i < end * blocks; ++i) {
-#if GLASSLM_X86
-      if (avx512) {
-        quantize_block_avx512(x + i * kBlock, q + i * kBlock, d + i, sums + i);
-        continue;
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t first = kPasses * row * blocks + b;
+        quantize_block(x + row * width + b * kBlock, avx512, first, first + blocks, q, d, sums);
       }
-#endif
-      quantize_block(x + i * kBlock, q + i * kBlock, d + i, sums + i);
     }
   });
 }
@@ -470,16 +504,30 @@ void check_rows(const at::Tensor& x) {
               x.sizes());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
+struct Activations {
+  at::Tensor q, d, sums;
+  Rows rows() const {
+    return Rows{q.const_data_ptr<int8_t>(), d.const_data_ptr<float>(), sums.const_data_ptr<int32_t>(),
+                q.size(0) / kPasses, q.size(1) / kBlock};
+  }
+};
+
+Activations quantized(const at::Tensor& x) {
   check_rows(x);
-  const at::Tensor rows = x.contiguous().reshape({-1, x.size(-1)});
-  const int64_t count = rows.size(0), width = rows.size(1);
-  at::Tensor q = at::empty({count, width}, rows.options().dtype(at::kChar));
-  at::Tensor d = at::empty({count, width / kBlock}, rows.options());
-  at::Tensor sums = at::empty({count, width / kBlock}, rows.options().dtype(at::kInt));
-  quantize_into(rows.const_data_ptr<float>(), count, width, q.mutable_data_ptr<int8_t>(), d.mutable_data_ptr<float>(),
-                sums.mutable_data_ptr<int32_t>());
-  return {q, d, sums};
+  const at::Tensor rows = x.contiguous();
+  const int64_t width = x.size(-1), count = rows.numel() / width;
+  Activations out{at::empty({kPasses * count, width}, rows.options().dtype(at::kChar)),
+                  at::empty({kPasses * count, width / kBlock}, rows.options()),
+                  at::empty({kPasses * count, width / kBlock}, rows.options().dtype(at::kInt))};
+  quantize_into(rows.const_data_ptr<float>(), count, width, out.q.mutable_data_ptr<int8_t>(),
+                out.d.mutable_data_ptr<float>(), out.sums.mutable_data_ptr<int32_t>());
+  return out;
+}
+
+// (q, d, sums) of x's rows: row r of x is rows 2r and 2r + 1.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
+  Activations a = quantized(x);
+  return {a.q, a.d, a.sums};
 }
 
 Weights weights_of(const at::Tensor& levels, const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t bits,
@@ -518,19 +566,35 @@ Weights weights_of(const at::Tensor& levels, const at::Tensor& scales, const std
                  bias ? bias->const_data_ptr<float>() : nullptr};
 }
 
-at::Tensor qmatmul(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums, const at::Tensor& levels,
-                   const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t bits, int64_t offset,
-                   int64_t group_blocks, int64_t d_out, const std::optional<at::Tensor>& row_scale,
-                   const std::optional<at::Tensor>& bias) {
-  const Weights w = weights_of(levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias);
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && q.size(1) == w.blocks * kBlock,
-              "glasslm_kernels: activation levels must be contiguous int8 (rows, ", w.blocks * kBlock, "), got ", q.sizes());
-  const int64_t count = q.size(0);
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.sizes() == at::IntArrayRef({count, w.blocks}) &&
+// Rows already in int8 blocks. One pass (llama.cpp's activations) is run as two, the second zero.
+Activations given_rows(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums, int64_t passes, int64_t blocks) {
+  TORCH_CHECK(passes == 1 || passes == kPasses, "glasslm_kernels: activations take 1 or 2 passes, got ", passes);
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && q.size(1) == blocks * kBlock &&
+                  q.size(0) % passes == 0,
+              "glasslm_kernels: activation levels must be contiguous int8 (rows, ", blocks * kBlock, "), got ", q.sizes());
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.sizes() == at::IntArrayRef({q.size(0), blocks}) &&
                   sums.scalar_type() == at::kInt && sums.is_contiguous() && sums.sizes() == d.sizes(),
               "glasslm_kernels: activation scales (float32) and sums (int32) must be contiguous (rows, blocks)");
-  at::Tensor y = at::empty({count, d_out}, q.options().dtype(at::kFloat));
-  const Rows x{q.const_data_ptr<int8_t>(), d.const_data_ptr<float>(), sums.const_data_ptr<int32_t>(), count, w.blocks};
+  if (passes == kPasses) {
+    const at::Tensor pairs = d.reshape({-1, kPasses, blocks});
+    TORCH_CHECK(pairs.select(1, 1).equal(pairs.select(1, 0) * kSecondStep),
+                "glasslm_kernels: a second pass's scales must be the first's / 256");
+    return Activations{q, d, sums};
+  }
+  auto second = [&](const at::Tensor& first, const at::Tensor& next) {
+    return at::stack({first, next}, 1).reshape({-1, first.size(1)}).contiguous();
+  };
+  return Activations{second(q, at::zeros_like(q)), second(d, d * kSecondStep), second(sums, at::zeros_like(sums))};
+}
+
+at::Tensor qmatmul(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums, int64_t passes,
+                   const at::Tensor& levels, const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t bits,
+                   int64_t offset, int64_t group_blocks, int64_t d_out, const std::optional<at::Tensor>& row_scale,
+                   const std::optional<at::Tensor>& bias) {
+  const Weights w = weights_of(levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias);
+  const Activations a = given_rows(q, d, sums, passes, w.blocks);
+  const Rows x = a.rows();
+  at::Tensor y = at::empty({x.count, d_out}, q.options().dtype(at::kFloat));
   matmul_rows(w, x, y.mutable_data_ptr<float>());
   return y;
 }
@@ -543,19 +607,11 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& levels, const at::Tens
   const Weights w = weights_of(levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias);
   TORCH_CHECK(x.size(-1) == w.blocks * kBlock, "glasslm_kernels: input width ", x.size(-1), " is not the weight's ",
               w.blocks * kBlock);
-  const at::Tensor rows = x.contiguous();
-  const int64_t count = rows.numel() / x.size(-1);
-  at::Tensor q = at::empty({count, x.size(-1)}, rows.options().dtype(at::kChar));
-  at::Tensor d = at::empty({count, w.blocks}, rows.options());
-  at::Tensor sums = at::empty({count, w.blocks}, rows.options().dtype(at::kInt));
-  quantize_into(rows.const_data_ptr<float>(), count, x.size(-1), q.mutable_data_ptr<int8_t>(), d.mutable_data_ptr<float>(),
-                sums.mutable_data_ptr<int32_t>());
+  const Activations a = quantized(x);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = d_out;
-  at::Tensor y = at::empty(shape, rows.options());
-  const Rows activations{q.const_data_ptr<int8_t>(), d.const_data_ptr<float>(), sums.const_data_ptr<int32_t>(), count,
-                         w.blocks};
-  matmul_rows(w, activations, y.mutable_data_ptr<float>());
+  at::Tensor y = at::empty(shape, x.options());
+  matmul_rows(w, a.rows(), y.mutable_data_ptr<float>());
   return y;
 }
 
@@ -638,7 +694,7 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> pack_ggml(const at
 
 TORCH_LIBRARY(glasslm_kernels, m) {
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
-  m.def("qmatmul(Tensor q, Tensor d, Tensor sums, Tensor levels, Tensor scales, Tensor? mins, int bits, int offset, "
+  m.def("qmatmul(Tensor q, Tensor d, Tensor sums, int passes, Tensor levels, Tensor scales, Tensor? mins, int bits, int offset, "
         "int group_blocks, int d_out, Tensor? row_scale, Tensor? bias) -> Tensor");
   m.def("qlinear(Tensor x, Tensor levels, Tensor scales, Tensor? mins, int bits, int offset, int group_blocks, "
         "int d_out, Tensor? row_scale, Tensor? bias) -> Tensor");

@@ -8,9 +8,16 @@ vpdpbusd does 64 byte products per instruction) and only one float multiply-add 
 inputs remains.
 
 Activations. Each row of x is cut into blocks of 32 inputs; a block b keeps one float32 scale and
-its inputs rounded to int8 (`quantize_rows_reference`):
+its inputs rounded to int8 (`quantize_block_rows`):
 
     dx_b = max_i |x_i| / 127        xq_i = round(x_i / dx_b)  in -127..127        s_b = sum_i xq_i
+
+llama.cpp stops there, and its int8 activations move a small model's logits by up to ~1 (SmolLM2's,
+of ~25: enough to change greedy answers where two tokens nearly tie). glasslm also rounds what that
+left over, x - dx * xq (at most dx / 2 per input), to int8 with the step dx / 256: each input is then
+dx / 256 * (256 * xq + xq2), a 16-bit integer kept as two bytes, good to 1/256 of a step (logits to
+~0.005), for twice the integer products but not one more byte of weights, which is what decoding
+waits for (`quantize_rows_reference` gives the two int8 rows of each row).
 
 Weights. A `QuantizedMatrix` holds unsigned levels u (0..15, or 0..255 for 8-bit weights stored
 as w + 128), a scale per group of inputs (fp16 or bf16, one group being one or more blocks) and
@@ -26,7 +33,8 @@ Product. Within a block both operands are integers, so
 
     y[o] = row_scale[o] * sum_b [ scale * dx_b * (sum_i u_i xq_i - offset * s_b) + min * dx_b * s_b ] + bias[o]
 
-with the bracket computed exactly in int32. `qmatmul_reference` is that sum written as a float
+with the bracket computed exactly in int32 (for the two bytes, xq stands for 256 * xq + xq2 and dx
+for dx / 256). `qmatmul_reference` is that sum written as a float
 matmul of the dequantized operands; the kernels differ from it only in the order float32 adds
 happen (`float_error_bound`), and from the float product x @ W.T by the activations' rounding,
 at most half a step per input (`activation_error_bound`).
@@ -65,14 +73,16 @@ from glasslm.kernels import build
 
 BLOCK = 32  # inputs per block
 PANEL = 16  # output rows per panel
+PASSES = 2  # int8 rows per activation row: its rounding, and the rounding of what that left over
+SECOND_STEP = 1 / 256  # the second row's scale, relative to the first's
 
 
 # --- activations --------------------------------------------------------------------------------
 
-def quantize_rows_reference(
+def quantize_block_rows(
     x: Float[Tensor, "... d_in"],
 ) -> tuple[Int[Tensor, "rows d_in"], Float[Tensor, "rows blocks"], Int[Tensor, "rows blocks"]]:
-    """(xq int8, dx float32, s int32) of every row of x, in blocks of 32: the kernels' activations, bit for bit."""
+    """(xq int8, dx float32, s int32) of every row of x, in blocks of 32 (one pass; llama.cpp's rounding)."""
     d_in = x.shape[-1]
     if d_in % BLOCK:
         raise ValueError(f"rows are quantized in blocks of {BLOCK}; a width of {d_in} does not divide")
@@ -84,10 +94,36 @@ def quantize_rows_reference(
     return levels.to(torch.int8).reshape(-1, d_in), scale, levels.sum(dim=-1).to(torch.int32)
 
 
+def quantize_rows_reference(
+    x: Float[Tensor, "... d_in"],
+) -> tuple[Int[Tensor, "passes_rows d_in"], Float[Tensor, "passes_rows blocks"], Int[Tensor, "passes_rows blocks"]]:
+    """The kernels' activations, bit for bit: for row r of x, int8 rows 2r (x rounded) and 2r + 1
+    (what that left over, x - xq * dx, rounded to steps of dx / 256)."""
+    rows = x.detach().float().reshape(-1, x.shape[-1])
+    q, d, s = quantize_block_rows(rows)
+    left = (rows - dequantize_rows(q, d)).reshape(rows.shape[0], -1, BLOCK)  # at most d / 2 per input
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d)) * 256
+    q2 = torch.round(left * inverse[..., None]).clamp(-127, 127)   # (only a tie at d / 2 exactly is cut)
+    d2, s2 = d * SECOND_STEP, q2.sum(dim=-1).to(torch.int32)
+    q2 = q2.to(torch.int8).reshape(rows.shape)
+    return tuple(torch.stack(pair, dim=1).flatten(0, 1) for pair in ((q, q2), (d, d2), (s, s2)))
+
+
 def dequantize_rows(q: Int[Tensor, "rows d_in"], d: Float[Tensor, "rows blocks"]) -> Float[Tensor, "rows d_in"]:
-    """The float rows the int8 activations stand for: xq * dx per block."""
+    """The float rows int8 blocks stand for: xq * dx per block."""
     rows, d_in = q.shape
     return (q.float().reshape(rows, -1, BLOCK) * d[..., None]).reshape(rows, d_in)
+
+
+def activation_rows(q: Int[Tensor, "passes_rows d_in"], d: Float[Tensor, "passes_rows blocks"],
+                    passes: int = PASSES, magnitude: bool = False) -> Float[Tensor, "rows d_in"]:
+    """The rows of x the activations stand for (each the sum of its `passes` int8 rows), in float64:
+    exact (a sum of two floats 2^8 apart in size fits float64's 53 bits). With `magnitude`, the sum of
+    the passes' absolute values instead (what the kernels' float terms add up to, for error bounds)."""
+    rows, d_in = q.shape
+    values = q.double().reshape(rows, -1, BLOCK) * d.double()[..., None]
+    values = values.abs() if magnitude else values
+    return values.reshape(rows // passes, passes, d_in).sum(dim=1)
 
 
 # --- weights ------------------------------------------------------------------------------------
@@ -136,37 +172,41 @@ class QuantizedMatrix:
         return cls((q + offset).to(torch.uint8).reshape(weight.shape), scales, None, bits, offset)
 
 
-def qmatmul_reference(q: Int[Tensor, "rows d_in"], d: Float[Tensor, "rows blocks"], sums: Int[Tensor, "rows blocks"],
-                      matrix: QuantizedMatrix, bias: Tensor | None = None) -> Float[Tensor, "rows d_out"]:
-    """What the kernels compute, readably: the int8 rows' floats times the matrix's floats, plus bias.
-    (`sums` is implied by q; the kernels take it to correct for the offset in integers.)"""
+def qmatmul_reference(q: Int[Tensor, "passes_rows d_in"], d: Float[Tensor, "passes_rows blocks"],
+                      sums: Int[Tensor, "passes_rows blocks"], matrix: QuantizedMatrix, bias: Tensor | None = None,
+                      passes: int = PASSES) -> Float[Tensor, "rows d_out"]:
+    """What the kernels compute, readably: the rows the int8 activations stand for times the matrix's
+    floats, plus bias. (`sums` is implied by q; the kernels take it to correct for the offset in integers.)"""
     del sums
-    return F.linear(dequantize_rows(q, d), matrix.weight(), None if bias is None else bias.float())
+    return F.linear(activation_rows(q, d, passes).float(), matrix.weight(), None if bias is None else bias.float())
 
 
-def summation_error_bound(rows: Float[Tensor, "rows d_in"], matrix: QuantizedMatrix) -> Float[Tensor, "rows d_out"]:
-    """How far two float32 evaluations of rows @ W.T that add in different orders can be apart: each
-    is within about (d_in + 8) * 2^-24 of the sum of the magnitudes of every term it adds up (the
-    classic bound for recursive summation, with room for the few products per block)."""
+def summation_error_bound(rows: Float[Tensor, "rows d_in"], matrix: QuantizedMatrix,
+                           passes: int = PASSES) -> Float[Tensor, "rows d_out"]:
+    """How far two float32 evaluations of rows @ W.T that add in different orders (and, with two
+    passes, add each row's two int8 rows apart) can be: each is within about (d_in + 8) * 2^-24 of
+    the sum of the magnitudes of every term it adds up (the classic bound for recursive summation,
+    with room for the few products per block and the one rounding of the activations' float sum)."""
     terms = rows.float().abs() @ matrix.magnitude().T  # (rows, d_out)
-    return 2 * (rows.shape[-1] + 8) * 2**-24 * terms
+    return 2 * (rows.shape[-1] + 8 + passes) * 2**-24 * terms
 
 
 def float_error_bound(x: Float[Tensor, "... d_in"], matrix: QuantizedMatrix) -> Float[Tensor, "rows d_out"]:
     """How far the kernels' product of x's int8 rows with `matrix` can be from `qmatmul_reference`'s."""
     q, d, _ = quantize_rows_reference(x)
-    return summation_error_bound(dequantize_rows(q, d), matrix)
+    return summation_error_bound(activation_rows(q, d, magnitude=True), matrix)
 
 
 def activation_error_bound(x: Float[Tensor, "... d_in"], matrix: QuantizedMatrix) -> Float[Tensor, "rows d_out"]:
     """The most the kernels' output can be from the float product x @ W.T (itself computed in
-    float32): rounding x to int8 blocks moves each input by at most half its block's step, dx_b / 2,
-    and so each output by that times |W|, plus both sides' float32 rounding."""
-    _, d, _ = quantize_rows_reference(x)
-    half_step = (d / 2).repeat_interleave(BLOCK, dim=1)  # (rows, d_in)
+    float32): the activations stand for x to within |x - x~| per input (at most half the second
+    pass's step, 1/512 of the first's), which moves each output by that times |W|, plus both sides'
+    float32 rounding."""
+    q, d, _ = quantize_rows_reference(x)
+    rows = x.reshape(-1, x.shape[-1]).double()
+    gap = (rows - activation_rows(q, d)).abs().float()  # (rows, d_in), computed exactly in float64
     weight = matrix.weight().abs()
-    rows = x.reshape(-1, x.shape[-1]).float().abs()
-    return half_step @ weight.T + float_error_bound(x, matrix) + 2 * x.shape[-1] * 2**-24 * (rows @ weight.T)
+    return gap @ weight.T + float_error_bound(x, matrix) + 2 * x.shape[-1] * 2**-24 * (rows.float().abs() @ weight.T)
 
 
 # --- the packed layout --------------------------------------------------------------------------
@@ -256,12 +296,12 @@ def _register_fakes() -> None:
         return x.new_empty((*x.shape[:-1], d_out))
 
     @torch.library.register_fake("glasslm_kernels::qmatmul")
-    def _qmatmul(q, d, sums, levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias):
-        return q.new_empty((q.shape[0], d_out), dtype=torch.float32)
+    def _qmatmul(q, d, sums, passes, levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias):
+        return q.new_empty((q.shape[0] // passes, d_out), dtype=torch.float32)
 
     @torch.library.register_fake("glasslm_kernels::quantize_rows")
     def _quantize_rows(x):
-        rows, width = x.numel() // x.shape[-1], x.shape[-1]
+        rows, width = x.numel() // x.shape[-1] * PASSES, x.shape[-1]
         return (x.new_empty((rows, width), dtype=torch.int8), x.new_empty((rows, width // BLOCK)),
                 x.new_empty((rows, width // BLOCK), dtype=torch.int32))
 
@@ -280,10 +320,12 @@ def qlinear(x: Float[Tensor, "... d_in"], packed: PackedMatrix, bias: Tensor | N
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
-def qmatmul(q: Tensor, d: Tensor, sums: Tensor, packed: PackedMatrix, bias: Tensor | None = None) -> Tensor:
-    """The kernels' product of rows already in int8 blocks (e.g. llama.cpp's own) with `packed`: (rows, d_out) float32."""
+def qmatmul(q: Tensor, d: Tensor, sums: Tensor, packed: PackedMatrix, bias: Tensor | None = None,
+            passes: int = PASSES) -> Tensor:
+    """The kernels' product of rows already in int8 blocks (`passes` int8 rows per row: 1 for
+    llama.cpp's own) with `packed`: (rows, d_out) float32."""
     ops = kernel_ops()
     if ops is None:
         raise RuntimeError("the C++ kernels are not loaded (see glasslm.kernels.build)")
-    return ops.qmatmul(q, d, sums, packed.levels, packed.scales, packed.mins, packed.bits, packed.offset,
+    return ops.qmatmul(q, d, sums, passes, packed.levels, packed.scales, packed.mins, packed.bits, packed.offset,
                        packed.group_blocks, packed.d_out, packed.row_scale, bias)
