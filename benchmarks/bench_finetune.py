@@ -3,6 +3,7 @@ LoRA and QLoRA (int4 base), beside peft + transformers doing the same LoRA step 
 
     python benchmarks/bench_finetune.py                     # both shapes, 5 timed steps each
     python benchmarks/bench_finetune.py --shapes gpt2-small --steps 3 --threads 2
+    python benchmarks/bench_finetune.py --smoke             # both shapes cut to 2 narrow layers, 1 step (the test suite runs it)
 
 Shapes (random weights; speed and memory do not depend on their values): GPT-2 small (124M) and a
 SmolLM-360M-shaped Llama (32 layers, d_model 960, 15 heads / 5 KV heads, tied embeddings).
@@ -42,17 +43,23 @@ PEFT_TARGETS = {"gpt2-small": ["c_attn"], "smollm-360m": ["q_proj", "v_proj"]}
 RANK, ALPHA = 8, 16.0
 
 
-def config(shape: str):
+SMOKE = dict(vocab_size=512, d_model=64, n_layers=2, n_heads=2, n_kv_heads=None, d_mlp=128, context_length=64)
+
+
+def config(shape: str, smoke: bool = False):
+    """The shape's config; with `smoke`, the same family cut to 2 layers of width 64 (seconds, not minutes)."""
     if shape == "gpt2-small":
-        return get_preset("gpt2-small", context_length=1024)
-    return get_preset("llama-tiny").replace(vocab_size=49152, d_model=960, n_layers=32, n_heads=15, n_kv_heads=5,
-                                            d_mlp=2560, context_length=2048, tie_embeddings=True, rope_theta=10000.0)
+        cfg = get_preset("gpt2-small", context_length=1024)
+    else:
+        cfg = get_preset("llama-tiny").replace(vocab_size=49152, d_model=960, n_layers=32, n_heads=15, n_kv_heads=5,
+                                               d_mlp=2560, context_length=2048, tie_embeddings=True, rope_theta=10000.0)
+    return cfg.replace(**{**SMOKE, "n_kv_heads": 1 if shape != "gpt2-small" else None}) if smoke else cfg
 
 
-def build(shape: str, variant: str) -> TransformerLM:
+def build(shape: str, variant: str, smoke: bool = False) -> TransformerLM:
     """The model to train: every weight (full), or a frozen base (int4 for qlora) with adapters."""
     torch.manual_seed(0)
-    model = TransformerLM(config(shape))
+    model = TransformerLM(config(shape, smoke))
     if variant == "qlora":
         apply_transform(model, "int4")
     if variant in ("lora", "qlora"):
@@ -68,13 +75,13 @@ def glasslm_step(model, optimizer, ids):
     optimizer.zero_grad(set_to_none=True)
 
 
-def peak_rss_child(shape: str, variant: str, steps: int, batch: int, seq: int) -> None:
+def peak_rss_child(shape: str, variant: str, steps: int, batch: int, seq: int, smoke: bool) -> None:
     """(subprocess) Build, reset the RSS high-water mark, train `steps` steps, print the peak as JSON."""
     import ctypes
     import gc
 
     baseline = _status_mb("VmRSS")  # the interpreter and torch, before any model
-    model = build(shape, variant)
+    model = build(shape, variant, smoke)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
     gc.collect()
@@ -97,7 +104,8 @@ def _status_mb(field: str) -> float:
 
 def peak_memory(shape: str, variant: str, args) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", shape, variant, "--steps", str(args.steps),
-                          "--batch", str(args.batch), "--seq", str(args.seq), "--threads", str(args.threads)],
+                          "--batch", str(args.batch), "--seq", str(args.seq), "--threads", str(args.threads),
+                          *(["--smoke"] if args.smoke else [])],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -120,7 +128,7 @@ def peft_model(shape: str, ours: TransformerLM):
 def speed(shape: str, args) -> dict[str, float]:
     """Median seconds per step of glasslm LoRA and peft LoRA, timed in turns."""
     torch.manual_seed(0)
-    base = TransformerLM(config(shape))
+    base = TransformerLM(config(shape, args.smoke))
     theirs = peft_model(shape, base)
     apply_transform(base, "lora", LoRAConfig(rank=RANK, alpha=ALPHA, sites=SITES[shape]))
     base.train()
@@ -155,11 +163,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--child", nargs=2, metavar=("SHAPE", "VARIANT"))
     parser.add_argument("--memory-only", action="store_true", help="skip the timed comparison with peft")
+    parser.add_argument("--smoke", action="store_true", help="2 narrow layers, 1 step of 1 x 16 tokens: checks it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.batch, args.seq = 1, 1, 16
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.child:
-        peak_rss_child(*args.child, args.steps, args.batch, args.seq)
+        peak_rss_child(*args.child, args.steps, args.batch, args.seq, args.smoke)
         return
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; batch {args.batch} x {args.seq} tokens, "
           f"{args.steps} steps; LoRA rank {RANK}, alpha {ALPHA:g}")

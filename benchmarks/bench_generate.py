@@ -5,6 +5,7 @@ alike; tables show medians over repeats and glasslm / HF ratios.
 
     python benchmarks/bench_generate.py            # full: 256 new tokens, 5 repeats
     python benchmarks/bench_generate.py --quick    # a short version (~1 minute)
+    python benchmarks/bench_generate.py --smoke    # every step on a 2-layer model, seconds (the test suite runs it)
 
 The weights are random (GPT-2's init, fixed seed): speed does not depend on their values, and
 nothing has to be downloaded. Before timing, the script checks the two models agree: logits
@@ -23,16 +24,17 @@ import torch
 from glasslm.presets import get_preset
 from glasslm.generation import GenerationConfig, generate, generate_tokens, onednn_disabled, optimize_for_decoding
 from glasslm.core.model import TransformerLM
-from glasslm.transforms.quantize import quantize, quantize_int8
+from glasslm.transforms import apply_transform
 from glasslm.runtime import cpu_flags
 from glasslm.generation.speculative import SpeculativeStats, speculative_tokens
 
 
-def hf_gpt2(seed: int = 0):
+def hf_gpt2(seed: int = 0, smoke: bool = False):
+    """GPT-2 small with random weights (with `smoke`, 2 layers of width 64: the same code, in seconds)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config()).eval()
+    return GPT2LMHeadModel(GPT2Config(**(dict(n_layer=2, n_embd=64, n_head=2) if smoke else {}))).eval()
 
 
 def glasslm_from_hf(hf, n_layers: int = 12) -> TransformerLM:
@@ -41,7 +43,9 @@ def glasslm_from_hf(hf, n_layers: int = 12) -> TransformerLM:
     GPT-2's Conv1D stores weights (d_in, d_out); glasslm's Linear stores (d_out, d_in) like torch.
     With `n_layers` below 12, only the first blocks are kept (an early-exit draft model).
     """
-    model = TransformerLM(get_preset("gpt2-small", n_layers=n_layers)).eval()
+    shape = hf.config
+    model = TransformerLM(get_preset("gpt2-small", n_layers=min(n_layers, shape.n_layer), d_model=shape.n_embd,
+                                     n_heads=shape.n_head)).eval()
     theirs = hf.state_dict()
     pairs = {"embed.weight": "transformer.wte.weight", "pos_embed.weight": "transformer.wpe.weight",
              "ln_final.weight": "transformer.ln_f.weight", "ln_final.bias": "transformer.ln_f.bias"}
@@ -95,9 +99,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--draft-layers", type=int, default=2, help="layers of the early-exit draft (default: 2)")
     parser.add_argument("--lookahead", type=int, default=4, help="tokens the draft proposes per pass (default: 4)")
+    parser.add_argument("--smoke", action="store_true", help="a 2-layer model, 4 tokens, 1 repeat: checks it runs")
     args = parser.parse_args()
-    n_new = args.new_tokens or (64 if args.quick else 256)
-    repeats = args.repeats or (3 if args.quick else 5)
+    n_new = args.new_tokens or (4 if args.smoke else 64 if args.quick else 256)
+    repeats = args.repeats or (1 if args.smoke else 3 if args.quick else 5)
+    draft_layers = 1 if args.smoke else args.draft_layers
     if args.threads:
         torch.set_num_threads(args.threads)
     print("command:", " ".join([sys.executable, *sys.argv]))
@@ -106,10 +112,10 @@ def main() -> None:
     flags = cpu_flags()
     shown = sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2", "avx_vnni", "fma")))
     print(f"CPU flags: {' '.join(shown) or 'unknown'}")
-    bandwidth = memory_bandwidth_gb_s()
+    bandwidth = memory_bandwidth_gb_s(16 if args.smoke else 512)
     print(f"memory bandwidth (streaming sum, {torch.get_num_threads()} threads): {bandwidth:.1f} GB/s\n")
 
-    hf = hf_gpt2()
+    hf = hf_gpt2(smoke=args.smoke)
     ours = glasslm_from_hf(hf)
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 50257, (1, 16), generator=generator)
@@ -121,9 +127,9 @@ def main() -> None:
     optimize_for_decoding(ours)  # a layout change only: checked again below through greedy tokens
     ours_bf16 = glasslm_from_hf(hf).to(torch.bfloat16)
     ours_int8 = glasslm_from_hf(hf)
-    quantize_int8(ours_int8)
+    apply_transform(ours_int8, "int8")
     ours_int4 = glasslm_from_hf(hf)
-    quantize(ours_int4, "int4")
+    apply_transform(ours_int4, "int4")
     greedy = GenerationConfig(max_new_tokens=n_new, temperature=0.0)
 
     def run_hf(tokens):
@@ -151,8 +157,8 @@ def main() -> None:
     # Speculative decoding needs a draft that often agrees with the target. With random weights no
     # separately built model does, so the draft is the target cut after its first blocks (same
     # embeddings, final norm and unembedding: an early exit), quantized to int8 to make it cheap.
-    draft = glasslm_from_hf(hf, n_layers=args.draft_layers)
-    quantize_int8(draft)
+    draft = glasslm_from_hf(hf, n_layers=draft_layers)
+    apply_transform(draft, "int8")
     stats = SpeculativeStats()
 
     def run_speculative():
@@ -160,7 +166,7 @@ def main() -> None:
                                         stats=stats))]
 
     assert run_speculative()[0] == hf_tokens, "speculative decoding changed the greedy tokens"
-    print(f"speculative: draft = first {args.draft_layers} of 12 layers in int8, lookahead {args.lookahead}: "
+    print(f"speculative: draft = first {draft_layers} of {hf.config.n_layer} layers in int8, lookahead {args.lookahead}: "
           f"same greedy tokens; {stats.acceptance_rate:.0%} of proposals accepted, "
           f"{stats.tokens_per_target_pass:.2f} tokens per target pass\n")
 

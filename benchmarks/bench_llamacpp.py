@@ -12,6 +12,7 @@ f32 / f16 / q8_0 / q4_0.
     python benchmarks/bench_llamacpp.py --models gpt2,llama --batches 1,8 --prefill
     python benchmarks/bench_llamacpp.py --full        # batch 1 and 8, threads 1 and 2, prefill, profile
     python benchmarks/bench_llamacpp.py --compile     # also each glasslm model through a compiled step
+    python benchmarks/bench_llamacpp.py --smoke       # 2-layer models, 4 tokens, 1 repeat: seconds (the test suite runs it)
     python benchmarks/bench_llamacpp.py --gguf model.gguf   # one real file: llama.cpp on it, glasslm as
                                                              # `glasslm generate --checkpoint model.gguf` loads it
 
@@ -55,19 +56,26 @@ GGUF_PAIRS = [("gguf", "file"), ("gguf fp32", "file")]  # --gguf: the file as lo
 
 def pairs(args) -> list[tuple[str, str]]:
     """The (glasslm, llama.cpp) rows to time: PAIRS (GGUF_PAIRS with --gguf), and with --compile each
-    glasslm model compiled too."""
+    glasslm model compiled too (with --smoke, only the first: compiling takes most of a smoke run)."""
     base = GGUF_PAIRS if args.gguf else PAIRS
-    return base + [(ours + COMPILED, theirs) for ours, theirs in base] if args.compile else base
+    compiled = [(ours + COMPILED, theirs) for ours, theirs in base][:1 if args.smoke else None]
+    return base + compiled if args.compile else base
 
 
 # --- the weights, written for both ----------------------------------------------------------------
 
-def random_hf_model(kind: str, directory: Path) -> dict:
-    """Save a randomly initialised HF model (fixed seed) to `directory`; return its config."""
+def random_hf_model(kind: str, directory: Path, smoke: bool = False) -> dict:
+    """Save a randomly initialised HF model (fixed seed) to `directory`; return its config. With
+    `smoke`, 2 layers of width 128 initialised wide (logits far apart: the greedy check stays sharp)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    if kind == "gpt2":
+    if smoke:
+        shape = dict(num_hidden_layers=2, num_attention_heads=4, initializer_range=0.5)
+        model = GPT2LMHeadModel(GPT2Config(n_embd=128, **shape)) if kind == "gpt2" else LlamaForCausalLM(
+            LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_key_value_heads=2,
+                        tie_word_embeddings=True, **shape))
+    elif kind == "gpt2":
         model = GPT2LMHeadModel(GPT2Config())
     else:  # SmolLM-135M's shape
         model = LlamaForCausalLM(LlamaConfig(
@@ -488,7 +496,7 @@ def print_table(kind: str, times: dict, bytes_ours: dict, bytes_theirs: dict, ba
 
 def run_model(kind: str, folder: Path, args, bandwidth: dict) -> None:
     hf_dir = folder / kind
-    hf = random_hf_model(kind, hf_dir)
+    hf = random_hf_model(kind, hf_dir, args.smoke)
     from safetensors.torch import load_file
 
     state = load_file(hf_dir / "model.safetensors")
@@ -577,10 +585,16 @@ def main() -> None:
     parser.add_argument("--full", action="store_true",
                         help="the whole table in about 10 minutes on 2 cores: batches 1,8, threads 1,2, a 512-token "
                              "prefill, 128 new tokens at batch 1 and 32 per row at batch 8, 3 repeats, --profile")
+    parser.add_argument("--smoke", action="store_true",
+                        help="with any other options: 2-layer models, 4 new tokens, 1 repeat, and with --compile "
+                             "one compiled model on one thread count (checks that it runs)")
     args = parser.parse_args()
     if args.full:
         args.batches, args.threads, args.prefill, args.profile = "1,8", "1,2", True, True
         args.new_tokens, args.batch_new_tokens, args.repeats = 128, 32, 3
+    if args.smoke:
+        args.new_tokens, args.batch_new_tokens, args.repeats = 4, min(args.batch_new_tokens, 4), 1
+        args.threads = args.threads[:1] if args.compile else args.threads  # a compiled graph per thread count
     args.batches = [int(b) for b in args.batches.split(",")]
     args.threads = [int(t) for t in args.threads.split(",")]
     import llama_cpp
@@ -594,8 +608,8 @@ def main() -> None:
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni", "avx2")))
     print(f"CPU: {cpu_name()}; flags: {' '.join(flags)}")
     print(f"torch {torch.__version__}, llama-cpp-python {llama_cpp.__version__}")
-    bandwidth = {t: memory_bandwidth(t) for t in args.threads}
-    print("memory bandwidth (streaming torch sum of 512 MB): "
+    bandwidth = {t: memory_bandwidth(t, 16 if args.smoke else 512) for t in args.threads}
+    print(f"memory bandwidth (streaming torch sum of {16 if args.smoke else 512} MB): "
           + ", ".join(f"{bw / 1e9:.1f} GB/s on {t} thread{'s' * (t > 1)}" for t, bw in bandwidth.items()))
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     if busy:

@@ -19,6 +19,7 @@ beside scored (prompt) tokens/s. A kind the server answers with 400 is skipped w
     python benchmarks/bench_serve.py                      # 32 clients, 20 s per run
     python benchmarks/bench_serve.py --mix                # the mix above, 32 clients
     python benchmarks/bench_serve.py --clients 8 --duration 5 --checkpoint runs/shakespeare-char-cpu
+    python benchmarks/bench_serve.py --smoke [--mix]      # 2 clients, 1 s, 4 tokens; fails on any failed request
 """
 
 from __future__ import annotations
@@ -276,7 +277,11 @@ def main() -> None:
                         help="the server's torch threads (1: a 0.8M-parameter model's steps are too small to split)")
     parser.add_argument("--mix", action="store_true",
                         help="one batched server, clients taking turns at streaming, chat and echo-scoring requests")
+    parser.add_argument("--smoke", action="store_true",
+                        help="2 clients, 1 s per run, 4 tokens per request; exit 1 if a request failed (the test suite runs it)")
     args = parser.parse_args()
+    if args.smoke:
+        args.clients, args.duration, args.max_tokens = 2, 1.0, 4
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(args.checkpoint) if args.checkpoint else random_checkpoint(Path(tmp))
@@ -294,6 +299,9 @@ def main() -> None:
                 proc.wait(30)
             print(f"mixed load, batched server, {result['elapsed']:.1f} s:")
             report_mix(result)
+            kinds = result["kinds"].values()
+            if args.smoke and any(k["failures"] or k["refused"] or not k["requests"] for k in kinds):
+                sys.exit("bench_serve.py: a kind of request failed, was refused or never completed")
             return
         results = {}
         for label, max_batch, max_queue in (("batched", args.clients, args.clients),
@@ -329,6 +337,8 @@ def main() -> None:
         for label in labels:
             for failure in sorted(set(results[label]["failures"]))[:5]:
                 print(f"  {label} failure: {failure}")
+        if args.smoke and any(r["failures"] or not r["requests"] for r in results.values()):
+            sys.exit("bench_serve.py: requests failed or none completed")
         print(f"\nthe engine alone (same load, in this process, no HTTP), {args.duration:.0f} s per run:")
         alone = {label: asyncio.run(engine_load(checkpoint, args.clients, max_batch, args.duration, args.max_tokens,
                                                 args.threads))

@@ -15,6 +15,7 @@ machine slows both alike.
 
     python benchmarks/bench_time_to_loss.py --threads 2
     python benchmarks/bench_time_to_loss.py --threads 2 --glasslm-preset shakespeare-char-cpu-nanogpt  # same recipe
+    python benchmarks/bench_time_to_loss.py --smoke          # 4 steps each, a slice of validation (the test suite runs it)
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def nanogpt_lr(step: int, lr: float = 1e-3, min_lr: float = 1e-4, warmup: int = 
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
 
 
-def reference_run(train: torch.Tensor, vocab: int, seed: int) -> Run:
+def reference_run(train: torch.Tensor, vocab: int, seed: int, max_steps: int = 2000) -> Run:
     torch.manual_seed(seed)
     model = RefGPT(vocab, 64, 128, 4, 4)
     cfg = TrainConfig(lr=1e-3, min_lr=1e-4, beta2=0.99, weight_decay=0.1)
@@ -115,7 +116,7 @@ def reference_run(train: torch.Tensor, vocab: int, seed: int) -> Run:
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return Run("nanoGPT", model, step_fn, 2000)
+    return Run("nanoGPT", model, step_fn, max_steps)
 
 
 def glasslm_run(preset: str, train: torch.Tensor, vocab: int, seed: int, overrides: dict) -> tuple[Run, TrainConfig]:
@@ -160,7 +161,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--skip-reference", action="store_true", help="tune glasslm's side alone")
     parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--smoke", action="store_true", help="4 steps each, 4,096 validation tokens: checks it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.eval_every, args.set = 2, [*args.set, "max_steps=4"]
     text = _shakespeare(args.data_dir)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -169,9 +173,10 @@ def main() -> None:
     chars = sorted(set(text))
     ids = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
     n_train = int(0.9 * len(ids))  # nanoGPT's prepare.py split
-    train, val = ids[:n_train], ids[n_train:]
+    train, val = ids[:n_train], ids[n_train:n_train + 4096 if args.smoke else None]
     glasslm, cfg = glasslm_run(args.glasslm_preset, train, len(chars), args.seed, parse_overrides(args.set))
-    runs = [glasslm] if args.skip_reference else [reference_run(train, len(chars), args.seed), glasslm]
+    reference = reference_run(train, len(chars), args.seed, glasslm.max_steps if args.smoke else 2000)
+    runs = [glasslm] if args.skip_reference else [reference, glasslm]
     for run in runs:
         n = sum(p.numel() for p in run.model.parameters())
         print(f"{run.name}: {n / 1e6:.3f}M parameters, {run.max_steps} steps")

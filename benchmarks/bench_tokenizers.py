@@ -6,6 +6,7 @@ process so machine load affects both alike.
 Usage:
     python benchmarks/bench_tokenizers.py --data-dir /work/shared/data
     python benchmarks/bench_tokenizers.py --data-dir /work/shared/data --big   # + 32k vocab on >= 50 MB
+    python benchmarks/bench_tokenizers.py --smoke --big   # 20 KB of text, vocab 300, once (the test suite runs it)
 
 Needs tinyshakespeare.txt and gpt2/ (see glasslm.tokenizers.find_gpt2_files) under --data-dir
 (default, glasslm's one rule: $GLASSLM_DATA_DIR, else ~/.cache/glasslm); tiktoken's gpt2 files are read from <data-dir>/tiktoken_cache if present.
@@ -142,10 +143,10 @@ def build_big_corpus(path: Path, min_bytes: int) -> int:
     return total
 
 
-def bench_big(vocab_size: int, min_mb: int) -> None:
+def bench_big(vocab_size: int, min_bytes: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.txt"
-        size = build_big_corpus(corpus, min_mb << 20)
+        size = build_big_corpus(corpus, min_bytes)
         print(f"\n== BPE training: vocab {vocab_size} on {size / 1e6:.1f} MB of local text (one run each, separate processes) ==")
         for which in ("glasslm", "hf"):
             result = subprocess.run([sys.executable, __file__, "--train-one", which, str(corpus), str(vocab_size)],
@@ -175,6 +176,7 @@ def main() -> None:
     parser.add_argument("--big", action="store_true", help="also train a 32k vocab on >= --big-mb MB of local text")
     parser.add_argument("--big-mb", type=int, default=50)
     parser.add_argument("--train-one", nargs=3, metavar=("WHICH", "CORPUS", "VOCAB"), help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="20 KB of text, vocab 300, one repeat: checks it runs")
     args = parser.parse_args()
     if args.train_one:
         which, corpus, vocab = args.train_one
@@ -191,10 +193,15 @@ def main() -> None:
     except (OSError, ValueError, RuntimeError) as err:
         sys.exit(f"bench_tokenizers.py: error: {err}")
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
-    bench_training(shakespeare, args.vocab_size, args.repeats)
-    bench_encoding(shakespeare, data_dir, args.repeats)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.smoke:
+            args.vocab_size, args.repeats = 300, 1
+            shakespeare = Path(tmp) / "tinyshakespeare-20k.txt"
+            shakespeare.write_text(resolve_text("tinyshakespeare", data_dir).read_text(encoding="utf-8")[:20_000])
+        bench_training(shakespeare, args.vocab_size, args.repeats)
+        bench_encoding(shakespeare, data_dir, args.repeats)
     if args.big:
-        bench_big(32_000, args.big_mb)
+        bench_big(300 if args.smoke else 32_000, 200_000 if args.smoke else args.big_mb << 20)
 
 
 if __name__ == "__main__":

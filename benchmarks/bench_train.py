@@ -8,6 +8,7 @@ alike; we report the median step time over all timed steps and the ratio to the 
     PYTHONPATH=src python benchmarks/bench_train.py --preset shakespeare-char --batch-size 8 --steps 3
     PYTHONPATH=src python benchmarks/bench_train.py --matmul-only
     PYTHONPATH=src python benchmarks/bench_train.py --profile             # top ops of one glasslm step
+    PYTHONPATH=src python benchmarks/bench_train.py --smoke               # one step of each variant (the test suite runs it)
 """
 
 from __future__ import annotations
@@ -213,12 +214,15 @@ def main() -> None:
     parser.add_argument("--impl", default="fast")
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--data-dir", default=None, help="where datasets are kept (default $GLASSLM_DATA_DIR or ~/.cache/glasslm)")
+    parser.add_argument("--smoke", action="store_true", help="one round of one step per variant, batch 2: checks it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.batch_size, args.steps, args.rounds, args.warmup = 2, 1, 1, 0
     text = None if args.matmul_only or args.profile else _shakespeare(args.data_dir)  # fail before timing anything
     if args.threads:
         torch.set_num_threads(args.threads)
-    peak = matmul_throughput()
-    print(f"matmul 2048^3 on this machine: fp32 {peak['float32']:.0f} GFLOP/s, bf16 {peak['bfloat16']:.0f} GFLOP/s "
+    peak = matmul_throughput(256 if args.smoke else 2048)
+    print(f"matmul {256 if args.smoke else 2048}^3 on this machine: fp32 {peak['float32']:.0f} GFLOP/s, bf16 {peak['bfloat16']:.0f} GFLOP/s "
           f"({peak['bfloat16']/peak['float32']:.2f}x)")
     if args.matmul_only:
         return

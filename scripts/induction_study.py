@@ -2,9 +2,10 @@
 
     python scripts/induction_study.py                 # the preset's recipe (1500 steps; minutes on 2 cores)
     python scripts/induction_study.py --steps 300     # a shorter run
+    python scripts/induction_study.py --steps 20 --figures /tmp/figures   # a check that it runs (the test suite's)
 
 Writes docs/figures/induction_loss.png, induction_scores.png, induction_patching.png and
-docs/figures/induction_study.json (every number the page quotes).
+docs/figures/induction_study.json (every number the page quotes), or those files in --figures DIR.
 """
 
 from __future__ import annotations
@@ -20,16 +21,16 @@ from matplotlib.figure import Figure
 from glasslm.interp.induction import run_induction_study, save_study_model
 from glasslm.locations import check_output_dir
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "figures"
+FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
 
 
-def save(fig: Figure, name: str) -> None:
+def save(fig: Figure, path: Path) -> None:
     FigureCanvasAgg(fig)
     fig.tight_layout()
-    fig.savefig(OUT / name, dpi=110)
+    fig.savefig(path, dpi=110)
 
 
-def plot_losses(history: list[dict]) -> None:
+def plot_losses(history: list[dict], folder: Path) -> None:
     fig = Figure(figsize=(6, 3.5))
     ax = fig.add_subplot()
     steps = [h["step"] for h in history]
@@ -38,10 +39,10 @@ def plot_losses(history: list[dict]) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("next-token loss (nats)")
     ax.legend()
-    save(fig, "induction_loss.png")
+    save(fig, folder / "induction_loss.png")
 
 
-def plot_scores(history: list[dict]) -> None:
+def plot_scores(history: list[dict], folder: Path) -> None:
     fig = Figure(figsize=(6, 3.5))
     ax = fig.add_subplot()
     steps = [h["step"] for h in history]
@@ -53,10 +54,10 @@ def plot_scores(history: list[dict]) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("induction score")
     ax.legend(ncol=2, fontsize=7)
-    save(fig, "induction_scores.png")
+    save(fig, folder / "induction_scores.png")
 
 
-def plot_patching(grid: list[list[float]]) -> None:
+def plot_patching(grid: list[list[float]], folder: Path) -> None:
     fig = Figure(figsize=(4.5, 2.8))
     ax = fig.add_subplot()
     image = ax.imshow(grid, cmap="RdBu", vmin=-1, vmax=1)
@@ -68,7 +69,7 @@ def plot_patching(grid: list[list[float]]) -> None:
         for head, value in enumerate(row):
             ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=8)
     fig.colorbar(image, ax=ax, label="fraction of log-prob restored")
-    save(fig, "induction_patching.png")
+    save(fig, folder / "induction_patching.png")
 
 
 def main() -> None:
@@ -78,6 +79,8 @@ def main() -> None:
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="also save the trained model as a checkpoint (glasslm serve --checkpoint DIR opens it)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--figures", metavar="DIR", type=Path, default=FIGURES,
+                        help="where the figures and numbers go (default: docs/figures, which docs/induction.md shows)")
     args = parser.parse_args()
     if args.out:
         try:
@@ -91,12 +94,12 @@ def main() -> None:
               flush=True)
 
     study = run_induction_study(steps=args.steps, record_every=args.record_every, on_record=progress)
-    OUT.mkdir(parents=True, exist_ok=True)
-    plot_losses(study["history"])
-    plot_scores(study["history"])
-    plot_patching(study["head_patching"])
+    args.figures.mkdir(parents=True, exist_ok=True)
+    plot_losses(study["history"], args.figures)
+    plot_scores(study["history"], args.figures)
+    plot_patching(study["head_patching"], args.figures)
     numbers = {key: study[key] for key in ("history", "previous_token_scores", "head_patching")}
-    (OUT / "induction_study.json").write_text(json.dumps(numbers, indent=1))
+    (args.figures / "induction_study.json").write_text(json.dumps(numbers, indent=1))
     if args.out:
         save_study_model(study["model"], args.out, study["history"], overwrite=args.overwrite)
         print(f"saved the model to {args.out}: glasslm serve --checkpoint {args.out}")

@@ -1,9 +1,23 @@
-"""The README's and docs' commands refer to runs they make: a newcomer follows them in order."""
+"""The README's and docs' commands work when followed: every one is run here against small stand-ins
+(tests/doc_commands.py says how each is covered), and they refer to runs they make."""
 
+import importlib.util
+import json
+import os
 import re
 import shlex
+import signal
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 
+import pytest
+
+from doc_commands import (
+    COVERAGE, MAKERS, NETWORK, UNDOCUMENTED, During, Elsewhere, Run, Sandbox, Skip, command_key, doc_commands,
+    is_slow, run_in_shell,
+)
 from glasslm.presets import get_preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,3 +68,136 @@ def test_every_eval_stride_fits_the_context_of_a_run_the_docs_make():
         assert 1 <= int(stride) <= context, f"{' '.join(words)}: {checkpoint} has context {context}"
         checked += 1
     assert checked >= 2  # the README's and docs/generation.md's
+
+
+# ----- every command of the README and docs, run (issue 36, item 8) -----
+
+def _first_places() -> dict[str, str]:
+    places: dict[str, str] = {}
+    for command in doc_commands():
+        places.setdefault(command.key, command.where)
+    return places
+
+
+PLACES = _first_places()
+RUNS = {**{key: spec for key, spec in COVERAGE.items() if isinstance(spec, Run)}, **UNDOCUMENTED}
+
+
+def _case(key: str) -> pytest.param:
+    spec = RUNS[key]
+    return pytest.param(key, id=PLACES.get(key, key.split()[1]), marks=[pytest.mark.slow] if is_slow(key, spec) else [])
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory, data_dir) -> Sandbox:
+    return Sandbox(tmp_path_factory.mktemp("docs"), data_dir)
+
+
+def test_every_documented_command_has_an_entry_and_every_entry_a_command():
+    # A command added to a page must say how the suite runs it; an entry whose line left the pages goes too.
+    documented = set(PLACES)
+    assert documented - set(COVERAGE) == set(), "documented commands the suite does not run: add them to COVERAGE"
+    assert set(COVERAGE) - documented == set(), "COVERAGE entries no page shows any more"
+    assert len(documented) >= 90
+    served = {spec.command for spec in COVERAGE.values() if isinstance(spec, During)}
+    assert all(isinstance(COVERAGE[key], Run) and COVERAGE[key].serve for key in served)
+    assert all(isinstance(COVERAGE[key], Run) for key in MAKERS.values())
+
+
+def test_skipped_commands_say_why():
+    for key, spec in COVERAGE.items():
+        if isinstance(spec, Skip):
+            assert spec.reason.startswith((NETWORK, "the command that runs this suite")), key
+
+
+@pytest.mark.parametrize("key", [pytest.param(key, id=PLACES[key]) for key, spec in COVERAGE.items()
+                                 if isinstance(spec, Elsewhere)])
+def test_commands_run_by_other_tests_are_on_their_lists(key):
+    """Each `Elsewhere` command is one the named test runs: on the list of documented lines that test
+    reads (or, for a test without one, in its own source as the argument list it passes)."""
+    spec = COVERAGE[key]
+    path, name = spec.test.split("::")
+    source = (ROOT / path).read_text(encoding="utf-8")
+    assert f"def {name}(" in source, spec.test
+    if not spec.lister:
+        words = shlex.split(key)[1:]
+        assert "main([" + ", ".join(f'"{w}"' for w in words) in source, (key, spec.test)
+        return
+    loaded = importlib.util.spec_from_file_location(f"_doc_lister_{Path(path).stem}", ROOT / path)
+    module = importlib.util.module_from_spec(loaded)
+    sys.path.insert(0, str((ROOT / path).parent))  # its own imports of neighbouring test modules, as pytest does
+    try:
+        loaded.loader.exec_module(module)
+    finally:
+        sys.path.remove(str((ROOT / path).parent))
+    assert key in {command_key(line) for line in getattr(module, spec.lister)()}, (key, spec.test)
+
+
+def test_every_benchmark_has_a_smoke_run_and_imports():
+    import runpy
+
+    for path in sorted((ROOT / "benchmarks").glob("bench_*.py")):
+        runs = [key for key, spec in RUNS.items() if key.startswith(f"python benchmarks/{path.name}")]
+        assert runs and all("--smoke" in RUNS[key].add for key in runs), path.name
+        runpy.run_path(str(path), run_name="imported")  # its imports and definitions, not main()
+
+
+@pytest.mark.parametrize("key", [_case(key) for key, spec in RUNS.items() if not spec.serve])
+def test_the_documented_command_works_as_written(key, sandbox, tmp_path):
+    spec = RUNS[key]
+    made_by = {value: path for path, value in MAKERS.items()}
+    if key in made_by:  # a run other commands read: made once, in the sandbox
+        sandbox.ensure(made_by[key])
+        result, folder = sandbox.made[key], sandbox.root
+    else:
+        sandbox.prepare(tmp_path, spec.needs)
+        result, folder = sandbox.run(key, spec, tmp_path), tmp_path
+    result.check(key)
+    for text in spec.expect:
+        assert text in result.output, (key, text, result.output[-3000:])
+    for path in spec.creates:
+        assert (folder / path).exists(), (key, path, result.output[-3000:])
+
+
+@pytest.mark.parametrize("key", [_case(key) for key, spec in RUNS.items() if spec.serve])
+def test_the_documented_server_answers(key, sandbox, tmp_path):
+    """The server starts on the checkpoint the docs name; health, a completion, a chat answer where the
+    model has a template, and every documented `curl` line sent to it answer 200 with JSON."""
+    spec = RUNS[key]
+    sandbox.prepare(tmp_path, spec.needs)
+    *before, serve = key.split(" && ")
+    for part in before:  # python scripts/induction_study.py --out runs/induction && glasslm serve ...
+        run_in_shell(f"{part} {shlex.join(spec.add)}", tmp_path, sandbox.env).check(part)
+    process = subprocess.Popen(["bash", "-c", f"exec {serve} --port 0 --log-level warning"], cwd=tmp_path,
+                               env={**os.environ, **sandbox.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    try:
+        line = process.stdout.readline()
+        match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        assert match, line + process.stdout.read() if process.poll() is not None else line
+        _ask_the_server(f"127.0.0.1:{match.group(1)}", serve)
+        for curl in [k for k, s in COVERAGE.items() if isinstance(s, During) and s.command == serve]:
+            answer = run_in_shell(curl.replace("127.0.0.1:8000", f"127.0.0.1:{match.group(1)}") + " -f", tmp_path, {})
+            answer.check(curl)
+            assert "error" not in json.loads(answer.output), (curl, answer.output)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+
+
+def _ask_the_server(host: str, serve: str) -> None:
+    def post(path: str, body: dict) -> dict:
+        request = urllib.request.Request(f"http://{host}{path}", json.dumps(body).encode(),
+                                         {"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())
+
+    with urllib.request.urlopen(f"http://{host}/health", timeout=60) as response:
+        assert json.loads(response.read())["status"] == "ok"
+    with urllib.request.urlopen(f"http://{host}/tokenizer_info", timeout=60) as response:
+        has_template = json.loads(response.read())["chat_template"] is not None
+    completion = post("/v1/completions", {"prompt": "hello", "max_tokens": 4, "temperature": 0})
+    assert completion["choices"][0]["finish_reason"] in ("length", "stop"), (serve, completion)
+    if has_template:
+        chat = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+        assert chat["choices"][0]["message"]["role"] == "assistant", (serve, chat)

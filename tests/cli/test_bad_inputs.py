@@ -104,7 +104,7 @@ def _meta(work: Path, change: Callable[[dict], object]) -> Path:
 
 def _char_tokenizer_without_chars(work: Path) -> Path:
     ckpt = checkpoint_dir(work)
-    (ckpt / "tokenizer.json").write_text(json.dumps({"kind": "char"}))
+    (ckpt / "glasslm_char_tokenizer.json").write_text(json.dumps({"kind": "char"}))
     return ckpt
 
 
@@ -249,7 +249,8 @@ def test_overwrite_is_explicit(work, capsys):
     code, err = run_main(["prepare", str(work / "text.txt"), "--out", str(work / "run"), "--overwrite", "--quiet"],
                          capsys)
     assert code == 0, err
-    assert sorted(p.name for p in (work / "run").iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in (work / "run").iterdir()) == ["glasslm_char_tokenizer.json", "meta.json", "train.bin",
+                                                                  "val.bin"]
 
 
 # --- full disk and signals during prepare -------------------------------------------------------------

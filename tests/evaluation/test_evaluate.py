@@ -170,3 +170,27 @@ def test_cli_eval_refuses_a_dataset_of_another_tokenizer(tmp_path, capsys):
     prepare([tmp_path / "text.txt"], other, tmp_path / "ds2", progress=False)
     assert main(["eval", "--checkpoint", str(path), "--data", str(tmp_path / "ds2")]) == 1
     assert "different tokenizer" in capsys.readouterr().err
+
+
+def test_the_refusal_of_a_dataset_of_another_tokenizer_gives_advice_that_works_for_a_run_directory(tmp_path, capsys):
+    # "prepare it with --tokenizer pointing at the checkpoint": `glasslm prepare` once refused a run
+    # directory there (it held no tokenizer file of its own, only its checkpoints do).
+    import shutil
+
+    from glasslm.data import prepare
+    from glasslm.io.checkpoint import write_pointer
+
+    text, tok, model, path = _split_fixture(tmp_path)
+    run = tmp_path / "run"
+    shutil.copytree(path, run / "ckpt-000010")
+    write_pointer(run, "latest", "ckpt-000010")
+    prepare([tmp_path / "text.txt"], CharTokenizer(list(reversed(tok.chars))), tmp_path / "ds2", progress=False)
+    assert main(["eval", "--checkpoint", str(run), "--data", str(tmp_path / "ds2")]) == 1
+    assert "prepare it with --tokenizer pointing at the checkpoint" in capsys.readouterr().err
+    assert main(["prepare", str(tmp_path / "text.txt"), "--tokenizer", str(run), "--out", str(tmp_path / "ds3"),
+                 "--quiet"]) == 0
+    capsys.readouterr()
+    for data in (str(tmp_path / "ds3"), str(tmp_path / "text.txt")):
+        assert main(["eval", "--checkpoint", str(run), "--data", data, "--quiet"]) == 0
+    by_dataset, by_text = capsys.readouterr().out.strip().split("\n")[1::2]
+    assert _scores(by_dataset) == _scores(by_text)

@@ -88,14 +88,19 @@ def test_lm_eval_local_completions_against_glasslm_serve_equals_the_in_process_h
               f"{max(gaps):.2e}")
 
 
-def _documented_lm_eval_commands() -> list[list[str]]:
-    """Every `lm_eval ...` command of the README and docs (lines continued with a backslash joined)."""
+def documented_lm_eval_lines() -> list[str]:
+    """Every `lm_eval ...` command of the README and docs, lines continued with a backslash joined
+    (tests/doc_commands.py counts these as run here)."""
     root = Path(__file__).resolve().parents[2]
-    commands = []
+    lines = []
     for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
         text = page.read_text(encoding="utf-8").replace("\\\n", " ")
-        commands += [shlex.split(line, comments=True) for line in text.splitlines() if line.startswith("lm_eval ")]
-    return commands
+        lines += [line for line in text.splitlines() if line.startswith("lm_eval ")]
+    return lines
+
+
+def _documented_lm_eval_commands() -> list[list[str]]:
+    return [shlex.split(line, comments=True) for line in documented_lm_eval_lines()]
 
 
 def _here(words: list[str], url: str, folder: Path) -> list[str]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from glasslm.cli import main
 from glasslm.core.model import TransformerLM
 from glasslm.io.checkpoint import (
     checkpoint_name, load_checkpoint, load_optimizer_state, optimizer_state_from_files, optimizer_state_to_files,
@@ -135,8 +138,8 @@ def test_damaged_json_and_missing_files_are_named(saved_checkpoint, tmp_path):
     tokens = tiny_tokens()
     with pytest.raises(ValueError, match="trainer_state.json"):
         train(get_preset("shakespeare-char-cpu", **TINY), tiny_cfg(max_steps=6), tokens[:3500], resume=ckpt)
-    (ckpt / "config.json").unlink()
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    (ckpt / "glasslm_config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="glasslm_config.json"):
         load_checkpoint(ckpt)
 
 
@@ -441,3 +444,76 @@ def test_first_ctrl_c_stops_inside_a_long_step_and_resumes_identically(corpus, t
     output, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, output
     assert comparable(read_metrics(out / "metrics.jsonl")) == comparable(read_metrics(tmp_path / "full" / "metrics.jsonl"))
+
+
+# ----- killed after a checkpoint's rename, before its pointers (issue 36, item 9) -----
+
+# Runs `glasslm train` in a real process that SIGKILLs itself the moment ckpt-<KILL_AT_STEP> has been
+# renamed into place, before `best` or `latest` is written: the one instant where the run directory
+# holds a complete checkpoint that no pointer names (for the first checkpoint: no pointer at all).
+KILLED_AFTER_RENAME_CLI = """
+import os, signal, sys
+import glasslm.training.checkpointer as checkpointer
+kill_at, real = f"ckpt-{int(os.environ['KILL_AT_STEP']):06d}", checkpointer.save_checkpoint
+def save_then_die(target, *args, **kwargs):
+    written = real(target, *args, **kwargs)
+    if os.path.basename(target) == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return written
+checkpointer.save_checkpoint = save_then_die
+from glasslm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+RENAME_ARGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--context-length", "16", "--batch-size", "4",
+               "--max-steps", "9", "--warmup-steps", "2", "--eval-interval", "3", "--eval-iters", "2",
+               "--log-interval", "2", "--checkpoint-interval", "3", "--keep-last", "0", "--no-progress",
+               "--sample-tokens", "0", "--dropout", "0.1"]
+
+
+def train_killed_after_rename(args: list[str], step: int | None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "KILL_AT_STEP": str(step or -1)}
+    return subprocess.run([sys.executable, "-c", KILLED_AFTER_RENAME_CLI, "train", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _advised_command(message: str) -> list[str]:
+    """The `glasslm train ...` options an error tells the user to run, as they would type them."""
+    advice = re.search(r"--resume (\S+?)[,;]? ", message)
+    assert advice, message
+    return ["--resume", advice.group(1)]
+
+
+@pytest.mark.slow  # six short training processes
+def test_a_run_killed_between_a_checkpoint_and_its_pointers_resumes_from_every_checkpoint(corpus, tmp_path, capsys):
+    # Issue 36: killed after the first checkpoint's rename, the run was stuck: the same command, the
+    # --resume DIR it advised and --resume DIR/ckpt-... were each refused.
+    full = train_killed_after_rename([*RENAME_ARGS, "--data", str(corpus), "--out", str(tmp_path / "full")], None)
+    assert full.returncode == 0, full.stderr
+    out, first = tmp_path / "run", [*RENAME_ARGS, "--data", str(corpus), "--out", str(tmp_path / "run")]
+    killed = train_killed_after_rename(first, 3)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert (out / "ckpt-000003").is_dir() and not (out / "latest").exists() and not (out / "best").exists()
+    shutil.copytree(out, tmp_path / "copy", ignore=shutil.ignore_patterns(".lock"))
+
+    assert main(["train", *first]) == 1  # the same command: refused, naming what to do
+    refusal = capsys.readouterr().err
+    assert "not empty" in refusal
+    assert sorted(p.name for p in out.iterdir()) == sorted([".lock", *(p.name for p in (tmp_path / "copy").iterdir())])
+    advised = _advised_command(refusal)
+    assert advised == ["--resume", str(out)]
+    for step in (6, 9):  # the advice, followed; then killed at the same moment of each later checkpoint
+        resumed = train_killed_after_rename(advised, step)
+        assert resumed.returncode == -signal.SIGKILL, resumed.stderr
+        assert ("resuming from ckpt-000003 and writing the pointer again" in resumed.stdout) == (step == 6)
+    finished = train_killed_after_rename(advised, None)
+    assert finished.returncode == 0 and "writing the pointer again" not in finished.stdout, finished.stderr
+    assert comparable(read_metrics(out / "metrics.jsonl")) == comparable(read_metrics(tmp_path / "full" / "metrics.jsonl"))
+    for pointer in ("latest", "best"):
+        assert (out / pointer).read_text() == (tmp_path / "full" / pointer).read_text(), pointer
+
+    # Resuming the stuck run by its checkpoint's own directory continues there too.
+    by_name = train_killed_after_rename(["--resume", str(tmp_path / "copy" / "ckpt-000003")], None)
+    assert by_name.returncode == 0, by_name.stderr
+    copy = tmp_path / "copy"
+    assert comparable(read_metrics(copy / "metrics.jsonl")) == comparable(read_metrics(tmp_path / "full" / "metrics.jsonl"))
+    assert (copy / "latest").read_text() == (tmp_path / "full" / "latest").read_text()

@@ -148,6 +148,7 @@ def test_the_openai_client_chats_with_it_through_glasslm_serve(gguf, template):
         assert (info["n_layers"], info["vocab_size"], info["tokenizer"]) == (30, 49152, "hf")
 
 
+@pytest.mark.slow
 def test_a_lora_fine_tune_lowers_the_loss_and_merges(gguf, tmp_path, capsys):
     facts = [("What is glasslm?", "A transformer library you can read."),
              ("Who made glasslm?", "Its founding engineers."),
@@ -175,6 +176,7 @@ def test_a_lora_fine_tune_lowers_the_loss_and_merges(gguf, tmp_path, capsys):
         assert (merged(ids) - adapted(ids)).abs().max() < 1e-3
 
 
+@pytest.mark.slow
 def test_eval_perplexity_on_tiny_shakespeare_matches_llama_cpps(gguf, data_dir, capsys):
     assert main(["eval", "--checkpoint", str(gguf), "--data", str(data_dir / "tinyshakespeare.txt"), "--split",
                  "val", "--max-tokens", "1024", "--stride", "256"]) == 0
@@ -228,18 +230,6 @@ def test_gguf_to_glasslm_to_gguf_gives_llama_cpp_glasslms_greedy_tokens(gguf, ex
             if token == 2 or len(theirs) == len(ours):
                 break
         assert theirs == ours, question
-
-
-@pytest.mark.slow
-def test_the_readmes_chat_script_answers(gguf):
-    """`bash scripts/chat.sh --temperature 0`, the README's third quick-start command, as printed there."""
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run(["bash", str(root / "scripts" / "chat.sh"), "--temperature", "0", "--max-new-tokens", "30"],
-                            input="What is the capital of France?\nAnd of Germany?\n", capture_output=True,
-                            text=True, timeout=900, cwd=root)
-    assert result.returncode == 0, result.stderr
-    answers = [line for line in result.stdout.splitlines() if line.strip()]
-    assert answers[:2] == ["The capital of France is Paris.", "The capital of Germany is Berlin."]
 
 
 @pytest.mark.slow

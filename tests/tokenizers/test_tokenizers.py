@@ -202,7 +202,7 @@ def test_char_round_trip(text):
 def test_char_save_load_keeps_old_format(tmp_path):
     tok = CharTokenizer.from_text("hello wörld")
     tok.save(tmp_path)
-    assert json.loads((tmp_path / "tokenizer.json").read_text())["kind"] == "char"
+    assert json.loads((tmp_path / "glasslm_char_tokenizer.json").read_text())["kind"] == "char"
     again = load_tokenizer(tmp_path)
     assert isinstance(again, CharTokenizer) and again.chars == tok.chars
     with pytest.raises(ValueError, match="not in this tokenizer's vocabulary"):
@@ -217,7 +217,7 @@ def test_a_char_tokenizer_from_text_ends_with_endoftext_and_saves_it(tmp_path):
     assert tok.encode(f"he{EOT}lo{EOT}") == tok.encode("he") + [end] + tok.encode("lo") + [end]
     assert tok.decode([0, end, 1]) == tok.chars[0] + EOT + tok.chars[1]
     tok.save(tmp_path)
-    saved = json.loads((tmp_path / "tokenizer.json").read_text())
+    saved = json.loads((tmp_path / "glasslm_char_tokenizer.json").read_text())
     assert saved == {"kind": "char", "chars": tok.chars, "special_tokens": {EOT: end}}
     again = load_tokenizer(tmp_path)
     assert isinstance(again, CharTokenizer) and again.special_tokens == tok.special_tokens
@@ -238,8 +238,8 @@ def test_a_char_tokenizer_file_from_before_special_tokens_loads_unchanged(tmp_pa
     with pytest.raises(ValueError, match="'<' is not in this tokenizer's vocabulary"):
         tok.encode(EOT)  # no end-of-text: its text is characters it does not have
     before = (tmp_path / "tokenizer.json").read_bytes()
-    tok.save(tmp_path)
-    assert json.loads((tmp_path / "tokenizer.json").read_bytes()) == json.loads(before)  # saved as it was
+    tok.save(tmp_path / "again")  # saved as it was, under the descriptor's own name now
+    assert json.loads((tmp_path / "again" / "glasslm_char_tokenizer.json").read_bytes()) == json.loads(before)
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -149,14 +149,17 @@ def test_merge_writes_a_model_transformers_loads_with_the_adapted_logits(base, e
     assert (theirs - _logits(adapted)).abs().max() <= 1e-4 * max(1.0, theirs.abs().max().item())
 
 
-def test_a_lora_adapter_trained_on_an_hf_base_exports_to_peft_with_equal_logits(base):
+@pytest.mark.parametrize("variant", [
+    (), ("--lora-dora", "--lora-rslora", "--lora-bias", "all", "--lora-full", "embed,unembed")],
+    ids=["lora", "dora-rslora-bias-full"])
+def test_a_lora_adapter_trained_on_an_hf_base_exports_to_peft_with_equal_logits(base, variant):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     assert main(["convert", "--to-hf", "--checkpoint", str(base / "base"), "--out", str(base / "hf-base")]) == 0
     args = ["finetune", "--checkpoint", str(base / "hf-base"), "--data", str(base / "chat.jsonl"), "--chat-template",
             str(base / "template.jinja"), "--out", str(base / "ft"), "--batch-size", "4", "--max-steps", "3",
             "--lr", "1e-2", "--no-progress", "--device", "cpu", "--lora-sites", "q,k,v,attn_out,mlp_up",
-            "--export-peft", str(base / "peft-a")]
+            "--export-peft", str(base / "peft-a"), *variant]
     assert main(args) == 0
     assert main(["convert", "--to-peft", "--checkpoint", str(base / "ft"), "--out", str(base / "peft-b")]) == 0
     adapted, _ = load_model(base / "ft")

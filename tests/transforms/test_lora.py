@@ -1,6 +1,8 @@
 """LoRA adapters against closed forms: W + (alpha/r) B A written into a plain copy of the model,
-the paper's init, exact merge/unmerge, fused q/k/v as separately adapted projections, and QLoRA
-gradients through a quantized base."""
+the paper's init, exact merge/unmerge, fused q/k/v as separately adapted projections, QLoRA
+gradients through a quantized base; DoRA's rows rescaled to their magnitudes, rsLoRA's scaling,
+adapters on the embedding and a tied unembedding, and biases and whole modules trained and saved
+with the adapters (tests/hf/test_peft.py checks all of them against peft itself)."""
 
 import copy
 import math
@@ -123,9 +125,14 @@ def test_bad_configs_are_refused():
         LoRAConfig(sites=("query",))
     with pytest.raises(ValueError, match="rank"):
         LoRAConfig(rank=0)
-    tied = TransformerLM(get_preset("shakespeare-char-cpu", n_layers=1))
-    with pytest.raises(ValueError, match="tied"):
-        add_lora(tied, LoRAConfig(sites=("unembed",)))
+    with pytest.raises(ValueError, match="bias must be one of"):
+        LoRAConfig(bias="some")
+    with pytest.raises(ValueError, match="full modules must be"):
+        LoRAConfig(sites=("q", "embed"), full=("embed",))
+    quantized = _model()
+    apply_transform(quantized, "int8")
+    with pytest.raises(ValueError, match="Int8Linear .quantized.., which cannot train whole"):
+        add_lora(quantized, LoRAConfig(full=("unembed",)))
     model = _model()
     add_lora(model, LoRAConfig())
     with pytest.raises(ValueError, match="already"):
@@ -141,9 +148,110 @@ def test_lora_is_a_registered_transform_recorded_after_quantization(tmp_path):
     apply_transform(model, "lora", LoRAConfig(rank=2, sites=("q", "mlp_down")))
     _randomize_adapters(model)
     assert applied_transforms(model) == [
-        {"name": "int4"}, {"name": "lora", "rank": 2, "alpha": 16.0, "dropout": 0.0, "sites": ("q", "mlp_down")}]
+        {"name": "int4"}, {"name": "lora", "rank": 2, "alpha": 16.0, "dropout": 0.0, "sites": ("q", "mlp_down"),
+                           "rslora": False, "dora": False, "bias": "none", "full": ()}]
     save_checkpoint(tmp_path / "ckpt", model)
     loaded, _, _ = load_checkpoint(tmp_path / "ckpt")
     assert [r["name"] for r in applied_transforms(loaded)] == ["int4", "lora"]
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(IDS), model.eval()(IDS), rtol=0, atol=0)
+
+
+# ----- DoRA, rsLoRA, the embedding and a tied unembedding, and what trains beside the adapters -----
+
+def _perturb_trained(model, seed=2):
+    """Every trained tensor (A, B, magnitudes, biases, whole modules) moved well off its initial value."""
+    from glasslm.transforms.lora import recorded_lora_config, trained_parameters
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in trained_parameters(model, recorded_lora_config(model)).items():
+            noise = torch.randn(p.shape, generator=generator)
+            p.add_(noise * 0.2 * p.abs().mean() if "magnitude" in name else noise * 0.2)
+
+
+def _tied_gpt2():
+    torch.manual_seed(0)
+    return TransformerLM(get_preset("gpt2-small", n_layers=2, d_model=32, n_heads=2, vocab_size=97,
+                                    context_length=32)).eval()
+
+
+def test_dora_rslora_equals_the_base_with_each_adapted_row_rescaled_to_its_magnitude():
+    base = _model()
+    adapted = copy.deepcopy(base)
+    config = LoRAConfig(rank=4, alpha=6.0, sites=("q", "v", "mlp_down"), dora=True, rslora=True)
+    apply_transform(adapted, "lora", config)
+    _perturb_trained(adapted)
+    scaling = 6.0 / math.sqrt(4)  # rsLoRA
+    expected = {name: p.detach().clone() for name, p in base.named_parameters()}
+    for name, layer in lora_layers(adapted).items():
+        weight = expected[f"{name}.weight"]
+        for (start, end), a, b, m in zip(layer.row_blocks, layer.lora_a, layer.lora_b, layer.magnitude):
+            rows = weight[start:end] + scaling * (b @ a).detach()
+            weight[start:end] = m.detach()[:, None] * rows / rows.norm(dim=1, keepdim=True)  # m * direction
+    reference = _model()
+    reference.load_state_dict(expected)
+    with torch.no_grad():
+        assert (adapted(IDS) - base(IDS)).abs().max() > 1e-2
+        torch.testing.assert_close(adapted(IDS), reference(IDS), rtol=1e-5, atol=1e-5)
+        merge_lora(adapted)
+        torch.testing.assert_close(adapted(IDS), reference(IDS), rtol=1e-5, atol=1e-5)
+        unmerge_lora(adapted)
+    assert all(torch.equal(p, base.get_parameter(n.replace(".base.", "."))) for n, p in adapted.named_parameters()
+               if ".base." in n)
+
+
+def test_a_tied_models_embedding_and_unembedding_adapt_apart():
+    """LoRA on the embedding changes the lookup only; on a tied unembedding, the logits only: the
+    reference is the untied model with each table changed on its own."""
+    base = _tied_gpt2()
+    adapted = copy.deepcopy(base)
+    apply_transform(adapted, "lora", LoRAConfig(rank=3, alpha=3.0, sites=("embed", "unembed"), dora=True))
+    _perturb_trained(adapted)
+    layers = lora_layers(adapted)
+    table = base.embed.weight.detach()
+    embed_rows = table.T + (layers["embed"].lora_b[0] @ layers["embed"].lora_a[0]).detach()        # (d, vocab)
+    embed_rows = layers["embed"].magnitude[0].detach()[:, None] * embed_rows / embed_rows.norm(dim=1, keepdim=True)
+    unembed = table + (layers["unembed"].lora_b[0] @ layers["unembed"].lora_a[0]).detach()         # (vocab, d)
+    unembed = layers["unembed"].magnitude[0].detach()[:, None] * unembed / unembed.norm(dim=1, keepdim=True)
+    reference = copy.deepcopy(base)
+    reference.config = reference.config.replace(tie_embeddings=False)
+    reference.unembed = torch.nn.Linear(32, 97, bias=False)
+    with torch.no_grad():
+        reference.embed.weight.copy_(embed_rows.T)
+        reference.unembed.weight.copy_(unembed)
+        torch.testing.assert_close(adapted(IDS), reference(IDS), rtol=1e-5, atol=1e-5)
+        remove_lora(adapted)  # merging unties: the two tables are now different
+        assert not adapted.config.tie_embeddings
+        torch.testing.assert_close(adapted(IDS), reference(IDS), rtol=1e-5, atol=1e-5)
+
+
+def test_without_merging_a_tied_unembedding_is_tied_again():
+    model = _tied_gpt2()
+    add_lora(model, LoRAConfig(sites=("unembed",)))
+    assert model.unembed is not None and model.config.tie_embeddings  # the adapter reads the embedding's table
+    remove_lora(model, merge=False)
+    assert model.unembed is None and model.config.tie_embeddings
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_biases_and_whole_modules_train_with_the_adapters_and_are_saved_with_them(bias, tmp_path):
+    from glasslm.io.checkpoint import load_checkpoint, save_checkpoint
+
+    model = _tied_gpt2()
+    apply_transform(model, "lora", LoRAConfig(rank=2, sites=("q", "mlp_up"), bias=bias, full=("embed",)))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    biases = {name for name in trainable if name.endswith("bias")}
+    if bias == "all":
+        assert biases == {name for name in model.state_dict() if name.endswith("bias")}
+    else:
+        assert biases == {"blocks.0.attn.qkv.base.bias", "blocks.1.attn.qkv.base.bias",
+                          "blocks.0.mlp.up.base.bias", "blocks.1.mlp.up.base.bias"}
+    assert "embed.weight" in trainable and "unembed.weight" not in trainable  # untied: the copy stays the base's
+    assert not model.config.tie_embeddings and set(lora_state_dict(model)) == trainable
+    _perturb_trained(model)
+    save_checkpoint(tmp_path / "ckpt", model)
+    loaded, _, _ = load_checkpoint(tmp_path / "ckpt")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(IDS), model(IDS), rtol=0, atol=0)
+        torch.testing.assert_close(model.unembed.weight, _tied_gpt2().embed.weight, rtol=0, atol=0)

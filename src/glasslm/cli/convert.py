@@ -27,7 +27,7 @@ def _from_hf_help() -> str:
 
 @dataclass
 class ConvertConfig:
-    """what to convert (one of --from-hf, --to-hf, --from-gguf, --to-gguf, --to-peft, --from)"""
+    """what to convert (one of --from-hf, --to-hf, --from-gguf, --to-gguf, --from-peft, --to-peft, --from)"""
 
     # an HF model directory of a family glasslm imports, or a hub name in the local HF cache (the help
     # names the families: `_from_hf_help`)
@@ -39,6 +39,11 @@ class ConvertConfig:
     to_gguf: bool = field(default=False, metadata={"one_of": "direction"})
     # --to-gguf: the format of the weight matrices (norms and biases stay f32, as in llama.cpp)
     gguf_type: GGUFType = field(default="f32", metadata={"option": "--type"})
+    # a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) to save as a glasslm
+    # adapter checkpoint of its base (which glasslm merge, generate, serve ... then load)
+    from_peft: str | None = field(default=None, metadata={"one_of": "direction", "metavar": "DIR"})
+    # --from-peft: the base model to apply the adapter to; none: its adapter_config.json's base_model_name_or_path
+    base: str | None = None
     # export the LoRA adapters of --checkpoint (a glasslm finetune run) as a PEFT adapter directory
     to_peft: bool = field(default=False, metadata={"one_of": "direction"})
     # import the --checkpoint file another codebase saved (nanoGPT ckpt.pt, a TransformerLens/ARENA,
@@ -64,6 +69,8 @@ def convert(config: ConvertConfig, output: OutputOption) -> int:
         _from_gguf(config, output)
     elif config.to_gguf:
         _to_gguf(config, output)
+    elif config.from_peft:
+        _from_peft(config, output)
     elif config.to_peft:
         _to_peft(config, output)
     else:  # --to-hf: the parser requires one of the three
@@ -91,13 +98,18 @@ def _from_hf(config: ConvertConfig, output: OutputOption) -> None:
     from glasslm.hf.cache import resolve_model_path
     from glasslm.io.checkpoint import save_checkpoint
 
+    from glasslm.hf.peft import is_peft_directory
+
+    if is_peft_directory(resolve_model_path(config.from_hf)):
+        raise ValueError(f"--from-hf {config.from_hf} is a PEFT adapter directory: convert it with --from-peft "
+                         "(or use it as --checkpoint directly)")
     check_output_dir(output.out, output.overwrite, inputs=[config.from_hf], what="checkpoint")
     model = import_hf(config.from_hf, context_length=config.context_length)
     tokenizer = hf_tokenizer(config.from_hf)
     if tokenizer is not None and not hasattr(tokenizer, "save"):
         tokenizer = None
     save_checkpoint(output.out, model, tokenizer, {"converted_from": str(config.from_hf)})
-    _keep_generation_files(resolve_model_path(config.from_hf), Path(output.out))
+    _keep_generation_files(resolve_model_path(config.from_hf), Path(output.out), model.eos_token_ids)
     print(f"{config.from_hf} -> {output.out} ({model.num_parameters():,} parameters, "
           f"tokenizer {'included' if tokenizer is not None else 'not found'})")
 
@@ -137,17 +149,24 @@ def _to_gguf(config: ConvertConfig, output: OutputOption) -> None:
     print(f"{config.checkpoint} -> {out} (GGUF, {config.gguf_type} matrices, {size:.1f} MiB)")
 
 
-def _keep_generation_files(source: Path, checkpoint: Path) -> None:
-    """Copy what says how the model ends and chats (generation_config.json's eos ids, a
-    chat_template.jinja) into the checkpoint; tokenizer_config.json's template travels with the tokenizer."""
+def _keep_generation_files(source: Path, checkpoint: Path, eos_ids: tuple[int, ...]) -> None:
+    """Keep what says how the model ends and chats: generation_config.json, with the eos ids the
+    import settled on (config.json's or the tokenizer's where it names none, so that the checkpoint
+    stops where the HF directory does), and a chat_template.jinja; tokenizer_config.json's template
+    travels with the tokenizer."""
+    import json
     import shutil
 
-    from glasslm.tokenizers import GENERATION_CONFIG_FILE
+    from glasslm.tokenizers import GENERATION_CONFIG_FILE, read_generation_config
     from glasslm.tokenizers.chat import CHAT_TEMPLATE_FILE
 
-    for name in (GENERATION_CONFIG_FILE, CHAT_TEMPLATE_FILE):
-        if (source / name).is_file():
-            shutil.copyfile(source / name, checkpoint / name)
+    generation = read_generation_config(source)
+    if eos_ids:
+        generation["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else list(eos_ids)
+    if generation:
+        (checkpoint / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2))
+    if (source / CHAT_TEMPLATE_FILE).is_file():
+        shutil.copyfile(source / CHAT_TEMPLATE_FILE, checkpoint / CHAT_TEMPLATE_FILE)
 
 
 def _to_hf(config: ConvertConfig, output: OutputOption) -> None:
@@ -175,6 +194,30 @@ def _refuse_needless_zero_biases(model_config) -> None:
                          "there are no missing biases to fill; drop --zero-biases")
 
 
+def _from_peft(config: ConvertConfig, output: OutputOption) -> None:
+    """An adapter checkpoint (as glasslm finetune writes): the base's path and weights hash, the lora
+    transform with PEFT's options, and only the adapter's tensors."""
+    from glasslm.hf import load_model
+    from glasslm.hf.load import hf_tokenizer
+    from glasslm.hf.peft import import_peft_adapter, peft_base
+    from glasslm.hf.peft.files import read_adapter_config
+    from glasslm.io.checkpoint import ADAPTER_BASE_KEY, save_checkpoint, weights_sha256
+    from glasslm.locations import check_output_dir
+    from glasslm.training.finetune import base_reference
+    from glasslm.transforms.lora import lora_state_dict
+
+    check_output_dir(output.out, output.overwrite, inputs=[config.from_peft], what="checkpoint")
+    model, _ = load_model(peft_base(config.from_peft, config.base))
+    name = config.base or read_adapter_config(config.from_peft)["base_model_name_or_path"]  # a hub name stays one
+    reference = {"path": base_reference(name), "sha256": weights_sha256(model.state_dict())}
+    import_peft_adapter(model, config.from_peft)
+    adapter_tokenizer = hf_tokenizer(config.from_peft)  # saved beside the adapter; else the base's is used
+    meta = {ADAPTER_BASE_KEY: reference, "converted_from": f"peft:{config.from_peft}"}
+    save_checkpoint(output.out, model, adapter_tokenizer, meta, state_dict=lora_state_dict(model))
+    print(f"{config.from_peft} -> {output.out} (glasslm adapter checkpoint for {reference['path']}: "
+          f"{sum(t.numel() for t in lora_state_dict(model).values()):,} adapter parameters)")
+
+
 def _to_peft(config: ConvertConfig, output: OutputOption) -> None:
     from glasslm.hf import load_model
     from glasslm.hf.peft import export_peft_adapter
@@ -199,5 +242,6 @@ COMMAND = Command("convert", convert, "convert between glasslm checkpoints and H
                       'glasslm convert --from-gguf SmolLM2-135M-Instruct.Q4_1.gguf --out runs/smollm2',
                       'glasslm convert --to-gguf --checkpoint runs/shakespeare --out shakespeare.gguf --type q8_0',
                       'glasslm convert --from nanogpt --checkpoint out/ckpt.pt --out runs/nano',
+                      'glasslm convert --from-peft path/to/peft-adapter --out runs/adapter   # or --base PATH',
                       'glasslm convert --to-peft --checkpoint runs/ft --out runs/ft-peft',
                   ))

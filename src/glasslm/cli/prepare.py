@@ -14,7 +14,7 @@ class PrepareConfig:
     """what to tokenize"""
 
     inputs: list[str] = field(metadata={"positional": True})  # UTF-8 text files or dataset names
-    tokenizer: str = "char"  # char, gpt2, or a saved tokenizer directory
+    tokenizer: str = "char"  # char, gpt2, a saved tokenizer directory, or a checkpoint or run directory (its tokenizer)
     val_fraction: float = VAL_FRACTION  # the last fraction of each file (from a line start) becomes validation data
     data_dir: str | None = None  # where datasets are kept; none: $GLASSLM_DATA_DIR, else ~/.cache/glasslm
     quiet: bool = False  # no progress output (progress goes to stderr)
@@ -30,12 +30,26 @@ def prepare(config: PrepareConfig, output: OutputOption) -> int:
     if config.tokenizer == "char":
         tokenizer = CharTokenizer(char_vocabulary(paths), special_tokens=[ENDOFTEXT])  # as CharTokenizer.from_text
     else:
-        tokenizer = get_tokenizer(config.tokenizer, data_dir=config.data_dir)
+        tokenizer = get_tokenizer(_tokenizer_source(config.tokenizer), data_dir=config.data_dir)
     meta = prepare_files(paths, tokenizer, output.out, config.val_fraction, progress=not config.quiet,
                          overwrite=output.overwrite)
     print(f"{output.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
           f"({meta['dtype']}, vocab {meta['vocab_size']:,})")
     return 0
+
+
+def _tokenizer_source(spec: str) -> str:
+    """A run directory names its checkpoint's tokenizer (what `glasslm eval` asks a dataset to be prepared with)."""
+    from pathlib import Path
+
+    from glasslm.io.checkpoint import resolve_checkpoint
+
+    if not Path(spec).is_dir():
+        return spec
+    try:
+        return str(resolve_checkpoint(spec))
+    except (FileNotFoundError, ValueError):  # a tokenizer directory, not a checkpoint
+        return spec
 
 
 COMMAND = Command("prepare", prepare, "tokenize text files into train.bin / val.bin for training",

@@ -31,6 +31,7 @@ def chat_template_of(checkpoint: str, template_file: str | None) -> str | None:
     from glasslm.hf.cache import resolve_model_path
     from glasslm.hf.gguf import GGUFFile
     from glasslm.hf.load import gguf_path
+    from glasslm.hf.peft import is_peft_directory, peft_base
     from glasslm.io.checkpoint import resolve_checkpoint
     from glasslm.tokenizers.chat import find_chat_template
 
@@ -43,6 +44,8 @@ def chat_template_of(checkpoint: str, template_file: str | None) -> str | None:
     gguf = gguf_path(directory)
     if gguf is not None:  # a GGUF file carries its template in its metadata
         return GGUFFile.open(gguf).metadata.get("tokenizer.chat_template")
+    if is_peft_directory(directory):  # the template saved beside the adapter, else its base's
+        return find_chat_template(directory) or chat_template_of(str(peft_base(directory)), None)
     if not (directory / "config.json").is_file():  # a run directory: its best (else latest) checkpoint
         directory = resolve_checkpoint(directory)
     return find_chat_template(directory)

@@ -79,6 +79,7 @@ def train(options: TrainOptions, run: Annotated[dict[str, Any], RunConfig, RUN],
     import torch
 
     from glasslm.training.distributed import init_distributed, resolve_device, shutdown_distributed
+    from glasslm.io.checkpoint import read_pointer
     from glasslm.training.rundir import check_run_dir, holds_no_checkpoint
 
     plan = _plan(options, run, training, model)
@@ -88,6 +89,7 @@ def train(options: TrainOptions, run: Annotated[dict[str, Any], RunConfig, RUN],
     resuming_here = plan.resumed is not None and plan.out.resolve() == plan.resumed.checkpoint.parent.resolve()
     fresh_start_over_leftovers = main_process and not resuming_here and not options.overwrite \
         and holds_no_checkpoint(plan.out)
+    pointer_lost = resuming_here and read_pointer(plan.out, "latest") is None
     if main_process:
         check_run_dir(plan.out, resuming=resuming_here, overwrite=options.overwrite)
     if plan.train.threads:
@@ -99,6 +101,9 @@ def train(options: TrainOptions, run: Annotated[dict[str, Any], RunConfig, RUN],
     if fresh_start_over_leftovers:
         say(f"{plan.out} holds no checkpoint (its run stopped before the first save): starting it afresh, "
             "its old metrics.jsonl kept aside (renamed metrics.jsonl.unfinished)")
+    if pointer_lost:
+        say(f"{plan.out} has no `latest` pointer (its run stopped after saving a checkpoint, before naming it): "
+            f"resuming from {plan.resumed.checkpoint.name} and writing the pointer again")
     _say_start(say, plan, data, model_cfg, label, ctx)
     try:
         result = _fit(plan, model_cfg, data, label, ctx, options)
@@ -156,9 +161,11 @@ def _plan(options: TrainOptions, run: dict[str, Any], training: dict[str, Any], 
 def _refuse_guessing_the_run(resume: str, checkpoint: Path, given: dict[str, Any]) -> None:
     """A checkpoint copied out of its run has no run directory to continue in: --out must name one
     (its parent would otherwise become the run, gaining a lock, pointers and metrics)."""
-    from glasslm.io.checkpoint import read_pointer
+    from glasslm.io.checkpoint import numbered_checkpoints, read_pointer
 
     if given.get("out") or read_pointer(checkpoint.parent, "latest") is not None:
+        return
+    if checkpoint in numbered_checkpoints(checkpoint.parent):  # a run directory whose pointer was never written
         return
     raise ValueError(f"--resume {resume}: {checkpoint} is a checkpoint outside a run directory ({checkpoint.parent} "
                      "has no latest pointer), so there is no run to continue in; name a directory for the "

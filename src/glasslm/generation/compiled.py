@@ -98,7 +98,9 @@ class StaticDecodeWindow:
             with onednn_disabled(self.native_gemv):
                 logits = self.step(tokens[:, None], positions=positions, kv_cache=self.cache)  # (batch, 1, vocab)
         except torch._dynamo.exc.BackendCompilerFailed as err:  # e.g. no C++ compiler for Inductor's CPU code
-            reason = str(err).strip().splitlines()[0]
+            inner = err.inner_exception
+            lines = [line for line in str(inner).splitlines() if line.strip()]
+            reason = f"{type(inner).__name__}: {lines[0].strip() if lines else ''}"
             raise RuntimeError(f"compiling the decoding step failed ({reason}); decode without --compile "
                                "(compile=False), or install what the message names") from err
         self.position += 1

@@ -4,7 +4,8 @@ ways between glasslm and `transformers`, and one loader for any checkpoint.
 Where things are: `convert` (import_hf, export_hf, hf_state_dict, the config dispatch), `families/`
 (one file per HF family and the registry), `plan` (the weight-table engine), `tensors` (reading
 safetensors / .bin shards lazily), `files` (HF's file names, config.json), `cache` (hub names in
-the local HF cache), `hub` (downloads from the Hub, for `glasslm download`), `card` (the exported model card), `load` (load_model and friends).
+the local HF cache), `hub` (downloads from the Hub, for `glasslm download`), `card` (the exported model card), `load` (load_model and friends),
+`peft/` (LoRA adapters both ways with PEFT; a PEFT adapter directory loads with its base).
 
 Example:
     >>> import tempfile

@@ -119,12 +119,27 @@ def import_hf(
     `directory` may also be a hub name ("gpt2", "org/name") found in the local HF cache (see
     `resolve_model_path`; nothing is downloaded). `dtype` converts the weights (default: keep the
     checkpoint's); `context_length` overrides a rotary model's max_position_embeddings.
+    `model.eos_token_ids` holds where generation stops, as in transformers (`hf_eos_token_ids`).
     """
     directory = resolve_model_path(directory)
-    config, name = config_from_hf(read_hf_config(directory), context_length)
+    hf_config = read_hf_config(directory)
+    config, name = config_from_hf(hf_config, context_length)
     source = TensorSource.from_directory(directory)
     table = _checked_table(FAMILIES[name], config, source)
-    return model_from_state_dict(config, ours_makers(table, source.get), device, dtype, source.source)
+    model = model_from_state_dict(config, ours_makers(table, source.get), device, dtype, source.source)
+    model.eos_token_ids = hf_eos_token_ids(directory, hf_config)
+    return model
+
+
+def hf_eos_token_ids(directory: str | os.PathLike, hf_config: dict[str, Any] | None = None) -> tuple[int, ...]:
+    """Where transformers' `generate` stops for the HF model in `directory`: generation_config.json's
+    eos ids, else config.json's, else its tokenizer's eos (the tokenizer is read only then)."""
+    from glasslm.tokenizers import eos_token_ids, read_generation_config, read_hf_tokenizer
+
+    configs = (read_generation_config(directory), read_hf_config(directory) if hf_config is None else hf_config)
+    if all(config.get("eos_token_id") is None for config in configs):
+        return eos_token_ids(read_hf_tokenizer(directory))
+    return eos_token_ids(None, *configs)
 
 
 def hf_state_dict(model: TransformerLM, zero_biases: bool = False) -> dict[str, Tensor]:
@@ -149,7 +164,7 @@ def export_hf(
     """Write `model` as an HF directory that `AutoModelForCausalLM` and `AutoTokenizer` load.
 
     Files: config.json (with the tokenizer's real bos/eos/pad ids, None where it has none),
-    model.safetensors, generation_config.json, the tokenizer as tokenizer.json +
+    model.safetensors, generation_config.json (eos: `model.eos_token_ids` where set), the tokenizer as tokenizer.json +
     tokenizer_config.json (a SentencePiece one as tokenizer.model), and a README.md model card
     built from `meta` (what `checkpoint_summary` returns: training data, steps, val loss).
 
@@ -173,6 +188,9 @@ def export_hf(
     (path / HF_CONFIG_FILE).write_text(json.dumps(config_dict, indent=2))
     generation = {f"{role}_token_id": config_dict[f"{role}_token_id"] for role in SPECIAL_TOKEN_ROLES
                   if config_dict[f"{role}_token_id"] is not None}
+    eos_ids = list(getattr(model, "eos_token_ids", None) or ())
+    if eos_ids:  # where the model stops (an imported model's own ids), as transformers' generate reads them
+        generation["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     (path / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2))
     if tokenizer is not None:
         save_hf_tokenizer(tokenizer, path, model.config.context_length)

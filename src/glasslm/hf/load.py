@@ -28,8 +28,9 @@ from glasslm.hf.cache import resolve_model_path
 from glasslm.hf.convert import config_from_hf, import_hf
 from glasslm.hf.files import is_hf_directory, read_hf_config
 from glasslm.hf.gguf import GGUF_SUFFIX, GGUFFile, is_gguf_file
+from glasslm.hf.peft.files import is_peft_directory
 from glasslm.io.checkpoint import ADAPTER_BASE_KEY, CONFIG_FILE, META_FILE, TRAINER_STATE_JSON, read_json
-from glasslm.tokenizers import BPE_DESCRIPTOR_FILE, SPM_FILE, TOKENIZER_FILE
+from glasslm.tokenizers import has_tokenizer
 from glasslm.transforms import applied_transforms, apply_transform
 from glasslm.transforms.lora import load_lora_state_dict
 
@@ -64,7 +65,9 @@ def load_model(
     path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> tuple[TransformerLM, Any | None]:
     """(model in eval mode, tokenizer or None) from a glasslm checkpoint, run directory, HF model
-    directory, a hub name in the local HF cache, or a GGUF file. `model.eos_token_ids` holds where
+    directory, a hub name in the local HF cache, a GGUF file, or a PEFT adapter directory (loaded
+    onto the base its adapter_config.json names, as `peft.AutoPeftModelForCausalLM` loads it:
+    `glasslm.hf.peft.load_peft_model`). `model.eos_token_ids` holds where
     generation stops by default (generation_config.json's ids, else config.json's, else the
     tokenizer's eos). A GGUF file's 4-bit blocks stay as they are (`glasslm.hf.gguf.importer`), and
     `model.gguf_summary` says which tensors were kept and which dequantized.
@@ -76,7 +79,6 @@ def load_model(
     the recorded transforms (int4 ..., lora) applied and the adapters copied in.
     """
     from glasslm.io.checkpoint import load_checkpoint, resolve_checkpoint
-    from glasslm.tokenizers import eos_token_ids, read_generation_config
 
     path = resolve_model_path(path)
     gguf = gguf_path(path)
@@ -87,10 +89,11 @@ def load_model(
         loaded.model.gguf_summary = loaded.summary()
         return loaded.model, loaded.tokenizer
     if is_hf_directory(path):
-        model, tokenizer = import_hf(path, device, dtype), hf_tokenizer(path)
-        # transformers' generate stops at generation_config.json's eos ids, else config.json's.
-        model.eos_token_ids = eos_token_ids(tokenizer, read_generation_config(path), read_hf_config(path))
-        return model, tokenizer
+        return import_hf(path, device, dtype), hf_tokenizer(path)  # import_hf sets the eos ids
+    if is_peft_directory(path):
+        from glasslm.hf.peft import load_peft_model
+
+        return load_peft_model(path, device=device, dtype=dtype)
     directory = resolve_checkpoint(path)  # a run directory means its best (else latest)
     meta = read_json(directory / META_FILE) if (directory / META_FILE).is_file() else {}
     if isinstance(meta, dict) and ADAPTER_BASE_KEY in meta:
@@ -139,7 +142,7 @@ def load_adapter_checkpoint(directory: Path, meta: dict[str, Any],
         if record not in carried:
             apply_transform(model, record["name"], **{k: v for k, v in record.items() if k != "name"})
     load_lora_state_dict(model, read_safetensors(directory / WEIGHTS_FILE, device), str(directory))
-    if any((directory / name).exists() for name in (TOKENIZER_FILE, BPE_DESCRIPTOR_FILE, SPM_FILE)):
+    if has_tokenizer(directory):
         tokenizer = load_tokenizer(directory)
     return model.eval(), tokenizer
 
@@ -150,8 +153,8 @@ def checkpoint_summary(path: str | os.PathLike) -> dict[str, Any]:
     from glasslm.io.checkpoint import resolve_checkpoint
 
     path = resolve_model_path(path)
-    if is_hf_directory(path) or gguf_path(path) is not None:
-        return {}  # an HF directory or GGUF file records nothing of how it was made (not converted from itself)
+    if is_hf_directory(path) or gguf_path(path) is not None or is_peft_directory(path):
+        return {}  # an HF directory, GGUF file or PEFT adapter records nothing of how it was made
     directory = resolve_checkpoint(path)
     summary: dict[str, Any] = {}
     for name in (META_FILE, TRAINER_STATE_JSON):
@@ -210,8 +213,13 @@ def checkpoint_config(path: str | os.PathLike) -> tuple[ModelConfig, Any | None,
         return gguf_config(file)[0], tokenizer, {}
     if is_hf_directory(path):
         return config_from_hf(read_hf_config(path))[0], hf_tokenizer(path), checkpoint_summary(path)
+    if is_peft_directory(path):  # its base's config, and the tokenizer saved beside the adapter if any
+        from glasslm.hf.peft import peft_base
+
+        config, tokenizer, _ = checkpoint_config(peft_base(path))
+        return config, hf_tokenizer(path) or tokenizer, {}
     directory = resolve_checkpoint(path)
     tokenizer = None
-    if any((directory / name).exists() for name in (TOKENIZER_FILE, BPE_DESCRIPTOR_FILE, SPM_FILE)):
+    if has_tokenizer(directory):
         tokenizer = load_tokenizer(directory)
     return load_config(directory / CONFIG_FILE), tokenizer, checkpoint_summary(directory)

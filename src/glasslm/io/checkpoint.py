@@ -39,12 +39,14 @@ from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
 from glasslm.io.build import model_from_state_dict
 from glasslm.tokenizers import (
-    BPE_DESCRIPTOR_FILE, SPM_FILE, TOKENIZER_FILE, eos_token_ids, load_tokenizer, read_generation_config,
+    eos_token_ids, has_tokenizer, load_tokenizer, read_generation_config, save_hf_tokenizer,
 )
 from glasslm.transforms import applied_transforms
 
 WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
+# glasslm's model config, under a name of its own: HF loaders (AutoTokenizer too) read any config.json as theirs.
+CONFIG_FILE = "glasslm_config.json"
+LEGACY_CONFIG_FILE = "config.json"  # where glasslm wrote it before; still read
 META_FILE = "meta.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_JSON = "optimizer.json"
@@ -52,6 +54,7 @@ TRAINER_STATE_JSON = "trainer_state.json"  # a training checkpoint's step, RNGs 
 TRAINER_STATE_TENSORS = "trainer_state.safetensors"
 POINTER_NAMES = ("latest", "best")
 CHECKPOINT_PREFIX = "ckpt-"  # numbered checkpoints in a run directory: ckpt-000500
+_NUMBERED = re.compile(rf"{CHECKPOINT_PREFIX}\d+")
 # Files and directories being written are `.<name>.tmp-...`; a replaced checkpoint is briefly `.<name>.old-<pid>`.
 STAGING_MARK, REPLACED_MARK = ".tmp-", ".old-"
 TRANSFORMS_KEY = "transforms"  # meta.json: the transforms applied, [{"name": "int8", ...options}, ...]
@@ -59,8 +62,8 @@ LEGACY_QUANTIZATION_KEY = "quantization"  # meta.json of glasslm 0.1.0's quantiz
 # meta.json of an adapter checkpoint (a LoRA run): {"path": base checkpoint, "sha256": weights_sha256 of
 # its weights}; model.safetensors then holds only the adapters (glasslm.hf.load_model applies them).
 ADAPTER_BASE_KEY = "adapter_of"
-# Any one of these means the checkpoint holds a tokenizer (`load_tokenizer` tells which kind).
-TOKENIZER_FILES = (TOKENIZER_FILE, BPE_DESCRIPTOR_FILE, SPM_FILE)
+# The kinds of tokenizer whose glasslm files a checkpoint pairs with HF's (tokenizer.json + tokenizer_config.json).
+_HF_FORM_BESIDE = ("char", "bpe")
 
 
 class CheckpointWriteError(RuntimeError):
@@ -103,6 +106,8 @@ def save_checkpoint(
         (staging / CONFIG_FILE).write_text(model.config.to_json())
         if tokenizer is not None:
             tokenizer.save(staging)
+            if getattr(tokenizer, "kind", None) in _HF_FORM_BESIDE:  # so AutoTokenizer reads the checkpoint too
+                save_hf_tokenizer(tokenizer, staging, model.config.context_length)
         (staging / META_FILE).write_text(json.dumps(meta, indent=2))
         for name, tensors in (extra_tensors or {}).items():
             save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, staging / name)
@@ -197,7 +202,7 @@ def load_checkpoint(
     model = model_from_state_dict(config, read_safetensors(weights_path, device), device, source=str(weights_path),
                                   transforms=recorded_transforms(meta))
     tokenizer = None
-    if any((path / name).exists() for name in TOKENIZER_FILES):
+    if has_tokenizer(path):
         tokenizer = load_tokenizer(path)
     model.eos_token_ids = eos_token_ids(tokenizer, read_generation_config(path))
     return model, tokenizer, meta
@@ -343,7 +348,9 @@ def resolve_checkpoint(path: str | os.PathLike, prefer: tuple[str, ...] = ("best
     """A checkpoint directory from a checkpoint directory, a pointer file, or a run directory.
 
     A run directory resolves through its pointer files in the order of `prefer`: sampling
-    wants the best weights, resuming wants the latest.
+    wants the best weights, resuming wants the latest. One with no pointer (a run killed after its
+    first checkpoint was renamed into place, before `latest` named it) resolves to its newest
+    numbered checkpoint.
     """
     path = Path(path)
     if path.is_file() and path.name in POINTER_NAMES:
@@ -355,7 +362,7 @@ def resolve_checkpoint(path: str | os.PathLike, prefer: tuple[str, ...] = ("best
                                 f"{CHECKPOINT_PREFIX}* directories, or its latest/best pointer file)")
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
-    if (path / CONFIG_FILE).exists() or (path / WEIGHTS_FILE).exists():
+    if any((path / name).exists() for name in (CONFIG_FILE, LEGACY_CONFIG_FILE, WEIGHTS_FILE)):
         return path
     for pointer in prefer:
         target = read_pointer(path, pointer)
@@ -363,7 +370,33 @@ def resolve_checkpoint(path: str | os.PathLike, prefer: tuple[str, ...] = ("best
             if not target.is_dir():
                 raise FileNotFoundError(f"{path / pointer} names {target.name}, which does not exist")
             return target
-    raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory with {' or '.join(prefer)} pointers")
+    newest = newest_checkpoint(path)
+    if newest is not None:  # killed after a checkpoint's rename, before its pointers: still a run
+        return newest
+    raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory (no {' or '.join(prefer)} pointer, "
+                            f"no {CHECKPOINT_PREFIX}NNNNNN checkpoint)")
+
+
+def numbered_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """The run directory's numbered checkpoints that hold a model, oldest first. Each is complete:
+    a checkpoint is staged under a hidden name and only renamed to its number once fully written.
+
+    >>> run = Path(tempfile.mkdtemp())
+    >>> for name in ("ckpt-000002", "ckpt-000010", ".ckpt-000012.tmp-1", "notes"):
+    ...     (run / name).mkdir()
+    ...     _ = (run / name / CONFIG_FILE).write_text("{}"), (run / name / WEIGHTS_FILE).write_text("")
+    >>> [p.name for p in numbered_checkpoints(run)], newest_checkpoint(run).name
+    (['ckpt-000002', 'ckpt-000010'], 'ckpt-000010')
+    """
+    found = [p for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*") if _NUMBERED.fullmatch(p.name) and p.is_dir()]
+    return sorted((p for p in found if (p / CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file()),
+                  key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def newest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The highest-numbered complete checkpoint of a run directory, if it has one."""
+    numbered = numbered_checkpoints(run_dir)
+    return numbered[-1] if numbered else None
 
 
 def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
@@ -386,6 +419,10 @@ def remove_stale_staging(run_dir: str | os.PathLike) -> None:
 
 
 def load_config(path: Path) -> ModelConfig:
+    """The model config in the file `path` (a checkpoint's `glasslm_config.json`; beside a checkpoint
+    written before that name, its `config.json`)."""
+    if path.name == CONFIG_FILE and not path.is_file() and (path.parent / LEGACY_CONFIG_FILE).is_file():
+        path = path.parent / LEGACY_CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: not a glasslm checkpoint?")
     data = read_json(path)

@@ -31,6 +31,7 @@ Example:
 
 from glasslm.tokenizers.base import (
     BPE_DESCRIPTOR_FILE,
+    CHAR_DESCRIPTOR_FILE,
     ENDOFTEXT,
     HF_TOKENIZER_CONFIG,
     HF_TOKENIZER_FILE,
@@ -38,6 +39,7 @@ from glasslm.tokenizers.base import (
     SPECIAL_ROLES,
     SPM_FILE,
     TOKENIZER_FILE,
+    TOKENIZER_FILES,
     VOCAB_FILE,
     Tokenizer,
 )
@@ -54,15 +56,16 @@ from glasslm.tokenizers.hf import (
     special_token_ids,
     to_hf_json,
 )
-from glasslm.tokenizers.loading import get_tokenizer, load_tokenizer
+from glasslm.tokenizers.loading import get_tokenizer, has_tokenizer, load_tokenizer
 from glasslm.tokenizers.sentencepiece import SentencePieceTokenizer
 from glasslm.tokenizers.trainer import train_tokenizer, train_tokenizer_from_text
 
 __all__ = [
-    "BACKENDS", "BPE_DESCRIPTOR_FILE", "ENDOFTEXT", "GPT2_SHA256", "HF_TOKENIZER_CONFIG", "HF_TOKENIZER_FILE",
-    "GENERATION_CONFIG_FILE", "MERGES_FILE", "SPECIAL_ROLES", "SPM_FILE", "TOKENIZER_FILE", "VOCAB_FILE",
-    "BPETokenizer", "CharTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "bos_token_id",
-    "bytes_to_unicode", "eos_token_ids", "find_gpt2_files", "get_tokenizer", "gpt2_tokenizer",
-    "hf_tokenizer_config", "load_tokenizer", "read_generation_config", "read_hf_tokenizer", "same_vocabulary",
-    "save_hf_tokenizer", "special_token_ids", "to_hf_json", "train_tokenizer", "train_tokenizer_from_text",
+    "BACKENDS", "BPE_DESCRIPTOR_FILE", "CHAR_DESCRIPTOR_FILE", "ENDOFTEXT", "GPT2_SHA256", "HF_TOKENIZER_CONFIG",
+    "HF_TOKENIZER_FILE", "GENERATION_CONFIG_FILE", "MERGES_FILE", "SPECIAL_ROLES", "SPM_FILE", "TOKENIZER_FILE",
+    "TOKENIZER_FILES", "VOCAB_FILE", "BPETokenizer", "CharTokenizer", "HFTokenizer", "SentencePieceTokenizer",
+    "Tokenizer", "bos_token_id", "bytes_to_unicode", "eos_token_ids", "find_gpt2_files", "get_tokenizer",
+    "gpt2_tokenizer", "has_tokenizer", "hf_tokenizer_config", "load_tokenizer", "read_generation_config",
+    "read_hf_tokenizer", "same_vocabulary", "save_hf_tokenizer", "special_token_ids", "to_hf_json",
+    "train_tokenizer", "train_tokenizer_from_text",
 ]

@@ -20,16 +20,19 @@ from typing import Literal, Protocol, get_args, runtime_checkable
 ENDOFTEXT = "<|endoftext|>"
 """GPT-2's end-of-text token: the default special token of a trained BPE, and its bos and eos."""
 
-# File names. A Hugging Face tokenizer.json and the char descriptor share one name (kept for old
-# checkpoints); they are told apart by the char descriptor's "kind" key.
-TOKENIZER_FILE = "tokenizer.json"  # CharTokenizer's descriptor
-HF_TOKENIZER_FILE = TOKENIZER_FILE  # a Hugging Face tokenizer.json
+# File names. glasslm's own formats get names of their own: HF loaders take tokenizer.json as theirs.
+HF_TOKENIZER_FILE = "tokenizer.json"  # a Hugging Face tokenizer.json
+# A tokenizer.json: HF's, or a char descriptor written before that had a name of its own.
+TOKENIZER_FILE = HF_TOKENIZER_FILE
+CHAR_DESCRIPTOR_FILE = "glasslm_char_tokenizer.json"  # CharTokenizer's descriptor
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
-BPE_DESCRIPTOR_FILE = "glasslm_tokenizer.json"  # not tokenizer.json: HF loaders take that name as theirs
+BPE_DESCRIPTOR_FILE = "glasslm_tokenizer.json"
 VOCAB_FILE = "vocab.json"
 MERGES_FILE = "merges.txt"
 MERGES_HEADER = "#version: 0.2"
 SPM_FILE = "tokenizer.model"
+# Any one of these in a directory means it holds a saved tokenizer (`load_tokenizer` tells which kind).
+TOKENIZER_FILES = (BPE_DESCRIPTOR_FILE, CHAR_DESCRIPTOR_FILE, TOKENIZER_FILE, SPM_FILE)
 
 Role = Literal["bos", "eos", "pad", "unk"]
 SPECIAL_ROLES: tuple[Role, ...] = get_args(Role)

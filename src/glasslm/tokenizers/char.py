@@ -1,8 +1,9 @@
 """The character tokenizer: one id per Unicode character seen in the training text, then its
 special tokens (`<|endoftext|>` for the tokenizers glasslm builds from text).
 
-Saved as `tokenizer.json` = {"kind": "char", "chars": [...], "special_tokens": {"<|endoftext|>": 65}}
-(told apart from a Hugging Face `tokenizer.json` by its "kind" key). Files written before char
+Saved as `glasslm_char_tokenizer.json` = {"kind": "char", "chars": [...], "special_tokens":
+{"<|endoftext|>": 65}}. Older glasslm wrote it as `tokenizer.json` (Hugging Face's name; told apart
+from HF's format by its "kind" key), and those files still load. Files written before char
 tokenizers had special tokens have no "special_tokens" and load as they always did: the same ids,
 no end-of-text.
 """
@@ -14,7 +15,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from glasslm.tokenizers.base import ENDOFTEXT, TOKENIZER_FILE, checked_ids
+from glasslm.tokenizers.base import CHAR_DESCRIPTOR_FILE, ENDOFTEXT, checked_ids
 from glasslm.tokenizers.pretokens import encode_with_specials, special_split_pattern
 
 
@@ -109,14 +110,14 @@ class CharTokenizer:
         return "".join(self._tokens[i] for i in checked_ids(ids, len(self._tokens)))
 
     def to_dict(self) -> dict:
-        """The descriptor saved as `tokenizer.json` (no "special_tokens" key when it has none, as before)."""
+        """The descriptor saved as `glasslm_char_tokenizer.json` (no "special_tokens" key when it has none)."""
         data: dict = {"kind": self.kind, "chars": self.chars}
         if self.special_tokens:
             data["special_tokens"] = dict(self.special_tokens)
         return data
 
     @classmethod
-    def from_dict(cls, data: dict, where: str | os.PathLike = TOKENIZER_FILE) -> "CharTokenizer":
+    def from_dict(cls, data: dict, where: str | os.PathLike = CHAR_DESCRIPTOR_FILE) -> "CharTokenizer":
         """The tokenizer a `to_dict` descriptor describes (`where` names it in errors).
 
         Example:
@@ -141,4 +142,4 @@ class CharTokenizer:
     def save(self, directory: str | os.PathLike) -> None:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        (path / TOKENIZER_FILE).write_text(json.dumps(self.to_dict(), ensure_ascii=False))
+        (path / CHAR_DESCRIPTOR_FILE).write_text(json.dumps(self.to_dict(), ensure_ascii=False))

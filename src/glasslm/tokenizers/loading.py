@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from glasslm.tokenizers.base import BPE_DESCRIPTOR_FILE, SPM_FILE, TOKENIZER_FILE, Tokenizer
+from glasslm.tokenizers.base import SPM_FILE, TOKENIZER_FILE, TOKENIZER_FILES, Tokenizer
 from glasslm.tokenizers.bpe import GPT2_NAME, Backend, BPETokenizer
 from glasslm.tokenizers.char import CharTokenizer
 from glasslm.tokenizers.gpt2 import gpt2_tokenizer
@@ -26,18 +26,17 @@ from glasslm.tokenizers.sentencepiece import SentencePieceTokenizer
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     """Read the tokenizer that `save(directory)` wrote (any kind).
 
-    Looks for `glasslm_tokenizer.json` (BPE) first, then `tokenizer.json` (char, or a Hugging
-    Face tokenizer.json), then SentencePiece's `tokenizer.model`.
+    Looks for glasslm's own descriptors first, `glasslm_tokenizer.json` (BPE) and
+    `glasslm_char_tokenizer.json` (char), then `tokenizer.json` (a Hugging Face one, or a char
+    descriptor older glasslm wrote under that name), then SentencePiece's `tokenizer.model`. A
+    checkpoint holding a descriptor and HF's files of the same tokenizer loads from the descriptor.
     """
     root = Path(directory)
-    if (root / BPE_DESCRIPTOR_FILE).is_file():
-        path = root / BPE_DESCRIPTOR_FILE
-    else:
-        path = root / TOKENIZER_FILE
-    if not path.is_file() and (root / SPM_FILE).is_file():
+    path = next((root / name for name in TOKENIZER_FILES if (root / name).is_file()), None)
+    if path is None:
+        raise FileNotFoundError(f"no tokenizer found in {root}: none of {', '.join(TOKENIZER_FILES)} exists")
+    if path.name == SPM_FILE:
         return SentencePieceTokenizer.from_directory(root)
-    if not path.is_file():
-        raise FileNotFoundError(f"no tokenizer found: neither {root / BPE_DESCRIPTOR_FILE} nor {root / TOKENIZER_FILE} exists")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
@@ -47,9 +46,14 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
         return CharTokenizer.from_dict(data, path)
     if kind == BPETokenizer.kind:
         return BPETokenizer.load(root)
-    if kind is None and isinstance(data, dict) and "model" in data:
+    if kind is None and isinstance(data, dict) and "model" in data and path.name == TOKENIZER_FILE:
         return HFTokenizer.from_directory(root)  # a Hugging Face tokenizer.json
     raise ValueError(f"{path}: unknown tokenizer kind {kind!r}")
+
+
+def has_tokenizer(directory: str | os.PathLike) -> bool:
+    """True if `directory` holds a saved tokenizer of any kind (`load_tokenizer` reads it)."""
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
 
 
 def get_tokenizer(

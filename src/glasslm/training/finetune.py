@@ -53,8 +53,15 @@ class FinetuneConfig:
     full: bool = False  # train every weight instead of LoRA adapters
     lora_rank: int = field(default=8, metadata={"minimum": 1})  # LoRA: the adapters' inner width r
     lora_alpha: float = 16.0  # LoRA: the update is scaled by alpha / rank
-    lora_sites: str = "q,v"  # LoRA: comma-separated sites: q, k, v, attn_out, mlp_up, mlp_gate, mlp_down, unembed
+    # LoRA: comma-separated sites: q, k, v, attn_out, mlp_up, mlp_gate, mlp_down, unembed, embed
+    lora_sites: str = "q,v"
     lora_dropout: float = 0.05  # LoRA: dropout on the adapters' input while training
+    lora_dora: bool = False  # LoRA: DoRA, a learned length for each adapted output row (PEFT's use_dora)
+    lora_rslora: bool = False  # LoRA: scale by alpha / sqrt(rank) (rsLoRA; PEFT's use_rslora)
+    # LoRA: biases that train too: none, lora_only (those of the adapted maps), all (PEFT's bias)
+    lora_bias: Literal["none", "lora_only", "all"] = "none"
+    # LoRA: comma-separated modules trained whole beside the adapters: embed, unembed (PEFT's modules_to_save)
+    lora_full: str = ""
     # hold the frozen base in int8 or int4 (QLoRA); none: fp32
     quantize: Literal["none", "int8", "int4"] = "none"
     chat_template: str | None = field(default=None, metadata={"metavar": "FILE"})  # Jinja chat template; none: the base's
@@ -62,10 +69,13 @@ class FinetuneConfig:
 
     def lora(self) -> LoRAConfig:
         sites = tuple(s.strip() for s in self.lora_sites.split(",") if s.strip())
+        full = tuple(s.strip() for s in self.lora_full.split(",") if s.strip())
         try:
-            return LoRAConfig(rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout, sites=sites)
+            return LoRAConfig(rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout, sites=sites,
+                              dora=self.lora_dora, rslora=self.lora_rslora, bias=self.lora_bias, full=full)
         except ValueError as err:
-            raise ValueError(f"--lora-sites/--lora-rank/--lora-dropout: {err} (sites: {', '.join(SITES)})") from None
+            raise ValueError(f"--lora-sites/--lora-rank/--lora-dropout/--lora-full: {err} "
+                             f"(sites: {', '.join(SITES)})") from None
 
     def check(self) -> None:
         if self.quantize != "none" and self.quantize not in transform_names("quantization"):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import os
 import shutil
 from collections.abc import Iterator
@@ -41,8 +42,8 @@ from typing import Any
 
 from glasslm.core.config import ModelConfig
 from glasslm.io.checkpoint import (
-    CHECKPOINT_PREFIX, CONFIG_FILE, META_FILE, POINTER_NAMES, STAGING_MARK, TRAINER_STATE_JSON, load_config, read_json,
-    resolve_checkpoint,
+    CHECKPOINT_PREFIX, CONFIG_FILE, META_FILE, POINTER_NAMES, STAGING_MARK, TRAINER_STATE_JSON, WEIGHTS_FILE, load_config,
+    numbered_checkpoints, read_json, read_pointer, resolve_checkpoint, write_pointer,
 )
 from glasslm.training.config import TrainConfig
 from glasslm.training.loggers import METRICS_FILE
@@ -182,7 +183,56 @@ def claim_run_dir(run_dir: str | os.PathLike, resume_from: str | os.PathLike | N
             clear_run(run_dir)
         elif not resuming_here and holds_no_checkpoint(run_dir):
             set_aside_unfinished(run_dir)
+        elif resuming_here:
+            restore_pointers(run_dir, Path(resume_from))
         yield run_dir
+
+
+def restore_pointers(run_dir: str | os.PathLike, checkpoint: str | os.PathLike) -> list[str]:
+    """Write the pointers a run killed between a checkpoint's rename and its pointers never wrote,
+    when resuming from `checkpoint` in `run_dir`: `latest` names the checkpoint resumed from, and a
+    missing `best` the earliest checkpoint holding the best validation loss the run recorded.
+    Pointers that exist are left alone. Returns the pointers written.
+
+    >>> import json, tempfile
+    >>> run = Path(tempfile.mkdtemp())
+    >>> for step, val_loss in ((3, 2.5), (6, 2.25), (9, 2.25)):   # ckpt-000009: no evaluation since step 6
+    ...     files = {CONFIG_FILE: "{}", WEIGHTS_FILE: "", META_FILE: json.dumps({"val_loss": val_loss}),
+    ...              TRAINER_STATE_JSON: json.dumps({"best_val_loss": 2.25})}
+    ...     (run / f"ckpt-{step:06d}").mkdir()
+    ...     _ = [(run / f"ckpt-{step:06d}" / name).write_text(text) for name, text in files.items()]
+    >>> restore_pointers(run, run / "ckpt-000009"), read_pointer(run, "latest").name, read_pointer(run, "best").name
+    (['latest', 'best'], 'ckpt-000009', 'ckpt-000006')
+    >>> restore_pointers(run, run / "ckpt-000009")
+    []
+    """
+    run_dir, checkpoint = Path(run_dir), Path(checkpoint)
+    if checkpoint.parent.resolve() != run_dir.resolve():
+        return []
+    written = []
+    if read_pointer(run_dir, "latest") is None:
+        write_pointer(run_dir, "latest", checkpoint.name)
+        written.append("latest")
+    best = _best_checkpoint(run_dir, checkpoint) if read_pointer(run_dir, "best") is None else None
+    if best is not None:
+        write_pointer(run_dir, "best", best.name)
+        written.append("best")
+    return written
+
+
+def _best_checkpoint(run_dir: Path, checkpoint: Path) -> Path | None:
+    """The earliest checkpoint up to `checkpoint` whose validation loss is the run's best so far."""
+    state = read_json(checkpoint / TRAINER_STATE_JSON) if (checkpoint / TRAINER_STATE_JSON).is_file() else None
+    best = state.get("best_val_loss") if isinstance(state, dict) else None
+    if not isinstance(best, (int, float)) or not math.isfinite(best):
+        return None  # no evaluation yet: a run without one has no `best`
+    for candidate in numbered_checkpoints(run_dir):
+        meta = read_json(candidate / META_FILE) if (candidate / META_FILE).is_file() else None
+        if isinstance(meta, dict) and meta.get("val_loss") == best:
+            return candidate
+        if candidate.name == checkpoint.name:
+            break
+    return None
 
 
 def clear_run(run_dir: str | os.PathLike) -> list[str]:
