@@ -75,7 +75,7 @@ def test_int8_kernel_rows_stay_within_their_rounding_bound_and_equal_themselves_
     x = torch.randn(1, 1, d_in) * 3
     x[0, 0, 7] = 40.0  # an outlier widens its block's step: the bound must widen with it
     x = x.to(dtype)
-    reference = F.linear(x.float(), fast.dequantized_weight(), bias)  # the unrounded row
+    reference = F.linear(x.float(), fast.dequantized_weight(), fast.bias.float())  # the unrounded row (bf16 bias)
     got = fast(x)
     assert got.shape == (1, 1, 200) and got.dtype == dtype
     bound = activation_error_bound(x.float(), fast.quantized_matrix())[0]

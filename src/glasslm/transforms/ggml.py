@@ -209,6 +209,13 @@ class BlockLinear(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
         self.prepare_for_compile()
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "BlockLinear":
+        had_copy, self._kernel = self._kernel is not None, None  # .to(device) makes new buffers: re-pack them
+        super()._apply(fn, recurse)
+        if had_copy:
+            self.prepare_for_compile()
+        return self
+
     def extra_repr(self) -> str:
         return f"d_in={self.d_in}, d_out={self.d_out}, qtype={self.qtype}, bias={self.bias is not None}, impl={self.impl}"
 

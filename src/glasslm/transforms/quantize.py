@@ -260,12 +260,24 @@ class Int8Linear(nn.Module):
             weakref.finalize(self, _PACKED_BY_NUMBER.pop, number, None)
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        # New weights: re-pack them on the next call (a compiled step sees a new number and retraces).
-        _PACKED_BY_NUMBER.pop(self._packed_number, None)
-        self._packed = self._scales_bf16 = self._packed_number = self._matrix = None
+        self._forget_kernel_copies()
         super()._load_from_state_dict(*args, **kwargs)
         if self.impl == "fast":
             self.prepare_for_compile()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "Int8Linear":
+        # .to(dtype or device) makes new buffers: the kernels' copies of the old ones are stale.
+        had_copies = self._matrix is not None or self._packed_number is not None
+        self._forget_kernel_copies()
+        super()._apply(fn, recurse)
+        if had_copies and self.weight_int8.device.type == "cpu":
+            self.prepare_for_compile()
+        return self
+
+    def _forget_kernel_copies(self) -> None:
+        # New weights: re-pack them (a compiled step sees a new number and retraces).
+        _PACKED_BY_NUMBER.pop(self._packed_number, None)
+        self._packed = self._scales_bf16 = self._packed_number = self._matrix = None
 
     def _bf16_scales(self) -> Tensor:
         # Cached: converting d_out scales on every call would be a small but needless copy per layer.
@@ -391,6 +403,13 @@ class Int4Linear(nn.Module):
         if self.impl == "fast":
             self.prepare_for_compile()
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "Int4Linear":
+        had_copy, self._kernel = self._kernel is not None, None  # .to(dtype or device): new buffers to re-pack
+        super()._apply(fn, recurse)
+        if had_copy:
+            self.prepare_for_compile()
+        return self
+
     def prepare_for_compile(self) -> None:
         """Pack the weight for the kernel now (at load, so the first token does not wait for it; a
         compiled graph reads the packed copy, never makes it)."""
@@ -413,7 +432,10 @@ class Int4Linear(nn.Module):
     def quantized_matrix(self) -> QuantizedMatrix:
         """The weight as the kernels' readable `QuantizedMatrix`: levels 0..15, offset 8, the bf16
         scales, the bf16 zeros as minimums."""
-        return QuantizedMatrix(unpack_nibbles(self.weight_int4), self.scales, self.zeros, 4, 8, self.group_size)
+        # The scales are bf16 as made; a model's .float() makes them float32, which bf16 holds exactly.
+        dtype = self.scales.dtype if self.scales.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        return QuantizedMatrix(unpack_nibbles(self.weight_int4), self.scales.to(dtype), self.zeros.to(dtype), 4, 8,
+                               self.group_size)
 
     def extra_repr(self) -> str:
         return (f"d_in={self.d_in}, d_out={self.d_out}, group_size={self.group_size}, bias={self.bias is not None}, "
