@@ -306,17 +306,25 @@ def _register_fakes() -> None:
                 x.new_empty((rows, width // BLOCK), dtype=torch.int32))
 
 
+_QLINEAR: list[Any] = []  # the op's overload, looked up once: a decoding step makes ~150 calls
+
+
 def qlinear(x: Float[Tensor, "... d_in"], packed: PackedMatrix, bias: Tensor | None = None) -> Float[Tensor, "... d_out"]:
     """x @ W.T + bias through the kernels (x rounded to int8 blocks on the way in), in x's dtype."""
-    # (A compiled graph calls the op itself: the loader is a Python function it need not trace.)
-    if not torch.compiler.is_compiling() and kernel_ops() is None:
-        raise RuntimeError("the C++ kernels are not loaded (see glasslm.kernels.build)")
-    ops = torch.ops.glasslm_kernels
+    if not _QLINEAR:
+        # (A compiled graph calls the op itself: the loader is a Python function it need not trace.)
+        if not torch.compiler.is_compiling():
+            if kernel_ops() is None:
+                raise RuntimeError("the C++ kernels are not loaded (see glasslm.kernels.build)")
+            _QLINEAR.append(torch.ops.glasslm_kernels.qlinear.default)
+        op = torch.ops.glasslm_kernels.qlinear.default
+    else:
+        op = _QLINEAR[0]
     rows = x if x.dtype == torch.float32 else x.float()
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
-    y = ops.qlinear(rows, packed.levels, packed.scales, packed.mins, packed.bits, packed.offset, packed.group_blocks,
-                    packed.d_out, packed.row_scale, bias)
+    y = op(rows, packed.levels, packed.scales, packed.mins, packed.bits, packed.offset, packed.group_blocks,
+           packed.d_out, packed.row_scale, bias)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 

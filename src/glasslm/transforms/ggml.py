@@ -158,6 +158,10 @@ class BlockLinear(nn.Module):
         return dequantize_blocks(self.weight_blocks, self.qtype).to(dtype)
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
+        kernel = self._kernel
+        if isinstance(kernel, PackedMatrix) and self.impl == "fast" and x.is_cpu and not (
+                torch.is_grad_enabled() and x.requires_grad):
+            return qlinear(x, kernel, self.bias)  # the decoding step's call: no more Python than this
         if self.impl == "fast" and x.device.type == "cpu":
             if torch.is_grad_enabled() and x.requires_grad:
                 return KernelWithInputGradient.apply(x, self)
