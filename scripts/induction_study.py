@@ -1,11 +1,12 @@
-"""Train the induction-head study's model and write docs/induction.md's figures and numbers.
+"""Train the induction-head study's model and draw docs/induction.md's figures and numbers.
 
     python scripts/induction_study.py                 # the preset's recipe (1500 steps; minutes on 2 cores)
     python scripts/induction_study.py --steps 300     # a shorter run
-    python scripts/induction_study.py --steps 20 --figures /tmp/figures   # a check that it runs (the test suite's)
+    python scripts/induction_study.py --figures docs/figures   # refresh the page's own figures
 
-Writes docs/figures/induction_loss.png, induction_scores.png, induction_patching.png and
-docs/figures/induction_study.json (every number the page quotes), or those files in --figures DIR.
+Writes induction_loss.png, induction_scores.png, induction_patching.png and induction_study.json
+(every number the page quotes) to --figures DIR (default runs/induction-figures), so a run never
+rewrites the tracked docs/figures unless asked to.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from matplotlib.figure import Figure
 from glasslm.interp.induction import run_induction_study, save_study_model
 from glasslm.locations import check_output_dir
 
-FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
+FIGURES = Path("runs") / "induction-figures"  # relative to the working directory, as glasslm's --out paths
 
 
-def save(fig: Figure, path: Path) -> None:
+def save(fig: Figure, folder: Path, name: str) -> None:
     FigureCanvasAgg(fig)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(folder / name, dpi=110)
 
 
 def plot_losses(history: list[dict], folder: Path) -> None:
@@ -39,7 +40,7 @@ def plot_losses(history: list[dict], folder: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("next-token loss (nats)")
     ax.legend()
-    save(fig, folder / "induction_loss.png")
+    save(fig, folder, "induction_loss.png")
 
 
 def plot_scores(history: list[dict], folder: Path) -> None:
@@ -54,7 +55,7 @@ def plot_scores(history: list[dict], folder: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("induction score")
     ax.legend(ncol=2, fontsize=7)
-    save(fig, folder / "induction_scores.png")
+    save(fig, folder, "induction_scores.png")
 
 
 def plot_patching(grid: list[list[float]], folder: Path) -> None:
@@ -69,7 +70,7 @@ def plot_patching(grid: list[list[float]], folder: Path) -> None:
         for head, value in enumerate(row):
             ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=8)
     fig.colorbar(image, ax=ax, label="fraction of log-prob restored")
-    save(fig, folder / "induction_patching.png")
+    save(fig, folder, "induction_patching.png")
 
 
 def main() -> None:
@@ -80,7 +81,7 @@ def main() -> None:
                         help="also save the trained model as a checkpoint (glasslm serve --checkpoint DIR opens it)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     parser.add_argument("--figures", metavar="DIR", type=Path, default=FIGURES,
-                        help="where the figures and numbers go (default: docs/figures, which docs/induction.md shows)")
+                        help=f"where the figures and numbers go (default {FIGURES}; docs/figures: the page's own)")
     args = parser.parse_args()
     if args.out:
         try:
@@ -100,6 +101,7 @@ def main() -> None:
     plot_patching(study["head_patching"], args.figures)
     numbers = {key: study[key] for key in ("history", "previous_token_scores", "head_patching")}
     (args.figures / "induction_study.json").write_text(json.dumps(numbers, indent=1))
+    print(f"figures and numbers in {args.figures}")
     if args.out:
         save_study_model(study["model"], args.out, study["history"], overwrite=args.overwrite)
         print(f"saved the model to {args.out}: glasslm serve --checkpoint {args.out}")

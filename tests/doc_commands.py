@@ -156,7 +156,7 @@ DOWNLOADS = Elsewhere("tests/hf/test_download.py::test_the_docs_download_command
                       "documented_hub_commands")
 LM_EVAL = Elsewhere("tests/evaluation/test_local_completions.py::"
                     "test_every_documented_lm_eval_command_runs_against_glasslm_serve", "documented_lm_eval_lines")
-SERVED_CHAR = "glasslm serve --checkpoint runs/char"
+SERVED_CHAR = "glasslm serve --checkpoint runs/shakespeare-char-cpu"
 
 
 COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
@@ -168,40 +168,35 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "bash scripts/chat.sh": Run(add=("--temperature", "0", "--max-new-tokens", "30"), process=True, checkout=True,
                                 slow=True, stdin="What is the capital of France?\nAnd of Germany?\n",
                                 expect=("The capital of France is Paris.", "The capital of Germany is Berlin.")),
-    "glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/char": Run(
-        add=SMALL_RUN, expect=("done: val loss",), creates=("runs/char/latest", "runs/char/metrics.jsonl")),
-    'glasslm generate --checkpoint runs/char --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.8 --top-k 200 '
-    "--seed 1": Run(add=SHORT, needs=("runs/char",), expect=("ROMEO:", "tokens/s")),
+    "glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare-char-cpu": Run(
+        add=SMALL_RUN, expect=("done: val loss",), creates=("runs/shakespeare-char-cpu/latest", "runs/shakespeare-char-cpu/metrics.jsonl")),
+    'glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.8 --top-k 200 '
+    "--seed 1": Run(add=SHORT, needs=("runs/shakespeare-char-cpu",), expect=("ROMEO:", "tokens/s")),
     "glasslm info --preset gpt2-small": Run(expect=("124,439,808",)),
     "glasslm download HuggingFaceTB/SmolLM2-135M-Instruct": DOWNLOADS,
-    "glasslm train --preset shakespeare-char-cpu --out runs/char": Run(add=SMALL_RUN, slow=True,
-                                                                     creates=("runs/char/latest",)),
-    "glasslm train --resume runs/char --max-steps 4000": Run(add=RESUMED, needs=("runs/char",), slow=True,
-                                                            creates=("runs/char/ckpt-000003",)),
     "glasslm train --config run.toml --dtype bfloat16": Run(add=SMALL_RUN, needs=("run.toml",), slow=True,
                                                            creates=("runs/small/latest",)),
     "torchrun --nproc_per_node=2 -m glasslm.cli train --batch-size 6 --out runs/ddp": Run(
         add=SMALL_RUN, process=True, slow=True, creates=("runs/ddp/latest",)),
-    "glasslm plot runs/char": Run(needs=("runs/char",), creates=("runs/char/loss.png",)),
-    'glasslm generate --checkpoint runs/char --prompt "ROMEO:" --temperature 0.8 --top-p 0.95 --min-p 0.05 '
-    "--repetition-penalty 1.1 --stop $'\\n\\n' --seed 1": Run(add=SHORT, needs=("runs/char",), expect=("ROMEO:",)),
-    "glasslm generate --checkpoint runs/char --interactive": Run(add=SHORT, needs=("runs/char",),
+    'glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --temperature 0.8 --top-p 0.95 --min-p 0.05 '
+    "--repetition-penalty 1.1 --stop $'\\n\\n' --seed 1": Run(add=SHORT, needs=("runs/shakespeare-char-cpu",), expect=("ROMEO:",)),
+    "glasslm generate --checkpoint runs/shakespeare-char-cpu --interactive": Run(add=SHORT, needs=("runs/shakespeare-char-cpu",),
                                                                 stdin="ROMEO:\nJULIET:\n"),
-    'echo "JULIET:" | glasslm generate --checkpoint runs/char --prompt -': Run(add=SHORT, needs=("runs/char",),
+    'echo "JULIET:" | glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt -': Run(add=SHORT, needs=("runs/shakespeare-char-cpu",),
                                                                              expect=("JULIET:",)),
-    "glasslm eval --checkpoint runs/char --data tinyshakespeare --stride 32": Run(
-        add=("--max-tokens", "300"), needs=("runs/char",), expect=("perplexity", "bits/byte")),
-    "glasslm eval --checkpoint runs/char --tasks hellaswag,lambada_openai --limit 100 --output results.json": Skip(
+    "glasslm eval --checkpoint runs/shakespeare-char-cpu --data tinyshakespeare --stride 32": Run(
+        add=("--max-tokens", "300"), needs=("runs/shakespeare-char-cpu",), expect=("perplexity", "bits/byte")),
+    "glasslm eval --checkpoint runs/shakespeare-char-cpu --tasks hellaswag,lambada_openai --limit 100 --output results.json": Skip(
         NETWORK + "lm-eval fetches hellaswag and lambada_openai from the Hugging Face Hub (docs/generation.md's "
         "`--tasks my_task --include-path my_tasks/` line runs the same code on a local task)"),
-    'glasslm generate --checkpoint runs/char --prompt "ROMEO:" --quantize int8': Run(add=SHORT, needs=("runs/char",)),
-    "glasslm quantize --checkpoint runs/char --out runs/char-int8": Run(needs=("runs/char",),
-                                                                       creates=("runs/char-int8/model.safetensors",)),
-    "glasslm generate --checkpoint runs/big --draft runs/char --temperature 0": Run(
-        add=SHORT, needs=("runs/big", "runs/char"), slow=True),
-    'glasslm generate --checkpoint runs/char --prompt "ROMEO:" --max-new-tokens 2000 --compile': Run(
-        add=SHORT, needs=("runs/char",), slow=True),
-    SERVED_CHAR: Run(needs=("runs/char",), serve=True, slow=True),
+    'glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --quantize int8': Run(add=SHORT, needs=("runs/shakespeare-char-cpu",)),
+    "glasslm quantize --checkpoint runs/shakespeare-char-cpu --out runs/shakespeare-char-cpu-int8": Run(needs=("runs/shakespeare-char-cpu",),
+                                                                       creates=("runs/shakespeare-char-cpu-int8/model.safetensors",)),
+    "glasslm generate --checkpoint runs/shakespeare-char-cpu --draft runs/shakespeare-char-cpu-int8 --temperature 0": Run(
+        add=SHORT, needs=("runs/shakespeare-char-cpu", "runs/shakespeare-char-cpu-int8"), slow=True),
+    'glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --max-new-tokens 2000 --compile': Run(
+        add=SHORT, needs=("runs/shakespeare-char-cpu",), slow=True),
+    SERVED_CHAR: Run(needs=("runs/shakespeare-char-cpu",), serve=True, slow=True),
     "lm_eval --model local-completions --tasks hellaswag --batch_size 8 --model_args model=char,base_url="
     "http://127.0.0.1:8000/v1/completions,tokenizer_backend=remote,max_length=65": LM_EVAL,
     "glasslm convert --from-hf ./my-llama-chat --out runs/llama-chat": Run(
@@ -215,12 +210,17 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
         needs=("my_corpus.txt", "runs/tok"), creates=("runs/data/train.bin", "runs/data/val.bin")),
     "glasslm fetch gpt2": Elsewhere("tests/data/test_fetch_gpt2.py::"
                                     "test_a_fresh_data_directory_gets_gpt2_from_the_public_urls", ""),
-    "glasslm finetune --checkpoint Qwen/Qwen2-0.5B --data chat.jsonl --lora-rank 8 --out runs/ft": Run(
-        add=FINETUNE_RUN, needs=("hub:Qwen/Qwen2-0.5B", "chat.jsonl"), slow=True, creates=("runs/ft/latest",)),
-    "glasslm finetune --checkpoint runs/base --data chat.jsonl --quantize int4 --chat-template t.jinja --out runs/qlora":
-        Run(add=FINETUNE_RUN, needs=("runs/base", "chat.jsonl", "t.jinja"), slow=True, creates=("runs/qlora/latest",)),
-    "glasslm finetune --resume runs/ft --max-steps 600": Run(add=("--max-steps", "3"), needs=("runs/ft",), slow=True,
-                                                            creates=("runs/ft/ckpt-000003",)),
+    "glasslm finetune --checkpoint runs/shakespeare-char-cpu --data examples/chat/shakespeare.jsonl --chat-template "
+    "examples/chat/template.jinja --out runs/ft": Run(add=FINETUNE_RUN, needs=("runs/shakespeare-char-cpu",),
+                                                      creates=("runs/ft/latest", "runs/ft/chat_template.jinja")),
+    "glasslm chat --checkpoint runs/ft --temperature 0": Run(add=SHORT, needs=("runs/ft",), stdin="Greet Romeo.\n"),
+    "glasslm finetune --resume runs/ft --max-steps 1200": Run(add=("--max-steps", "3"), needs=("runs/ft",), slow=True,
+                                                             creates=("runs/ft/ckpt-000003",)),
+    "glasslm finetune --checkpoint runs/shakespeare-char-cpu --data examples/chat/shakespeare.jsonl --chat-template "
+    "examples/chat/template.jinja --quantize int4 --out runs/qlora": Run(
+        add=FINETUNE_RUN, needs=("runs/shakespeare-char-cpu",), slow=True, creates=("runs/qlora/latest",)),
+    "glasslm finetune --checkpoint Qwen/Qwen2-0.5B --data chat.jsonl --lr 2e-4 --out runs/qwen-ft": Run(
+        add=FINETUNE_RUN, needs=("hub:Qwen/Qwen2-0.5B", "chat.jsonl"), slow=True, creates=("runs/qwen-ft/latest",)),
     "glasslm serve --checkpoint runs/ft": Run(needs=("runs/ft",), serve=True, slow=True),
     "glasslm merge --checkpoint runs/ft --out runs/ft-merged --to-hf": Run(
         needs=("runs/ft",), creates=("runs/ft-merged/config.json",)),
@@ -234,20 +234,20 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
         needs=("path/to/hf-gpt2-or-llama",), creates=("runs/imported/model.safetensors",)),
     "glasslm convert --from nanogpt --checkpoint out/ckpt.pt --out runs/nano": Run(
         needs=("out/ckpt.pt",), creates=("runs/nano/model.safetensors",)),
-    "glasslm convert --to-hf --checkpoint runs/char --out runs/exported": Run(
-        needs=("runs/char",), creates=("runs/exported/config.json",)),
+    "glasslm convert --to-hf --checkpoint runs/shakespeare-char-cpu --out runs/exported": Run(
+        needs=("runs/shakespeare-char-cpu",), creates=("runs/exported/config.json",)),
     "glasslm train --init-from path/to/hf-model --data my.txt --out runs/ft": Run(
         add=SMALL_RUN, needs=("path/to/hf-model", "my.txt"), slow=True, creates=("runs/ft/latest",)),
     "glasslm info --checkpoint gpt2": Run(needs=("hub:gpt2",)),
     "glasslm convert --from-gguf path/to/model.gguf --out runs/from-gguf": Run(
         needs=("path/to/model.gguf",), expect=("kept in their blocks: 25 q4_1",),
         creates=("runs/from-gguf/model.safetensors", "runs/from-gguf/tokenizer_config.json")),
-    "glasslm convert --to-gguf --checkpoint runs/char --out runs/char.gguf --type q8_0": Run(
-        needs=("runs/char",), expect=("q8_0 matrices",), creates=("runs/char.gguf",)),
-    'glasslm inspect attention --checkpoint runs/char --prompt "ROMEO: O" --layer 0 --head 1 --out runs/attn.png': Run(
-        needs=("runs/char",), creates=("runs/attn.png",)),
-    'glasslm inspect logit-lens --checkpoint runs/char --prompt "ROMEO: O" --out runs/lens.png': Run(
-        needs=("runs/char",), creates=("runs/lens.png",)),
+    "glasslm convert --to-gguf --checkpoint runs/shakespeare-char-cpu --out runs/shakespeare-char-cpu.gguf --type q8_0": Run(
+        needs=("runs/shakespeare-char-cpu",), expect=("q8_0 matrices",), creates=("runs/shakespeare-char-cpu.gguf",)),
+    'glasslm inspect attention --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO: O" --layer 0 --head 1 --out runs/attn.png': Run(
+        needs=("runs/shakespeare-char-cpu",), creates=("runs/attn.png",)),
+    'glasslm inspect logit-lens --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO: O" --out runs/lens.png': Run(
+        needs=("runs/shakespeare-char-cpu",), creates=("runs/lens.png",)),
     "glasslm info --preset gpt2-xl --context-length 1024": Run(),
     "glasslm convert --from-hf path/to/pythia-160m --out runs/pythia": Run(
         needs=("path/to/pythia-160m",), creates=("runs/pythia/model.safetensors",)),
@@ -283,11 +283,11 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
         Run(add=("--max-tokens", "300"), needs=("runs/shakespeare-char-cpu", "runs/shakespeare-data"),
             expect=("perplexity",)),
     "pip install -e '.[eval]'": Skip(NETWORK + "installs lm-eval from PyPI (scripts/test.sh's test extra holds it)"),
-    "glasslm eval --checkpoint runs/char --tasks hellaswag,arc_easy --num-fewshot 0 --limit 200 --output results.json":
+    "glasslm eval --checkpoint runs/shakespeare-char-cpu --tasks hellaswag,arc_easy --num-fewshot 0 --limit 200 --output results.json":
         Skip(NETWORK + "lm-eval fetches hellaswag and arc_easy from the Hugging Face Hub (the next line, "
              "`--tasks my_task --include-path my_tasks/`, runs the same code on a local task)"),
-    "glasslm eval --checkpoint runs/char --tasks my_task --include-path my_tasks/": Run(
-        add=("--limit", "2"), needs=("runs/char", "my_tasks"), slow=True, expect=("my_task",)),
+    "glasslm eval --checkpoint runs/shakespeare-char-cpu --tasks my_task --include-path my_tasks/": Run(
+        add=("--limit", "2"), needs=("runs/shakespeare-char-cpu", "my_tasks"), slow=True, expect=("my_task",)),
     # docs/induction.md
     "python scripts/induction_study.py": Run(add=("--steps", "20", "--figures", "figures"), process=True, slow=True,
                                              creates=("figures/induction_study.json",)),
@@ -333,29 +333,33 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
                                                                slow=True),
     "lm_eval --model local-completions --tasks hellaswag,wikitext --batch_size 8 --model_args model=char,base_url="
     "http://127.0.0.1:8000/v1/completions,tokenizer_backend=remote,max_length=65": LM_EVAL,
-    "glasslm convert --to-hf --checkpoint runs/char --out runs/char-hf": Run(
-        needs=("runs/char",), creates=("runs/char-hf/tokenizer_config.json",)),
+    "glasslm convert --to-hf --checkpoint runs/shakespeare-char-cpu --out runs/shakespeare-char-cpu-hf": Run(
+        needs=("runs/shakespeare-char-cpu",), creates=("runs/shakespeare-char-cpu-hf/tokenizer_config.json",)),
     "lm_eval --model local-completions --tasks hellaswag,wikitext --batch_size 8 --model_args model=char,base_url="
-    "http://127.0.0.1:8000/v1/completions,tokenizer_backend=huggingface,tokenizer=runs/char-hf,max_length=65": LM_EVAL,
+    "http://127.0.0.1:8000/v1/completions,tokenizer_backend=huggingface,tokenizer=runs/shakespeare-char-cpu-hf,max_length=65": LM_EVAL,
     "curl -s 127.0.0.1:8000/api/attention -H 'content-type: application/json' -d '{\"text\": \"To be, or not to be\", "
     "\"layer\": 1, \"head\": 2}'": During(SERVED_CHAR),
     # docs/training.md
-    "glasslm train --preset shakespeare-char-cpu --out runs/shakespeare": Run(add=SMALL_RUN,
-                                                                            creates=("runs/shakespeare/latest",)),
-    "glasslm train --resume runs/shakespeare --max-steps 4000": Run(add=RESUMED, slow=True,
-                                                                   needs=("runs/shakespeare",),
+    "glasslm train --preset shakespeare-char-cpu --out runs/shakespeare-char-cpu": Run(add=SMALL_RUN,
+                                                                            creates=("runs/shakespeare-char-cpu/latest",)),
+    "glasslm train --resume runs/shakespeare-char-cpu --max-steps 4000": Run(add=RESUMED, slow=True,
+                                                                   needs=("runs/shakespeare-char-cpu",),
                                                                    expect=("steps after it train at min_lr",)),
-    "glasslm train --resume runs/shakespeare --max-steps 4000 --extend-schedule": Run(
-        add=RESUMED, needs=("runs/shakespeare",), slow=True, creates=("runs/shakespeare/ckpt-000003",)),
-    "glasslm train --preset shakespeare-char-cpu --out runs/shakespeare --overwrite": Run(
-        add=SMALL_RUN, needs=("runs/shakespeare",), slow=True, creates=("runs/shakespeare/latest",)),
+    "glasslm train --resume runs/shakespeare-char-cpu --max-steps 4000 --extend-schedule": Run(
+        add=RESUMED, needs=("runs/shakespeare-char-cpu",), slow=True, creates=("runs/shakespeare-char-cpu/ckpt-000003",)),
+    "glasslm train --preset shakespeare-char-cpu --out runs/shakespeare-char-cpu --overwrite": Run(
+        add=SMALL_RUN, needs=("runs/shakespeare-char-cpu",), slow=True, creates=("runs/shakespeare-char-cpu/latest",)),
     "glasslm finetune --checkpoint path/to/hf-model --data chat.jsonl --out runs/ft": Run(
         add=FINETUNE_RUN, needs=("path/to/hf-model", "chat.jsonl"), slow=True, creates=("runs/ft/latest",)),
-    "glasslm plot runs/shakespeare": Run(needs=("runs/shakespeare",), creates=("runs/shakespeare/loss.png",)),
-    'glasslm sample --checkpoint runs/shakespeare --prompt "ROMEO:"': Run(add=SHORT, needs=("runs/shakespeare",),
+    "glasslm plot runs/shakespeare-char-cpu": Run(needs=("runs/shakespeare-char-cpu",), creates=("runs/shakespeare-char-cpu/loss.png",)),
+    'glasslm sample --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:"': Run(add=SHORT, needs=("runs/shakespeare-char-cpu",),
                                                                         expect=("ROMEO:",)),
-    "glasslm finetune --checkpoint BASE --data chat.jsonl --lora-rank 8 --lora-alpha 16 --lora-sites q,v --out runs/ft":
-        Run(add=FINETUNE_RUN, needs=("BASE", "chat.jsonl"), creates=("runs/ft/latest",)),
+    "glasslm finetune --checkpoint BASE --data chat.jsonl --out runs/ft": Run(
+        add=FINETUNE_RUN, needs=("BASE", "chat.jsonl"), slow=True, creates=("runs/ft/latest",)),
+    "glasslm finetune --resume runs/ft --max-steps 600": Run(add=("--max-steps", "3"), needs=("runs/ft",), slow=True,
+                                                            creates=("runs/ft/ckpt-000003",)),
+    "glasslm finetune --checkpoint BASE --data chat.jsonl --lora-rank 16 --lora-sites q,v --out runs/ft-qv": Run(
+        add=FINETUNE_RUN, needs=("BASE", "chat.jsonl"), creates=("runs/ft-qv/latest",)),
     "glasslm finetune --checkpoint BASE --data chat.jsonl --quantize int4 --out runs/qlora": Run(
         add=FINETUNE_RUN, needs=("BASE", "chat.jsonl"), slow=True, creates=("runs/qlora/latest",)),
     "glasslm finetune --checkpoint BASE --data chat.jsonl --full --lr 2e-5 --out runs/full": Run(
@@ -376,19 +380,21 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
 }
 
 # Benchmarks no page shows in a code block: run the same way, so every benchmark has a smoke run.
-UNDOCUMENTED = {"python benchmarks/bench_finetune.py": Run(add=("--smoke",), process=True, slow=True)}
+UNDOCUMENTED = {"python benchmarks/bench_finetune.py": Run(add=("--smoke",), process=True, slow=True),
+                "python benchmarks/bench_lora_defaults.py": Run(add=("--smoke",), process=True, slow=True)}
 
 # The runs the commands above read, each made by the command the docs show for it (the key): the
 # same run a reader following the docs has, at the reduced size its entry gives.
 MAKERS = {
-    "runs/char": "glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/char",
-    "runs/shakespeare": "glasslm train --preset shakespeare-char-cpu --out runs/shakespeare",
+    "runs/shakespeare-char-cpu": "glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare-char-cpu",
+    "runs/shakespeare-char-cpu-int8": "glasslm quantize --checkpoint runs/shakespeare-char-cpu --out "
+                                      "runs/shakespeare-char-cpu-int8",
     "tmp/ckpt": "glasslm train --max-steps 200 --out /tmp/ckpt",
     "runs/tok": "glasslm train-tokenizer my_corpus.txt --vocab-size 8000 --out runs/tok",
     "runs/data": "glasslm prepare my_corpus.txt --tokenizer runs/tok --out runs/data",
     "runs/llama-chat": "glasslm convert --from-hf ./my-llama-chat --out runs/llama-chat",
-    "runs/ft": "glasslm finetune --checkpoint BASE --data chat.jsonl --lora-rank 8 --lora-alpha 16 --lora-sites q,v "
-               "--out runs/ft",
+    "runs/ft": "glasslm finetune --checkpoint runs/shakespeare-char-cpu --data examples/chat/shakespeare.jsonl "
+               "--chat-template examples/chat/template.jinja --out runs/ft",
     "runs/imported": "glasslm convert --from-hf path/to/hf-model --out runs/imported",
     "runs/ft-peft": "glasslm convert --to-peft --checkpoint runs/ft --out runs/ft-peft",
     "runs/adapter": "glasslm convert --from-peft path/to/peft-adapter --base path/to/base --out runs/adapter",
@@ -397,10 +403,10 @@ MAKERS = {
 }
 
 
-# Runs whose making trains another model than README's runs/char: what reads them is left to the
-# slow tests (`-m "not slow"` keeps runs/char's commands, `info` and the checks of this table).
-SLOW_RUNS = {"runs/shakespeare", "tmp/ckpt", "runs/shakespeare-char-cpu", "runs/shakespeare-data", "runs/big",
-             "runs/ft"}
+# Runs whose making trains another model than README's runs/shakespeare-char-cpu, or trains it further: what
+# reads them is left to the slow tests (`-m "not slow"` keeps the README's own run's commands, `info` and the
+# checks of this table).
+SLOW_RUNS = {"tmp/ckpt", "runs/shakespeare-data", "runs/ft"}
 
 
 def all_needs(needs: tuple[str, ...]) -> list[str]:
@@ -480,7 +486,7 @@ class Sandbox:
                     "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
                     "PATH": ":".join([*dict.fromkeys(scripts), os.environ.get("PATH", "")]),
                     "TIKTOKEN_CACHE_DIR": str(data_dir / "tiktoken_cache")}
-        for name in ("benchmarks", "scripts"):  # `python benchmarks/...` from any command's folder
+        for name in ("benchmarks", "scripts", "examples"):  # `python benchmarks/...`, examples/chat/... from any folder
             (root / name).symlink_to(ROOT / name)
 
     def run(self, key: str, spec: Run, cwd: Path) -> Result:
@@ -537,7 +543,7 @@ class Sandbox:
                 shutil.copytree(source, target, ignore=shutil.ignore_patterns(".lock"))
             else:
                 shutil.copy(source, target)
-        for name in ("benchmarks", "scripts"):
+        for name in ("benchmarks", "scripts", "examples"):
             if not (cwd / name).exists():
                 (cwd / name).symlink_to(ROOT / name)
 
@@ -626,23 +632,6 @@ def _peft_adapter(sandbox: Sandbox, target: Path) -> None:
     model.save_pretrained(target)
 
 
-def _demo_run(sandbox: Sandbox, target: Path) -> None:
-    """runs/shakespeare-char-cpu, by the `glasslm train` line scripts/demo.sh ends with (its own test runs
-    the whole script)."""
-    line = next(line for line in (ROOT / "scripts" / "demo.sh").read_text().splitlines()
-                if line.startswith("exec glasslm train "))
-    key = command_key(line.removeprefix("exec ").replace('"$@"', ""))
-    assert f"--out {target.relative_to(sandbox.root)}" in key, line
-    sandbox.run(key, Run(add=SMALL_RUN), sandbox.root).check(line)
-
-
-def _bigger_run(sandbox: Sandbox, target: Path) -> None:
-    """runs/big: a wider model on the same text, so the same character vocabulary as runs/char."""
-    spec = Run(add=(*SMALL_RUN, "--d-model", "192", "--n-heads", "6"))
-    sandbox.run("glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/big", spec,
-                sandbox.root).check("runs/big")
-
-
 def _nanogpt_checkpoint(sandbox: Sandbox, target: Path) -> None:
     """nanoGPT's train.py checkpoint (model_args + a torch.compile'd model's state dict), random weights."""
     args = dict(n_layer=2, n_head=4, n_embd=48, block_size=64, bias=True, vocab_size=65, dropout=0.0)
@@ -701,8 +690,6 @@ def _tiny_gguf(sandbox: Sandbox, target: Path) -> None:
 STAND_INS = {
     "path/to/SmolLM2-135M-Instruct.Q4_1.gguf": _smollm2,
     "path/to/model.gguf": _tiny_gguf,
-    "runs/shakespeare-char-cpu": _demo_run,
-    "runs/big": _bigger_run,
     "my-llama-chat": _hf("llama"),
     "path/to/hf-model": _hf("llama"),
     "path/to/hf-gpt2-or-llama": _hf("gpt2"),
@@ -710,7 +697,6 @@ STAND_INS = {
     "BASE": _hf("llama"),
     "path/to/base": _hf("llama"),
     "path/to/peft-adapter": _peft_adapter,
-    "runs/base": _hf("qwen2"),
     "hub:Qwen/Qwen2-0.5B": _hub("qwen2"),
     "hub:gpt2": _hub("gpt2"),
     "hub:HuggingFaceTB/SmolLM-135M": _hub("llama"),

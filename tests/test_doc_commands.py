@@ -201,3 +201,49 @@ def _ask_the_server(host: str, serve: str) -> None:
     if has_template:
         chat = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
         assert chat["choices"][0]["message"]["role"] == "assistant", (serve, chat)
+
+
+def _run_paths() -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """(every runs/... directory a page's command writes -> the command, every runs/... directory a
+    command reads -> the command); `glasslm train` without --out writes runs/PRESET."""
+    made, used = {}, []
+    for name in ("train", "finetune", "convert", "merge", "quantize", "generate", "eval", "serve", "chat", "plot",
+                 "inspect", "info"):
+        for words in _commands(name):
+            words = [w.rstrip("`,") for w in words]
+            line = " ".join(words)
+            if name == "train" and "--resume" not in words:
+                made[_option(words, "--out", f"runs/{_option(words, '--preset', 'shakespeare-char-cpu')}")] = line
+            elif "--out" in words:
+                made[_option(words, "--out")] = line
+            reads = [words[i + 1] for i, w in enumerate(words[:-1])
+                     if w in ("--checkpoint", "--resume", "--draft", "--base", "--init-from")]
+            reads += [words[2]] if name == "plot" and len(words) > 2 else []
+            used += [(path, line) for path in reads if path.startswith("runs/")]
+    for page in PAGES:  # the scripts' runs (python scripts/induction_study.py --out runs/induction)
+        for found in re.finditer(r"python scripts/\S+ [^`#\n]*--out (\S+)", page.read_text(encoding="utf-8")):
+            made[found.group(1).rstrip("`,")] = found.group(0)
+    return made, used
+
+
+def test_every_run_the_pages_read_is_one_their_commands_make():
+    # README's examples once read runs/char, runs/base and runs/big, which no command shown makes.
+    made, used = _run_paths()
+    assert len(used) >= 20
+    for path, line in used:
+        assert path in made, f"{line}: no command in README, docs/ or demo.sh makes {path}"
+
+
+def test_the_pages_train_the_demo_model_where_the_demo_does():
+    # After `bash scripts/demo.sh`, README's `--checkpoint runs/char` found nothing.
+    demo = next(words for words in _commands("train") if "--preset" in words and words[-1] == "$@")
+    demo_out = _option(demo, "--out")
+    checked = 0
+    for words in _commands("train"):
+        out = _option(words, "--out", "")
+        if "--resume" in words or not out.startswith("runs/") or _option(words, "--data", "tinyshakespeare") \
+                != "tinyshakespeare" or _option(words, "--preset", "shakespeare-char-cpu") != _option(demo, "--preset"):
+            continue
+        assert out == demo_out, " ".join(words)
+        checked += 1
+    assert demo_out == "runs/shakespeare-char-cpu" and checked >= 3

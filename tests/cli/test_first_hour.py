@@ -154,3 +154,15 @@ def test_threads_help_speaks_of_the_command_not_library_internals(capsys):
     text = " ".join(_help(capsys, "train").split())
     threads = text.split("--threads INT", 1)[1].split(" --", 1)[0]
     assert "CPU threads for training" in threads and "train()" not in threads
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    """`glasslm info | head`: the reader closes the pipe; glasslm stops without an error, as Unix tools do."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "glasslm.cli", "info", "--preset", "gpt2-xl"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before glasslm writes a line: its first write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == ""  # 128 + SIGPIPE, as `head`'s writers end

@@ -60,3 +60,15 @@ def test_a_tampered_gpt2_file_is_refused_and_not_kept(released_gpt2, tmp_path):
         fetch_dataset("gpt2", fresh, source_dir=released_gpt2)
     assert [p.name for p in (fresh / "gpt2").iterdir()] == ["gpt2_vocab.json"]  # the good one only
     assert FILE_SETS["gpt2"][1].filename == "gpt2/gpt2_merges.txt"
+
+
+def test_the_offline_advice_names_both_of_gpt2s_files(tmp_path, monkeypatch, capsys):
+    def offline(*args, **kwargs):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    assert main(["fetch", "gpt2", "--data-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    for info in FILE_SETS["gpt2"]:  # both paths, and both names the files were released under
+        assert str(tmp_path / info.filename) in err and info.url.rsplit("/", 1)[-1] in err

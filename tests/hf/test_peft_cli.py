@@ -120,7 +120,7 @@ def test_a_base_that_is_not_here_names_the_way_to_give_it(adapter, tmp_path, cap
 def test_chat_and_serve_take_the_template_beside_the_adapter_else_the_bases(adapter, tmp_path):
     import shutil
 
-    from glasslm.cli.serve import chat_template_of
+    from glasslm.hf import load_chat_template
 
     base, directory, _ = adapter
     shutil.copytree(base, tmp_path / "base")
@@ -129,6 +129,6 @@ def test_chat_and_serve_take_the_template_beside_the_adapter_else_the_bases(adap
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     config["base_model_name_or_path"] = str(tmp_path / "base")
     (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
-    assert chat_template_of(str(tmp_path / "adapter"), None) == "{{ messages[0]['content'] }}"
+    assert load_chat_template(tmp_path / "adapter", None) == "{{ messages[0]['content'] }}"
     (tmp_path / "adapter" / "chat_template.jinja").write_text("{{ 'mine' }}")
-    assert chat_template_of(str(tmp_path / "adapter"), None) == "{{ 'mine' }}"
+    assert load_chat_template(tmp_path / "adapter", None) == "{{ 'mine' }}"

@@ -47,3 +47,20 @@ def test_saving_the_study_model_keeps_a_users_directory(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine" and not (tmp_path / "model.safetensors").exists()
     save_study_model(model, str(tmp_path), overwrite=True)
     assert load_checkpoint(tmp_path)[1].vocab_size == 64
+
+
+def test_the_study_script_leaves_the_tracked_figures_alone(tmp_path):
+    """A run writes its figures to runs/induction-figures/ unless --figures names docs/figures."""
+    import hashlib
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    tracked = sorted((root / "docs" / "figures").glob("induction*"))
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tracked}
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "induction_study.py"), "--steps", "4",
+                           "--record-every", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tracked} == before and len(before) == 4
+    assert sorted(p.name for p in (tmp_path / "runs" / "induction-figures").iterdir()) == sorted(before)

@@ -74,7 +74,7 @@ def test_glasslm_serve_takes_the_key_from_the_environment(monkeypatch):
     seen = {}
     monkeypatch.setenv("GLASSLM_API_KEY", "from-env")
     monkeypatch.setattr(serve_command, "load_for_inference", lambda *a, **k: tiny_model())
-    monkeypatch.setattr(serve_command, "chat_template_of", lambda checkpoint, template_file: None)
+    monkeypatch.setattr("glasslm.hf.load_chat_template", lambda checkpoint, tokenizer, template_file: None)
     monkeypatch.setattr("glasslm.serving.server.serve",
                         lambda model, tok, config, chat_template=None: seen.update(config=config))
     assert serve_command.serve(CheckpointOption("runs/x"), ServeConfig(), RuntimeOptions()) == 0

@@ -108,8 +108,7 @@ def test_no_template_and_bad_messages_are_refused_with_the_field():
 
 @pytest.mark.slow
 def test_an_imported_llama_chats_and_stops_at_its_eos_like_transformers(llama_chat):
-    from glasslm.cli.serve import chat_template_of
-    from glasslm.hf import load_model
+    from glasslm.hf import load_chat_template, load_model
 
     directory, hf_model, hf_tok = llama_chat
     messages = [{"role": "user", "content": "hi"}]
@@ -117,7 +116,7 @@ def test_an_imported_llama_chats_and_stops_at_its_eos_like_transformers(llama_ch
     out = hf_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
     assert out[-1] in (2, 3) and len(out) < 16  # transformers stopped at an eos
     model, tokenizer = load_model(directory)
-    app = create_app(model, tokenizer, ServeConfig(name="llama"), chat_template_of(str(directory), None))
+    app = create_app(model, tokenizer, ServeConfig(name="llama"), load_chat_template(directory, tokenizer))
     with serving_in_thread(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         done = client.chat.completions.create(model="llama", messages=messages, max_tokens=16, temperature=0)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glasslm.tokenizers.chat import ChatTemplateError, assistant_spans, find_chat_template, render_chat
+from glasslm.tokenizers.chat import ChatFormat, ChatTemplateError, find_chat_template, render_chat
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
@@ -68,7 +68,7 @@ def test_rendering_equals_transformers(hf_tokenizer, conversation, system, add_g
 def test_assistant_spans_are_the_answers_and_their_end_markers():
     messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
                 {"role": "user", "content": "and 3+3?"}, {"role": "assistant", "content": "6"}]
-    text, spans = assistant_spans(CHATML, messages)
+    text, spans = ChatFormat(CHATML, {}).assistant_spans(messages)
     assert [text[a:b] for a, b in spans] == ["4<|im_end|>\n", "6<|im_end|>\n"]
     outside = "".join(text[b:a] for (_, b), (a, _) in zip([(0, 0)] + spans, spans + [(len(text), len(text))]))
     assert "2+2?" in outside and "3+3?" in outside and "4" not in outside.replace("<|im_start|>", "")

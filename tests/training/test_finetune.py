@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from glasslm.cli import main
+from glasslm.cli.finetune import FINETUNE_DEFAULTS
 from glasslm.core.model import TransformerLM
 from glasslm.data.sft import encode_conversation
 from glasslm.hf import load_model
@@ -170,6 +171,74 @@ def test_a_lora_adapter_trained_on_an_hf_base_exports_to_peft_with_equal_logits(
             theirs = peft.PeftModel.from_pretrained(hf, base / exported).eval()(ids).logits
         assert (theirs - _logits(adapted)).abs().max() <= 2e-5 * max(1.0, theirs.abs().max().item())
     assert (_logits(adapted) - _logits(load_model(base / "hf-base")[0])).abs().max() > 1e-3  # the adapters trained
+
+
+def test_a_peft_export_names_a_base_that_auto_peft_loads(base):
+    """AutoPeftModelForCausalLM loads `base_model_name_or_path` with transformers: a glasslm base is
+    exported beside the adapter (DIR/base), an HF base is named by its own directory."""
+    peft = pytest.importorskip("peft")
+    _finetune(base, "ft", "--max-steps", "3", "--lora-sites", "q,v,mlp_down")
+    assert main(["convert", "--to-peft", "--checkpoint", str(base / "ft"), "--out", str(base / "peft")]) == 0
+    config = json.loads((base / "peft" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((base / "peft" / "base").resolve())
+    with torch.no_grad():
+        theirs = peft.AutoPeftModelForCausalLM.from_pretrained(base / "peft", dtype=torch.float32).eval()(
+            torch.tensor([TOKENIZER.encode("u:abc;a:cba;")])).logits
+    ours = _logits(load_model(base / "ft")[0])
+    assert (theirs - ours).abs().max() <= 2e-5 * max(1.0, theirs.abs().max().item())
+    assert main(["convert", "--to-hf", "--checkpoint", str(base / "base"), "--out", str(base / "hf-base")]) == 0
+    args = ["finetune", "--checkpoint", str(base / "hf-base"), "--data", str(base / "chat.jsonl"), "--chat-template",
+            str(base / "template.jinja"), "--out", str(base / "ft-hf"), "--batch-size", "4", "--max-steps", "2",
+            "--no-progress", "--device", "cpu", "--export-peft", str(base / "peft-hf")]
+    assert main(args) == 0
+    config = json.loads((base / "peft-hf" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((base / "hf-base").resolve())
+    assert not (base / "peft-hf" / "base").exists()
+    peft.AutoPeftModelForCausalLM.from_pretrained(base / "peft-hf")
+
+
+def test_finetune_help_shows_the_training_settings_a_run_uses(base, capsys):
+    import re
+
+    with pytest.raises(SystemExit):
+        main(["finetune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert main(["finetune", "--checkpoint", str(base / "base"), "--data", str(base / "chat.jsonl"), "--chat-template",
+                 str(base / "template.jinja"), "--out", str(base / "ft"), "--max-steps", "1", "--no-progress",
+                 "--device", "cpu"]) == 0
+    used = json.loads((resolve_checkpoint(base / "ft") / "trainer_state.json").read_text())["train_config"]
+    checked = 0
+    for name in ("batch_size", "min_lr", "warmup_steps", "weight_decay", "eval_interval", "optimizer", "seed"):
+        shown = re.search(rf"--{name.replace('_', '-')} [A-Z{{]\S* .*?\(default: ([^)]+)\)", text).group(1)
+        assert shown == str(used[name]), name
+        checked += 1
+    shown_steps = re.search(r"--max-steps INT .*?\(default: ([^)]+)\)", text).group(1)
+    assert int(shown_steps) == FINETUNE_DEFAULTS["max_steps"] and checked == 7
+    shown_lr = re.search(r"--lr FLOAT .*?\(default: (.+?) \(LoRA\), (.+?) \(--full\)\)", text).groups()
+    assert main(["finetune", "--checkpoint", str(base / "base"), "--data", str(base / "chat.jsonl"), "--chat-template",
+                 str(base / "template.jinja"), "--out", str(base / "full"), "--max-steps", "1", "--no-progress",
+                 "--device", "cpu", "--full"]) == 0
+    full = json.loads((resolve_checkpoint(base / "full") / "trainer_state.json").read_text())["train_config"]
+    assert (float(shown_lr[0]), float(shown_lr[1])) == (used["lr"], full["lr"]) and used["lr"] != full["lr"]
+
+
+def test_converting_an_adapter_checkpoint_to_hf_says_to_merge_it(base, capsys):
+    _finetune(base, "ft", "--max-steps", "1")
+    assert main(["convert", "--to-hf", "--checkpoint", str(base / "ft"), "--out", str(base / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert "glasslm merge" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_large_base_hears_that_the_default_lr_was_measured_on_small_models(base, capsys, monkeypatch):
+    import glasslm.cli.finetune as command
+
+    monkeypatch.setattr(command, "LARGE_BASE_PARAMETERS", 1000)  # llama-tiny stands in for a large base
+    _finetune(base, "ft", "--max-steps", "1")  # --lr given: no note
+    assert "note: LoRA's default --lr" not in capsys.readouterr().out
+    assert main(["finetune", "--checkpoint", str(base / "base"), "--data", str(base / "chat.jsonl"), "--chat-template",
+                 str(base / "template.jinja"), "--out", str(base / "ft2"), "--max-steps", "1", "--no-progress",
+                 "--device", "cpu"]) == 0
+    assert f"note: LoRA's default --lr {FINETUNE_DEFAULTS['lr']:g}" in capsys.readouterr().out
 
 
 def test_bad_finetune_options_are_named(base, capsys):

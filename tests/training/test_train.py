@@ -120,7 +120,7 @@ def test_metrics_log_and_periodic_evaluation(tmp_path):
     result = train(get_preset("shakespeare-char-cpu", **TINY), cfg(max_steps=10, eval_interval=5, log_interval=2),
                    tokens()[:3500], tokens()[3500:], run_dir=tmp_path)
     records = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records] == [2, 4, 5, 6, 8, 10]
+    assert [r["step"] for r in records] == [2, 4, 5, 6, 8, 10]  # an evaluation closes the window too
     full = records[-1]
     assert {"step", "tokens", "train_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "val_loss",
             "val_ppl"} <= set(full)
@@ -129,6 +129,18 @@ def test_metrics_log_and_periodic_evaluation(tmp_path):
     assert [s for s, _ in result.val_losses] == [5, 10]
     assert records[0]["train_loss"] == pytest.approx(sum(result.train_losses[:2]) / 2)
     assert len(result.train_losses) == 10 and result.step == 10
+    assert "train_loss" in records[2] and records[2]["train_loss"] == pytest.approx(result.train_losses[4])
+
+
+def test_the_printed_train_loss_is_the_one_metrics_jsonl_records(tmp_path, capsys):
+    """At each evaluation the console's "train loss" is metrics.jsonl's train_loss for that step
+    (the mean since the last record), also where evaluations fall between log steps."""
+    train(get_preset("shakespeare-char-cpu", **TINY), cfg(max_steps=12, eval_interval=3, log_interval=4, progress=True),
+          tokens()[:3500], tokens()[3500:], run_dir=tmp_path)
+    printed = {int(line.split(":")[0].split()[1]): line.split("train loss ")[1].split(",")[0]
+               for line in capsys.readouterr().err.splitlines() if line.startswith("step ") and "train loss" in line}
+    logged = {r["step"]: f"{r['train_loss']:.4f}" for r in read_metrics(tmp_path / "metrics.jsonl") if "val_loss" in r}
+    assert sorted(printed) == [3, 6, 9, 12] and printed == logged
 
 
 def test_learns_and_grad_clipping_bounds_the_update():

@@ -2,21 +2,21 @@
 whose options are generated from those dataclasses (glasslm.cli.command). Adding a command is
 one new module and one line in COMMANDS.
 
-    glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare
-    glasslm train --resume runs/shakespeare --max-steps 4000
+    glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare-char-cpu
+    glasslm train --resume runs/shakespeare-char-cpu --max-steps 4000
     torchrun --nproc_per_node=2 -m glasslm.cli train --batch-size 6 --out runs/ddp
-    glasslm plot runs/shakespeare
-    glasslm finetune --checkpoint runs/base --data chat.jsonl --lora-rank 8 --out runs/ft
+    glasslm plot runs/shakespeare-char-cpu
+    glasslm finetune --checkpoint runs/shakespeare-char-cpu --data examples/chat/shakespeare.jsonl --chat-template examples/chat/template.jinja --out runs/ft
     glasslm merge --checkpoint runs/ft --out runs/ft-merged --to-hf
-    glasslm generate --checkpoint runs/shakespeare --prompt "ROMEO:" --max-new-tokens 300
-    glasslm eval --checkpoint runs/shakespeare --data tinyshakespeare
+    glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --max-new-tokens 300
+    glasslm eval --checkpoint runs/shakespeare-char-cpu --data tinyshakespeare
     glasslm info --preset gpt2-small --context-length 1024
     glasslm download HuggingFaceTB/SmolLM2-135M-Instruct
     glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2
     glasslm convert --to-hf --checkpoint runs/gpt2 --out runs/exported-gpt2
     glasslm convert --from nanogpt --checkpoint out/ckpt.pt --out runs/nano
-    glasslm inspect attention --checkpoint runs/shakespeare --prompt "ROMEO:" --layer 0 --head 1 --out runs/attn.png
-    glasslm inspect logit-lens --checkpoint runs/shakespeare --prompt "ROMEO:" --out runs/lens.png
+    glasslm inspect attention --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --layer 0 --head 1 --out runs/attn.png
+    glasslm inspect logit-lens --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --out runs/lens.png
 """
 
 from __future__ import annotations
@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         code = args.command_spec.invoke(args)
+        sys.stdout.flush()  # a reader that went away shows here, while the handler below can see it
+    except BrokenPipeError:
+        return _reader_gone()
     except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError, OSError) as err:
         print(f"glasslm {args.command}: error: {_describe(err)}", file=sys.stderr)
         return 1
@@ -100,6 +103,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"glasslm {args.command}: interrupted", file=sys.stderr)
         return 128 + getattr(err, "signum", 2)
     return code or 0
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (`glasslm info | head`): stop quietly, as Unix tools do, with
+    the status of a process SIGPIPE ended. stdout then points at /dev/null, so the interpreter's
+    last flush of what is still buffered cannot fail again."""
+    import os
+    import signal
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout replaced by an object without a descriptor
+        pass
+    return 128 + signal.SIGPIPE
 
 
 def run() -> NoReturn:

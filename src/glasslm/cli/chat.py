@@ -17,6 +17,7 @@ from glasslm.cli.command import Command
 from glasslm.cli.common import CheckpointOption, RuntimeOptions, Terminated, load_for_inference
 from glasslm.cli.generate import SAMPLING, _Writer
 from glasslm.generation import GenerationConfig
+from glasslm.tokenizers.chat import ChatFormat
 
 RESET = "/reset"
 
@@ -32,23 +33,26 @@ class ChatOptions:
 
 def chat(source: CheckpointOption, options: ChatOptions, sampling: Annotated[GenerationConfig, SAMPLING],
          runtime: RuntimeOptions) -> int:
-    from glasslm.cli.serve import chat_template_of
+    from glasslm.hf import load_chat_template
+    from glasslm.tokenizers.chat import read_template_file
 
-    template = chat_template_of(source.checkpoint, options.chat_template)
+    if options.chat_template:
+        read_template_file(options.chat_template)  # a bad file is refused before the model is loaded
+    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True, base=source.base)
+    template = load_chat_template(source.checkpoint, tokenizer, options.chat_template)
     if template is None:
         raise ValueError(f"{source.checkpoint} has no chat template (chat_template.jinja or tokenizer_config.json's "
                          "chat_template): give one with --chat-template FILE")
-    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True)
     writer = _Writer(model, None, tokenizer, sampling, 0)
-    Conversation(writer, template, options.system).run()
+    Conversation(writer, ChatFormat.for_tokenizer(template, tokenizer), options.system).run()
     return 0
 
 
 class Conversation:
     """The history of one terminal chat, and the loop that reads turns and writes answers."""
 
-    def __init__(self, writer: _Writer, template: str, system: str | None):
-        self.writer, self.template = writer, template
+    def __init__(self, writer: _Writer, chat: ChatFormat, system: str | None):
+        self.writer, self.chat = writer, chat
         self.opening = [{"role": "system", "content": system}] if system else []
         self.messages: list[dict[str, Any]] = list(self.opening)
 
@@ -71,10 +75,8 @@ class Conversation:
 
     def answer(self, text: str) -> None:
         """Render the conversation with `text` as the next user turn and stream the answer."""
-        from glasslm.tokenizers.chat import chat_prompt
-
         self.messages.append({"role": "user", "content": text})
-        prompt = chat_prompt(self.template, self.messages, self.writer.tokenizer)
+        prompt = self.chat.prompt(self.messages)
         try:
             answer = self.writer.respond(prompt, echo=False)
         except Terminated:

@@ -24,6 +24,9 @@ class CheckpointOption:
     # glasslm checkpoint or run directory, Hugging Face model directory, hub name (glasslm download), or GGUF file
     checkpoint: str
     revision: str | None = None  # with a hub name: the downloaded branch, tag or commit; none: main, else the newest
+    # a LoRA checkpoint's base where it is now, if it moved or was copied (its weights must hash as
+    # the adapters recorded); none: the base the adapters recorded
+    base: str | None = field(default=None, metadata={"metavar": "PATH"})
 
     def __post_init__(self) -> None:
         # Resolved here, once, so that every command taking --checkpoint honours --revision alike.
@@ -63,11 +66,12 @@ class RuntimeOptions(DeviceOptions):
 
 
 def load_for_inference(path: str, runtime: DeviceOptions, decoding: bool = False,
-                       need_tokenizer: bool = True) -> tuple[Any, Any]:
-    """The model and tokenizer at `path` on the device, dtype, threads and quantization of `runtime`."""
+                       need_tokenizer: bool = True, base: str | None = None) -> tuple[Any, Any]:
+    """The model and tokenizer at `path` (a LoRA checkpoint on `base`, if given) on the device,
+    dtype, threads and quantization of `runtime`."""
     from glasslm.hf import load_model
 
-    model, tokenizer = load_model(path, device=resolve_device(runtime.device))
+    model, tokenizer = load_model(path, device=resolve_device(runtime.device), base=base)
     if getattr(model, "gguf_summary", None):
         print(f"{path}: {model.gguf_summary}", file=sys.stderr)
     if tokenizer is None and need_tokenizer:

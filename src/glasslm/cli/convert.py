@@ -50,6 +50,8 @@ class ConvertConfig:
     # CS336 or seed 001/002/004 state dict); no pickled code runs
     from_format: ForeignFormat | None = field(default=None, metadata={"one_of": "direction", "option": "--from"})
     checkpoint: str | None = None  # glasslm checkpoint to export (with --to-hf), or the file to import (with --from)
+    # --to-hf/--to-peft of a LoRA checkpoint: its base where it is now, if it moved (weights hashing as recorded)
+    base: str | None = field(default=None, metadata={"metavar": "PATH"})
     # --from cs336/seed001/seed002: the number of heads (their files do not record it)
     n_heads: int | None = field(default=None, metadata={"minimum": 1})
     # Llama: context length to use instead of max_position_embeddings; --from cs336: the context
@@ -132,8 +134,7 @@ def _from_gguf(config: ConvertConfig, output: OutputOption) -> None:
 
 
 def _to_gguf(config: ConvertConfig, output: OutputOption) -> None:
-    from glasslm.cli.serve import chat_template_of
-    from glasslm.hf import load_model
+    from glasslm.hf import load_chat_template, load_model
     from glasslm.hf.gguf.exporter import export_gguf
 
     if not config.checkpoint:
@@ -143,8 +144,8 @@ def _to_gguf(config: ConvertConfig, output: OutputOption) -> None:
         raise ValueError(f"--out {out} is a directory; --to-gguf writes one file, e.g. --out {out / 'model.gguf'}")
     if out.exists() and not output.overwrite:
         raise ValueError(f"--out {out} exists; choose another --out, or pass --overwrite to replace it")
-    model, tokenizer = load_model(config.checkpoint)
-    export_gguf(model, out, tokenizer, config.gguf_type, chat_template_of(config.checkpoint, None))
+    model, tokenizer = load_model(config.checkpoint, base=config.base)
+    export_gguf(model, out, tokenizer, config.gguf_type, load_chat_template(config.checkpoint, tokenizer))
     size = out.stat().st_size / 2**20
     print(f"{config.checkpoint} -> {out} (GGUF, {config.gguf_type} matrices, {size:.1f} MiB)")
 
@@ -171,16 +172,18 @@ def _keep_generation_files(source: Path, checkpoint: Path, eos_ids: tuple[int, .
 
 def _to_hf(config: ConvertConfig, output: OutputOption) -> None:
     from glasslm.locations import check_output_dir
-    from glasslm.hf import checkpoint_summary, export_hf, load_model
+    from glasslm.hf import checkpoint_summary, export_hf, load_chat_template, load_model
 
     if not config.checkpoint:
         raise ValueError("--to-hf needs --checkpoint")
     check_output_dir(output.out, output.overwrite, inputs=[config.checkpoint], what="export")
-    model, tokenizer = load_model(config.checkpoint)
+    model, tokenizer = load_model(config.checkpoint, base=config.base)
     if config.zero_biases:
         _refuse_needless_zero_biases(model.config)
-    export_hf(model, output.out, tokenizer, checkpoint_summary(config.checkpoint), zero_biases=config.zero_biases)
-    print(f"{config.checkpoint} -> {output.out} (Hugging Face format)")
+    template = load_chat_template(config.checkpoint, tokenizer)
+    export_hf(model, output.out, tokenizer, checkpoint_summary(config.checkpoint), zero_biases=config.zero_biases,
+              chat_template=template)
+    print(f"{config.checkpoint} -> {output.out} (Hugging Face format{', with its chat template' if template else ''})")
 
 
 def _refuse_needless_zero_biases(model_config) -> None:
@@ -220,27 +223,29 @@ def _from_peft(config: ConvertConfig, output: OutputOption) -> None:
 
 def _to_peft(config: ConvertConfig, output: OutputOption) -> None:
     from glasslm.hf import load_model
-    from glasslm.hf.peft import export_peft_adapter
+    from glasslm.hf.load import adapter_base
+    from glasslm.hf.peft import export_peft_with_base
     from glasslm.io.checkpoint import ADAPTER_BASE_KEY, META_FILE, read_json, resolve_checkpoint
     from glasslm.locations import check_output_dir
 
     if not config.checkpoint:
         raise ValueError("--to-peft needs --checkpoint (a LoRA fine-tuning run or checkpoint)")
     check_output_dir(output.out, output.overwrite, inputs=[config.checkpoint], what="adapter")
-    meta = read_json(resolve_checkpoint(config.checkpoint) / META_FILE)
+    directory = resolve_checkpoint(config.checkpoint)
+    meta = read_json(directory / META_FILE)
     if ADAPTER_BASE_KEY not in meta:
         raise ValueError(f"--checkpoint {config.checkpoint} holds no LoRA adapters (not a glasslm finetune LoRA run)")
-    model, _ = load_model(config.checkpoint)
-    export_peft_adapter(model, output.out, base_model=meta[ADAPTER_BASE_KEY]["path"])
-    print(f"{config.checkpoint} -> {output.out} (PEFT adapter for {meta[ADAPTER_BASE_KEY]['path']})")
+    model, _ = load_model(config.checkpoint, base=config.base)
+    _, named = export_peft_with_base(model, output.out, config.base or adapter_base(meta, str(directory))[0])
+    print(f"{config.checkpoint} -> {output.out} (PEFT adapter; base_model_name_or_path: {named})")
 
 
 COMMAND = Command("convert", convert, "convert between glasslm checkpoints and Hugging Face directories",
                   examples=(
                       'glasslm convert --from-hf path/to/hf-gpt2 --out runs/gpt2',
-                      'glasslm convert --to-hf --checkpoint runs/shakespeare --out runs/shakespeare-hf --zero-biases',
+                      'glasslm convert --to-hf --checkpoint runs/shakespeare-char-cpu --out runs/shakespeare-char-cpu-hf',
                       'glasslm convert --from-gguf SmolLM2-135M-Instruct.Q4_1.gguf --out runs/smollm2',
-                      'glasslm convert --to-gguf --checkpoint runs/shakespeare --out shakespeare.gguf --type q8_0',
+                      'glasslm convert --to-gguf --checkpoint runs/shakespeare-char-cpu --out shakespeare.gguf --type q8_0',
                       'glasslm convert --from nanogpt --checkpoint out/ckpt.pt --out runs/nano',
                       'glasslm convert --from-peft path/to/peft-adapter --out runs/adapter   # or --base PATH',
                       'glasslm convert --to-peft --checkpoint runs/ft --out runs/ft-peft',

@@ -51,7 +51,7 @@ def evaluate(source: CheckpointOption, data: EvalData, tasks: TaskOptions, scori
     if data.tasks:  # the parser allows exactly one of --data and --tasks
         return _run_tasks(source, data.tasks, tasks, scoring.batch_size, runtime)
 
-    model, tokenizer = load_for_inference(source.checkpoint, runtime, need_tokenizer=False)
+    model, tokenizer = load_for_inference(source.checkpoint, runtime, need_tokenizer=False, base=source.base)
     tokenizer, text, ids, described = _text_to_score(model, tokenizer, source.checkpoint, data, scoring)
     start = time.perf_counter()
     result = evaluate_text(model, tokenizer, text, progress=not data.quiet, ids=ids, **dataclasses.asdict(scoring))
@@ -81,7 +81,7 @@ def _run_tasks(source: CheckpointOption, task_names: str, options: TaskOptions, 
         raise ValueError("--tasks: give at least one task name")
     if options.include_path and not Path(options.include_path).is_dir():
         raise ValueError(f"--include-path {options.include_path}: no such folder")
-    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True)
+    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True, base=source.base)
     results = evaluate_tasks(model, tokenizer, names, include_path=options.include_path,
                              num_fewshot=options.num_fewshot, limit=options.limit, batch_size=batch_size)
     print(results_table(results))
@@ -137,7 +137,7 @@ def _check_same_tokenizer(model_tokenizer: Any, data_tokenizer: Any, ids: Any, v
 
 COMMAND = Command("eval", evaluate, "loss, perplexity and bits per byte of a checkpoint on a text, or lm-eval tasks",
                   examples=(
-                      'glasslm eval --checkpoint runs/shakespeare --data tinyshakespeare',
-                      'glasslm eval --checkpoint runs/shakespeare --data my.txt --split all --stride 32',
+                      'glasslm eval --checkpoint runs/shakespeare-char-cpu --data tinyshakespeare',
+                      'glasslm eval --checkpoint runs/shakespeare-char-cpu --data my.txt --split all --stride 32',
                       'glasslm eval --checkpoint runs/llama --tasks hellaswag,arc_easy --limit 100 --output results.json',
                   ))

@@ -1,12 +1,14 @@
 """`glasslm finetune`: fine-tune a pretrained model on chat / instruction JSONL, with LoRA adapters
 (the default), QLoRA (--quantize int4|int8: the frozen base quantized) or every weight (--full);
-resumable exactly like `glasslm train`. A LoRA run's checkpoints hold only the adapters plus a
-reference to the base (its path and a hash of its weights); `generate`, `chat`, `serve` and `eval`
-load them as base + adapters, `glasslm merge` writes a full model.
+resumable exactly like `glasslm train`. A LoRA run's checkpoints hold only the adapters, the exact
+base checkpoint and a hash of its weights (--base PATH where the base has moved), and the chat
+template; `generate`, `chat`, `serve` and `eval` load them as base + adapters, `glasslm merge`
+writes a full model.
 
-    glasslm finetune --checkpoint runs/base --data chat.jsonl --lora-rank 8 --out runs/ft
-    glasslm finetune --resume runs/ft --max-steps 400
-    glasslm finetune --checkpoint Qwen/Qwen2-0.5B --data chat.jsonl --quantize int4 --out runs/qlora \\
+    glasslm finetune --checkpoint runs/shakespeare-char-cpu --data examples/chat/shakespeare.jsonl \\
+        --chat-template examples/chat/template.jinja --out runs/ft
+    glasslm finetune --resume runs/ft --max-steps 1200
+    glasslm finetune --checkpoint Qwen/Qwen2-0.5B --data chat.jsonl --quantize int4 --lr 2e-4 --out runs/qlora \\
         --export-peft runs/qlora-peft
 """
 
@@ -22,12 +24,21 @@ from glasslm.cli.options import Group
 from glasslm.training.config import TrainConfig
 from glasslm.training.finetune import FinetuneConfig
 
-# Fine-tuning's defaults where they differ from pretraining's (TrainConfig's); options win.
-FINETUNE_DEFAULTS = {"max_steps": 300, "batch_size": 8, "lr": 2e-4, "min_lr": 2e-5, "warmup_steps": 20,
-                     "weight_decay": 0.0, "eval_interval": 50, "log_interval": 10}
-TRAINING = Group("training (defaults: TrainConfig's, except " + ", ".join(f"{k} {v:g}" for k, v in
-                                                                        FINETUNE_DEFAULTS.items()) + ")",
-                 skip=frozenset({"init_from"}))
+# Fine-tuning's defaults where they differ from pretraining's (TrainConfig's); options win. Help shows
+# these, the values a run uses (tests/training/test_finetune.py parses help and checks it against a run).
+# The LoRA learning rate and steps were measured on the demo model (docs/training.md); a large base
+# gets a note at start-up (LARGE_BASE_PARAMETERS). Every weight moving at LoRA's rate would wreck a
+# model, so --full keeps a full fine-tune's usual rate.
+FINETUNE_DEFAULTS = {"max_steps": 1000, "batch_size": 8, "lr": 3e-3, "min_lr": 2e-5, "warmup_steps": 20,
+                     "weight_decay": 0.0, "eval_interval": 100, "log_interval": 10}
+FULL_FINETUNE_LR = 2e-4
+# Above this many base parameters the LoRA defaults are untested: start-up says so, and what LoRA
+# at that size usually trains with.
+LARGE_BASE_PARAMETERS = 100_000_000
+TRAINING = Group("training (defaults shown: fine-tuning's, where they differ from glasslm train's)",
+                 skip=frozenset({"init_from"}),
+                 shown_defaults=lambda: dataclasses.asdict(TrainConfig(**FINETUNE_DEFAULTS))
+                 | {"lr": f"{FINETUNE_DEFAULTS['lr']:g} (LoRA), {FULL_FINETUNE_LR:g} (--full)"})
 
 
 @dataclass
@@ -38,6 +49,8 @@ class FinetuneRun:
     data: str | None = field(default=None, metadata={"metavar": "JSONL"})  # conversations or instruction records
     out: str | None = None  # run directory (checkpoints, metrics.jsonl); none: runs/finetune-<base name>
     resume: str | None = field(default=None, metadata={"metavar": "DIR"})  # continue a fine-tuning run exactly
+    # with --resume: the base checkpoint where it is now, if it moved (its weights must hash as recorded)
+    base: str | None = field(default=None, metadata={"metavar": "PATH"})
     overwrite: bool = False  # replace the run an --out holds
     # also write the trained adapters as a PEFT adapter directory (LoRA runs)
     export_peft: str | None = field(default=None, metadata={"metavar": "DIR"})
@@ -55,12 +68,15 @@ def finetune(run: FinetuneRun, method: Annotated[dict[str, Any], FinetuneConfig]
         torch.set_num_threads(train_config.threads)
     model, tokenizer, meta, data = _model_and_data(base, config, train_config, run.data if resume is None else None,
                                                    resume)
+    _keep_base(meta, out)
+    if resume is None and not config.full and "lr" not in training:
+        _note_untested_lr(parameter_count(model), train_config.lr)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"fine-tuning {base} ({'full' if config.full else 'LoRA'}{', ' + config.quantize + ' base' if config.quantize != 'none' else ''}): "
+    print(f"fine-tuning {meta['finetune']['base']} ({'full' if config.full else 'LoRA'}{', ' + config.quantize + ' base' if config.quantize != 'none' else ''}): "
           f"{n_train:,} trainable of {parameter_count(model):,} parameters; {len(data[0])} training / "
           f"{len(data[1]) if data[1] else 0} held-out conversations -> {out}")
     result = train(model, train_config, data[0], data[1], run_dir=out, resume=resume, tokenizer=tokenizer,
-                   meta=meta, overwrite=run.overwrite)
+                   meta=meta, overwrite=run.overwrite, chat_template=meta["finetune"]["template"])
     if result.stopped_by_signal is not None:
         print(f"interrupted after step {result.step}, saved {result.checkpoint}; continue with: "
               f"glasslm finetune --resume {out}")
@@ -68,7 +84,7 @@ def finetune(run: FinetuneRun, method: Annotated[dict[str, Any], FinetuneConfig]
     if result.val_losses:
         print(f"done: val loss {result.val_losses[-1][1]:.4f} after {result.step} steps; checkpoints in {out}")
     if run.export_peft:
-        _export_peft(result.model, run.export_peft, base, config)
+        _export_peft(result.model, run.export_peft, meta["finetune"]["base"], config)
     return 0
 
 
@@ -81,12 +97,16 @@ def _plan(run: FinetuneRun, method: dict[str, Any], training: dict[str, Any]) ->
     if run.resume is None:
         if not run.checkpoint or not run.data:
             raise ValueError("give --checkpoint BASE and --data JSONL (or --resume a fine-tuning run)")
+        if run.base:
+            raise ValueError("--base points a resumed run (--resume) at its moved base; a new run takes --checkpoint")
         config = FinetuneConfig(**method)
         config.check()
         out = Path(run.out or f"runs/finetune-{Path(run.checkpoint).name}")
-        return run.checkpoint, config, TrainConfig(**{**FINETUNE_DEFAULTS, **training}), out, None
+        defaults = FINETUNE_DEFAULTS | ({"lr": FULL_FINETUNE_LR} if config.full else {})
+        return run.checkpoint, config, TrainConfig(**{**defaults, **training}), out, None
     if run.checkpoint or method:
-        raise ValueError("--resume continues the run's base and method; drop --checkpoint and the method options")
+        raise ValueError("--resume continues the run's base and method; drop --checkpoint and the method options "
+                         "(--base PATH points it at its base where that is now)")
     resumed = read_resumed_run(run.resume)
     record = resumed.meta.get(FINETUNE_KEY) if isinstance(resumed.meta, dict) else None
     if not isinstance(record, dict):
@@ -95,47 +115,77 @@ def _plan(run: FinetuneRun, method: dict[str, Any], training: dict[str, Any]) ->
     names = {f.name for f in dataclasses.fields(FinetuneConfig)}
     config = FinetuneConfig(**{k: v for k, v in record.items() if k in names})
     out = Path(run.out) if run.out else resumed.checkpoint.parent
-    return record["base"], config, dataclasses.replace(resumed.train_config, **training), out, resumed.checkpoint
+    return run.base or record["base"], config, dataclasses.replace(resumed.train_config, **training), out, \
+        resumed.checkpoint
 
 
 def _model_and_data(base: str, config: FinetuneConfig, train_config: TrainConfig, data: str | None,
                     resume: Path | None) -> tuple[Any, Any, dict[str, Any], tuple[Any, Any]]:
     """The model to train (base + adapters), its tokenizer, the checkpoints' meta and the batches;
-    a resumed run re-reads its recorded data and template and checks its base is unchanged."""
-    from glasslm.hf.load import adapter_base
+    a resumed run re-reads its recorded data and template, on the base its adapters were trained on."""
     from glasslm.training.finetune import FINETUNE_KEY, chat_batches, chat_template, prepare_model
 
-    model, tokenizer, meta = prepare_model(base, config, seed=train_config.seed)
     if resume is not None:
-        from glasslm.io.checkpoint import ADAPTER_BASE_KEY, META_FILE, read_json
+        from glasslm.io.checkpoint import META_FILE, read_json
 
         saved = read_json(resume / META_FILE)
-        record = saved[FINETUNE_KEY]
-        if ADAPTER_BASE_KEY in saved and adapter_base(saved, str(resume))[1] != meta[ADAPTER_BASE_KEY]["sha256"]:
-            raise ValueError(f"{resume}: the base {base} has changed since this run started (its weights hash "
-                             "differently); the adapters only fit the weights they were trained on")
-        data, template = record["data"], record["template"]
-    else:
-        template = chat_template(base, config)
+        base = _resumed_base(saved, base, resume)
+        data, template = saved[FINETUNE_KEY]["data"], saved[FINETUNE_KEY]["template"]
+    model, tokenizer, meta = prepare_model(base, config, seed=train_config.seed)
+    if resume is None:
+        template = chat_template(base, tokenizer, config)
     batches = chat_batches(data, tokenizer, template, model.config.context_length, config.val_fraction,
                            train_config.seed)
     meta[FINETUNE_KEY] |= {"data": str(Path(data).resolve()), "template": template}
     return model, tokenizer, meta, batches
 
 
+def _resumed_base(saved: dict[str, Any], base: str, resume: Path) -> str:
+    """The base a resumed LoRA run continues on: `base` if its weights hash as the run recorded (in a
+    recorded run directory, the numbered checkpoint that does), else an error saying what to do."""
+    from glasslm.hf.load import adapter_base, load_base_checked
+    from glasslm.io.checkpoint import ADAPTER_BASE_KEY
+
+    if ADAPTER_BASE_KEY not in saved:  # a full fine-tune: its checkpoints hold every weight
+        return base
+    recorded, sha256 = adapter_base(saved, str(resume))
+    return load_base_checked(base, sha256, source=str(resume), given=base != recorded)[2]
+
+
+def _keep_base(meta: dict[str, Any], out: Path) -> None:
+    """Note in the base checkpoint that this LoRA run uses it, so training its run further never
+    prunes it (glasslm.io.checkpoint.record_adapter_run); say so where that cannot be written."""
+    from glasslm.io.checkpoint import ADAPTER_BASE_KEY, record_adapter_run
+
+    if ADAPTER_BASE_KEY in meta and not record_adapter_run(meta[ADAPTER_BASE_KEY]["path"], out):
+        print(f"note: could not write to {meta[ADAPTER_BASE_KEY]['path']}, so --keep-last in its run may delete "
+              "it; keep a copy (and pass it with --base) if you train that run further")
+
+
+def _note_untested_lr(n_parameters: int, lr: float) -> None:
+    """The default learning rate was chosen on the demo model; on a large base say so before training."""
+    if n_parameters > LARGE_BASE_PARAMETERS:
+        print(f"note: LoRA's default --lr {lr:g} was measured on small models (docs/training.md); on a base of "
+              f"{n_parameters / 1e6:,.0f}M parameters LoRA usually trains at 1e-4 to 2e-4: pass --lr 2e-4 if the "
+              "loss jumps or diverges")
+
+
 def _export_peft(model: Any, directory: str, base: str, config: FinetuneConfig) -> None:
-    from glasslm.hf.peft import export_peft_adapter
+    from glasslm.hf.peft import export_peft_with_base
 
     if config.full:
         raise ValueError("--export-peft writes LoRA adapters; a --full run has none (glasslm convert --to-hf exports it)")
-    export_peft_adapter(model, directory, base_model=base)
-    print(f"wrote the PEFT adapter to {directory}")
+    _, named = export_peft_with_base(model, directory, base)
+    print(f"wrote the PEFT adapter to {directory} (base_model_name_or_path: {named})")
 
 
 COMMAND = Command("finetune", finetune, "fine-tune a model on chat JSONL: LoRA, QLoRA (--quantize) or --full",
                   description=__doc__.split("\n\n")[0],
                   examples=(
-                      'glasslm finetune --checkpoint runs/base --data chat.jsonl --lora-rank 8 --out runs/ft',
-                      'glasslm finetune --checkpoint runs/base --data chat.jsonl --quantize int4 --out runs/qlora',
-                      'glasslm finetune --resume runs/ft --max-steps 400',
+                      'glasslm finetune --checkpoint runs/shakespeare-char-cpu --data examples/chat/shakespeare.jsonl '
+                      '--chat-template examples/chat/template.jinja --out runs/ft',
+                      'glasslm finetune --checkpoint Qwen/Qwen2-0.5B --data chat.jsonl --quantize int4 --lr 2e-4 '
+                      '--out runs/qlora',
+                      'glasslm finetune --resume runs/ft --max-steps 1200',
+                      'glasslm finetune --resume runs/ft --base copies/ckpt-000600 --max-steps 1200   # the base moved',
                   ))

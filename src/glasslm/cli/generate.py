@@ -48,7 +48,7 @@ SAMPLING = Group("sampling", skip=frozenset({"logprobs", "pad_token", "vocab_lim
 
 def generate(source: CheckpointOption, prompt: PromptOptions, sampling: Annotated[GenerationConfig, SAMPLING],
              runtime: RuntimeOptions, speculation: DraftOptions) -> int:
-    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True)
+    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True, base=source.base)
     draft = None
     if speculation.draft:
         if sampling.temperature != 0:
@@ -161,6 +161,6 @@ def _answer_lines(writer: _Writer) -> None:
 
 COMMAND = Command("sample", generate, "write text from a trained checkpoint (streamed)", aliases=("generate",),
                   examples=(
-                      'glasslm generate --checkpoint runs/shakespeare --prompt "ROMEO:" --max-new-tokens 300',
-                      'glasslm generate --checkpoint runs/shakespeare --interactive',
+                      'glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --max-new-tokens 300',
+                      'glasslm generate --checkpoint runs/shakespeare-char-cpu --interactive',
                   ))

@@ -75,5 +75,5 @@ COMMAND = Command("info", info, "parameters and FLOPs per token of a preset or c
                   examples=(
                       'glasslm info --preset gpt2-small',
                       'glasslm info --preset shakespeare-char-cpu --n-layers 8',
-                      'glasslm info --checkpoint runs/shakespeare',
+                      'glasslm info --checkpoint runs/shakespeare-char-cpu',
                   ))

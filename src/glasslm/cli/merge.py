@@ -18,18 +18,19 @@ class MergeConfig:
 
 
 def merge(source: CheckpointOption, config: MergeConfig, output: OutputOption) -> int:
-    from glasslm.hf import checkpoint_summary, export_hf, load_model
+    from glasslm.hf import checkpoint_summary, export_hf, load_chat_template, load_model
     from glasslm.io.checkpoint import save_checkpoint
     from glasslm.locations import check_output_dir
     from glasslm.training.finetune import merge_adapters
 
     check_output_dir(output.out, output.overwrite, inputs=[source.checkpoint], what="merged model")
-    model, tokenizer = load_model(source.checkpoint)
+    model, tokenizer = load_model(source.checkpoint, base=source.base)
+    template = load_chat_template(source.checkpoint, tokenizer)  # the merged model keeps the one it was tuned with
     model, dequantized = merge_adapters(model)
     if config.to_hf:
-        export_hf(model, output.out, tokenizer, checkpoint_summary(source.checkpoint))
+        export_hf(model, output.out, tokenizer, checkpoint_summary(source.checkpoint), chat_template=template)
     else:
-        save_checkpoint(output.out, model, tokenizer, {"merged_from": str(source.checkpoint)})
+        save_checkpoint(output.out, model, tokenizer, {"merged_from": str(source.checkpoint)}, chat_template=template)
     how = ("the dequantized base plus the adapters' update (the base was quantized: the merged fp32 weights "
            "compute what the quantized model with adapters computed (up to the int kernels' bf16 rounding of "
            "activations), not the original fp32 base plus the update)"

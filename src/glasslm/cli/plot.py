@@ -24,5 +24,5 @@ def plot(config: PlotConfig) -> int:
 
 COMMAND = Command("plot", plot, "PNG of train/val loss against steps and tokens of a run",
                   examples=(
-                      'glasslm plot runs/shakespeare',
+                      'glasslm plot runs/shakespeare-char-cpu',
                   ))

@@ -20,7 +20,7 @@ class QuantizeConfig:
 
 
 def quantize(source: CheckpointOption, config: QuantizeConfig, output: OutputOption) -> int:
-    from glasslm.hf import load_model
+    from glasslm.hf import load_chat_template, load_model
     from glasslm.io.checkpoint import save_checkpoint
     from glasslm.locations import check_output_dir
 
@@ -28,11 +28,12 @@ def quantize(source: CheckpointOption, config: QuantizeConfig, output: OutputOpt
     # The one output rule (glasslm.locations): never the checkpoint itself, a file, or a full directory.
     inputs = [source.checkpoint] if Path(source.checkpoint).exists() else []
     check_output_dir(out, output.overwrite, inputs=inputs, what="quantized checkpoint")
-    model, tokenizer = load_model(source.checkpoint, device="cpu")
+    model, tokenizer = load_model(source.checkpoint, device="cpu", base=source.base)
     before = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     apply_transform(model, config.method)  # recorded: the checkpoint's meta.json names it, loading re-applies it
     after = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    save_checkpoint(out, model, tokenizer, {"quantized_from": str(source.checkpoint)})
+    save_checkpoint(out, model, tokenizer, {"quantized_from": str(source.checkpoint)},
+                    chat_template=load_chat_template(source.checkpoint, tokenizer))
     print(f"wrote {out}: {config.method} weights, {after / 1e6:.1f} MB (was {before / 1e6:.1f} MB)")
     return 0
 
@@ -40,5 +41,5 @@ def quantize(source: CheckpointOption, config: QuantizeConfig, output: OutputOpt
 COMMAND = Command("quantize", quantize,
                   "write a weight-only int8, int4, q4_0 or q4_1 copy of a checkpoint (for generate/eval/serve)",
                   examples=(
-                      'glasslm quantize --checkpoint runs/shakespeare --method int8 --out runs/shakespeare-int8',
+                      'glasslm quantize --checkpoint runs/shakespeare-char-cpu --method int8 --out runs/shakespeare-char-cpu-int8',
                   ))

@@ -2,8 +2,8 @@
 resumed exactly from a checkpoint (--resume). Each setting comes from the preset and its recipe,
 then a --config file, then the options typed: the later wins.
 
-    glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare
-    glasslm train --resume runs/shakespeare --max-steps 4000
+    glasslm train --preset shakespeare-char-cpu --data tinyshakespeare --out runs/shakespeare-char-cpu
+    glasslm train --resume runs/shakespeare-char-cpu --max-steps 4000
     torchrun --nproc_per_node=2 -m glasslm.cli train --batch-size 6 --out runs/ddp
 """
 

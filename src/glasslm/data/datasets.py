@@ -78,7 +78,7 @@ def fetch_dataset(name: str, directory: str | os.PathLike | None = None,
     downloaded: how the scripts seed the data directory from a shared copy on offline machines.
     """
     if name in FILE_SETS:
-        paths = [_fetch_file(name, info, directory, source_dir) for info in FILE_SETS[name]]
+        paths = [_fetch_file(name, info, directory, source_dir, FILE_SETS[name]) for info in FILE_SETS[name]]
         return paths[0].parent
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known: {', '.join(known_names())}")
@@ -101,7 +101,9 @@ def _source_file(info: DatasetInfo, source_dir: Path) -> Path | None:
 
 
 def _fetch_file(name: str, info: DatasetInfo, directory: str | os.PathLike | None,
-                source_dir: str | os.PathLike | None) -> Path:
+                source_dir: str | os.PathLike | None, needed: tuple[DatasetInfo, ...] = ()) -> Path:
+    """`info`'s file in the data directory, downloaded or copied in first; `needed`: every file of
+    its set, which an offline error names (each is needed, not only the one that failed)."""
     target = data_dir(directory) / info.filename
     accepted = (info.sha256, *info.also_accepted)
     if target.is_file():
@@ -133,16 +135,28 @@ def _fetch_file(name: str, info: DatasetInfo, directory: str | os.PathLike | Non
         Path(tmp.name).unlink(missing_ok=True)
         if source_dir is not None:
             raise
-        # One line: the rule, and the exact path the file must have.
-        raise RuntimeError(
-            f"could not download dataset {name!r} from {info.url} ({err}); if this machine is offline, "
-            f"put {Path(info.filename).name} at {target} (data directory: {DATA_DIR_RULE}), "
-            f"or copy it in with: glasslm fetch {name} --from DIR"
-        ) from None
+        raise RuntimeError(f"could not download dataset {name!r} from {info.url} ({err}); if this machine is offline, "
+                           f"{_offline_advice(name, needed or (info,), data_dir(directory))}") from None
     except BaseException:
         Path(tmp.name).unlink(missing_ok=True)
         raise
     return target
+
+
+def _offline_advice(name: str, infos: tuple[DatasetInfo, ...], directory: Path) -> str:
+    """One line: the exact path every file of the dataset must have, the rule, and the copy command.
+
+    >>> print(_offline_advice("gpt2", FILE_SETS["gpt2"], Path("/data")))
+    put both of its files in place, encoder.json as /data/gpt2/gpt2_vocab.json and vocab.bpe as /data/gpt2/gpt2_merges.txt (data directory: --data-dir, else $GLASSLM_DATA_DIR, else ~/.cache/glasslm), or copy them in with: glasslm fetch gpt2 --from DIR (DIR holding encoder.json and vocab.bpe, under either name)
+    """
+    if len(infos) == 1:
+        return (f"put {Path(infos[0].filename).name} at {directory / infos[0].filename} (data directory: "
+                f"{DATA_DIR_RULE}), or copy it in with: glasslm fetch {name} --from DIR")
+    released = [i.url.rsplit("/", 1)[-1] for i in infos]
+    places = " and ".join(f"{r} as {directory / i.filename}" for r, i in zip(released, infos))
+    return (f"put {'both' if len(infos) == 2 else 'all'} of its files in place, {places} (data directory: "
+            f"{DATA_DIR_RULE}), or copy them in with: glasslm fetch {name} --from DIR (DIR holding "
+            f"{' and '.join(released)}, under either name)")
 
 
 def resolve_text(source: str | os.PathLike, directory: str | os.PathLike | None = None) -> Path:

@@ -6,8 +6,9 @@ Two JSONL record shapes are read, one record a line:
     {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
     {"instruction": "Add the numbers.", "input": "2 and 2", "output": "4"}   (Alpaca style)
 
-Each conversation is rendered with `glasslm.tokenizers.chat` (the same rendering the chat endpoint
-uses) and tokenized piece by piece at the assistant turns' boundaries, so the prompt's tokens are
+Each conversation is rendered by `glasslm.tokenizers.chat.ChatFormat` with the tokenizer's own
+special-token texts (the same rendering `glasslm chat` and the chat endpoint use, so a template's
+`{{ eos_token }}` is the real eos, which the model then learns to write) and tokenized piece by piece at the assistant turns' boundaries, so the prompt's tokens are
 exactly those the model sees when it is asked at inference, and each assistant turn (with the
 template's end-of-turn marker) is exactly what it must write. Labels are the next token where it
 is the assistant's, else `IGNORE_INDEX`, which the loss skips.
@@ -37,7 +38,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from glasslm.tokenizers.chat import ChatTemplateError, assistant_spans, check_messages
+from glasslm.tokenizers.chat import ChatFormat, ChatTemplateError, check_messages
 
 IGNORE_INDEX = -100  # cross_entropy's ignore_index: positions the loss leaves out
 
@@ -94,10 +95,11 @@ def read_conversations(path: str | os.PathLike) -> list[list[dict[str, Any]]]:
     return conversations
 
 
-def encode_conversation(tokenizer: Any, template: str, messages: Sequence[dict[str, Any]],
-                        **variables: Any) -> SFTExample:
-    """Token ids of the rendered conversation and labels that train only its assistant turns."""
-    text, spans = assistant_spans(template, messages, **variables)
+def encode_conversation(tokenizer: Any, template: str | ChatFormat, messages: Sequence[dict[str, Any]]) -> SFTExample:
+    """Token ids of the conversation rendered with `template` and `tokenizer`'s special tokens, and
+    labels that train only its assistant turns."""
+    chat = template if isinstance(template, ChatFormat) else ChatFormat.for_tokenizer(template, tokenizer)
+    text, spans = chat.assistant_spans(messages)
     ids: list[int] = []
     trained: list[bool] = []
     cursor = 0
@@ -148,6 +150,7 @@ def sft_batches(examples: Sequence[SFTExample], batch_size: int, context_length:
             yield padded_batch([examples[i] for i in order[start:start + batch_size]], context_length, pad_id)
 
 
-def load_sft_examples(path: str | os.PathLike, tokenizer: Any, template: str, **variables: Any) -> list[SFTExample]:
-    """Read and encode every conversation of a JSONL file."""
-    return [encode_conversation(tokenizer, template, m, **variables) for m in read_conversations(Path(path))]
+def load_sft_examples(path: str | os.PathLike, tokenizer: Any, template: str) -> list[SFTExample]:
+    """Read and encode every conversation of a JSONL file (rendered with the tokenizer's special tokens)."""
+    chat = ChatFormat.for_tokenizer(template, tokenizer)
+    return [encode_conversation(tokenizer, chat, m) for m in read_conversations(Path(path))]

@@ -26,11 +26,14 @@ from glasslm.hf.families import FAMILIES, family_of, register
 from glasslm.hf.families.family import HFFamily
 from glasslm.hf.families.rotary import adjacent_pairs_to_hf_rows, hf_rows_to_adjacent_pairs
 from glasslm.hf.files import is_hf_directory, read_hf_config
-from glasslm.hf.load import checkpoint_config, checkpoint_summary, hf_tokenizer, init_weights_from, load_model
+from glasslm.hf.load import (
+    checkpoint_config, checkpoint_summary, hf_tokenizer, init_weights_from, load_chat_template, load_model,
+)
 
 __all__ = [
     "FAMILIES", "HFFamily", "UnsupportedModelError", "adjacent_pairs_to_hf_rows", "checkpoint_config",
     "checkpoint_summary", "config_from_hf", "config_to_hf", "export_hf", "family_of", "hf_rows_to_adjacent_pairs",
-    "hf_state_dict", "hf_tokenizer", "import_hf", "init_weights_from", "is_hf_directory", "load_model",
+    "hf_state_dict", "hf_tokenizer", "import_hf", "init_weights_from", "is_hf_directory", "load_chat_template",
+    "load_model",
     "read_hf_config", "register", "resolve_model_path",
 ]

@@ -159,9 +159,10 @@ def hf_state_dict(model: TransformerLM, zero_biases: bool = False) -> dict[str, 
 
 def export_hf(
     model: TransformerLM, directory: str | os.PathLike, tokenizer: Any | None = None,
-    meta: dict[str, Any] | None = None, *, zero_biases: bool = False,
+    meta: dict[str, Any] | None = None, *, zero_biases: bool = False, chat_template: str | None = None,
 ) -> Path:
-    """Write `model` as an HF directory that `AutoModelForCausalLM` and `AutoTokenizer` load.
+    """Write `model` as an HF directory that `AutoModelForCausalLM` and `AutoTokenizer` load
+    (with `chat_template`, `apply_chat_template` too).
 
     Files: config.json (with the tokenizer's real bos/eos/pad ids, None where it has none),
     model.safetensors, generation_config.json (eos: `model.eos_token_ids` where set), the tokenizer as tokenizer.json +
@@ -177,7 +178,13 @@ def export_hf(
     from safetensors.torch import save_file
 
     from glasslm.tokenizers import save_hf_tokenizer, special_token_ids
+    from glasslm.transforms import applied_transforms
 
+    if applied_transforms(model):  # Hugging Face's layers hold plain weights
+        names = [t["name"] for t in applied_transforms(model)]
+        raise ValueError(f"this model is transformed ({', '.join(names)}); export plain weights: for LoRA adapters, "
+                         "glasslm merge --checkpoint CKPT --out DIR --to-hf (or only the adapters: convert --to-peft); "
+                         "for int8/int4 weights, the checkpoint they were quantized from")
     special_ids = {k: v for k, v in special_token_ids(tokenizer).items() if k != "unk"}
     config_dict = config_to_hf(model.config, model.embed.weight.dtype, special_ids, zero_biases)
     # safetensors wants contiguous CPU tensors that share no memory with each other.
@@ -193,6 +200,6 @@ def export_hf(
         generation["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     (path / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2))
     if tokenizer is not None:
-        save_hf_tokenizer(tokenizer, path, model.config.context_length)
+        save_hf_tokenizer(tokenizer, path, model.config.context_length, chat_template)
     (path / MODEL_CARD_FILE).write_text(model_card(model, tokenizer, meta, config_dict["model_type"]))
     return path

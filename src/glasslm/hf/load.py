@@ -62,7 +62,8 @@ def gguf_path(path: str | os.PathLike) -> Path | None:
 
 
 def load_model(
-    path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+    path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+    base: str | os.PathLike | None = None,
 ) -> tuple[TransformerLM, Any | None]:
     """(model in eval mode, tokenizer or None) from a glasslm checkpoint, run directory, HF model
     directory, a hub name in the local HF cache, a GGUF file, or a PEFT adapter directory (loaded
@@ -76,35 +77,45 @@ def load_model(
     large model needs about one copy of its weights in memory.
 
     An adapter checkpoint (a LoRA / QLoRA fine-tune, glasslm finetune) is loaded as its base with
-    the recorded transforms (int4 ..., lora) applied and the adapters copied in.
+    the recorded transforms (int4 ..., lora) applied and the adapters copied in. `base` names that
+    base where it is now (moved or copied; its weights must still hash as recorded) instead of
+    where the adapter checkpoint recorded it; only an adapter checkpoint takes one.
     """
     from glasslm.io.checkpoint import load_checkpoint, resolve_checkpoint
 
     path = resolve_model_path(path)
     gguf = gguf_path(path)
+    whole = f"--base names the base model of a LoRA checkpoint; {path} holds a whole model, not adapters"
     if gguf is not None:
+        if base is not None:
+            raise ValueError(whole)
         from glasslm.hf.gguf.importer import import_gguf
 
         loaded = import_gguf(gguf, device, dtype)
         loaded.model.gguf_summary = loaded.summary()
         return loaded.model, loaded.tokenizer
     if is_hf_directory(path):
+        if base is not None:
+            raise ValueError(whole)
         return import_hf(path, device, dtype), hf_tokenizer(path)  # import_hf sets the eos ids
     if is_peft_directory(path):
         from glasslm.hf.peft import load_peft_model
 
-        return load_peft_model(path, device=device, dtype=dtype)
+        return load_peft_model(path, base, device=device, dtype=dtype)
     directory = resolve_checkpoint(path)  # a run directory means its best (else latest)
     meta = read_json(directory / META_FILE) if (directory / META_FILE).is_file() else {}
     if isinstance(meta, dict) and ADAPTER_BASE_KEY in meta:
-        model, tokenizer = load_adapter_checkpoint(directory, meta, device)
+        model, tokenizer = load_adapter_checkpoint(directory, meta, device, base)
+    elif base is not None:
+        raise ValueError(whole)
     else:
         model, tokenizer, _ = load_checkpoint(directory, device)
     return (model if dtype is None else model.to(dtype)), tokenizer
 
 
 def adapter_base(meta: dict[str, Any], source: str) -> tuple[str, str]:
-    """(path, sha256) of the base an adapter checkpoint's `meta` names, or an error naming the field."""
+    """(path, sha256) of the base an adapter checkpoint's `meta` names, or an error naming the field.
+    The path is the exact base checkpoint (a run directory in checkpoints written before issue 32)."""
     base = meta.get(ADAPTER_BASE_KEY)
     if not (isinstance(base, dict) and isinstance(base.get("path"), str) and isinstance(base.get("sha256"), str)):
         raise ValueError(f"{source}: meta.json's {ADAPTER_BASE_KEY!r} should be {{'path': ..., 'sha256': ...}}, "
@@ -112,31 +123,61 @@ def adapter_base(meta: dict[str, Any], source: str) -> tuple[str, str]:
     return base["path"], base["sha256"]
 
 
-def load_base_checked(path: str, sha256: str, device: torch.device | str = "cpu",
-                      source: str = "adapter") -> tuple[TransformerLM, Any | None]:
-    """The base model at `path`, refused if its weights no longer hash to `sha256`."""
+def load_base_checked(path: str, sha256: str, device: torch.device | str = "cpu", source: str = "adapter",
+                      given: bool = False) -> tuple[TransformerLM, Any | None, str]:
+    """(model, tokenizer, where it was found) of the base at `path`, refused with what to do if its
+    weights do not hash to `sha256`.
+
+    A recorded run directory (adapter checkpoints written before issue 32 named the base's run, not
+    its checkpoint) whose best checkpoint has moved on is searched for the numbered checkpoint that
+    still hashes as recorded. `given`: the path came from the user (--base), so nothing else is tried."""
     from glasslm.io.checkpoint import weights_sha256
 
+    advice = ("pass --base PATH naming a copy of the base checkpoint the adapters were trained on "
+              "(its weights must hash as recorded)")
+    if not given and not Path(path).exists() and Path(path).is_absolute():
+        raise FileNotFoundError(f"{source}: its base {path} does not exist (moved or deleted?); {advice}")
     base, tokenizer = load_model(path, device)
     # A GGUF file's 4-bit blocks are the file's own weights, not a transform made after loading.
     if applied_transforms(base) and gguf_path(resolve_model_path(path)) is None:
         raise ValueError(f"{source}: the base {path} is itself transformed ({applied_transforms(base)}); "
                          "an adapter's base must be plain weights")
-    if weights_sha256(base.state_dict()) != sha256:
-        raise ValueError(f"{source}: the base {path} has changed since the adapters were trained on it "
-                         "(its weights hash differently); the adapters only fit the weights they were trained on")
-    return base, tokenizer
+    if weights_sha256(base.state_dict()) == sha256:
+        return base, tokenizer, path
+    found = None if given else _checkpoint_hashing_to(Path(path), sha256, device)
+    if found is not None:
+        return found
+    what = "--base" if given else "the base"
+    raise ValueError(f"{source}: {what} {path} has changed since the adapters were trained on it, or is another "
+                     "model (its weights hash differently); the adapters only fit the weights they were trained "
+                     f"on: {advice}")
 
 
-def load_adapter_checkpoint(directory: Path, meta: dict[str, Any],
-                            device: torch.device | str = "cpu") -> tuple[TransformerLM, Any | None]:
-    """(model, tokenizer) of an adapter checkpoint: the checked base, the recorded transforms
-    re-applied in order (e.g. int4 then lora), the saved adapters copied in."""
+def _checkpoint_hashing_to(run_dir: Path, sha256: str,
+                           device: torch.device | str) -> tuple[TransformerLM, Any | None, str] | None:
+    """(model, tokenizer, path) of the numbered checkpoint of `run_dir` whose weights hash to
+    `sha256`, or None (also where `run_dir` is not a run directory)."""
+    from glasslm.io.checkpoint import CHECKPOINT_PREFIX, weights_sha256
+
+    if not run_dir.is_dir() or (run_dir / CONFIG_FILE).is_file():
+        return None
+    for candidate in sorted(run_dir.glob(f"{CHECKPOINT_PREFIX}*"), reverse=True):
+        model, tokenizer = load_model(candidate, device)
+        if not applied_transforms(model) and weights_sha256(model.state_dict()) == sha256:
+            return model, tokenizer, str(candidate)
+    return None
+
+
+def load_adapter_checkpoint(directory: Path, meta: dict[str, Any], device: torch.device | str = "cpu",
+                            base: str | os.PathLike | None = None) -> tuple[TransformerLM, Any | None]:
+    """(model, tokenizer) of an adapter checkpoint: the checked base (`base`, else the recorded one),
+    the recorded transforms re-applied in order (e.g. int4 then lora), the saved adapters copied in."""
     from glasslm.io.checkpoint import WEIGHTS_FILE, read_safetensors, recorded_transforms
     from glasslm.tokenizers import load_tokenizer
 
-    base_path, sha256 = adapter_base(meta, str(directory))
-    model, tokenizer = load_base_checked(base_path, sha256, device, str(directory))
+    recorded, sha256 = adapter_base(meta, str(directory))
+    model, tokenizer, _ = load_base_checked(str(base) if base is not None else recorded, sha256, device,
+                                            str(directory), given=base is not None)
     carried = applied_transforms(model)  # what the base comes with (a GGUF file's blocks) is not re-applied
     for record in recorded_transforms(meta):
         if record not in carried:
@@ -145,6 +186,53 @@ def load_adapter_checkpoint(directory: Path, meta: dict[str, Any],
     if has_tokenizer(directory):
         tokenizer = load_tokenizer(directory)
     return model.eval(), tokenizer
+
+
+def load_chat_template(path: str | os.PathLike, tokenizer: Any | None,
+                       template_file: str | os.PathLike | None = None) -> str | None:
+    """The chat template of the checkpoint at `path` whose tokenizer is `tokenizer`, or None: the one
+    lookup `chat`, `serve`, `finetune`, `convert --to-hf` and `merge` make.
+
+    In order: `template_file` (a --chat-template FILE); the checkpoint's chat_template.jinja; the
+    template a fine-tuning run recorded (checkpoints written before they kept chat_template.jinja);
+    what the tokenizer carries (`tokenizer.config["chat_template"]`: an HF-style tokenizer's
+    tokenizer_config.json, or one built from a single-file model); the directory's tokenizer_config.json.
+    A PEFT adapter directory: the template saved beside the adapter, else its base's.
+    """
+    from glasslm.tokenizers.chat import CHAT_TEMPLATE_FILE, find_chat_template, read_template_file, template_text
+
+    if template_file:
+        return read_template_file(template_file)
+    resolved = Path(resolve_model_path(path))
+    if is_peft_directory(resolved):  # the template saved beside the adapter (as TRL saves one), else its base's
+        from glasslm.hf.peft import peft_base
+
+        return find_chat_template(resolved) or load_chat_template(peft_base(resolved), tokenizer)
+    directory = _checkpoint_directory(path)
+    if directory is not None and (directory / CHAT_TEMPLATE_FILE).is_file():
+        return (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    found = _recorded_template(directory) if directory is not None else None
+    found = found or template_text((getattr(tokenizer, "config", None) or {}).get("chat_template"))
+    return found or (find_chat_template(directory) if directory is not None else None)
+
+
+def _checkpoint_directory(path: str | os.PathLike) -> Path | None:
+    """The directory whose files belong to the model at `path` (a run directory's best checkpoint),
+    or None where `path` is a GGUF file or a folder holding one (its tokenizer carries its template)."""
+    from glasslm.io.checkpoint import resolve_checkpoint
+
+    resolved = Path(resolve_model_path(path))
+    if not resolved.is_dir() or gguf_path(resolved) is not None:
+        return None
+    return resolved if is_hf_directory(resolved) else resolve_checkpoint(resolved)
+
+
+def _recorded_template(directory: Path) -> str | None:
+    """The template a `glasslm finetune` checkpoint's meta.json records (its "finetune" entry)."""
+    meta = read_json(directory / META_FILE) if (directory / META_FILE).is_file() else {}
+    record = meta.get("finetune") if isinstance(meta, dict) else None
+    template = record.get("template") if isinstance(record, dict) else None
+    return template if isinstance(template, str) else None
 
 
 def checkpoint_summary(path: str | os.PathLike) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from glasslm.io.build import model_from_state_dict
 from glasslm.tokenizers import (
     eos_token_ids, has_tokenizer, load_tokenizer, read_generation_config, save_hf_tokenizer,
 )
+from glasslm.tokenizers.chat import CHAT_TEMPLATE_FILE
 from glasslm.transforms import applied_transforms
 
 WEIGHTS_FILE = "model.safetensors"
@@ -64,6 +65,9 @@ LEGACY_QUANTIZATION_KEY = "quantization"  # meta.json of glasslm 0.1.0's quantiz
 ADAPTER_BASE_KEY = "adapter_of"
 # The kinds of tokenizer whose glasslm files a checkpoint pairs with HF's (tokenizer.json + tokenizer_config.json).
 _HF_FORM_BESIDE = ("char", "bpe")
+# In a numbered checkpoint that LoRA runs were trained on: {"runs": [their run directories]}. Pruning
+# keeps the checkpoint while one of them still names it as its base.
+ADAPTER_RUNS_FILE = "adapter_runs.json"
 
 
 class CheckpointWriteError(RuntimeError):
@@ -87,11 +91,13 @@ def save_checkpoint(
     extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
     extra_json: dict[str, Any] | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Write model weights, config, tokenizer and a small JSON of metadata to `directory`, atomically.
 
     `extra_tensors` maps file names (e.g. "optimizer.safetensors") to tensors and `extra_json`
-    maps file names to JSON-able objects; both land in the same atomic rename. `state_dict`
+    maps file names to JSON-able objects; both land in the same atomic rename. `chat_template`
+    is kept beside the tokenizer as chat_template.jinja (where transformers 5 keeps it). `state_dict`
     replaces `model.state_dict()` (a sharded model gathers its full weights first). The transforms
     applied to `model` (int8 ...) are recorded in the metadata under "transforms", for loading.
     """
@@ -108,6 +114,8 @@ def save_checkpoint(
             tokenizer.save(staging)
             if getattr(tokenizer, "kind", None) in _HF_FORM_BESIDE:  # so AutoTokenizer reads the checkpoint too
                 save_hf_tokenizer(tokenizer, staging, model.config.context_length)
+        if chat_template is not None:
+            (staging / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
         (staging / META_FILE).write_text(json.dumps(meta, indent=2))
         for name, tensors in (extra_tensors or {}).items():
             save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, staging / name)
@@ -400,14 +408,59 @@ def newest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
 
 def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` numbered checkpoints, never one a pointer names."""
+    """Delete all but the newest `keep_last` numbered checkpoints, never one a pointer names nor one
+    that a LoRA run still uses as its base (`record_adapter_run`)."""
     run_dir = Path(run_dir)
     protected = {read_pointer(run_dir, p) for p in POINTER_NAMES} - {None}
     numbered = sorted(p for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
-    doomed = [p for p in numbered[:-keep_last] if p not in protected] if keep_last > 0 else []
+    doomed = [p for p in numbered[:-keep_last] if p not in protected and not adapter_runs_using(p)] \
+        if keep_last > 0 else []
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+def record_adapter_run(checkpoint: str | os.PathLike, run_dir: str | os.PathLike) -> bool:
+    """Note in a numbered checkpoint that the LoRA run `run_dir` is trained on it, so that its own
+    run's `--keep-last` never prunes it while that run uses it. Only numbered checkpoints of a run
+    directory are noted (nothing else is pruned). False where the note could not be written."""
+    checkpoint = Path(checkpoint)
+    if not (checkpoint.name.startswith(CHECKPOINT_PREFIX) and (checkpoint.parent / "latest").is_file()):
+        return True
+    runs = _noted_runs(checkpoint)
+    if str(Path(run_dir).resolve()) in runs:
+        return True
+    tmp = checkpoint / f".{ADAPTER_RUNS_FILE}{STAGING_MARK}{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps({"runs": [*runs, str(Path(run_dir).resolve())]}, indent=1))
+        os.replace(tmp, checkpoint / ADAPTER_RUNS_FILE)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return False
+    return True
+
+
+def adapter_runs_using(checkpoint: Path) -> list[Path]:
+    """The LoRA runs noted in `checkpoint` that still exist and whose newest checkpoint still names
+    it as the base (a deleted or overwritten run no longer keeps it)."""
+    using = []
+    for run in map(Path, _noted_runs(checkpoint)):
+        try:
+            meta = read_json(resolve_checkpoint(run, prefer=("latest",)) / META_FILE)
+        except (FileNotFoundError, ValueError):
+            continue
+        base = meta.get(ADAPTER_BASE_KEY) if isinstance(meta, dict) else None
+        if isinstance(base, dict) and base.get("path") == str(checkpoint.resolve()):
+            using.append(run)
+    return using
+
+
+def _noted_runs(checkpoint: Path) -> list[str]:
+    try:
+        runs = json.loads((checkpoint / ADAPTER_RUNS_FILE).read_text(encoding="utf-8")).get("runs", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [r for r in runs if isinstance(r, str)] if isinstance(runs, list) else []
 
 
 def remove_stale_staging(run_dir: str | os.PathLike) -> None:

@@ -4,19 +4,23 @@ A model's chat template is a Jinja2 program stored with its tokenizer (`chat_tem
 tokenizer_config.json, or a chat_template.jinja file). It is rendered here the way transformers'
 `apply_chat_template` renders it — a sandboxed environment that trims blocks, with the same
 `raise_exception`, `strftime_now` and non-escaping `tojson` — so a prompt built by glasslm is the
-prompt the model saw in training. The chat endpoint, `glasslm chat` and fine-tuning all render
-through `render_chat`; `assistant_spans` says which characters are the assistant's, the ones
-fine-tuning puts in the loss.
+prompt the model saw in training. Fine-tuning data, `glasslm chat` and the chat endpoint all render
+through one `ChatFormat`: the template bound to its tokenizer's special-token texts, so
+`{{ eos_token }}` is the tokenizer's real end-of-sequence token wherever a conversation is rendered
+(as `apply_chat_template` renders it from tokenizer_config.json), and a model fine-tuned on its
+conversations learns to write the eos that stops generation. `ChatFormat.assistant_spans` says which
+characters are the assistant's, the ones fine-tuning puts in the loss.
 
 Example:
-    >>> template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
-    ...             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    >>> render_chat(template, [{"role": "user", "content": "hi"}], add_generation_prompt=True, eos_token="</s>")
-    '<|user|>hi</s><|assistant|>'
-    >>> text, spans = assistant_spans(template, [{"role": "user", "content": "hi"},
-    ...                                          {"role": "assistant", "content": "hello"}], eos_token="</s>")
+    >>> from glasslm.tokenizers.char import CharTokenizer
+    >>> template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    ...             "{% if add_generation_prompt %}<assistant>{% endif %}")
+    >>> chat = ChatFormat.for_tokenizer(template, CharTokenizer.from_text("<>abehilnorstu"))
+    >>> chat.prompt([{"role": "user", "content": "hi"}])
+    '<user>hi<|endoftext|><assistant>'
+    >>> text, spans = chat.assistant_spans([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])
     >>> [text[start:end] for start, end in spans]
-    ['hello</s>']
+    ['hello<|endoftext|>']
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -117,51 +122,79 @@ def render_chat(template: str, messages: Any, *, add_generation_prompt: bool = F
         raise ChatTemplateError(f"the chat template refused this conversation: {err}") from None
 
 
+@dataclass(frozen=True)
+class ChatFormat:
+    """A chat template and the texts its tokenizer gives the special tokens (`bos_token`,
+    `eos_token`, ...): how glasslm renders every conversation, for training and for inference alike.
+    Build it with `ChatFormat.for_tokenizer`, so the texts are always the tokenizer's own."""
+
+    template: str
+    special_tokens: Mapping[str, str]  # {"bos_token": "<s>", "eos_token": "</s>"}: the template's variables
+
+    @classmethod
+    def for_tokenizer(cls, template: str, tokenizer: Any) -> "ChatFormat":
+        compile_template(template)  # a template that does not compile is refused here, once
+        return cls(template, special_token_texts(tokenizer))
+
+    def render(self, messages: Any, add_generation_prompt: bool = False, **variables: Any) -> str:
+        """The text of `messages`; `variables` (tools, ...) are visible to the template too."""
+        return render_chat(self.template, messages, add_generation_prompt=add_generation_prompt,
+                           **{**self.special_tokens, **variables})
+
+    def prompt(self, messages: Any, **variables: Any) -> str:
+        """The prompt that asks the model for the next assistant turn of `messages` (the template
+        rendered with `add_generation_prompt`, as `apply_chat_template(..., add_generation_prompt=True)`)."""
+        return self.render(messages, add_generation_prompt=True, **variables)
+
+    def assistant_spans(self, messages: Any) -> tuple[str, list[tuple[int, int]]]:
+        """(the rendered conversation, the [start, end) character spans of each assistant turn).
+
+        A turn's span is what rendering it adds after the prompt that asks for it (the text after
+        `add_generation_prompt`), so it holds the answer and the template's end-of-turn marker (its
+        eos, where the template writes one) — what a model must learn to write — and none of the prompt.
+        """
+        messages = check_messages(messages)
+        text = self.render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt, through = self.prompt(messages[:i]), self.render(messages[:i + 1])
+            if not (text.startswith(prompt) and text.startswith(through) and through.startswith(prompt)):
+                raise ChatTemplateError(f"the template renders messages[{i}] differently once later turns follow, "
+                                        "so its assistant text cannot be located")
+            spans.append((len(prompt), len(through)))
+        return text, spans
+
+
 def chat_prompt(template: str, messages: Any, tokenizer: Any) -> str:
-    """The prompt that asks the model for the next assistant turn of `messages`: the template
-    rendered with `add_generation_prompt` and the tokenizer's bos/eos texts as `bos_token` /
-    `eos_token`, as transformers' `apply_chat_template(..., add_generation_prompt=True)` renders it.
+    """`ChatFormat.for_tokenizer(template, tokenizer).prompt(messages)`.
 
     >>> from glasslm.tokenizers.char import CharTokenizer
     >>> chat_prompt("{% for m in messages %}{{ m['content'] }};{% endfor %}", [{"role": "user", "content": "hi"}],
     ...             CharTokenizer.from_text("hi;"))
     'hi;'
     """
-    return render_chat(template, messages, add_generation_prompt=True, **special_token_texts(tokenizer))
+    return ChatFormat.for_tokenizer(template, tokenizer).prompt(messages)
 
 
 def special_token_texts(tokenizer: Any) -> dict[str, str]:
-    """{"bos_token": text, "eos_token": text} for the roles the tokenizer has (templates write them)."""
+    """{"bos_token": text, "eos_token": text, ...} for the roles (bos, eos, pad, unk) the tokenizer
+    has: the variables transformers' `apply_chat_template` gives a template."""
     from glasslm.tokenizers.hf import special_token_ids
 
     names = {i: text for text, i in (getattr(tokenizer, "special_tokens", None) or {}).items()}
-    texts = {}
-    for role, i in special_token_ids(tokenizer).items():
-        if role in ("bos", "eos") and i is not None:
-            texts[f"{role}_token"] = names.get(i) or tokenizer.decode([i])
-    return texts
+    return {f"{role}_token": names.get(i) or tokenizer.decode([i])
+            for role, i in special_token_ids(tokenizer).items() if i is not None}
 
 
-def assistant_spans(template: str, messages: Any, **variables: Any) -> tuple[str, list[tuple[int, int]]]:
-    """(the rendered conversation, the [start, end) character spans of each assistant turn).
-
-    A turn's span is what rendering it adds after the prompt that asks for it (the text after
-    `add_generation_prompt`), so it holds the answer and the template's end-of-turn marker — what a
-    model must learn to write — and none of the prompt.
-    """
-    messages = check_messages(messages)
-    text = render_chat(template, messages, **variables)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = render_chat(template, messages[:i], add_generation_prompt=True, **variables)
-        through = render_chat(template, messages[:i + 1], **variables)
-        if not (text.startswith(prompt) and text.startswith(through) and through.startswith(prompt)):
-            raise ChatTemplateError(f"the template renders messages[{i}] differently once later turns follow, "
-                                    "so its assistant text cannot be located")
-        spans.append((len(prompt), len(through)))
-    return text, spans
+def template_text(template: Any) -> str | None:
+    """A stored `chat_template` value as one template: the text, or the "default" entry of a named
+    list ([{"name": "default", "template": ...}, {"name": "tool_use", ...}]); None if neither."""
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
 
 
 def find_chat_template(directory: str | os.PathLike) -> str | None:
@@ -174,10 +207,19 @@ def find_chat_template(directory: str | os.PathLike) -> str | None:
     if not config_path.is_file():
         return None
     try:
-        template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+        return template_text(json.loads(config_path.read_text(encoding="utf-8")).get("chat_template"))
     except (json.JSONDecodeError, AttributeError) as err:
         raise ChatTemplateError(f"{config_path} is not a JSON object: {err}") from None
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
+
+
+def read_template_file(path: str | os.PathLike) -> str:
+    """The text of a `--chat-template FILE`, checked to compile, or an error naming the file."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--chat-template {file}: no such file")
+    text = file.read_text(encoding="utf-8")
+    try:
+        compile_template(text)
+    except ChatTemplateError as err:
+        raise ChatTemplateError(f"--chat-template {file}: {err}") from None
+    return text

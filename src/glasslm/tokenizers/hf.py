@@ -222,15 +222,27 @@ def hf_tokenizer_config(tokenizer, context_length: int | None = None) -> dict:
     return config
 
 
-def save_hf_tokenizer(tokenizer, directory: str | os.PathLike, context_length: int | None = None) -> None:
-    """Write `tokenizer` as files `transformers.AutoTokenizer.from_pretrained(directory)` loads."""
+def save_hf_tokenizer(tokenizer, directory: str | os.PathLike, context_length: int | None = None,
+                      chat_template: str | None = None) -> None:
+    """Write `tokenizer` as files `transformers.AutoTokenizer.from_pretrained(directory)` loads; a
+    `chat_template` goes to chat_template.jinja (where transformers 5 reads it first) and to
+    tokenizer_config.json's `chat_template` (where earlier versions read it), so
+    `apply_chat_template` works on the directory."""
+    from glasslm.tokenizers.chat import CHAT_TEMPLATE_FILE
+
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     if isinstance(tokenizer, SentencePieceTokenizer):
         tokenizer.save(path)
-        return
-    (path / HF_TOKENIZER_FILE).write_text(json.dumps(to_hf_json(tokenizer), ensure_ascii=False, indent=2), encoding="utf-8")
-    write_tokenizer_config(path, hf_tokenizer_config(tokenizer, context_length))
+        config = dict(tokenizer.config)
+    else:
+        (path / HF_TOKENIZER_FILE).write_text(json.dumps(to_hf_json(tokenizer), ensure_ascii=False, indent=2),
+                                              encoding="utf-8")
+        config = hf_tokenizer_config(tokenizer, context_length)
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+        (path / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
+    write_tokenizer_config(path, config)
 
 
 def read_hf_tokenizer(directory: str | os.PathLike):

@@ -45,9 +45,10 @@ class Checkpointer:
     by a signal, into the run directory (if any)."""
 
     def __init__(self, run_dir: Path | None, cfg: TrainConfig, ctx: DistributedContext, parts: TrainingParts,
-                 tokenizer: Any, meta: dict[str, Any] | None, result: TrainResult):
+                 tokenizer: Any, meta: dict[str, Any] | None, result: TrainResult, chat_template: str | None = None):
         self.run_dir, self.cfg, self.ctx, self.parts = run_dir, cfg, ctx, parts
         self.tokenizer, self.meta, self.result = tokenizer, meta or {}, result
+        self.chat_template = chat_template  # kept in every checkpoint (chat_template.jinja)
 
     @property
     def last(self) -> Path | None:
@@ -65,11 +66,12 @@ class Checkpointer:
                             grad_scaler=self.parts.scaler.state_dict() if self.parts.scaler is not None else None)
         meta = {**self.meta, "step": done, "val_loss": evaluator.last}
         self.result.checkpoint = save_training_checkpoint(self.run_dir, self.parts, point, self.tokenizer, meta,
-                                                          is_best=evaluator.improved_at == done)
+                                                          is_best=evaluator.improved_at == done,
+                                                          chat_template=self.chat_template)
 
 
 def save_training_checkpoint(run_dir: Path, parts: TrainingParts, point: ResumePoint, tokenizer: Any,
-                             meta: dict[str, Any], is_best: bool) -> Path:
+                             meta: dict[str, Any], is_best: bool, chat_template: str | None = None) -> Path:
     """Write ckpt-<step>/ with everything needed to continue bit for bit; point `latest` (and maybe
     `best`) at it; prune old ones. Collective: every process calls it, the main one writes.
 
@@ -91,7 +93,7 @@ def save_training_checkpoint(run_dir: Path, parts: TrainingParts, point: ResumeP
         previous = read_pointer(run_dir, "latest")
         try:
             save_checkpoint(
-                target, parts.model, tokenizer, meta, state_dict=model_state,
+                target, parts.model, tokenizer, meta, state_dict=model_state, chat_template=chat_template,
                 extra_tensors={OPTIMIZER_FILE: optim_tensors, TRAINER_STATE_TENSORS: state_tensors},
                 extra_json={OPTIMIZER_JSON: optim_scalars, TRAINER_STATE_JSON: state_json},
             )

@@ -81,8 +81,9 @@ class Evaluator:
         interval = self.cfg.eval_interval
         return self.tokens is not None and (last or (interval > 0 and done % interval == 0))
 
-    def run(self, done: int, bar: Any) -> dict[str, Any]:
-        """Evaluate now; returns the fields it adds to the step's metrics record."""
+    def run(self, done: int, bar: Any, train_loss: float) -> dict[str, Any]:
+        """Evaluate now; returns the fields it adds to the step's metrics record. `train_loss` is
+        that record's (the mean since the last record), printed beside the validation loss."""
         assert self.tokens is not None
         loss = self.last = evaluate(self.model, self.tokens, self.cfg, ctx=self.ctx, device=self.device)
         self.result.val_losses.append((done, loss))
@@ -90,7 +91,7 @@ class Evaluator:
             self.improved_at = done
         self.best = self.result.best_val_loss = min(self.best, loss)
         if self.ctx.is_main and self.cfg.progress:
-            bar.write(f"step {done}: train loss {self.result.train_losses[-1]:.4f}, val loss {loss:.4f}")
+            bar.write(f"step {done}: train loss {train_loss:.4f}, val loss {loss:.4f}")
         if self.on_eval is not None:
             self.on_eval(done, loss, self.result.model)
         return {"step": done, "tokens": done * self.tokens_per_step, "val_loss": loss,

@@ -36,7 +36,6 @@ from glasslm.core.layers import Linear
 from glasslm.core.model import TransformerLM
 from glasslm.data.sft import load_sft_examples, split_examples
 from glasslm.io.checkpoint import ADAPTER_BASE_KEY, weights_sha256
-from glasslm.tokenizers.chat import find_chat_template
 from glasslm.training.batches import SFTBatches
 from glasslm.transforms import applied_transforms, apply_transform, transform_names
 from glasslm.transforms.lora import SITES, LoRAConfig, lora_layers, remove_lora
@@ -51,11 +50,14 @@ class FinetuneConfig:
     """fine-tuning method"""
 
     full: bool = False  # train every weight instead of LoRA adapters
+    # LoRA defaults: measured on the demo model (docs/training.md#choosing-the-lora-defaults), where
+    # adapters on q,v alone (with lr 2e-4, glasslm's defaults before) left the answers unlearned
     lora_rank: int = field(default=8, metadata={"minimum": 1})  # LoRA: the adapters' inner width r
     lora_alpha: float = 16.0  # LoRA: the update is scaled by alpha / rank
-    # LoRA: comma-separated sites: q, k, v, attn_out, mlp_up, mlp_gate, mlp_down, unembed, embed
-    lora_sites: str = "q,v"
-    lora_dropout: float = 0.05  # LoRA: dropout on the adapters' input while training
+    # LoRA: comma-separated sites: q, k, v, attn_out, mlp_up, mlp_gate, mlp_down, unembed, embed (a
+    # model without one, e.g. GPT-2's gate, just has no adapter there)
+    lora_sites: str = "q,k,v,attn_out,mlp_up,mlp_gate,mlp_down"
+    lora_dropout: float = 0.0  # LoRA: dropout on the adapters' input while training
     lora_dora: bool = False  # LoRA: DoRA, a learned length for each adapted output row (PEFT's use_dora)
     lora_rslora: bool = False  # LoRA: scale by alpha / sqrt(rank) (rsLoRA; PEFT's use_rslora)
     # LoRA: biases that train too: none, lora_only (those of the adapted maps), all (PEFT's bias)
@@ -90,8 +92,17 @@ class FinetuneConfig:
 
 
 def base_reference(path: str | os.PathLike) -> str:
-    """How a checkpoint names its base: an absolute path if it is a local directory, else the hub name."""
-    return str(Path(path).resolve()) if Path(path).exists() else str(path)
+    """How a checkpoint names its base: the exact checkpoint directory, absolute (a run directory's
+    best checkpoint: the run may train on and move `best`), or GGUF file, if local; else the hub name."""
+    from glasslm.hf import is_hf_directory
+    from glasslm.hf.load import gguf_path
+    from glasslm.io.checkpoint import resolve_checkpoint
+
+    local = Path(path)
+    if not local.exists():
+        return str(path)
+    exact = gguf_path(local) or (local if is_hf_directory(local) else resolve_checkpoint(local))
+    return str(exact.resolve())
 
 
 def prepare_model(base: str, config: FinetuneConfig, device: torch.device | str = "cpu",
@@ -142,24 +153,12 @@ def _load_base(base: str, config: FinetuneConfig, device: torch.device | str) ->
     return model, tokenizer, gguf is not None
 
 
-def chat_template(base: str, config: FinetuneConfig) -> str:
-    """The template conversations are rendered with: --chat-template FILE, else the base's own."""
-    from glasslm.hf import resolve_model_path
+def chat_template(base: str, tokenizer: Any, config: FinetuneConfig) -> str:
+    """The template conversations are rendered with: --chat-template FILE, else the base's own
+    (`glasslm.hf.load_chat_template`, the lookup every command makes)."""
+    from glasslm.hf import load_chat_template
 
-    if config.chat_template:
-        path = Path(config.chat_template)
-        if not path.is_file():
-            raise FileNotFoundError(f"--chat-template {path} is not a file")
-        return path.read_text(encoding="utf-8")
-    from glasslm.hf.gguf import GGUFFile
-    from glasslm.hf.load import gguf_path
-
-    directory = resolve_model_path(base)
-    gguf = gguf_path(directory)
-    if gguf is not None:
-        found = GGUFFile.open(gguf).metadata.get("tokenizer.chat_template")
-    else:
-        found = find_chat_template(directory) if Path(directory).is_dir() else None
+    found = load_chat_template(base, tokenizer, config.chat_template)
     if found is None:
         raise ValueError(f"--checkpoint {base} has no chat template (chat_template.jinja or tokenizer_config.json); "
                          "give one with --chat-template FILE")

@@ -72,6 +72,7 @@ def train(
     loggers: list[MetricsLogger] | None = None,
     overwrite: bool = False,
     refuse_longer_than_s: float | None = None,
+    chat_template: str | None = None,
 ) -> TrainResult:
     """Train `model` (a TransformerLM with its weights, or a fresh one from a ModelConfig, seeded by
     cfg.seed) on 1-D token ids (anything `get_batch` indexes), or on a batch source
@@ -79,7 +80,8 @@ def train(
     that require gradients are trained (LoRA: the adapters).
 
     With `run_dir`, checkpoints (ckpt-NNNNNN/ plus `latest` and `best` pointers) and
-    metrics.jsonl are written there. `resume` (a run or checkpoint directory) continues a run
+    metrics.jsonl are written there; each checkpoint holds `tokenizer`, `meta` and `chat_template`
+    (the template a chat model is used with, as chat_template.jinja). `resume` (a run or checkpoint directory) continues a run
     exactly where its checkpoint left off, on the learning-rate schedule it had (see
     `schedule_end`). `dist_ctx` comes from `init_distributed()` under torchrun.
 
@@ -113,7 +115,7 @@ def train(
         if refuse_longer_than_s is not None and estimate.seconds > refuse_longer_than_s:
             raise TrainingTooLong(estimate, refuse_longer_than_s)
     with claim_run(run_dir, resume_dir, overwrite, ctx):
-        return _train(parts, estimate, on_eval, run_dir, resume_dir, tokenizer, meta, loggers)
+        return _train(parts, estimate, on_eval, run_dir, resume_dir, (tokenizer, meta, chat_template), loggers)
 
 
 @contextmanager
@@ -136,9 +138,11 @@ def claim_run(run_dir: str | os.PathLike | None, resume_dir: str | os.PathLike |
 def _train(
     parts: TrainingParts, estimate: TrainingEstimate | None,
     on_eval: Callable[[int, float, TransformerLM], None] | None, run_dir: str | os.PathLike | None,
-    resume_dir: Path | None, tokenizer: Any, meta: dict[str, Any] | None, loggers: list[MetricsLogger] | None,
+    resume_dir: Path | None, saved_with: tuple[Any, dict[str, Any] | None, str | None],
+    loggers: list[MetricsLogger] | None,
 ) -> TrainResult:
-    """Assemble the duties around the parts, then run the loop over them."""
+    """Assemble the duties around the parts, then run the loop over them. `saved_with`: the
+    tokenizer, meta and chat template every checkpoint holds."""
     cfg, point, ctx, device = parts.cfg, parts.point, parts.ctx, parts.device
     run_path = Path(run_dir) if run_dir is not None else None
     result = TrainResult(parts.model, step=point.step, best_val_loss=point.best_val_loss)
@@ -146,7 +150,7 @@ def _train(
         window=MetricsWindow(cfg, ctx, parts.tokens_per_step, point, result, parts.scaler is not None),
         evaluator=Evaluator(parts.eval_model, parts.val_source, cfg, ctx, device, parts.tokens_per_step,
                             point.best_val_loss, result, on_eval),
-        checkpointer=Checkpointer(run_path, cfg, ctx, parts, tokenizer, meta, result),
+        checkpointer=Checkpointer(run_path, cfg, ctx, parts, *saved_with[:2], result, saved_with[2]),
         loggers=metrics_loggers(run_path, loggers, ctx, point.step if resume_dir else None),
         bar=progress_bar(total=cfg.max_steps, initial=point.step, disable=not (cfg.progress and ctx.is_main),
                          dynamic_ncols=True, desc="train", mininterval=1.0),
@@ -197,16 +201,18 @@ def _loop(parts: TrainingParts, duties: _Duties, stop: StopRequest,
         window.add(loss, grad_norm, time.perf_counter() - started)
         bar.update(1)
         last = done == cfg.max_steps
-        logging = done % cfg.log_interval == 0 or last
-        stop_signal = stop.requested(ctx, logging)
         evaluating = evaluator.due(done, last)
+        # An evaluation closes the metrics window too, so the train loss printed beside the
+        # validation loss is the one metrics.jsonl records for that step.
+        logging = done % cfg.log_interval == 0 or last or evaluating
+        stop_signal = stop.requested(ctx, logging)
         saving = checkpointer.due(done, last, stop_signal is not None, evaluating)
         if not (logging or evaluating or saving):
             continue
         window.flush(done, checkpointer.last)
         record = window.record(done, lr, bar) if logging else {}
         if evaluating:
-            record |= evaluator.run(done, bar)
+            record |= evaluator.run(done, bar, record["train_loss"])
         if record and ctx.is_main:
             for logger in duties.loggers:
                 logger.log(record)

@@ -75,8 +75,8 @@ class MetricsWindow:
                                          / max(self.total_seconds, 1e-9))
         record = {"step": done, "tokens": done * self.tokens_per_step, "train_loss": sum(self.losses) / len(self.losses),
                   "lr": lr, "grad_norm": self.grad_norm, "tokens_per_s": tokens_per_s, "elapsed_s": self.elapsed()}
-        bar.set_postfix(loss=f"{self.losses[-1]:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}",
-                        refresh=False)  # redrawn at tqdm's own pace
+        bar.set_postfix(loss=f"{record['train_loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}",
+                        refresh=False)  # redrawn at tqdm's own pace; the loss is the record's
         self.losses.clear()
         self.seconds, self.steps_timed = 0.0, 0
         return record

@@ -34,7 +34,7 @@ Example:
     True
 """
 
-from glasslm.hf.peft.exporter import export_peft_adapter
+from glasslm.hf.peft.exporter import PEFT_BASE_DIR, export_peft_adapter, export_peft_with_base
 from glasslm.hf.peft.files import (
     ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, PeftAdapter, PeftAdapterError, is_peft_directory, read_peft_adapter,
 )
@@ -42,6 +42,7 @@ from glasslm.hf.peft.importer import import_peft_adapter
 from glasslm.hf.peft.loading import load_peft_model, peft_base
 
 __all__ = [
-    "ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "PeftAdapter", "PeftAdapterError", "export_peft_adapter",
+    "ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "PEFT_BASE_DIR", "PeftAdapter", "PeftAdapterError",
+    "export_peft_adapter", "export_peft_with_base",
     "import_peft_adapter", "is_peft_directory", "load_peft_model", "peft_base", "read_peft_adapter",
 ]

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from glasslm.hf.families import family_for
 from glasslm.hf.peft.files import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, BASE_LAYER, PEFT_PREFIX
 from glasslm.hf.peft.layout import HFPart, hf_table, our_weight, weight_parts
 from glasslm.hf.plan import WeightTable
@@ -52,6 +53,33 @@ def export_peft_adapter(model: nn.Module, directory: str | os.PathLike, base_mod
     peft_config = _peft_config(config, scaling, ranks, transposed, base_model, _modules_to_save(model, config))
     (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(peft_config, indent=2))
     return folder
+
+
+PEFT_BASE_DIR = "base"  # where a glasslm base is exported inside a PEFT adapter directory
+
+
+def export_peft_with_base(model: nn.Module, directory: str | os.PathLike, base: str) -> tuple[Path, str]:
+    """(folder, the base it names) after writing `model`'s adapters as a PEFT adapter directory whose
+    `base_model_name_or_path` transformers can load, so `AutoPeftModelForCausalLM.from_pretrained(folder)`
+    works: a Hugging Face base directory's absolute path, a hub name as it is, and a glasslm base
+    (which transformers cannot read) exported to `folder/base` first and named by its absolute path."""
+    from glasslm.hf.convert import export_hf
+    from glasslm.hf.files import is_hf_directory
+    from glasslm.hf.load import load_chat_template, load_model
+
+    folder, local = Path(directory), Path(base)
+    if not local.exists():
+        named = base  # a hub name
+    elif is_hf_directory(local):
+        named = str(local.resolve())
+    else:
+        base_model, tokenizer = load_model(local)
+        # A bias-free GPT-2-shaped base gets exact zero biases (HF GPT-2 always has them; same logits).
+        zero_biases = bool(family_for(base_model.config).weight_table(base_model.config, None).absent_biases)
+        export_hf(base_model, folder / PEFT_BASE_DIR, tokenizer, zero_biases=zero_biases,
+                  chat_template=load_chat_template(local, tokenizer))
+        named = str((folder / PEFT_BASE_DIR).resolve())
+    return export_peft_adapter(model, folder, base_model=named), named
 
 
 def _module_adapters(model: nn.Module, name: str, layer: nn.Module,
