@@ -194,8 +194,9 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
                                                                        creates=("runs/shakespeare-char-cpu-int8/model.safetensors",)),
     "glasslm generate --checkpoint runs/shakespeare-char-cpu --draft runs/shakespeare-char-cpu-int8 --temperature 0": Run(
         add=SHORT, needs=("runs/shakespeare-char-cpu", "runs/shakespeare-char-cpu-int8"), slow=True),
-    'glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --max-new-tokens 2000 --compile': Run(
-        add=SHORT, needs=("runs/shakespeare-char-cpu",), slow=True),
+    'glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --max-new-tokens 10000 --compile': Run(
+        add=SHORT, needs=("runs/shakespeare-char-cpu",), slow=True,
+        expect=("compiling took", "--compile will not pay off here", "--max-new-tokens is 8")),
     SERVED_CHAR: Run(needs=("runs/shakespeare-char-cpu",), serve=True, slow=True),
     "lm_eval --model local-completions --tasks hellaswag --batch_size 8 --model_args model=char,base_url="
     "http://127.0.0.1:8000/v1/completions,tokenizer_backend=remote,max_length=65": LM_EVAL,
@@ -212,7 +213,7 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
                                     "test_a_fresh_data_directory_gets_gpt2_from_the_public_urls", ""),
     "glasslm finetune --checkpoint runs/shakespeare-char-cpu --data examples/chat/shakespeare.jsonl --chat-template "
     "examples/chat/template.jinja --out runs/ft": Run(add=FINETUNE_RUN, needs=("runs/shakespeare-char-cpu",),
-                                                      creates=("runs/ft/latest", "runs/ft/chat_template.jinja")),
+                                                      creates=("runs/ft/latest", "runs/ft/ckpt-000002/chat_template.jinja")),
     "glasslm chat --checkpoint runs/ft --temperature 0": Run(add=SHORT, needs=("runs/ft",), stdin="Greet Romeo.\n"),
     "glasslm finetune --resume runs/ft --max-steps 1200": Run(add=("--max-steps", "3"), needs=("runs/ft",), slow=True,
                                                              creates=("runs/ft/ckpt-000003",)),
@@ -263,6 +264,8 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "python benchmarks/bench_serve.py": Run(add=("--smoke",), process=True, slow=True),
     "python benchmarks/bench_serve.py --mix": Run(add=("--smoke",), process=True, slow=True),
     # docs/generation.md
+    "python benchmarks/bench_compile.py": Run(add=("--smoke",), process=True, slow=True,
+                                              expect=("| shakespeare-char-cpu | 0.2M |", "break-even tokens, warm")),
     'glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --max-new-tokens 300': Run(
         add=SHORT, needs=("runs/shakespeare-char-cpu",), expect=("ROMEO:",)),
     "glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt-file prompt.txt --temperature 0": Run(
@@ -364,6 +367,12 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
         add=FINETUNE_RUN, needs=("BASE", "chat.jsonl"), slow=True, creates=("runs/qlora/latest",)),
     "glasslm finetune --checkpoint BASE --data chat.jsonl --full --lr 2e-5 --out runs/full": Run(
         add=FINETUNE_RUN, needs=("BASE", "chat.jsonl"), slow=True, creates=("runs/full/latest",)),
+    "glasslm finetune --checkpoint BASE --method dpo --data prefs.jsonl --out runs/dpo": Run(
+        add=FINETUNE_RUN, needs=("BASE", "prefs.jsonl"), creates=("runs/dpo/latest",)),
+    "glasslm finetune --checkpoint BASE --method dpo --data prefs.jsonl --dpo-beta 0.5 --full --lr 2e-5 --out "
+    "runs/dpo-full": Run(add=FINETUNE_RUN, needs=("BASE", "prefs.jsonl"), slow=True, creates=("runs/dpo-full/latest",)),
+    "glasslm finetune --checkpoint BASE --method simpo --data prefs.jsonl --dpo-beta 2.0 --out runs/simpo": Run(
+        add=FINETUNE_RUN, needs=("BASE", "prefs.jsonl"), slow=True, creates=("runs/simpo/latest",)),
     "glasslm merge --checkpoint runs/ft --out runs/ft-merged": Run(
         needs=("runs/ft",), creates=("runs/ft-merged/model.safetensors",)),
     "glasslm finetune --checkpoint BASE --data chat.jsonl --lora-dora --lora-rslora --lora-bias all --lora-full "
@@ -650,6 +659,16 @@ def _chat_jsonl(sandbox: Sandbox) -> str:
                    for question, answer in pairs * 2)
 
 
+def _prefs_jsonl(sandbox: Sandbox) -> str:
+    """Preference pairs in both of the shapes docs/training.md shows (text, and message lists)."""
+    pairs = [("what is this?", "a small model.", "a big dog."), ("say yes", "yes.", "no."),
+             ("count to three", "one two three.", "three two one."), ("good night", "sleep well.", "wake up!")]
+    text = [{"prompt": question, "chosen": good, "rejected": bad} for question, good, bad in pairs]
+    messages = [{"prompt": [{"role": "user", "content": question}], "chosen": [{"role": "assistant", "content": good}],
+                 "rejected": [{"role": "assistant", "content": bad}]} for question, good, bad in pairs]
+    return "".join(json.dumps(record) + "\n" for record in text + messages)
+
+
 def _task_folder(sandbox: Sandbox, target: Path) -> None:
     """my_tasks/: an lm-eval multiple-choice task `my_task` on local data."""
     target.mkdir(parents=True)
@@ -708,5 +727,6 @@ STAND_INS = {
     "my.txt": _write(lambda sandbox: _shakespeare(sandbox)[:20_000].lower()),
     "prompt.txt": _write(lambda sandbox: "ROMEO:"),
     "chat.jsonl": _write(_chat_jsonl),
+    "prefs.jsonl": _write(_prefs_jsonl),
     "t.jinja": _write(lambda sandbox: TEMPLATE),
 }

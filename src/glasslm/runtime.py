@@ -6,7 +6,9 @@ Two facts decide decoding speed on a CPU and are easy to get wrong:
   model slower, not faster.
 - **threads.** Decoding one token of a small model is a chain of tiny matmuls; with a thread per
   core, each one pays a synchronisation that costs more than the work, and on a busy machine the
-  threads wait for cores. Small models decode fastest on one thread.
+  threads wait for cores. Small models decode fastest on one thread. Training and evaluation too
+  run on the cores the machine's load leaves free (`choose_threads`): there a thread whose core
+  another process holds stalls every matmul.
 
 Example:
     >>> isinstance(cpu_has_bf16(), bool)
@@ -24,7 +26,9 @@ import math
 import os
 import random
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -67,24 +71,107 @@ def warn_if_slow_dtype(dtype: str, device: str) -> None:
               "times slower than float32 here; use --dtype float32", file=sys.stderr)
 
 
+def machine_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS says, else every CPU)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def runnable_now(samples: int = 8, interval_s: float = 0.0125) -> float | None:
+    """Tasks running or waiting for a core right now, besides this process's own thread: the mean of
+    /proc/stat's procs_running over `samples` readings (None where there is no /proc/stat)."""
+    readings = []
+    for i in range(samples):
+        try:
+            text = Path("/proc/stat").read_text()
+        except OSError:
+            return None
+        running = next((line.split()[1] for line in text.splitlines() if line.startswith("procs_running")), None)
+        if running is None:
+            return None
+        readings.append(max(0, int(running) - 1))  # less the thread reading it
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    return sum(readings) / len(readings)
+
+
+def machine_load() -> float:
+    """Runnable tasks other than this command's: the larger of the 1-minute load average and what
+    runs now (`runnable_now`). The average lags a minute behind a load that has just begun (a
+    test's busy loops, a neighbour's job starting); the instant reading misses a load between its
+    bursts. Taking the larger errs toward fewer threads, the cheaper mistake: a thread too few
+    leaves a core idle, a thread too many waits for a core at every barrier (an order of magnitude
+    slower, docs/training.md)."""
+    average = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    now = runnable_now()
+    return max(average, now if now is not None else 0.0)
+
+
+def free_cores(cores: int | None = None, load: float | None = None) -> int:
+    """Cores that `load` runnable tasks (default: `machine_load()`) leave free, at least one.
+
+    A core counts as free unless more than half of it is in use, so an idle machine's background
+    noise (a load of 0.1-0.4) keeps every core.
+    """
+    cores = machine_cores() if cores is None else cores
+    load = machine_load() if load is None else load
+    return max(1, min(cores, math.floor(cores - load + 0.5)))
+
+
 def decode_threads(n_parameters: int, cores: int | None = None, load: float | None = None) -> int:
     """Threads for one-token decoding: 1 for small models; else one per core that is free.
 
-    `load` is the number of runnable tasks already on the machine (default: the 1-minute load
-    average). A decoding step is a chain of short parallel regions that end in a barrier: if one
-    thread's core is taken by another process, every region waits for it, so on a loaded machine
-    extra threads make each token slower than one thread does (benchmarks/bench_llamacpp.py
-    --busy, docs/generation.md). So the cores counted are those the load leaves free, at least one.
+    `load` is the number of runnable tasks already on the machine (default: `machine_load()`). A
+    decoding step is a chain of short parallel regions that end in a barrier: if one thread's core
+    is taken by another process, every region waits for it, so on a loaded machine extra threads
+    make each token slower than one thread does (benchmarks/bench_llamacpp.py --busy,
+    docs/generation.md). So the cores counted are those the load leaves free (`free_cores`).
     """
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if n_parameters < ONE_THREAD_BELOW_PARAMETERS:
         return 1
-    if load is None:
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    # A core counts as free unless more than half of it is in use, so an idle machine's background
-    # noise (a load of 0.1-0.4) keeps every core.
-    return max(1, min(cores, math.floor(cores - load + 0.5)))
+    return free_cores(cores, load)
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """The threads a command computes on, and the line that says why when it is not one per core."""
+
+    threads: int | None  # None: leave PyTorch's count (OMP_NUM_THREADS chose it)
+    note: str | None  # one line for stderr, or None when there is nothing to say
+
+
+def choose_threads(requested: int = 0, decoding_parameters: int | None = None, cores: int | None = None,
+                   load: float | None = None, environ: Mapping[str, str] = os.environ) -> ThreadChoice:
+    """Threads for a command: `requested` when given (a warning if the load leaves fewer cores
+    free), PyTorch's own count where OMP_NUM_THREADS sets it (torchrun does), 1 for decoding a
+    model under ONE_THREAD_BELOW_PARAMETERS, else one per free core, said in one line when that is
+    fewer than the cores.
+
+    Training and evaluation run on every free core for the same reason decoding does: each matmul
+    ends in a barrier, and a thread whose core another process holds stalls the others (a LoRA
+    fine-tune of the demo model at a load average of ~7 on 2 cores: 2.0 s a step on 2 threads,
+    0.14 s on one; docs/training.md).
+
+    Example:
+        >>> choose_threads(cores=2, load=0.1, environ={})
+        ThreadChoice(threads=2, note=None)
+        >>> print(choose_threads(cores=2, load=5.2, environ={}).note)
+        threads: 1 of 2 cores: the machine's load (5.2 runnable tasks) leaves 1 free, and threads beyond the free cores wait for them (--threads N to choose)
+    """
+    cores = machine_cores() if cores is None else cores
+    if requested:
+        free = free_cores(cores, load) if requested > 1 else requested
+        return ThreadChoice(requested, None if requested <= free else (
+            f"warning: --threads {requested} on a machine whose load leaves {free} of {cores} cores free: the "
+            f"threads will wait for cores at every step; --threads {free} is likely faster"))
+    if environ.get("OMP_NUM_THREADS"):
+        return ThreadChoice(None, None)
+    if decoding_parameters is not None and decoding_parameters < ONE_THREAD_BELOW_PARAMETERS:
+        return ThreadChoice(1, None)  # a size rule, the same on every machine (docs/generation.md)
+    load = machine_load() if load is None else load
+    threads = free_cores(cores, load)
+    return ThreadChoice(threads, None if threads == cores else (
+        f"threads: {threads} of {cores} cores: the machine's load ({load:.1f} runnable tasks) leaves {threads} "
+        "free, and threads beyond the free cores wait for them (--threads N to choose)"))
 
 
 def keeps_global_rng(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -109,7 +109,7 @@ def _here(words: list[str], url: str, folder: Path) -> list[str]:
     args[args.index("--tasks") + 1] = "tiny_choice,tiny_until"
     at = args.index("--model_args") + 1
     args[at] = re.sub(r"base_url=http://[^/,]+", f"base_url={url}", args[at])
-    args[at] = args[at].replace("runs/char-hf", str(folder / "hf"))
+    args[at] = re.sub(r"tokenizer=runs/[^,]+", f"tokenizer={folder / 'hf'}", args[at])  # the docs' HF export
     return [*args, "--include_path", str(folder)]
 
 

@@ -6,9 +6,12 @@ Compiling with Inductor takes seconds per model, so the models are tiny and few.
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,9 +135,88 @@ def test_cli_generate_compile_writes_the_eager_text(tmp_path, capsys):
     path = save_checkpoint(tmp_path / "ckpt", model, tok)
     args = ["generate", "--checkpoint", str(path), "--prompt", "hello", "--max-new-tokens", "16", "--temperature", "0"]
     assert main(args) == 0
-    eager = capsys.readouterr().out
+    eager = capsys.readouterr()
     assert main([*args, "--compile"]) == 0
-    assert capsys.readouterr().out == eager
+    compiled = capsys.readouterr()
+    assert compiled.out == eager.out
+    assert "compiling" not in eager.err and "--compile" not in eager.err
+    # Compiling is reported apart from decoding (issue 32): compiling a step takes seconds, decoding
+    # 16 tokens of this model milliseconds, so a figure that held both would be mostly compiling.
+    summary = re.search(r"\[16 tokens in ([\d.]+) s: ([\d.]+) tokens/s, prompt 5 tokens; compiling took ([\d.]+) s "
+                        r"more\]", compiled.err)
+    assert summary, compiled.err
+    decoding_s, _, compiling_s = map(float, summary.groups())
+    assert compiling_s > 0.2 and decoding_s < compiling_s / 2, compiled.err
+    # ... and 16 tokens are far too few to win the compiling back: said, and compiled all the same.
+    assert "--compile will not pay off here" in compiled.err and "--max-new-tokens is 16" in compiled.err
+
+
+def test_interactive_answers_share_one_compile_and_report_it_once(tmp_path, capsys, monkeypatch):
+    tok = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz .\n", special_tokens=())
+    # A shape no other test compiles: a process reuses compiled code for a model of the same shapes.
+    model = peaked_model("shakespeare-char-cpu", vocab_size=tok.vocab_size, n_heads=2, n_layers=1, d_model=48)
+    path = save_checkpoint(tmp_path / "ckpt", model, tok)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nworld\n"))  # one length: one compiled step
+    assert main(["generate", "--checkpoint", str(path), "--interactive", "--max-new-tokens", "8", "--temperature", "0",
+                 "--compile"]) == 0
+    summaries = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[8 tokens in")]
+    assert len(summaries) == 2 and "compiling took" in summaries[0] and "compiling" not in summaries[1], summaries
+
+
+def test_draft_with_compile_says_it_decodes_eagerly(tmp_path, capsys):
+    tok = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz .\n", special_tokens=())
+    path = save_checkpoint(tmp_path / "ckpt", peaked_model("shakespeare-char-cpu", vocab_size=tok.vocab_size), tok)
+    args = ["generate", "--checkpoint", str(path), "--draft", str(path), "--prompt", "hello", "--max-new-tokens", "8",
+            "--temperature", "0"]
+    assert main(args) == 0
+    eager = capsys.readouterr()
+    assert main([*args, "--compile"]) == 0  # --compile is not dropped silently: one line says it does nothing
+    compiled = capsys.readouterr()
+    assert compiled.out == eager.out
+    assert "--compile does nothing with --draft" in compiled.err and "--compile does nothing" not in eager.err
+    assert "compiling took" not in compiled.err and "will not pay off" not in compiled.err
+
+
+def test_compile_advice_follows_the_measured_break_even():
+    from glasslm.generation.compiled import BREAK_EVEN_TOKENS, compile_advice
+
+    for parameters, tokens in BREAK_EVEN_TOKENS:
+        few = 1_000_000 if tokens is None else tokens - 1  # for a size where compiling never paid, any count
+        said = compile_advice(parameters, few)
+        assert said.startswith("note: --compile will not pay off here")
+        assert "without --compile this finishes sooner" in said
+        if tokens is None:
+            assert "was no faster per token than the eager one" in said
+        else:
+            assert f"after about {tokens:,} new tokens" in said and f"--max-new-tokens is {few:,}" in said
+            assert compile_advice(parameters, tokens) is None
+        assert compile_advice(parameters * 11 // 10, few) == said.replace(
+            f"{parameters / 1e6:.1f}M", f"{parameters * 11 // 10 / 1e6:.1f}M")  # nearby sizes: the same figure
+
+
+def test_break_even_figures_are_the_documented_measurements():
+    # BREAK_EVEN_TOKENS are docs/generation.md's table (benchmarks/bench_compile.py's output), warm cache.
+    from glasslm.generation.compiled import BREAK_EVEN_TOKENS
+
+    text = (Path(__file__).parents[2] / "docs" / "generation.md").read_text(encoding="utf-8")
+    section = text[text.index("### When --compile pays off"):].split("\n#", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in section.splitlines()
+            if re.match(r"\| [\w-]+ \| [\d.]+M \|", line)]
+    assert [(f"{parameters / 1e6:.1f}M", "never" if tokens is None else f"{tokens:,}")
+            for parameters, tokens in BREAK_EVEN_TOKENS] == [
+        (row[1], row[-1]) for row in rows]
+
+
+def test_compile_clock_counts_compiling_not_running():
+    from glasslm.generation.compiled import compile_clock
+
+    double = torch.compile(lambda x: x * 2 + 1, dynamic=False)
+    with compile_clock() as first:
+        double(torch.ones(3))
+    with compile_clock() as again:
+        double(torch.ones(3))
+    assert first.compiles == 1 and first.seconds > 0.05
+    assert again.compiles == 0 and again.seconds < first.seconds / 100
 
 
 def test_a_failed_compile_is_one_clear_error(tmp_path):

@@ -60,3 +60,24 @@ def test_cli_draft_gives_the_same_text_and_reports_acceptance(tmp_path, capsys):
     assert "draft accepted" in captured.err
     assert main(common[:-4] + ["--temperature", "0.8", "--draft", str(tmp_path / "draft")]) not in (0, None)
     assert "add --temperature 0" in capsys.readouterr().err
+
+
+def test_commands_take_the_free_cores_and_say_why_when_that_is_fewer():
+    # What train, finetune, eval (and decoding above 20M parameters) run on without --threads.
+    assert runtime.choose_threads(cores=2, load=0.3, environ={}) == runtime.ThreadChoice(2, None)
+    assert runtime.choose_threads(cores=16, load=4.0, environ={}).threads == 12
+    busy = runtime.choose_threads(cores=2, load=5.2, environ={})
+    assert busy.threads == 1 and busy.note.startswith("threads: 1 of 2 cores") and "--threads N" in busy.note
+    # A small model decodes on one thread on any machine: a size rule, nothing to explain.
+    assert runtime.choose_threads(decoding_parameters=800_000, cores=2, load=0.0, environ={}) == (
+        runtime.ThreadChoice(1, None))
+    # OMP_NUM_THREADS (torchrun sets it) is the user's choice: PyTorch's count stays.
+    assert runtime.choose_threads(cores=2, load=5.2, environ={"OMP_NUM_THREADS": "2"}) == runtime.ThreadChoice(None, None)
+
+
+def test_threads_asked_for_are_kept_with_a_warning_above_the_free_cores():
+    assert runtime.choose_threads(1, cores=2, load=9.0, environ={}) == runtime.ThreadChoice(1, None)
+    assert runtime.choose_threads(2, cores=2, load=0.1, environ={}) == runtime.ThreadChoice(2, None)
+    loaded = runtime.choose_threads(2, cores=2, load=5.2, environ={})
+    assert loaded.threads == 2 and "--threads 2 on a machine whose load leaves 1 of 2 cores free" in loaded.note
+    assert "--threads 1 is likely faster" in loaded.note

@@ -13,15 +13,8 @@ pytest.importorskip("llama_cpp")
 from glasslm.hf.gguf.exporter import export_gguf  # noqa: E402
 from glasslm.hf.gguf.reader import GGUFFile  # noqa: E402
 from glasslm.tokenizers.gguf import tokenizer_from_gguf  # noqa: E402
-from tests.hf.test_gguf import FAMILY_CONFIGS, perturbed  # noqa: E402
+from tests.hf.test_gguf import FAMILY_CONFIGS, bpe, perturbed  # noqa: E402,F401 (bpe: the shared fixture)
 from tests.llamacpp import quiet_llama  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def bpe(shakespeare_text):
-    from glasslm.tokenizers import train_tokenizer_from_text
-
-    return train_tokenizer_from_text(shakespeare_text[:20_000], vocab_size=320)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))

@@ -391,11 +391,12 @@ def test_remove_stale_staging_removes_only_what_a_killed_writer_left(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000003", "latest", "notes.tmp-1"]
 
 
-# ----- the first Ctrl-C inside a long step, at the default thread count (issue 26) -----
+# ----- the first Ctrl-C inside a long step, at two threads (issue 26) -----
 
 # `glasslm train` whose forward pass sleeps 1 s per micro-batch once ckpt-000002 exists: step 3 of
-# 20 micro-batches then takes over 20 s, so a Ctrl-C surely lands inside it. No OMP_NUM_THREADS:
-# torch's default thread count.
+# 20 micro-batches then takes over 20 s, so a Ctrl-C surely lands inside it. No OMP_NUM_THREADS, and
+# --threads 2, recorded in the run and kept by the resume (the default count follows the machine's
+# load, which may change between the three processes).
 SLOW_STEP_CLI = """
 import os, sys, time
 from pathlib import Path
@@ -413,7 +414,7 @@ sys.exit(main(sys.argv[1:]))
 LONG_STEP_ARGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--context-length", "16", "--batch-size",
                   "1", "--grad-accum-steps", "20", "--max-steps", "4", "--warmup-steps", "2", "--eval-interval",
                   "4", "--eval-iters", "2", "--log-interval", "1", "--checkpoint-interval", "2", "--no-progress",
-                  "--sample-tokens", "0", "--dropout", "0.1"]
+                  "--sample-tokens", "0", "--dropout", "0.1", "--threads", "2"]
 
 
 @pytest.mark.slow

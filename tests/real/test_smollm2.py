@@ -177,6 +177,26 @@ def test_a_lora_fine_tune_lowers_the_loss_and_merges(gguf, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_a_few_dpo_lora_steps_raise_the_margin_of_the_training_pairs(gguf, tmp_path):
+    pairs = [("What is the capital of France?", "Paris.", "London."),
+             ("What is 7 times 8?", "56.", "54."),
+             ("Which planet is known as the red planet?", "Mars.", "Venus."),
+             ("Who wrote Romeo and Juliet?", "William Shakespeare.", "Charles Dickens.")]
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": q, "chosen": good, "rejected": bad}) + "\n"
+                            for q, good, bad in pairs))
+    run = tmp_path / "dpo"
+    assert main(["finetune", "--checkpoint", str(gguf), "--method", "dpo", "--data", str(data), "--out", str(run),
+                 "--max-steps", "3", "--batch-size", "4", "--lr", "2e-3", "--lora-sites", "q,v,mlp_up",
+                 "--val-fraction", "0", "--log-interval", "1", "--warmup-steps", "0", "--threads", "2", "--no-progress"]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    margins = [r["rewards/margins"] for r in records if "rewards/margins" in r]
+    # step 1 is measured at the reference's own weights (margin 0); the margin grows from there
+    assert margins[0] == pytest.approx(0.0, abs=1e-4) and margins[-1] > 0.3
+    assert records[-1]["rewards/accuracies"] >= 0.75
+
+
+@pytest.mark.slow
 def test_eval_perplexity_on_tiny_shakespeare_matches_llama_cpps(gguf, data_dir, capsys):
     assert main(["eval", "--checkpoint", str(gguf), "--data", str(data_dir / "tinyshakespeare.txt"), "--split",
                  "val", "--max-tokens", "1024", "--stride", "256"]) == 0

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -21,13 +22,76 @@ def _params(model):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-def test_timing_the_first_micro_batch_leaves_the_run_unchanged():
-    # progress=True estimates (one micro-batch forward and backward, undone); progress=False does not.
+@pytest.fixture
+def one_thread():
+    """Tiny models on one thread: on a loaded machine a second thread waits for a core at every
+    matmul, and these tests' timings would be the waits (issue 32)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_timing_the_first_micro_batch_leaves_the_run_unchanged(optimizer, tmp_path, monkeypatch, one_thread):
+    # progress=True estimates (micro-batches forward and backward, optimizer steps, all undone);
+    # progress=False does not. Resumed, the optimizer has state that the timed steps must not keep.
+    monkeypatch.setattr("glasslm.training.estimate.PROBE_S", 0.0)  # a warm-up and one timed call each suffice here
     cfg = get_preset("shakespeare-char-cpu", **TINY, dropout=0.1)  # dropout: the probe draws random numbers too
-    runs = [train(cfg, TrainConfig(max_steps=4, batch_size=4, grad_accum_steps=2, eval_interval=0, eval_iters=1,
-                                   progress=progress), TOKENS, TOKENS) for progress in (True, False)]
-    assert runs[0].train_losses == runs[1].train_losses
-    assert torch.equal(_params(runs[0].model), _params(runs[1].model))
+    settings = dict(batch_size=4, grad_accum_steps=2, eval_interval=0, eval_iters=1, optimizer=optimizer,
+                    checkpoint_interval=2)
+    train(cfg, TrainConfig(max_steps=2, progress=False, **settings), TOKENS, TOKENS, run_dir=tmp_path / "first")
+    runs = [train(cfg, TrainConfig(max_steps=5, progress=progress, **settings), TOKENS, TOKENS,
+                  resume=tmp_path / "first" if resumed else None)
+            for resumed in (False, True) for progress in (True, False)]
+    for timed, untimed in (runs[:2], runs[2:]):
+        assert timed.train_losses == untimed.train_losses
+        assert torch.equal(_params(timed.model), _params(untimed.model))
+
+
+def _estimate(model, cfg: TrainConfig, data=(TOKENS, TOKENS)):
+    from glasslm.training.distributed import DistributedContext
+    from glasslm.training.estimate import estimate_training
+    from glasslm.training.parts import TrainingParts
+
+    return estimate_training(TrainingParts.build(model, cfg, DistributedContext(device="cpu"), "cpu", None, data))
+
+
+def test_the_first_call_is_a_warm_up_and_the_optimizer_step_is_timed(one_thread):
+    # A model whose first forward pass stalls (as a cold first micro-batch does, more so on a loaded
+    # machine) and whose third does too: the warm-up leaves the first out, the median the third.
+    from glasslm.core.model import TransformerLM
+
+    class StallingModel(TransformerLM):
+        calls = 0
+
+        def forward(self, *args, **kwargs):
+            StallingModel.calls += 1
+            if StallingModel.calls in (1, 3):
+                time.sleep(0.6)
+            return super().forward(*args, **kwargs)
+
+    cfg = TrainConfig(max_steps=10, batch_size=4, eval_interval=0, eval_iters=1, optimizer="muon", progress=False)
+    estimate = _estimate(StallingModel(get_preset("shakespeare-char-cpu", **TINY)), cfg)
+    assert StallingModel.calls >= 4 and estimate.micro_batch_s < 0.3, (StallingModel.calls, estimate)
+    assert estimate.optimizer_s > 0 and "optimizer step" in estimate.describe()
+    assert estimate.seconds == pytest.approx(10 * (estimate.micro_batch_s + estimate.optimizer_s)
+                                             + 1 * 1 * estimate.micro_batch_s / 3)
+
+
+def test_fine_tuning_estimates_the_held_out_batches_it_evaluates():
+    # A conversation source evaluates each held-out conversation once, not eval_iters batches.
+    from glasslm.data.sft import encode_conversation
+    from glasslm.tokenizers import CharTokenizer
+    from glasslm.training.batches import SFTBatches
+
+    tokenizer = CharTokenizer.from_text("abcdu:;")
+    template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}"
+    conversation = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd"}]
+    source = SFTBatches([encode_conversation(tokenizer, template, conversation)] * 10, context_length=8)
+    cfg = TrainConfig(max_steps=4, batch_size=4, eval_interval=2, eval_iters=50, progress=False)
+    estimate = _estimate(get_preset("shakespeare-char-cpu", **TINY), cfg, (source, source))
+    assert estimate.evaluations == 3 and estimate.eval_batches == 3  # ceil(10 / 4), not 50
 
 
 def test_a_run_estimated_over_the_limit_is_refused_before_anything_is_written(tmp_path):
@@ -100,6 +164,7 @@ def test_a_run_far_past_the_limit_is_refused_from_one_row(tmp_path):
 def test_near_the_limit_the_whole_micro_batch_decides(tmp_path, monkeypatch):
     # Timings made up: one row 1 s, the whole micro-batch of 8 rows 5 s (not 8: rows scale sublinearly).
     monkeypatch.setattr("glasslm.training.estimate.time_micro_batch", lambda parts, rows=None: 1.0 if rows else 5.0)
+    monkeypatch.setattr("glasslm.training.estimate.time_optimizer_step", lambda parts: 0.0)
     cfg, run = get_preset("shakespeare-char-cpu", **TINY), TrainConfig(max_steps=2, batch_size=8, eval_interval=0,
                                                                       eval_iters=1, progress=False)
     # One row says 2 x 8 x 1 s + one evaluation (a third of 8 s): 18.7 s; the micro-batch 2 x 5 + 5/3 = 11.7 s.

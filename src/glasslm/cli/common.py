@@ -50,7 +50,7 @@ class DeviceOptions:
 
     device: str = "auto"  # auto (the best available: cuda, else mps, else cpu), cpu, cuda, cuda:N or mps
     # CPU threads; 0 is automatic: 1 for decoding models under 20M parameters (they decode fastest
-    # on one thread), else torch's choice
+    # on one thread), else one per core the machine's load leaves free
     threads: int = 0
 
 
@@ -83,13 +83,11 @@ def prepare_model(model: Any, runtime: DeviceOptions, decoding: bool = False) ->
     """Apply threads, dtype and quantization to a loaded model; threads are set here, in the CLI only."""
     import torch
 
-    from glasslm.runtime import decode_threads, default_dtype, warn_if_slow_dtype
+    from glasslm.runtime import default_dtype, warn_if_slow_dtype
 
     device = next(model.parameters()).device.type
     if device == "cpu":
-        threads = runtime.threads or (decode_threads(model.num_parameters()) if decoding else 0)
-        if threads:
-            torch.set_num_threads(threads)
+        set_threads(runtime.threads, model.num_parameters() if decoding else None)
     if not isinstance(runtime, RuntimeOptions):
         return model.eval()
     dtype = default_dtype(device) if runtime.dtype == "auto" else runtime.dtype
@@ -102,6 +100,21 @@ def prepare_model(model: Any, runtime: DeviceOptions, decoding: bool = False) ->
 
         optimize_for_decoding(model)
     return model
+
+
+def set_threads(requested: int, decoding_parameters: int | None = None) -> int | None:
+    """Set torch's CPU threads as `runtime.choose_threads` decides (a line on stderr says why when
+    it is fewer than the cores); the count set, or None where OMP_NUM_THREADS left torch's."""
+    import torch
+
+    from glasslm.runtime import choose_threads
+
+    choice = choose_threads(requested, decoding_parameters)
+    if choice.threads:
+        torch.set_num_threads(choice.threads)
+    if choice.note:
+        print(choice.note, file=sys.stderr)
+    return choice.threads
 
 
 def resolve_device(name: str) -> str:

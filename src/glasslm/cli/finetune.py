@@ -1,6 +1,7 @@
-"""`glasslm finetune`: fine-tune a pretrained model on chat / instruction JSONL, with LoRA adapters
-(the default), QLoRA (--quantize int4|int8: the frozen base quantized) or every weight (--full);
-resumable exactly like `glasslm train`. A LoRA run's checkpoints hold only the adapters, the exact
+"""`glasslm finetune`: fine-tune a pretrained model on chat / instruction JSONL, or tune it towards
+preferred answers (--method dpo on preference JSONL), with LoRA adapters (the default), QLoRA
+(--quantize int4|int8: the frozen base quantized) or every weight (--full); resumable exactly like
+`glasslm train`. A LoRA run's checkpoints hold only the adapters, the exact
 base checkpoint and a hash of its weights (--base PATH where the base has moved), and the chat
 template; `generate`, `chat`, `serve` and `eval` load them as base + adapters, `glasslm merge`
 writes a full model.
@@ -8,6 +9,7 @@ writes a full model.
     glasslm finetune --checkpoint runs/shakespeare-char-cpu --data examples/chat/shakespeare.jsonl \\
         --chat-template examples/chat/template.jinja --out runs/ft
     glasslm finetune --resume runs/ft --max-steps 1200
+    glasslm finetune --checkpoint HuggingFaceTB/SmolLM2-135M-Instruct --method dpo --data prefs.jsonl --out runs/dpo
     glasslm finetune --checkpoint Qwen/Qwen2-0.5B --data chat.jsonl --quantize int4 --lr 2e-4 --out runs/qlora \\
         --export-peft runs/qlora-peft
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from glasslm.cli.command import Command
+from glasslm.cli.common import resolve_device, set_threads
 from glasslm.cli.options import Group
 from glasslm.training.config import TrainConfig
 from glasslm.training.finetune import FinetuneConfig
@@ -46,7 +49,8 @@ class FinetuneRun:
     """what to fine-tune, on what, and where"""
 
     checkpoint: str | None = None  # the base: glasslm checkpoint, HF model directory or cached hub name
-    data: str | None = field(default=None, metadata={"metavar": "JSONL"})  # conversations or instruction records
+    # conversations or instruction records (--method dpo: prompt / chosen / rejected records)
+    data: str | None = field(default=None, metadata={"metavar": "JSONL"})
     out: str | None = None  # run directory (checkpoints, metrics.jsonl); none: runs/finetune-<base name>
     resume: str | None = field(default=None, metadata={"metavar": "DIR"})  # continue a fine-tuning run exactly
     # with --resume: the base checkpoint where it is now, if it moved (its weights must hash as recorded)
@@ -62,21 +66,22 @@ def finetune(run: FinetuneRun, method: Annotated[dict[str, Any], FinetuneConfig]
     from glasslm.transforms import parameter_count
 
     base, config, train_config, out, resume = _plan(run, method, training)
-    if train_config.threads:
-        import torch
-
-        torch.set_num_threads(train_config.threads)
-    model, tokenizer, meta, data = _model_and_data(base, config, train_config, run.data if resume is None else None,
-                                                   resume)
+    if resolve_device(train_config.device) == "cpu" or train_config.threads:
+        set_threads(train_config.threads)  # the thread count the estimate is timed with
+    model, tokenizer, meta, data, objective = _model_and_data(base, config, train_config,
+                                                              run.data if resume is None else None, resume)
     _keep_base(meta, out)
     if resume is None and not config.full and "lr" not in training:
         _note_untested_lr(parameter_count(model), train_config.lr)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"fine-tuning {meta['finetune']['base']} ({'full' if config.full else 'LoRA'}{', ' + config.quantize + ' base' if config.quantize != 'none' else ''}): "
+    what = "conversations" if config.method == "sft" else "preference pairs"
+    print(f"fine-tuning {meta['finetune']['base']} ({'' if config.method == 'sft' else config.method.upper() + ', '}"
+          f"{'full' if config.full else 'LoRA'}{', ' + config.quantize + ' base' if config.quantize != 'none' else ''}): "
           f"{n_train:,} trainable of {parameter_count(model):,} parameters; {len(data[0])} training / "
-          f"{len(data[1]) if data[1] else 0} held-out conversations -> {out}")
+          f"{len(data[1]) if data[1] else 0} held-out {what} -> {out}")
     result = train(model, train_config, data[0], data[1], run_dir=out, resume=resume, tokenizer=tokenizer,
-                   meta=meta, overwrite=run.overwrite, chat_template=meta["finetune"]["template"])
+                   meta=meta, overwrite=run.overwrite, chat_template=meta["finetune"]["template"],
+                   objective=objective)
     if result.stopped_by_signal is not None:
         print(f"interrupted after step {result.step}, saved {result.checkpoint}; continue with: "
               f"glasslm finetune --resume {out}")
@@ -120,10 +125,13 @@ def _plan(run: FinetuneRun, method: dict[str, Any], training: dict[str, Any]) ->
 
 
 def _model_and_data(base: str, config: FinetuneConfig, train_config: TrainConfig, data: str | None,
-                    resume: Path | None) -> tuple[Any, Any, dict[str, Any], tuple[Any, Any]]:
-    """The model to train (base + adapters), its tokenizer, the checkpoints' meta and the batches;
-    a resumed run re-reads its recorded data and template, on the base its adapters were trained on."""
+                    resume: Path | None) -> tuple[Any, Any, dict[str, Any], tuple[Any, Any], Any]:
+    """The model to train (base + adapters), its tokenizer, the checkpoints' meta, the batches and
+    the loss (DPO's holds its reference: the base, taken before any resumed weights are loaded); a
+    resumed run re-reads its recorded data and template, on the base its adapters were trained on."""
+    from glasslm.training.dpo import preference_objective
     from glasslm.training.finetune import FINETUNE_KEY, chat_batches, chat_template, prepare_model
+    from glasslm.training.step import next_token_loss
 
     if resume is not None:
         from glasslm.io.checkpoint import META_FILE, read_json
@@ -135,9 +143,11 @@ def _model_and_data(base: str, config: FinetuneConfig, train_config: TrainConfig
     if resume is None:
         template = chat_template(base, tokenizer, config)
     batches = chat_batches(data, tokenizer, template, model.config.context_length, config.val_fraction,
-                           train_config.seed)
+                           train_config.seed, preferences=config.method != "sft")
+    objective = (next_token_loss if config.method == "sft" else
+                 preference_objective(config.method, model, config.full, config.dpo_beta, config.simpo_gamma))
     meta[FINETUNE_KEY] |= {"data": str(Path(data).resolve()), "template": template}
-    return model, tokenizer, meta, batches
+    return model, tokenizer, meta, batches, objective
 
 
 def _resumed_base(saved: dict[str, Any], base: str, resume: Path) -> str:
@@ -187,5 +197,6 @@ COMMAND = Command("finetune", finetune, "fine-tune a model on chat JSONL: LoRA, 
                       'glasslm finetune --checkpoint Qwen/Qwen2-0.5B --data chat.jsonl --quantize int4 --lr 2e-4 '
                       '--out runs/qlora',
                       'glasslm finetune --resume runs/ft --max-steps 1200',
+                      'glasslm finetune --checkpoint HuggingFaceTB/SmolLM2-135M-Instruct --method dpo --data prefs.jsonl --out runs/dpo',
                       'glasslm finetune --resume runs/ft --base copies/ckpt-000600 --max-steps 1200   # the base moved',
                   ))

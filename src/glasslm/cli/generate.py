@@ -54,12 +54,29 @@ def generate(source: CheckpointOption, prompt: PromptOptions, sampling: Annotate
         if sampling.temperature != 0:
             raise ValueError("--draft (speculative decoding) is greedy here: add --temperature 0")
         draft, _ = load_for_inference(speculation.draft, runtime, decoding=True, need_tokenizer=False)
+    if sampling.compile:
+        _say_whether_compiling_pays(model, sampling, speculation.draft is not None, prompt.interactive)
     writer = _Writer(model, draft, tokenizer, sampling, speculation.lookahead)
     if prompt.interactive:
         _answer_lines(writer)
     else:
         writer.respond(prompt.read(), echo=True)
     return 0
+
+
+def _say_whether_compiling_pays(model: Any, sampling: GenerationConfig, drafting: bool, interactive: bool) -> None:
+    """--compile is the user's to choose, so it is never dropped silently: one line says when it
+    does nothing (speculative decoding runs eagerly) or when this generation is too short to win
+    the compiling back. Interactive answers share one compiled step, so they are not judged."""
+    from glasslm.generation.compiled import compile_advice
+    from glasslm.transforms import parameter_count
+
+    if drafting:
+        print("note: --compile does nothing with --draft: speculative decoding runs eagerly", file=sys.stderr)
+        return
+    advice = None if interactive else compile_advice(parameter_count(model), sampling.max_new_tokens)
+    if advice:
+        print(advice, file=sys.stderr)
 
 
 @dataclass
@@ -81,8 +98,10 @@ class _Writer:
 
     def respond(self, prompt: str, echo: bool) -> str:
         import time
+        from contextlib import nullcontext
 
         from glasslm.generation import TextStreamer
+        from glasslm.generation.compiled import CompileClock, compile_clock
         from glasslm.generation.speculative import SpeculativeStats
 
         prompt_ids = encode_prompt(self.tokenizer, prompt)  # an empty prompt: bos, else a newline
@@ -93,20 +112,23 @@ class _Writer:
         streamer, stats = TextStreamer(self.tokenizer, self.config.stop_strings), SpeculativeStats()
         self.streamer = streamer  # what was written so far, even if Ctrl-C ends the answer
         start, n_tokens = time.perf_counter(), 0
-        for token in self._tokens(prompt_ids, stats):
-            n_tokens += 1
-            sys.stdout.write(streamer.push(token))
-            sys.stdout.flush()
-            if streamer.stopped:
-                break
+        timing_compiles = self.config.compile and self.draft is None  # speculative decoding runs eagerly
+        with compile_clock() if timing_compiles else nullcontext(CompileClock()) as compiling:
+            for token in self._tokens(prompt_ids, stats):
+                n_tokens += 1
+                sys.stdout.write(streamer.push(token))
+                sys.stdout.flush()
+                if streamer.stopped:
+                    break
         sys.stdout.write(streamer.finish() + "\n")
         sys.stdout.flush()
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start - compiling.seconds  # decoding alone
         speculation = "" if self.draft is None else (
             f", draft accepted {stats.acceptance_rate:.0%} of proposals, "
             f"{stats.tokens_per_target_pass:.2f} tokens per target pass")
+        compiled = f"; compiling took {compiling.seconds:.2f} s more" if compiling.compiles else ""
         print(f"[{n_tokens} tokens in {seconds:.2f} s: {n_tokens / max(seconds, 1e-9):.1f} tokens/s, "
-              f"prompt {len(prompt_ids)} tokens{speculation}]", file=sys.stderr)
+              f"prompt {len(prompt_ids)} tokens{speculation}{compiled}]", file=sys.stderr)
         return streamer.text
 
     def _tokens(self, prompt_ids: list[int], stats: Any) -> Any:

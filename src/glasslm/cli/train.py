@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from glasslm.cli.command import Command
+from glasslm.cli.common import set_threads
 from glasslm.cli.options import Group
 from glasslm.cli.run_config import CONFIG_TABLES, RunConfig, load_config_file
 from glasslm.core.config import ModelConfig
@@ -76,15 +77,13 @@ class _Plan:
 def train(options: TrainOptions, run: Annotated[dict[str, Any], RunConfig, RUN],
           training: Annotated[dict[str, Any], TrainConfig, TRAINING],
           model: Annotated[dict[str, Any], ModelConfig, MODEL]) -> int:
-    import torch
-
     from glasslm.training.distributed import init_distributed, resolve_device, shutdown_distributed
     from glasslm.io.checkpoint import read_pointer
     from glasslm.training.rundir import check_run_dir, holds_no_checkpoint
 
     plan = _plan(options, run, training, model)
     # Refused before any data is read: an unavailable device, an --out holding another run.
-    resolve_device(plan.train.device)
+    device = resolve_device(plan.train.device)
     main_process = os.environ.get("RANK", "0") == "0"  # other torchrun processes may already see rank 0's files
     resuming_here = plan.resumed is not None and plan.out.resolve() == plan.resumed.checkpoint.parent.resolve()
     fresh_start_over_leftovers = main_process and not resuming_here and not options.overwrite \
@@ -92,9 +91,9 @@ def train(options: TrainOptions, run: Annotated[dict[str, Any], RunConfig, RUN],
     pointer_lost = resuming_here and read_pointer(plan.out, "latest") is None
     if main_process:
         check_run_dir(plan.out, resuming=resuming_here, overwrite=options.overwrite)
-    if plan.train.threads:
+    if device == "cpu" or plan.train.threads:
         # Thread counts are the command's business, never the library's (train() leaves them alone).
-        torch.set_num_threads(plan.train.threads)
+        set_threads(plan.train.threads)
     data, model_cfg, label = _data_and_model(plan)
     ctx = init_distributed(plan.train.device)
     say = print if ctx.is_main else (lambda *a, **k: None)

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from jaxtyping import Int
@@ -41,6 +41,7 @@ from torch import Tensor
 from glasslm.tokenizers.chat import ChatFormat, ChatTemplateError, check_messages
 
 IGNORE_INDEX = -100  # cross_entropy's ignore_index: positions the loss leaves out
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,10 @@ def record_messages(record: Any, where: str) -> list[dict[str, Any]]:
     return messages
 
 
-def read_conversations(path: str | os.PathLike) -> list[list[dict[str, Any]]]:
-    """Every conversation in a JSONL file (blank lines skipped); errors name the line."""
-    conversations = []
+def read_records(path: str | os.PathLike, parse: Callable[[Any, str], T], what: str) -> list[T]:
+    """`parse(record, "path:line")` of every record of a JSONL file (blank lines skipped); a line that
+    is not JSON is named, and a file with no records is refused as holding no `what`."""
+    records = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -89,22 +91,30 @@ def read_conversations(path: str | os.PathLike) -> list[list[dict[str, Any]]]:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number}: not JSON ({err.msg})") from None
-            conversations.append(record_messages(record, f"{path}:{number}"))
-    if not conversations:
-        raise ValueError(f"{path} holds no conversations")
-    return conversations
+            records.append(parse(record, f"{path}:{number}"))
+    if not records:
+        raise ValueError(f"{path} holds no {what}")
+    return records
 
 
-def encode_conversation(tokenizer: Any, template: str | ChatFormat, messages: Sequence[dict[str, Any]]) -> SFTExample:
+def read_conversations(path: str | os.PathLike) -> list[list[dict[str, Any]]]:
+    """Every conversation in a JSONL file (blank lines skipped); errors name the line."""
+    return read_records(path, record_messages, "conversations")
+
+
+def encode_conversation(tokenizer: Any, template: str | ChatFormat, messages: Sequence[dict[str, Any]],
+                        first_trained: int = 0) -> SFTExample:
     """Token ids of the conversation rendered with `template` and `tokenizer`'s special tokens, and
-    labels that train only its assistant turns."""
+    labels that train only its assistant turns (those from message `first_trained` on: a preference
+    pair trains its completion, not the assistant turns of its prompt)."""
     chat = template if isinstance(template, ChatFormat) else ChatFormat.for_tokenizer(template, tokenizer)
     text, spans = chat.assistant_spans(messages)
+    turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
     ids: list[int] = []
     trained: list[bool] = []
     cursor = 0
-    for start, end in [*spans, (len(text), len(text))]:
-        for piece, is_assistant in ((text[cursor:start], False), (text[start:end], True)):
+    for (start, end), turn in zip([*spans, (len(text), len(text))], [*turns, len(messages)]):
+        for piece, is_assistant in ((text[cursor:start], False), (text[start:end], turn >= first_trained)):
             piece_ids = tokenizer.encode(piece) if piece else []
             ids += piece_ids
             trained += [is_assistant] * len(piece_ids)

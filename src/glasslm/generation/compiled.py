@@ -22,7 +22,11 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from jaxtyping import Float, Int
@@ -50,10 +54,100 @@ def compiled_step(model: TransformerLM) -> torch.nn.Module:
             prepare()
     step = model.__dict__.get("_compiled_decoding_step")
     if step is None:
-        step = torch.compile(model, dynamic=False)
+        started = time.perf_counter()
+        step = torch.compile(model, dynamic=False)  # the first call in a process loads the compiler (seconds)
+        _charge_clocks(time.perf_counter() - started)
         # Set past nn.Module's __setattr__: a submodule would put the wrapper in the state dict.
         object.__setattr__(model, "_compiled_decoding_step", step)
     return step
+
+
+# New tokens after which a compiled step has paid for its compiling, by model size (parameters):
+# compile seconds / seconds saved per token, with PyTorch's compile cache warm (the first compile
+# on a machine costs several times more); None where the compiled step was not faster per token.
+# Measured by benchmarks/bench_compile.py (one thread, batch 1, float32) on the shared 2-core AMD
+# EPYC: docs/generation.md, "When --compile pays off".
+BREAK_EVEN_TOKENS: tuple[tuple[int, int | None], ...] = ((787_712, 3_517), (10_745_088, None), (124_439_808, None))
+
+
+def compile_break_even(n_parameters: int) -> int | None:
+    """New tokens after which compiling a model of `n_parameters` pays for itself (warm cache): the
+    figure of the nearest measured size (BREAK_EVEN_TOKENS, nearest in log parameters); None where
+    compiling never pays.
+
+    Example:
+        >>> compile_break_even(800_000), compile_break_even(7_000_000), compile_break_even(350_000_000)
+        (3517, None, None)
+    """
+    return min(BREAK_EVEN_TOKENS, key=lambda size: abs(math.log(max(n_parameters, 1) / size[0])))[1]
+
+
+def compile_advice(n_parameters: int, new_tokens: int) -> str | None:
+    """One line advising to drop --compile when `new_tokens` are too few to win the compiling back
+    (`compile_break_even`); None when compiling should pay off."""
+    tokens = compile_break_even(n_parameters)
+    if tokens is not None and new_tokens >= tokens:
+        return None
+    size = f"a compiled step of a {n_parameters / 1e6:.1f}M-parameter model"
+    why = (f"{size} was no faster per token than the eager one" if tokens is None else
+           f"{size} wins its compiling back after about {tokens:,} new tokens (with PyTorch's compile cache warm)"
+           f" and --max-new-tokens is {new_tokens:,}")
+    return (f"note: --compile will not pay off here: {why} (measured: docs/generation.md, \"When --compile pays "
+            "off\"); without --compile this finishes sooner (compiling anyway, as asked)")
+
+
+@dataclass
+class CompileClock:
+    """Seconds spent compiling (`compile_clock`): what a compiled decode spends before its steps run."""
+
+    seconds: float = 0.0
+    compiles: int = 0  # compilations finished (each new shape or recompile is one)
+
+
+_RUNNING_CLOCKS: list[CompileClock] = []
+
+
+def _charge_clocks(seconds: float) -> None:
+    for clock in _RUNNING_CLOCKS:
+        clock.seconds += seconds
+
+
+@contextmanager
+def compile_clock() -> Iterator[CompileClock]:
+    """Count the time spent compiling while the block runs, so that a decoding speed can leave it
+    out: loading the compiler (importing Dynamo, `torch.compile` itself: seconds, once a process),
+    then each compilation, Dynamo's tracing and Inductor's code generation (through Dynamo's
+    compile callbacks).
+
+    Example:
+        >>> with compile_clock() as clock:
+        ...     pass
+        >>> clock.compiles
+        0
+    """
+    started = time.perf_counter()
+    from torch._dynamo.callback import callback_handler
+
+    clock, compiling = CompileClock(), []
+    _RUNNING_CLOCKS.append(clock)
+    _charge_clocks(time.perf_counter() - started)
+
+    def start(_: object) -> None:
+        compiling.append(time.perf_counter())
+
+    def end(_: object) -> None:
+        if compiling:
+            clock.seconds += time.perf_counter() - compiling.pop()
+            clock.compiles += 1
+
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
+    try:
+        yield clock
+    finally:
+        callback_handler.remove_start_callback(start)
+        callback_handler.remove_end_callback(end)
+        _RUNNING_CLOCKS.remove(clock)
 
 
 class StaticDecodeWindow:

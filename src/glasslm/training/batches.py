@@ -8,6 +8,9 @@ and gives the validation batches. Labels equal to IGNORE_INDEX are left out of t
 - `SFTBatches` (supervised fine-tuning): whole conversations (glasslm.data.sft), right-padded to
   the longest row, labels only on the assistant's tokens; validation runs over every held-out
   conversation once, in a fixed order, the loss a mean over their assistant tokens.
+- `PreferenceBatches` (preference tuning, glasslm.training.dpo): pairs of conversations, each
+  pair's chosen and rejected sides in adjacent rows (2i, 2i + 1), so every split of a batch into
+  even slices (processes, micro-batches) keeps the pairs whole.
 
 Example:
     >>> import torch
@@ -28,6 +31,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from glasslm.data import get_batch
+from glasslm.data.preferences import PreferencePair
 from glasslm.data.sft import IGNORE_INDEX, SFTExample, padded_batch
 
 
@@ -43,6 +47,9 @@ class BatchSource(Protocol):
     def eval_batches(self, rows: int, iters: int,
                      generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor, float]]:
         """Validation batches (inputs, labels, weight); the validation loss is their weighted mean."""
+
+    def eval_batch_count(self, rows: int, iters: int) -> int:
+        """How many batches `eval_batches(rows, iters, ...)` gives (for the training-time estimate)."""
 
     def tokens_per_row(self) -> float:
         """Positions per row, on average (for tokens/s)."""
@@ -65,6 +72,9 @@ class WindowBatches:
     def eval_batches(self, rows: int, iters: int, generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor, float]]:
         for _ in range(iters):  # every batch holds rows * context positions: equal weights
             yield *self.draw(rows, generator), 1.0
+
+    def eval_batch_count(self, rows: int, iters: int) -> int:
+        return iters
 
     def tokens_per_row(self) -> float:
         return float(self.context_length)
@@ -101,8 +111,53 @@ class SFTBatches:
             x, y = padded_batch(self.examples[start:start + rows], self.context_length, self.pad_id)
             yield x, y, float((y != IGNORE_INDEX).sum())
 
+    def eval_batch_count(self, rows: int, iters: int) -> int:
+        return -(-len(self.examples) // rows)
+
     def tokens_per_row(self) -> float:
         return sum(min(len(e.ids), self.context_length) for e in self.examples) / max(1, len(self.examples))
+
+
+class PreferenceBatches:
+    """Preference pairs drawn uniformly at random (with replacement); `rows` pairs give 2 x rows rows,
+    chosen and rejected interleaved, right-padded per batch, labels on the completions only."""
+
+    def __init__(self, pairs: Sequence[PreferencePair], context_length: int, pad_id: int = 0):
+        self.pairs, self.context_length, self.pad_id = list(pairs), context_length, pad_id
+        self.sides = SFTBatches([e for p in self.pairs for e in (p.chosen, p.rejected)], context_length, pad_id)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def check(self, name: str) -> None:
+        if not self.pairs:
+            raise ValueError(f"{name} data holds no preference pairs")
+        trained = self.sides._trained
+        cut = [i for i, p in enumerate(self.pairs) if not (trained(p.chosen) and trained(p.rejected))]
+        if cut:
+            raise ValueError(f"{name} data: {len(cut)} of {len(self.pairs)} pairs (the first: pair {cut[0] + 1}) keep "
+                             f"no completion token within context_length={self.context_length}; shorten their prompts")
+
+    def _batch(self, pairs: Sequence[PreferencePair]) -> tuple[Tensor, Tensor]:
+        return padded_batch([e for p in pairs for e in (p.chosen, p.rejected)], self.context_length,
+                            self.pad_id)  # (2 * pairs, width)
+
+    def draw(self, rows: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        chosen = torch.randint(len(self.pairs), (rows,), generator=generator).tolist()
+        return self._batch([self.pairs[i] for i in chosen])
+
+    def eval_batches(self, rows: int, iters: int, generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor, float]]:
+        """Every pair once, each batch weighted by its pairs (the loss is a mean over pairs)."""
+        for start in range(0, len(self.pairs), rows):
+            batch = self.pairs[start:start + rows]
+            yield *self._batch(batch), float(len(batch))
+
+    def eval_batch_count(self, rows: int, iters: int) -> int:
+        return -(-len(self.pairs) // rows)
+
+    def tokens_per_row(self) -> float:
+        """Positions per drawn row, i.e. per pair (both sides)."""
+        return 2 * self.sides.tokens_per_row()
 
 
 def as_batch_source(data: Tensor | BatchSource | None, context_length: int) -> BatchSource | None:

@@ -52,7 +52,8 @@ class TrainConfig:
     device: str = "auto"  # auto: the best available (cuda, else mps, else cpu; cuda:LOCAL_RANK under torchrun), or cpu, cuda, cuda:1, mps
     dtype: DType = "float32"  # bfloat16/float16: autocast the forward pass; weights stay float32
     compile: bool = False  # torch.compile the model (measured no faster on CPU; see docs/training.md)
-    threads: int = 0  # CPU threads for training; 0: PyTorch's default (one per core)
+    # CPU threads for training; 0: one per core the machine's load leaves free (as a library: PyTorch's count)
+    threads: int = 0
     fsdp: bool = False  # shard parameters, gradients and optimizer state (FSDP2) instead of DDP
     tensorboard: bool = False  # also log metrics to TensorBoard (RUN_DIR/tensorboard; needs tensorboard)
     wandb: bool = False  # also log metrics to Weights & Biases, offline unless WANDB_MODE says otherwise

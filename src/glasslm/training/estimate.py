@@ -2,41 +2,51 @@
 
 A preset's recipe can be meant for a GPU cluster: gpt2-small's (nanoGPT's) is 600,000 steps of 40
 micro-batches, years on a laptop CPU, and its first step alone takes minutes there. So the estimate
-times single micro-batches (forward and backward on the run's model, batch and device) before the
-first step, then undoes them (gradients cleared, random generators restored): the run itself is
-unchanged, and a refused run has written nothing. Under a limit, one row is timed first and a run
+times micro-batches (forward and backward on the run's model, batch, device and threads: a warm-up,
+then the median of a second's worth, `probe`) before the first step, then undoes them (gradients
+cleared, random generators restored): the run itself is unchanged, and a refused run has written
+nothing. Under a limit, one row is timed first and a run
 already far past the limit is refused from it (seconds, not the minutes of a whole micro-batch).
 
-    estimate = steps left x micro-batches per step x seconds per micro-batch
+    estimate = steps left x (micro-batches per step x seconds per micro-batch + seconds per optimizer step)
                + evaluations (forward only: about a third of a micro-batch each)
 
-The optimizer's own work is left out, so a run with few micro-batches per step takes a little longer.
+The optimizer step is timed too (on made-up gradients, the weights and the optimizer's state put
+back): Muon's orthogonalization costs half a micro-batch of the demo model.
 
 Example:
     >>> estimate = TrainingEstimate(steps=600_000, micro_batches=40, micro_batch_s=2.5, rows=12, tokens_per_row=1024,
-    ...                             device="cpu", evaluations=601, eval_batches=200)
+    ...                             device="cpu", evaluations=601, eval_batches=200, optimizer_s=0.4)
     >>> estimate.describe()
-    'about 1.9 years: 600,000 steps x 40 micro-batches x 2.50 s (one micro-batch of 12 x 1024 tokens, timed on cpu)'
+    'about 1.9 years: 600,000 steps x (40 micro-batches x 2.50 s + 0.40 s optimizer step) (one micro-batch of 12 x 1024 tokens, timed on cpu)'
     >>> format_duration(95), format_duration(3 * 3600 + 60), format_duration(DAY_S)
     ('1.6 minutes', '3 hours', '1 day')
 """
 
 from __future__ import annotations
 
+import copy
+import math
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from glasslm.core.layers import cross_entropy
+from glasslm.training.optim import clip_grad_norm
 from glasslm.training.parts import TrainingParts
 from glasslm.training.step import autocast_context
 
 DAY_S = 24 * 3600.0
-# Micro-batches are timed until this much time has passed (at most PROBE_RUNS): a fast one is then
-# the fastest warm one (a busy machine's stalls only ever add time); a slow first one is the estimate.
-PROBE_S = 0.5
-PROBE_RUNS = 5
+# After a warm-up, micro-batches are timed until this much time has passed (at least one, at most
+# PROBE_RUNS) and their median is the figure (`probe`); a warm-up this long is the figure itself.
+PROBE_S = 1.0
+PROBE_RUNS = 25
+WARMUP_IS_ENOUGH_S = 10.0
+# The optimizer step is timed for up to this many trainable parameters (beyond, its weights and
+# state would be copied for the timing; at that size AdamW's share of a step is small).
+OPTIMIZER_TIMED_UP_TO = 200_000_000
 # A one-row timing scaled by the rows refuses a run only when this far past the limit: rows do not
 # scale exactly linearly (a single row uses the cores less well), and a run near the limit deserves
 # the whole micro-batch's figure.
@@ -57,10 +67,11 @@ class TrainingEstimate:
     evaluations: int  # validation runs left
     eval_batches: int  # batches per validation run
     timed_rows: int | None = None  # rows actually timed when fewer than `rows` (then scaled up); None: all
+    optimizer_s: float = 0.0  # gradient clipping + optimizer step, as timed (0: not timed)
 
     @property
     def seconds(self) -> float:
-        training = self.steps * self.micro_batches * self.micro_batch_s
+        training = self.steps * (self.micro_batches * self.micro_batch_s + self.optimizer_s)
         return training + self.evaluations * self.eval_batches * self.micro_batch_s * FORWARD_SHARE
 
     def describe(self) -> str:
@@ -70,7 +81,10 @@ class TrainingEstimate:
                  if self.timed_rows is None else
                  f"one micro-batch of {self.rows} x {self.tokens_per_row:.0f} tokens: {self.timed_rows} row(s) timed "
                  f"on {self.device}, scaled by the rows")
-        return f"about {format_duration(self.seconds)}: {self.steps:,} steps x {batches} x {self.micro_batch_s:.2f} s ({timed})"
+        step = f"{batches} x {self.micro_batch_s:.2f} s"
+        if self.optimizer_s:
+            step = f"({step} + {self.optimizer_s:.2f} s optimizer step)"
+        return f"about {format_duration(self.seconds)}: {self.steps:,} steps x {step} ({timed})"
 
 
 class TrainingTooLong(RuntimeError):
@@ -103,41 +117,111 @@ def estimate_training(parts: TrainingParts, refuse_above_s: float | None = None)
     steps = max(cfg.max_steps - parts.point.step, 0)
     evaluations = (steps // cfg.eval_interval if cfg.eval_interval else 0) + 1 if parts.val_source else 0
 
-    def estimate(micro_batch_s: float, timed_rows: int | None) -> TrainingEstimate:
+    # Fine-tuning evaluates every held-out conversation once, however many eval_iters say (a batch
+    # source of one's own without the count is taken to give eval_iters batches).
+    count = getattr(parts.val_source, "eval_batch_count", None)
+    eval_batches = count(cfg.batch_size, cfg.eval_iters) if count is not None else cfg.eval_iters
+
+    def estimate(micro_batch_s: float, timed_rows: int | None, optimizer_s: float = 0.0) -> TrainingEstimate:
         return TrainingEstimate(steps, cfg.grad_accum_steps, micro_batch_s, cfg.batch_size,
-                                parts.train_source.tokens_per_row(), str(parts.device), evaluations, cfg.eval_iters,
-                                timed_rows)
+                                parts.train_source.tokens_per_row(), str(parts.device), evaluations, eval_batches,
+                                timed_rows, optimizer_s)
 
     if refuse_above_s is not None and cfg.batch_size > 1:
-        quick = estimate(time_micro_batch(parts, rows=1) * cfg.batch_size, timed_rows=1)
+        quick = estimate(time_micro_batch(parts, rows=1) * cfg.batch_size, timed_rows=1)  # optimizer left out
         if quick.seconds > QUICK_MARGIN * refuse_above_s:
             return quick
-    return estimate(time_micro_batch(parts), None)
+    micro_batch_s = time_micro_batch(parts)
+    return estimate(micro_batch_s, None, time_optimizer_step(parts))
 
 
 def time_micro_batch(parts: TrainingParts, rows: int | None = None) -> float:
     """Seconds of one forward + backward of the first step's first micro-batch (its first `rows`
-    rows where given); afterwards the gradients are cleared and the generators it drew from are as
-    before, so the run is unchanged."""
+    rows where given), on the threads the run will use, after a warm-up (`probe`); afterwards the
+    gradients are cleared and the generators it drew from are as before, so the run is unchanged."""
     cfg = parts.cfg
     states = (parts.batch_rng.get_state(), torch.get_rng_state())
     cuda = torch.device(parts.device).type == "cuda"
     cuda_state = torch.cuda.get_rng_state(parts.device) if cuda else None
     x, y = parts.next_batch()
+    if rows is not None:  # a drawn row may be several tensor rows (a preference pair: two)
+        rows *= x.shape[0] // (cfg.batch_size * cfg.grad_accum_steps)
     xc, yc = x.tensor_split(cfg.grad_accum_steps)[0][:rows], y.tensor_split(cfg.grad_accum_steps)[0][:rows]
-    timings: list[float] = []
-    least = 2 if cfg.compile else 1  # a compiled model's first call is mostly compilation
-    while len(timings) < least or (sum(timings) < PROBE_S and len(timings) < PROBE_RUNS):
+
+    def forward_backward() -> float:
         started = time.perf_counter()
         with autocast_context(cfg, parts.device):
-            loss = cross_entropy(parts.step_model(xc), yc)  # (b / accum, t) -> ()
+            loss = parts.objective(parts.step_model, xc, yc)[0]  # (b / accum, t) -> ()
         loss.backward()
         if cuda:
             torch.cuda.synchronize(parts.device)
-        timings.append(time.perf_counter() - started)
+        return time.perf_counter() - started
+
+    seconds = probe(forward_backward, always_warm=cfg.compile)  # a compiled model's first call is mostly compilation
     parts.model.zero_grad(set_to_none=True)
     parts.batch_rng.set_state(states[0])
     torch.set_rng_state(states[1])
     if cuda_state is not None:
         torch.cuda.set_rng_state(cuda_state, parts.device)
-    return min(timings[1:]) if len(timings) > 1 else timings[0]
+    return seconds
+
+
+def time_optimizer_step(parts: TrainingParts) -> float:
+    """Seconds of one gradient clipping + optimizer step (a warm-up step first: an optimizer makes
+    its state on its first step), on made-up gradients (a step's time does not depend on their
+    values), then the weights and the optimizer's state put back and the gradients cleared. 0 when
+    the trainable weights are over OPTIMIZER_TIMED_UP_TO (copying them and the state would cost more
+    memory than the share of the step is worth) or a loss scaler steps the optimizer."""
+    trainable = [p for p in parts.model.parameters() if p.requires_grad]
+    if not trainable or parts.scaler is not None or sum(p.numel() for p in trainable) > OPTIMIZER_TIMED_UP_TO:
+        return 0.0
+    generator = torch.Generator(trainable[0].device).manual_seed(0)
+    for p in trainable:
+        p.grad = torch.empty_like(p).normal_(generator=generator)
+    weights = [p.detach().clone() for p in trainable]
+    state = copy.deepcopy(parts.optimizer.state_dict())
+    max_norm = parts.cfg.grad_clip if parts.cfg.grad_clip > 0 else math.inf
+    cuda = torch.device(parts.device).type == "cuda"
+
+    def step() -> float:
+        started = time.perf_counter()
+        clip_grad_norm(trainable, max_norm)
+        parts.optimizer.step()
+        if cuda:
+            torch.cuda.synchronize(parts.device)
+        return time.perf_counter() - started
+
+    try:
+        return probe(step)
+    finally:
+        with torch.no_grad():
+            for p, weight in zip(trainable, weights):
+                p.copy_(weight)
+        parts.optimizer.load_state_dict(state)
+        parts.model.zero_grad(set_to_none=True)
+
+
+def probe(run: Callable[[], float], always_warm: bool = False) -> float:
+    """The typical seconds of `run()` (which times itself): one untimed warm-up call, then the
+    median of calls until PROBE_S have passed (at least one, at most PROBE_RUNS).
+
+    The warm-up takes what only the first call pays (memory for the activations, kernels made for
+    these shapes, a compiled model's compilation). The median, not the fastest: on a loaded machine
+    a step waits its turn for a core, and the fastest call is the rare one that did not wait (the
+    demo model's fine-tuning micro-batch on 2 threads at a load average of 6.6 on 2 cores took from
+    0.6 s to 8.5 s; on the one thread `glasslm finetune` now chooses there, 0.09-0.13 s). A warm-up
+    over WARMUP_IS_ENOUGH_S is the figure (unless `always_warm`): at that length a second call would
+    double a long wait to correct its first-call share, which is small.
+
+    Example:
+        >>> calls = iter([5.0, 0.2, 0.6, 0.21])
+        >>> probe(lambda: next(calls))  # the 5 s warm-up is left out, the 0.6 s stall outvoted
+        0.21
+    """
+    warmup = run()
+    if warmup >= WARMUP_IS_ENOUGH_S and not always_warm:
+        return warmup
+    timings: list[float] = []
+    while not timings or (sum(timings) < PROBE_S and len(timings) < PROBE_RUNS):
+        timings.append(run())
+    return statistics.median(timings)

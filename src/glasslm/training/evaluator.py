@@ -21,16 +21,14 @@ import torch
 from torch import Tensor, nn
 
 from glasslm.core.config import ModelConfig
-from glasslm.core.layers import cross_entropy
 from glasslm.core.model import TransformerLM
 from glasslm.training.batches import BatchSource, as_batch_source
 from glasslm.training.config import TrainConfig
 from glasslm.training.distributed import DistributedContext, all_reduce_mean, resolve_device
 from glasslm.training.result import TrainResult
-from glasslm.training.step import autocast_context, rank_slice
+from glasslm.training.step import Objective, autocast_context, next_token_loss, rank_slice
 
 
-@torch.no_grad()
 def evaluate(
     model: nn.Module, tokens: Tensor | BatchSource, cfg: TrainConfig, generator: torch.Generator | None = None,
     ctx: DistributedContext | None = None, device: str | None = None,
@@ -42,21 +40,33 @@ def evaluate(
     same windows at every evaluation: the curve then shows the model changing, not the sample.
     Each process takes its slice of each global batch, so the mean matches a single process.
     """
+    return evaluate_objective(model, tokens, cfg, generator, ctx, device)[0]
+
+
+@torch.no_grad()
+def evaluate_objective(
+    model: nn.Module, tokens: Tensor | BatchSource, cfg: TrainConfig, generator: torch.Generator | None = None,
+    ctx: DistributedContext | None = None, device: str | None = None, objective: Objective = next_token_loss,
+) -> tuple[float, dict[str, float]]:
+    """(mean loss, mean of each of the objective's statistics) over the validation batches, as `evaluate`."""
     ctx = ctx or DistributedContext()
     device = device or resolve_device(cfg.device)
     generator = generator or torch.Generator().manual_seed(cfg.seed + 1)
     source = as_batch_source(tokens, config_of(model).context_length)
     was_training = model.training
     model.eval()
-    total = torch.zeros((), device=device)
+    totals: dict[str, Tensor] = {}  # the loss under "", then the statistics
     weights = 0.0
     for x, y, weight in source.eval_batches(cfg.batch_size * ctx.world_size, cfg.eval_iters, generator):
         x, y = rank_slice(x, ctx.rank, ctx.world_size).to(device), rank_slice(y, ctx.rank, ctx.world_size).to(device)
         with autocast_context(cfg, device):
-            total += cross_entropy(model(x), y).float() * weight  # x, y: (rows, seq)
+            loss, stats = objective(model, x, y)  # x, y: (rows, seq)
+        for name, value in {"": loss, **stats}.items():
+            totals[name] = totals.get(name, 0.0) + value.float() * weight
         weights += weight
     model.train(was_training)
-    return all_reduce_mean(total / weights, ctx).item()
+    means = all_reduce_mean(torch.stack(list(totals.values())) / weights, ctx).tolist()
+    return means[0], dict(zip(list(totals)[1:], means[1:]))
 
 
 def config_of(model: nn.Module) -> ModelConfig:
@@ -71,9 +81,10 @@ class Evaluator:
 
     def __init__(self, model: nn.Module, tokens: BatchSource | None, cfg: TrainConfig, ctx: DistributedContext,
                  device: str, tokens_per_step: int, best: float, result: TrainResult,
-                 on_eval: Callable[[int, float, TransformerLM], None] | None):
+                 on_eval: Callable[[int, float, TransformerLM], None] | None, objective: Objective = next_token_loss):
         self.model, self.tokens, self.cfg, self.ctx, self.device = model, tokens, cfg, ctx, device
         self.tokens_per_step, self.best, self.result, self.on_eval = tokens_per_step, best, result, on_eval
+        self.objective = objective
         self.last: float | None = None  # the latest validation loss
         self.improved_at: int | None = None  # the step whose evaluation set the current best
 
@@ -85,7 +96,9 @@ class Evaluator:
         """Evaluate now; returns the fields it adds to the step's metrics record. `train_loss` is
         that record's (the mean since the last record), printed beside the validation loss."""
         assert self.tokens is not None
-        loss = self.last = evaluate(self.model, self.tokens, self.cfg, ctx=self.ctx, device=self.device)
+        loss, stats = evaluate_objective(self.model, self.tokens, self.cfg, ctx=self.ctx, device=self.device,
+                                         objective=self.objective)
+        self.last = loss
         self.result.val_losses.append((done, loss))
         if loss < self.best:
             self.improved_at = done
@@ -94,5 +107,7 @@ class Evaluator:
             bar.write(f"step {done}: train loss {train_loss:.4f}, val loss {loss:.4f}")
         if self.on_eval is not None:
             self.on_eval(done, loss, self.result.model)
-        return {"step": done, "tokens": done * self.tokens_per_step, "val_loss": loss,
-                "val_ppl": math.exp(min(loss, 50.0))}
+        record = {"step": done, "tokens": done * self.tokens_per_step, "val_loss": loss}
+        if self.objective is next_token_loss:  # a perplexity only where the loss is a next-token cross-entropy
+            record["val_ppl"] = math.exp(min(loss, 50.0))
+        return record | {f"val_{name}": value for name, value in stats.items()}

@@ -6,8 +6,8 @@ whose loss covers only the assistant's tokens (glasslm.training.batches.SFTBatch
 - `prepare_model`: the base (any checkpoint `glasslm.hf.load_model` reads), quantized and given
   adapters as asked; returns the metadata that makes the run's checkpoints adapter checkpoints
   (only the adapters' tensors, plus the base's path and a hash of its weights).
-- `chat_batches`: a chat / instruction JSONL rendered with the chat template, split into training
-  and held-out conversations.
+- `chat_batches`: a chat / instruction JSONL (or a preference JSONL, for DPO) rendered with the
+  chat template, split into training and held-out conversations.
 - `merge_adapters`: a plain model with the adapters written into its weights (a QLoRA base is
   dequantized first: the merged weights are the dequantized base plus the update).
 
@@ -36,7 +36,8 @@ from glasslm.core.layers import Linear
 from glasslm.core.model import TransformerLM
 from glasslm.data.sft import load_sft_examples, split_examples
 from glasslm.io.checkpoint import ADAPTER_BASE_KEY, weights_sha256
-from glasslm.training.batches import SFTBatches
+from glasslm.data.preferences import load_preference_pairs
+from glasslm.training.batches import BatchSource, PreferenceBatches, SFTBatches
 from glasslm.transforms import applied_transforms, apply_transform, transform_names
 from glasslm.transforms.lora import SITES, LoRAConfig, lora_layers, remove_lora
 from glasslm.transforms.ggml import BlockLinear
@@ -49,6 +50,13 @@ FINETUNE_KEY = "finetune"  # meta.json: how the run was set up (base, method, da
 class FinetuneConfig:
     """fine-tuning method"""
 
+    # sft: learn the assistant turns of conversations; dpo: prefer each record's chosen completion to
+    # its rejected one (preference JSONL: prompt, chosen, rejected; glasslm.training.dpo); simpo: the
+    # same without a reference model, on each answer's mean token log-probability
+    method: Literal["sft", "dpo", "simpo"] = "sft"
+    # DPO, SimPO: the β of the reward (DPO: a smaller β lets the model move further from the reference)
+    dpo_beta: float = 0.1
+    simpo_gamma: float = 0.5  # SimPO: the margin γ the chosen answer's reward must clear
     full: bool = False  # train every weight instead of LoRA adapters
     # LoRA defaults: measured on the demo model (docs/training.md#choosing-the-lora-defaults), where
     # adapters on q,v alone (with lr 2e-4, glasslm's defaults before) left the answers unlearned
@@ -87,6 +95,13 @@ class FinetuneConfig:
                              "(QLoRA is LoRA on a quantized base)")
         if not self.full:
             self.lora()
+        if self.method not in ("sft", "dpo", "simpo"):
+            raise ValueError(f"method: unknown fine-tuning method {self.method!r} (sft, dpo, simpo)")
+        if self.method != "sft" and not self.dpo_beta > 0:
+            raise ValueError(f"--dpo-beta must be positive, got {self.dpo_beta}")
+        if self.method == "dpo" and not self.full and (self.lora_bias != "none" or self.lora_full.strip()):
+            raise ValueError("--method dpo with LoRA uses the base (adapters off) as its reference, which biases "
+                             "and whole modules trained in place (--lora-bias, --lora-full) would change; drop them")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
 
@@ -166,14 +181,15 @@ def chat_template(base: str, tokenizer: Any, config: FinetuneConfig) -> str:
 
 
 def chat_batches(data: str | os.PathLike, tokenizer: Any, template: str, context_length: int,
-                 val_fraction: float, seed: int) -> tuple[SFTBatches, SFTBatches | None]:
-    """(training, validation) batch sources from a chat / instruction JSONL file."""
+                 val_fraction: float, seed: int, preferences: bool = False) -> tuple[BatchSource, BatchSource | None]:
+    """(training, validation) batch sources from a chat / instruction JSONL file, or with
+    `preferences` from a preference JSONL file (glasslm.data.preferences: DPO's pairs)."""
     if tokenizer is None:
         raise ValueError("the base holds no tokenizer, so the conversations cannot be encoded")
-    examples = load_sft_examples(data, tokenizer, template)
-    train_examples, val_examples = split_examples(examples, val_fraction, seed)
-    return (SFTBatches(train_examples, context_length),
-            SFTBatches(val_examples, context_length) if val_examples else None)
+    load, source = (load_preference_pairs, PreferenceBatches) if preferences else (load_sft_examples, SFTBatches)
+    train_examples, val_examples = split_examples(load(data, tokenizer, template), val_fraction, seed)
+    return (source(train_examples, context_length),
+            source(val_examples, context_length) if val_examples else None)
 
 
 @torch.no_grad()

@@ -51,7 +51,7 @@ from glasslm.training.result import TrainResult
 from glasslm.training.rundir import RunDirError, claim_run_dir
 from glasslm.training.schedule import apply_schedule
 from glasslm.training.signals import StopRequest
-from glasslm.training.step import train_step
+from glasslm.training.step import Objective, next_token_loss, train_step
 from glasslm.progress import progress_bar
 from glasslm.runtime import keeps_global_rng
 
@@ -73,11 +73,12 @@ def train(
     overwrite: bool = False,
     refuse_longer_than_s: float | None = None,
     chat_template: str | None = None,
+    objective: Objective = next_token_loss,
 ) -> TrainResult:
     """Train `model` (a TransformerLM with its weights, or a fresh one from a ModelConfig, seeded by
     cfg.seed) on 1-D token ids (anything `get_batch` indexes), or on a batch source
-    (glasslm.training.batches: `SFTBatches` for fine-tuning on conversations). Only parameters
-    that require gradients are trained (LoRA: the adapters).
+    (glasslm.training.batches: `SFTBatches` for conversations), minimising `objective` (DPO's: glasslm.training.dpo).
+    Only parameters that require gradients are trained (LoRA: the adapters).
 
     With `run_dir`, checkpoints (ckpt-NNNNNN/ plus `latest` and `best` pointers) and
     metrics.jsonl are written there; each checkpoint holds `tokenizer`, `meta` and `chat_template`
@@ -108,7 +109,7 @@ def train(
     device = ctx.device if ctx.enabled else resolve_device(cfg.device)
     if cfg.dtype == "float16" and torch.device(device).type != "cuda":
         raise ValueError("dtype float16 (with loss scaling) is for CUDA GPUs; use bfloat16 on CPU")
-    parts = TrainingParts.build(model, cfg, ctx, device, resume_dir, (train_tokens, val_tokens))
+    parts = TrainingParts.build(model, cfg, ctx, device, resume_dir, (train_tokens, val_tokens), objective)
     estimate = None
     if not ctx.enabled and (refuse_longer_than_s is not None or cfg.progress):
         estimate = estimate_training(parts, refuse_longer_than_s)  # before the run directory is claimed: a refusal leaves nothing
@@ -149,7 +150,7 @@ def _train(
     duties = _Duties(
         window=MetricsWindow(cfg, ctx, parts.tokens_per_step, point, result, parts.scaler is not None),
         evaluator=Evaluator(parts.eval_model, parts.val_source, cfg, ctx, device, parts.tokens_per_step,
-                            point.best_val_loss, result, on_eval),
+                            point.best_val_loss, result, on_eval, parts.objective),
         checkpointer=Checkpointer(run_path, cfg, ctx, parts, *saved_with[:2], result, saved_with[2]),
         loggers=metrics_loggers(run_path, loggers, ctx, point.step if resume_dir else None),
         bar=progress_bar(total=cfg.max_steps, initial=point.step, disable=not (cfg.progress and ctx.is_main),
@@ -196,9 +197,9 @@ def _loop(parts: TrainingParts, duties: _Duties, stop: StopRequest,
         if stepped is None:
             _stop_before_step(parts, duties, stop, result, step, before)
             return
-        loss, grad_norm = stepped
+        loss, grad_norm, stats = stepped
         done = result.step = step + 1
-        window.add(loss, grad_norm, time.perf_counter() - started)
+        window.add(loss, grad_norm, time.perf_counter() - started, stats)
         bar.update(1)
         last = done == cfg.max_steps
         evaluating = evaluator.due(done, last)

@@ -36,14 +36,15 @@ class MetricsWindow:
                  result: TrainResult, loss_scaling: bool):
         self.cfg, self.ctx, self.tokens_per_step, self.result = cfg, ctx, tokens_per_step, result
         self.loss_scaling = loss_scaling  # fp16: an infinite gradient only skips its step
-        self.pending: list[tuple[Tensor, Tensor]] = []
+        self.pending: list[tuple[Tensor, Tensor, dict[str, Tensor]]] = []
+        self.stats: dict[str, list[float]] = {}  # the objective's statistics, per step of the window
         self.losses: list[float] = list(point.log_window_losses)  # resumed mid-window: its earlier steps
         self.grad_norm = math.nan
         self.seconds, self.steps_timed, self.total_seconds = 0.0, 0, 0.0
         self.clock_start, self.elapsed_before = time.perf_counter(), point.elapsed_s
 
-    def add(self, loss: Tensor, grad_norm: Tensor, seconds: float) -> None:
-        self.pending.append((loss, grad_norm))
+    def add(self, loss: Tensor, grad_norm: Tensor, seconds: float, stats: dict[str, Tensor] | None = None) -> None:
+        self.pending.append((loss, grad_norm, stats or {}))
         self.seconds += seconds
         self.steps_timed += 1
 
@@ -54,8 +55,12 @@ class MetricsWindow:
         """Bring pending losses to the host and stop on a non-finite loss or gradient norm."""
         if not self.pending:
             return
-        losses = all_reduce_mean(torch.stack([loss for loss, _ in self.pending]), self.ctx).tolist()
-        norms = torch.stack([norm for _, norm in self.pending]).tolist()
+        losses = all_reduce_mean(torch.stack([loss for loss, _, _ in self.pending]), self.ctx).tolist()
+        norms = torch.stack([norm for _, norm, _ in self.pending]).tolist()
+        for stats in (stats for _, _, stats in self.pending if stats):
+            values = all_reduce_mean(torch.stack(list(stats.values())), self.ctx).tolist()
+            for name, value in zip(stats, values):
+                self.stats.setdefault(name, []).append(value)
         first = done - len(losses) + 1  # steps are counted from 1, as in the metrics log
         for i, (loss, norm) in enumerate(zip(losses, norms)):
             if not math.isfinite(loss) or (not self.loss_scaling and not math.isfinite(norm)):
@@ -75,9 +80,11 @@ class MetricsWindow:
                                          / max(self.total_seconds, 1e-9))
         record = {"step": done, "tokens": done * self.tokens_per_step, "train_loss": sum(self.losses) / len(self.losses),
                   "lr": lr, "grad_norm": self.grad_norm, "tokens_per_s": tokens_per_s, "elapsed_s": self.elapsed()}
+        record |= {name: sum(values) / len(values) for name, values in self.stats.items()}
         bar.set_postfix(loss=f"{record['train_loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}",
                         refresh=False)  # redrawn at tqdm's own pace; the loss is the record's
         self.losses.clear()
+        self.stats.clear()
         self.seconds, self.steps_timed = 0.0, 0
         return record
 

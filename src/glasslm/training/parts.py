@@ -39,7 +39,7 @@ from glasslm.training.config import TrainConfig
 from glasslm.training.distributed import DistributedContext
 from glasslm.training.optim import make_optimizer
 from glasslm.training.schedule import schedule_end
-from glasslm.training.step import rank_slice
+from glasslm.training.step import Objective, next_token_loss, rank_slice
 from glasslm.training.trainer_state import ResumePoint, load_resume_point, seed_processes
 
 
@@ -60,11 +60,12 @@ class TrainingParts:
     fsdp: bool
     train_source: BatchSource
     val_source: BatchSource | None
+    objective: Objective = next_token_loss  # the loss a step minimises (glasslm.training.step)
 
     @classmethod
     def build(cls, model: ModelConfig | TransformerLM, cfg: TrainConfig, ctx: DistributedContext, device: str,
               resume_dir: Path | None, data: tuple[Tensor | BatchSource, Tensor | BatchSource | None],
-              ) -> "TrainingParts":
+              objective: Objective = next_token_loss) -> "TrainingParts":
         """The parts for `model` (a config is built with weights seeded by cfg.seed, the same on every
         process), resumed from `resume_dir` if given. `data` is (training, validation): token
         streams (pretraining's windows) or batch sources (glasslm.training.batches)."""
@@ -92,7 +93,7 @@ class TrainingParts:
             # The run's schedule goes on (see schedule_end), saved explicitly so a later resume keeps it too.
             cfg = dataclasses.replace(cfg, lr_decay_steps=schedule_end(cfg, point.train_config))
         return cls(cfg, ctx, device, model, step_model, eval_model, optimizer, scaler, batch_rng, point, fsdp,
-                   train_source, val_source)
+                   train_source, val_source, objective)
 
     @property
     def tokens_per_step(self) -> int:

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
-from jaxtyping import Int
+from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from glasslm.core.layers import cross_entropy
@@ -46,15 +46,31 @@ def rank_slice(batch: Tensor, rank: int, world_size: int) -> Tensor:
     return batch.tensor_split(world_size)[rank]
 
 
+class Objective(Protocol):
+    """What a step minimises on one micro-batch: (loss, statistics to log beside it, each a scalar
+    tensor averaged over the step's micro-batches). The default is `next_token_loss`; preference
+    tuning's is glasslm.training.dpo.DPOObjective."""
+
+    def __call__(self, model: nn.Module, x: Int[Tensor, "b t"],
+                 y: Int[Tensor, "b t"]) -> tuple[Float[Tensor, ""], dict[str, Tensor]]: ...
+
+
+def next_token_loss(model: nn.Module, x: Int[Tensor, "b t"], y: Int[Tensor, "b t"]) -> tuple[Tensor, dict[str, Tensor]]:
+    """The mean cross-entropy of the labelled next tokens (pretraining's and fine-tuning's loss)."""
+    return cross_entropy(model(x), y), {}
+
+
 def forward_backward(
     model: nn.Module, x: Int[Tensor, "b t"], y: Int[Tensor, "b t"], accum_steps: int,
     autocast=nullcontext, scaler: torch.amp.GradScaler | None = None, no_sync: Callable | None = None,
-    interrupted: Callable[[], bool] | None = None,
+    interrupted: Callable[[], bool] | None = None, objective: Objective = next_token_loss,
+    stats: dict[str, Tensor] | None = None,
 ) -> Tensor | None:
     """Accumulate the gradient of the mean loss over all rows of (x, y) in `accum_steps` chunks.
 
     Each chunk's loss is divided by accum_steps, so the summed gradient equals the gradient of
-    one big batch (chunks must be equal-sized). Returns the (detached) mean loss.
+    one big batch (chunks must be equal-sized). Returns the (detached) mean loss; the objective's
+    statistics, averaged the same way, are added to `stats` where given.
     `no_sync` (DDP's) skips the gradient all-reduce on every chunk but the last. `interrupted` is
     asked before each chunk after the first: true abandons the step (returns None, the gradient
     half-accumulated), so a Ctrl-C is answered within one micro-batch, not one whole step.
@@ -66,23 +82,29 @@ def forward_backward(
         sync = no_sync() if no_sync is not None and i < accum_steps - 1 else nullcontext()
         with sync:
             with autocast():
-                loss = cross_entropy(model(xc), yc) / accum_steps  # xc, yc: (b / accum_steps, t)
+                loss, chunk_stats = objective(model, xc, yc)  # xc, yc: (b / accum_steps, t)
+                loss = loss / accum_steps
             (scaler.scale(loss) if scaler is not None else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
+        if stats is not None:
+            for name, value in chunk_stats.items():
+                stats[name] = stats.get(name, 0.0) + value.detach().float() / accum_steps
     assert total is not None
     return total
 
 
 def train_step(parts: TrainingParts, x: Int[Tensor, "b t"], y: Int[Tensor, "b t"],
-               interrupted: Callable[[], bool] | None = None) -> tuple[Tensor, Tensor] | None:
-    """One optimizer step on this process's batch: (mean loss, global gradient norm), both still
-    on the device (reading them would wait for the step to finish). None: `interrupted` abandoned
-    the step between micro-batches; weights and optimizer are as before it, gradients cleared."""
+               interrupted: Callable[[], bool] | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]] | None:
+    """One optimizer step on this process's batch: (mean loss, global gradient norm, the objective's
+    statistics), all still on the device (reading them would wait for the step to finish). None:
+    `interrupted` abandoned the step between micro-batches; weights and optimizer are as before it,
+    gradients cleared."""
     cfg, model, optimizer, scaler = parts.cfg, parts.model, parts.optimizer, parts.scaler
     ddp = parts.step_model if isinstance(parts.step_model, nn.parallel.DistributedDataParallel) else None
+    stats: dict[str, Tensor] = {}
     loss = forward_backward(parts.step_model, x, y, cfg.grad_accum_steps,
                             lambda: autocast_context(cfg, parts.device), scaler, ddp.no_sync if ddp else None,
-                            interrupted)
+                            interrupted, parts.objective, stats)
     if loss is None:
         optimizer.zero_grad(set_to_none=True)
         return None
@@ -101,4 +123,4 @@ def train_step(parts: TrainingParts, x: Int[Tensor, "b t"], y: Int[Tensor, "b t"
     optimizer.zero_grad(set_to_none=True)
     if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, already reduced over shards
         grad_norm = grad_norm.full_tensor()
-    return loss, grad_norm.detach().float().to(loss.device)
+    return loss, grad_norm.detach().float().to(loss.device), stats

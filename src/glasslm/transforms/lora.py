@@ -47,6 +47,8 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -148,6 +150,7 @@ class _Adapter(nn.Module):
 
     base: nn.Module
     _unmerged_weight: Tensor | None = None
+    disabled: bool = False  # set by `adapters_disabled`: the layer computes its base alone
 
     @property
     def merged(self) -> bool:
@@ -199,7 +202,7 @@ class LoRALinear(_Adapter):
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
         y = self.base(x)  # a quantized base is differentiable in x (glasslm.transforms.quantize)
-        if self.merged:
+        if self.merged or self.disabled:
             return y
         adapter_in = F.dropout(x, self.dropout, self.training)                      # (..., d_in)
         if self.row_blocks == [(0, self.d_out)]:
@@ -277,7 +280,7 @@ class LoRAEmbedding(_Adapter):
 
     def forward(self, tokens: Int[Tensor, "batch seq"]) -> Float[Tensor, "batch seq d_model"]:
         y = self.base(tokens)
-        if self.merged:
+        if self.merged or self.disabled:
             return y
         a, b = self.lora_a[0], self.lora_b[0]
         update = F.embedding(tokens, a.T) @ b.T * self.scaling                          # (batch, seq, d_model)
@@ -424,6 +427,38 @@ LORA = Transform("lora", add_lora, options=LoRAConfig, kind="adapter",
 
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear | LoRAEmbedding]:
     return {name: m for name, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAEmbedding))}
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block `model` computes its base alone, every adapter skipped (PEFT's
+    `disable_adapter`): DPO's reference model when LoRA trains. Biases and whole modules trained
+    beside the adapters (`bias`, `full`) are not undone, and merged adapters cannot be skipped.
+
+    >>> from glasslm.core.model import TransformerLM
+    >>> from glasslm.presets import get_preset
+    >>> model = TransformerLM(get_preset("llama-tiny", n_layers=1)).eval()
+    >>> ids = torch.tensor([[1, 2, 3]])
+    >>> before = model(ids)
+    >>> add_lora(model, LoRAConfig(rank=2))
+    >>> with torch.no_grad():
+    ...     _ = [b.add_(1.0) for layer in lora_layers(model).values() for b in layer.lora_b]
+    >>> with adapters_disabled(model):
+    ...     torch.allclose(model(ids), before, atol=1e-6)
+    True
+    >>> torch.allclose(model(ids), before, atol=1e-6)
+    False
+    """
+    layers = list(lora_layers(model).values())
+    if any(layer.merged for layer in layers):
+        raise ValueError("merged adapters are part of the base weights and cannot be disabled; unmerge them first")
+    for layer in layers:
+        layer.disabled = True
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.disabled = False
 
 
 def recorded_lora_config(model: nn.Module) -> LoRAConfig | None:

@@ -1,0 +1,157 @@
+"""Direct Preference Optimization (Rafailov et al., 2023): tuning a model towards the preferred of two
+completions of the same prompt, with no reward model and no sampling.
+
+With π the model being trained, π_ref the model it started from (frozen), y_w the chosen and y_l the
+rejected completion of prompt x, and log π(y|x) the sum of the completion tokens' log-probabilities:
+
+    r(y) = β (log π(y|x) - log π_ref(y|x))          the implicit reward      (`dpo_loss`: rewards)
+    L    = -log σ(r(y_w) - r(y_l))                    averaged over pairs      (`dpo_loss`: loss)
+
+β (--dpo-beta) sets how far π may move from π_ref: a small β lets it drift further. The reference
+log-probabilities are computed once per batch, without gradients. With LoRA (and QLoRA) the
+reference is the model with its adapters switched off, the base it trains on
+(`glasslm.transforms.lora.adapters_disabled`, as TRL uses a PEFT model's base when ref_model is None);
+a full fine-tune keeps a frozen copy of the starting weights.
+
+This is TRL's `DPOTrainer` with its default loss ("sigmoid"); tests/training/test_dpo.py checks the
+loss, rewards and margins against it on the same batch and weights. SimPO (`simpo_loss`) is the
+reference-free relative: the mean token log-probability in place of the sum, and a margin γ.
+
+Example (a policy that prefers the chosen completions more than its reference does):
+    >>> import torch
+    >>> loss, stats = dpo_loss(torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -2.5]),
+    ...                        torch.tensor([-2.0, -2.0]), torch.tensor([-2.0, -2.0]), beta=0.5)
+    >>> round(loss.item(), 4), stats["rewards/margins"].item(), stats["rewards/accuracies"].item()
+    (0.4446, 0.625, 1.0)
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from glasslm.core.layers import upcast
+from glasslm.core.model import TransformerLM
+from glasslm.data.sft import IGNORE_INDEX
+from glasslm.transforms.lora import adapters_disabled, lora_layers
+
+
+def sequence_log_probs(logits: Float[Tensor, "rows seq vocab"],
+                       labels: Int[Tensor, "rows seq"]) -> Float[Tensor, "rows"]:
+    """log π(completion | prompt) of each row: the sum of log p(label) over its labelled positions
+    (labels equal to IGNORE_INDEX, the prompt and the padding, add nothing)."""
+    rows, seq, vocab = logits.shape
+    token_log_probs = -F.cross_entropy(upcast(logits).reshape(rows * seq, vocab), labels.reshape(-1),
+                                       ignore_index=IGNORE_INDEX, reduction="none")  # (rows * seq,): 0 where ignored
+    return token_log_probs.view(rows, seq).sum(dim=-1)
+
+
+def dpo_loss(policy_chosen: Float[Tensor, "pairs"], policy_rejected: Float[Tensor, "pairs"],
+             reference_chosen: Float[Tensor, "pairs"], reference_rejected: Float[Tensor, "pairs"],
+             beta: float) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
+    """(mean DPO loss, statistics) from each pair's summed completion log-probabilities under the
+    policy and the reference. The statistics are TRL's: the mean rewards of the chosen and rejected
+    completions, their mean margin and how often the chosen one's reward is the higher."""
+    chosen_rewards = beta * (policy_chosen - reference_chosen)                        # (pairs,)
+    rejected_rewards = beta * (policy_rejected - reference_rejected)                  # (pairs,)
+    losses = -F.logsigmoid(chosen_rewards - rejected_rewards)                         # (pairs,)
+    return losses.mean(), reward_stats(chosen_rewards, rejected_rewards)
+
+
+def simpo_loss(policy_chosen_mean: Float[Tensor, "pairs"], policy_rejected_mean: Float[Tensor, "pairs"],
+               beta: float, gamma: float) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
+    """SimPO (Meng et al., 2024), which needs no reference: with m(y) the mean log-probability of the
+    answer's tokens, r(y) = β m(y) and L = -log σ(r(y_w) - r(y_l) - γ), a margin γ the chosen answer's
+    reward must clear (TRL's CPOTrainer with loss_type="simpo" and cpo_alpha=0)."""
+    chosen_rewards, rejected_rewards = beta * policy_chosen_mean, beta * policy_rejected_mean  # (pairs,) each
+    losses = -F.logsigmoid(chosen_rewards - rejected_rewards - gamma)                 # (pairs,)
+    return losses.mean(), reward_stats(chosen_rewards, rejected_rewards)
+
+
+def reward_stats(chosen_rewards: Float[Tensor, "pairs"], rejected_rewards: Float[Tensor, "pairs"]) -> dict[str, Tensor]:
+    """TRL's logged statistics: the mean rewards, their mean margin, how often the chosen one's is higher."""
+    chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
+    return {"rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean()}
+
+
+class PairObjective:
+    """What the preference losses share, as a `glasslm.training.step.Objective` for the training loop:
+    a batch from `PreferenceBatches` (rows 2i and 2i + 1: pair i's chosen and rejected sides) and a β."""
+
+    def __init__(self, beta: float):
+        if beta <= 0:
+            raise ValueError(f"--dpo-beta must be positive, got {beta}")
+        self.beta = beta
+
+    def __call__(self, model: nn.Module, x: Int[Tensor, "rows seq"],
+                 y: Int[Tensor, "rows seq"]) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
+        if x.shape[0] % 2:
+            raise ValueError(f"a preference batch holds pairs (chosen, rejected) in adjacent rows; "
+                             f"got {x.shape[0]} rows")
+        return self.pair_loss(model, x, y)
+
+    def pair_loss(self, model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        raise NotImplementedError
+
+
+class DPOObjective(PairObjective):
+    """The DPO loss; `reference` maps a batch of ids to the reference model's logits (see `reference_model`)."""
+
+    def __init__(self, reference: Callable[[Tensor], Tensor], beta: float):
+        super().__init__(beta)
+        self.reference = reference
+
+    def pair_loss(self, model: nn.Module, x: Int[Tensor, "rows seq"],
+                  y: Int[Tensor, "rows seq"]) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
+        log_probs = sequence_log_probs(model(x), y)                                   # (2 * pairs,)
+        with torch.no_grad():
+            reference_log_probs = sequence_log_probs(self.reference(x), y)            # (2 * pairs,)
+        return dpo_loss(log_probs[0::2], log_probs[1::2], reference_log_probs[0::2], reference_log_probs[1::2],
+                        self.beta)
+
+
+class SimPOObjective(PairObjective):
+    """The SimPO loss: no reference model, the mean log-probability per answer token in place of the sum."""
+
+    def __init__(self, beta: float, gamma: float):
+        super().__init__(beta)
+        self.gamma = gamma
+
+    def pair_loss(self, model: nn.Module, x: Int[Tensor, "rows seq"],
+                  y: Int[Tensor, "rows seq"]) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
+        answer_tokens = (y != IGNORE_INDEX).sum(dim=-1).clamp(min=1)                  # (2 * pairs,)
+        mean_log_probs = sequence_log_probs(model(x), y) / answer_tokens              # (2 * pairs,)
+        return simpo_loss(mean_log_probs[0::2], mean_log_probs[1::2], self.beta, self.gamma)
+
+
+def preference_objective(method: str, model: TransformerLM, full: bool, beta: float,
+                         simpo_gamma: float) -> PairObjective:
+    """The objective `glasslm finetune --method dpo|simpo` trains `model` (as `prepare_model` returns it) on."""
+    if method == "simpo":
+        return SimPOObjective(beta, simpo_gamma)
+    return DPOObjective(reference_model(model, full), beta)
+
+
+def reference_model(model: TransformerLM, full: bool) -> Callable[[Tensor], Tensor]:
+    """The reference's logits as a function of the ids, for `model` as `prepare_model` returns it
+    (call it before training moves the weights): a LoRA model with its adapters switched off, or for
+    a full fine-tune a frozen copy of the weights it has now."""
+    if full:
+        frozen = copy.deepcopy(model).eval().requires_grad_(False)
+        return frozen
+    if not lora_layers(model):
+        raise ValueError("a LoRA reference needs the model's adapters (prepare_model adds them)")
+
+    def base_logits(ids: Tensor) -> Tensor:
+        with adapters_disabled(model):
+            return model(ids)
+
+    return base_logits
+
