@@ -21,6 +21,7 @@ from glasslm.core.model import TransformerLM
 from glasslm.generation import GenerationConfig, decode_steps, generate, optimize_for_decoding
 from glasslm.generation.compiled import StaticDecodeWindow, compiled_step
 from glasslm.io.checkpoint import save_checkpoint
+from glasslm.kernels.qmatmul import kernel_ops
 from glasslm.presets import get_preset
 from glasslm.tokenizers import CharTokenizer
 from glasslm.transforms import apply_transform
@@ -68,7 +69,7 @@ def test_compiled_decoding_gives_the_eager_tokens_and_logits(preset, quantize):
         torch.testing.assert_close(logits, eager_logits, atol=2e-5 * eager_logits.abs().max().item(), rtol=0)
 
 
-@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("quantize", [None, "int8", "q4_1"])
 def test_a_decoding_step_is_one_graph(quantize):
     # Before the glasslm::int8_dynamic_linear op, fbgemm's packed weight (a TorchScript object)
     # broke the graph at every quantized layer; a float32 one-row product split across threads
@@ -88,6 +89,8 @@ def test_a_decoding_step_is_one_graph(quantize):
         torch.set_num_threads(previous)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
+    if quantize and kernel_ops() is not None:  # glasslm's C++ kernels, each call one node of that graph
+        assert "glasslm_kernels.qlinear" in explained.graphs[0].code
 
 
 def test_compiled_decoding_slides_past_the_context_as_eager_does():

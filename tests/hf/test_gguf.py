@@ -88,16 +88,19 @@ def test_transformers_reads_our_gguf_files_as_the_same_model(family, bpe, shakes
     assert (ours - reference).abs().max() < 2e-5 * reference.abs().max()
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q4_1"])
-def test_4_bit_blocks_are_kept_and_written_back_byte_for_byte(qtype, tmp_path):
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
+def test_blocks_are_kept_and_written_back_byte_for_byte(qtype, tmp_path):
     model = perturbed(get_preset("gpt2-small", vocab_size=256, **{**SMALL, "d_mlp": 256}))
     first = export_gguf(model, tmp_path / "a.gguf", None, qtype)
     loaded = import_gguf(first)
     # GPT-2's Conv1D weights are transposed twice on the way (llama.cpp stores them (d_out, d_in)):
-    # a row order, so its blocks stay blocks too; the embedding is a lookup, so it is dequantized.
+    # a row order, so its blocks stay blocks too; the embedding is a lookup, so it is dequantized,
+    # and (the file has no output matrix) its blocks are also the unembedding's, as in llama.cpp.
     layers = [m for m in loaded.model.modules() if isinstance(m, BlockLinear)]
-    assert len(layers) == 8 and all(m.qtype == qtype for m in layers)
-    assert loaded.kept == {qtype: 8} and loaded.dequantized[qtype] == 1
+    assert len(layers) == 9 and all(m.qtype == qtype for m in layers)
+    assert loaded.kept == {qtype: 9} and loaded.dequantized[qtype] == 1
+    assert torch.equal(loaded.model.unembed.weight_blocks, GGUFFile.open(first).blocks("token_embd.weight"))
+    assert torch.equal(loaded.model.unembed.dequantized_weight(), loaded.model.embed.weight)
     second = export_gguf(loaded.model, tmp_path / "b.gguf", None, qtype)
     a, b = GGUFFile.open(first), GGUFFile.open(second)
     assert a.tensor_names() == b.tensor_names()
@@ -125,10 +128,16 @@ def test_a_q8_0_file_reads_as_llama_cpps_values(tmp_path):
     model = perturbed(get_preset("llama-tiny", vocab_size=256))
     export_gguf(model, tmp_path / "m.gguf", None, "q8_0")
     file, loaded = GGUFFile.open(tmp_path / "m.gguf"), import_gguf(tmp_path / "m.gguf")
-    assert loaded.kept == {} and loaded.dequantized["q8_0"] > 0
+    # Every Q8_0 matrix is kept (llama-tiny's down projection, 344 inputs, was written as f16) but the
+    # token embedding, a lookup table: dequantized.
+    q8_0 = [name for name in file.tensor_names() if file.qtype(name) == "q8_0"]
+    assert loaded.kept == {"q8_0": len(q8_0) - 1} and loaded.dequantized["q8_0"] == 1
+    assert isinstance(loaded.model.unembed, BlockLinear) and loaded.model.unembed.qtype == "q8_0"
     raw = file.blocks("blk.1.ffn_gate.weight").numpy()
     expected = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q8_0))
-    assert torch.equal(loaded.model.blocks[1].mlp.gate.weight, expected)
+    assert torch.equal(loaded.model.blocks[1].mlp.gate.dequantized_weight(), expected)
+    embedding = torch.from_numpy(quants.dequantize(file.blocks("token_embd.weight").numpy(), GGMLQuantizationType.Q8_0))
+    assert torch.equal(loaded.model.embed.weight, embedding)
 
 
 def test_tokenizers_from_gguf_encode_as_the_originals(data_dir, shakespeare_text, tmp_path):

@@ -67,8 +67,10 @@ def prompt_ids(tokenizer, template: str, question: str) -> list[int]:
 
 def test_the_file_reads_as_smollm2_with_its_blocks_kept(gguf, capsys):
     model, tokenizer = load_model(gguf)
-    assert "kept in their blocks: 210 q4_1; dequantized to float32: 61 f32, 1 q8_0" in model.gguf_summary
-    assert sum(isinstance(m, BlockLinear) for m in model.modules()) == 30 * 5  # qkv, out, gate, up, down
+    # The Q8_0 token embedding is both: a float lookup table, and the tied unembedding's own blocks.
+    assert "kept in their blocks: 210 q4_1, 1 q8_0; dequantized to float32: 61 f32, 1 q8_0" in model.gguf_summary
+    assert sum(isinstance(m, BlockLinear) for m in model.modules()) == 30 * 5 + 1  # qkv, out, gate, up, down
+    assert model.unembed.qtype == "q8_0" and torch.equal(model.unembed.dequantized_weight(), model.embed.weight)
     c = model.config
     assert (c.n_layers, c.d_model, c.d_mlp, c.n_heads, c.n_kv_heads, c.vocab_size) == (30, 576, 1536, 9, 3, 49152)
     assert (c.rope_theta, c.tie_embeddings, model.eos_token_ids) == (100000.0, True, (2,))

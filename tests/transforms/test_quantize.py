@@ -16,6 +16,7 @@ from glasslm.presets import get_preset
 from glasslm.data import get_batch
 from glasslm.evaluation.perplexity import evaluate_tokens
 from glasslm.core.model import TransformerLM
+from glasslm.kernels.qmatmul import activation_error_bound, kernel_ops
 from glasslm.transforms import apply_transform
 from glasslm.transforms.quantize import (Int4Linear, Int8Linear, dynamic_int8_available, dynamic_int8_error_bound,
                                         dynamic_int8_reduce_range, int4_groupwise, int8_per_channel, pack_nibbles,
@@ -33,6 +34,20 @@ def test_rounding_error_is_at_most_half_a_step_per_channel():
     assert torch.equal(quantized[5], torch.zeros(96, dtype=torch.int8))
 
 
+KERNELS = kernel_ops() is not None  # glasslm's C++ kernels (glasslm.kernels) built on this machine
+
+
+def assert_fast_path_bound(layer, x, fast, reference):
+    """The fast path against the float product with the layer's own weights: within the int8
+    activations' rounding bound (glasslm's kernels), else within PyTorch's kernels' bf16 rounding."""
+    if KERNELS and layer.d_in % 32 == 0 and getattr(layer, "group_size", 32) % 32 == 0:
+        bound = activation_error_bound(x, layer.quantized_matrix()).reshape(fast.shape)
+        assert torch.all((fast - reference).abs() <= bound)
+        assert not torch.equal(fast, reference)  # the activations really were rounded
+    else:  # bf16 activations (8 bits of mantissa): relative error ~2^-8 per product
+        assert torch.allclose(fast, reference, atol=3e-2 * reference.abs().max().item())
+
+
 @pytest.mark.parametrize("d_in", [128, 40])  # 40: not a multiple of 32, served by the readable path
 def test_fast_kernel_matches_the_readable_path_and_the_dequantized_matmul(d_in):
     torch.manual_seed(0)
@@ -42,14 +57,42 @@ def test_fast_kernel_matches_the_readable_path_and_the_dequantized_matmul(d_in):
     x = torch.randn(3, 5, d_in)
     reference = F.linear(x, fast.dequantized_weight(), bias)
     assert torch.allclose(readable(x), reference, atol=1e-5)
-    # The kernel rounds activations to bfloat16 (8 bits of mantissa): relative error ~2^-8 per product.
-    assert torch.allclose(fast(x), reference, atol=3e-2 * reference.abs().max().item())
+    if d_in % 32 == 0:
+        assert torch.equal(fast.quantized_matrix().weight(), fast.dequantized_weight())  # the kernels' weights
+        assert_fast_path_bound(fast, x, fast(x), reference)
     assert fast(x).shape == (3, 5, 96)
 
 
 needs_dynamic_int8 = pytest.mark.skipif(not dynamic_int8_available(), reason="no fbgemm (not an x86 CPU)")
 
 
+@pytest.mark.skipif(not KERNELS, reason="glasslm's C++ kernels are not built here")
+@pytest.mark.parametrize("d_in, dtype", [(128, torch.float32), (768, torch.float32), (256, torch.bfloat16)])
+def test_int8_kernel_rows_stay_within_their_rounding_bound_and_equal_themselves_alone(d_in, dtype):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(200, d_in) * 0.05, torch.randn(200)
+    fast = Int8Linear.from_weight(weight, bias, impl="fast").to(dtype)
+    x = torch.randn(1, 1, d_in) * 3
+    x[0, 0, 7] = 40.0  # an outlier widens its block's step: the bound must widen with it
+    x = x.to(dtype)
+    reference = F.linear(x.float(), fast.dequantized_weight(), fast.bias.float())  # the unrounded row (bf16 bias)
+    got = fast(x)
+    assert got.shape == (1, 1, 200) and got.dtype == dtype
+    bound = activation_error_bound(x.float(), fast.quantized_matrix())[0]
+    output_rounding = 2**-8 * reference.abs()[0, 0] if dtype == torch.bfloat16 else 0.0  # bf16's 8 bits
+    error = (got.float() - reference).abs()[0, 0]
+    assert torch.all(error <= bound + output_rounding)
+    assert error.max() > 0  # the row really was rounded
+    # Each row is rounded by itself (per block of 32 of that row): a batch gives each row what it alone gets.
+    batch = torch.randn(7, d_in, dtype=dtype)
+    assert torch.equal(torch.cat([fast(row[None]) for row in batch]), fast(batch))
+    # The kernel holds a packed copy of the weight: new weights loaded are packed anew.
+    fast.load_state_dict(Int8Linear.from_weight(-weight, bias + 1).to(dtype).state_dict())
+    expected = F.linear(x.float(), fast.dequantized_weight(), fast.bias.float())[0, 0]
+    assert torch.all((fast(x).float()[0, 0] - expected).abs() <= bound + 2**-8 * expected.abs())
+
+
+@pytest.mark.skipif(KERNELS, reason="glasslm's C++ kernels take one-row steps here (the test above)")
 @needs_dynamic_int8
 @pytest.mark.parametrize("d_in, dtype", [(128, torch.float32), (768, torch.float32), (256, torch.bfloat16)])
 def test_one_row_int8_activation_path_stays_within_its_rounding_bound(d_in, dtype):
@@ -107,12 +150,11 @@ def test_int4_fast_kernel_matches_the_readable_path(d_in, d_out):     # d_in 40:
     x = torch.randn(3, 5, d_in)
     reference = F.linear(x, fast.dequantized_weight(), bias)
     assert torch.allclose(readable(x), reference, atol=1e-5)
-    # The kernel rounds activations to bfloat16 (8 bits of mantissa): relative error ~2^-8 per product.
-    assert torch.allclose(fast(x), reference, atol=3e-2 * reference.abs().max().item())
+    assert_fast_path_bound(fast, x, fast(x), reference)
     assert fast(x).shape == (3, 5, d_out)
     # New weights loaded into the layer are re-packed for the kernel, not served from the old packing.
     fast.load_state_dict(Int4Linear.from_weight(-weight, bias).state_dict())
-    assert torch.allclose(fast(x), F.linear(x, fast.dequantized_weight(), bias), atol=3e-2 * reference.abs().max().item())
+    assert_fast_path_bound(fast, x, fast(x), F.linear(x, fast.dequantized_weight(), bias))
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +211,7 @@ def test_quantized_model_keeps_perplexity_and_greedy_tokens(trained, method, max
 
 
 @pytest.mark.slow
-@needs_dynamic_int8
+@pytest.mark.skipif(not (KERNELS or dynamic_int8_available()), reason="no int8-activation kernel here")
 def test_int8_decoding_steps_keep_perplexity_and_greedy_tokens(trained):
     """Teacher-forced one token at a time through the KV cache: every Linear sees one row, so
     this is the int8-activation path that batch-1 decoding takes, held to int8's bounds."""

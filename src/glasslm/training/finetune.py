@@ -216,10 +216,17 @@ def chat_batches(data: str | os.PathLike, tokenizer: Any, template: str, context
 @torch.no_grad()
 def dequantize(model: nn.Module) -> int:
     """Replace every int8/int4/block layer by a float `Linear` holding its dequantized weight, in place;
-    returns how many were replaced. The model then computes what it computed quantized."""
+    returns how many were replaced. The model then computes what it computed quantized, but for a tied
+    model's quantized unembedding, a copy of the embedding, which goes: the model unembeds with the
+    float embedding again (for a GGUF file's blocks, exactly their values)."""
     replaced = 0
+    tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
     for name, module in list(model.named_modules()):
         if not isinstance(module, (Int8Linear, Int4Linear, BlockLinear)):
+            continue
+        if tied and name == "unembed":
+            model.unembed = None
+            replaced += 1
             continue
         weight = module.dequantized_weight(torch.float32)                            # (d_out, d_in)
         linear = Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None).to(weight.device)

@@ -1,4 +1,4 @@
-"""Model transforms: named in-place changes to a model (int8, int4, llama.cpp's q4_0/q4_1 blocks, LoRA adapters)
+"""Model transforms: named in-place changes to a model (int8, int4, llama.cpp's q4_0/q4_1/q8_0 blocks, LoRA adapters)
 that checkpoints record.
 
 `apply_transform(model, name)` applies one and records it on the model; `save_checkpoint` writes the
@@ -12,10 +12,10 @@ Example:
     >>> model = TransformerLM(get_preset("llama-tiny"))
     >>> apply_transform(model, "int8")
     >>> applied_transforms(model), transform_names()
-    ([{'name': 'int8'}], ('int8', 'int4', 'q4_0', 'q4_1', 'lora'))
+    ([{'name': 'int8'}], ('int8', 'int4', 'q4_0', 'q4_1', 'q8_0', 'lora'))
 """
 
-from glasslm.transforms.ggml import Q4_0, Q4_1
+from glasslm.transforms.ggml import Q4_0, Q4_1, Q8_0
 from glasslm.transforms.lora import LORA
 from glasslm.transforms.quantize import INT4, INT8
 from glasslm.transforms.registry import (TRANSFORMS, Transform, applied_transforms, apply_transform, get_transform,
@@ -25,6 +25,7 @@ register_transform(INT8)
 register_transform(INT4)
 register_transform(Q4_0)
 register_transform(Q4_1)
+register_transform(Q8_0)
 register_transform(LORA)
 
 
@@ -42,7 +43,9 @@ def parameter_count(model) -> int:
     >>> model.num_parameters() < before, parameter_count(model) == before
     (True, True)
     """
-    quantized = [m for m in model.modules() if hasattr(m, "dequantized_weight") and hasattr(m, "d_in")]
+    # A tied model's quantized unembedding is a second copy of the embedding, which is counted already.
+    copy = model.unembed if getattr(getattr(model, "config", None), "tie_embeddings", False) else None
+    quantized = [m for m in model.modules() if hasattr(m, "dequantized_weight") and hasattr(m, "d_in") and m is not copy]
     return model.num_parameters() + sum(m.d_in * m.d_out for m in quantized)
 
 

@@ -62,6 +62,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from glasslm.core.layers import Linear
+from glasslm.kernels.qmatmul import PackedMatrix, QuantizedMatrix, kernel_ops, pack, qlinear
 from glasslm.runtime import cpu_flags
 from glasslm.transforms.registry import Transform
 
@@ -165,6 +166,8 @@ class Int8Linear(nn.Module):
         layer.weight_int8, layer.scales = (t.to(weight.device) for t in int8_per_channel(weight))
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        if impl == "fast":
+            layer.prepare_for_compile()
         return layer
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Float[Tensor, "d_out d_in"]:
@@ -179,6 +182,9 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
     def _kernel_forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
+        packed = self._packed_matrix()
+        if packed is not None:  # glasslm's own kernel: int8 activations in blocks of 32, every row
+            return qlinear(x, packed, self.bias)
         compiling = torch.compiler.is_compiling()
         if x.numel() == self.d_in and (self._packed_number is not None if compiling else dynamic_int8_available()):
             # One row: int8 activations and int8 dot products, (1, d_in) -> (1, d_out) in fp32, the
@@ -219,10 +225,30 @@ class Int8Linear(nn.Module):
 
     _packed_number: int | None = None  # set by `prepare_for_compile`
     _reduce_range = False
+    _matrix: PackedMatrix | None = None  # the C++ kernels' layout (glasslm.kernels), made when weights arrive
+
+    def _packed_matrix(self) -> PackedMatrix | None:
+        """The weight in glasslm's kernels' layout (made once): levels w + 128 with the per-channel
+        scale as the row scale; None without the C++ kernels or off the CPU."""
+        if self._matrix is None or self._matrix.device != self.weight_int8.device:
+            if kernel_ops() is None or self.weight_int8.device.type != "cpu":
+                return None
+            self._matrix = pack(self.quantized_matrix())
+        return self._matrix
+
+    def quantized_matrix(self) -> QuantizedMatrix:
+        """The weight as the kernels' readable `QuantizedMatrix`: levels w + 128 (offset 128), block
+        scale 1, the per-channel scale as the row scale."""
+        levels = self.weight_int8.view(torch.uint8) ^ 0x80  # two's complement w -> w + 128
+        ones = torch.ones(self.d_out, 1, dtype=torch.float16, device=levels.device)
+        return QuantizedMatrix(levels, ones, None, 8, 128, self.d_in, self.scales)
 
     def prepare_for_compile(self) -> None:
-        """Make, outside the compiled graph, what the kernels would otherwise make on first use."""
-        if self.d_in % _KERNEL_D_IN_MULTIPLE:
+        """Make, outside the compiled graph, what the kernels would otherwise make on first use (at
+        load, so the first token does not wait for it)."""
+        if self.d_in % _KERNEL_D_IN_MULTIPLE or self.weight_int8.is_meta:
+            return
+        if self._packed_matrix() is not None:
             return
         self._bf16_scales()
         if not self.weight_int8.is_contiguous() or self.weight_int8.data_ptr() % 64:
@@ -234,10 +260,24 @@ class Int8Linear(nn.Module):
             weakref.finalize(self, _PACKED_BY_NUMBER.pop, number, None)
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        # New weights: re-pack them on the next call (a compiled step sees a new number and retraces).
-        _PACKED_BY_NUMBER.pop(self._packed_number, None)
-        self._packed = self._scales_bf16 = self._packed_number = None
+        self._forget_kernel_copies()
         super()._load_from_state_dict(*args, **kwargs)
+        if self.impl == "fast":
+            self.prepare_for_compile()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "Int8Linear":
+        # .to(dtype or device) makes new buffers: the kernels' copies of the old ones are stale.
+        had_copies = self._matrix is not None or self._packed_number is not None
+        self._forget_kernel_copies()
+        super()._apply(fn, recurse)
+        if had_copies and self.weight_int8.device.type == "cpu":
+            self.prepare_for_compile()
+        return self
+
+    def _forget_kernel_copies(self) -> None:
+        # New weights: re-pack them (a compiled step sees a new number and retraces).
+        _PACKED_BY_NUMBER.pop(self._packed_number, None)
+        self._packed = self._scales_bf16 = self._packed_number = self._matrix = None
 
     def _bf16_scales(self) -> Tensor:
         # Cached: converting d_out scales on every call would be a small but needless copy per layer.
@@ -324,7 +364,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales", torch.ones(d_out, groups, dtype=torch.bfloat16))
         self.register_buffer("zeros", torch.zeros(d_out, groups, dtype=torch.bfloat16))
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
-        self._kernel: tuple[Tensor, Tensor] | None = None  # the kernel's layout, made on first use
+        self._kernel: PackedMatrix | tuple[Tensor, Tensor] | None = None  # the kernel's layout, made when weights arrive
 
     @classmethod
     def from_weight(cls, weight: Tensor, bias: Tensor | None, impl: str = "fast") -> "Int4Linear":
@@ -334,6 +374,8 @@ class Int4Linear(nn.Module):
         layer.weight_int4 = pack_nibbles(q)
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        if impl == "fast":
+            layer.prepare_for_compile()
         return layer
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Float[Tensor, "d_out d_in"]:
@@ -350,22 +392,50 @@ class Int4Linear(nn.Module):
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
     def _kernel_forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
-        return int4_kernel_linear(x, self._kernel_operands(), self.group_size, self.d_out, self.bias)
+        kernel = self._kernel_operands()
+        if isinstance(kernel, PackedMatrix):  # glasslm's own kernel: int8 activations in blocks of 32
+            return qlinear(x, kernel, self.bias)
+        return int4_kernel_linear(x, kernel, self.group_size, self.d_out, self.bias)
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        self._kernel = None  # new weights: re-pack them for the kernel on the next call
+        self._kernel = None  # new weights: re-pack them for the kernel
         super()._load_from_state_dict(*args, **kwargs)
+        if self.impl == "fast":
+            self.prepare_for_compile()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "Int4Linear":
+        had_copy, self._kernel = self._kernel is not None, None  # .to(dtype or device): new buffers to re-pack
+        super()._apply(fn, recurse)
+        if had_copy:
+            self.prepare_for_compile()
+        return self
 
     def prepare_for_compile(self) -> None:
-        """Pack the weight for the kernel now: a compiled graph reads the packed copy, never makes it."""
-        if self.group_size % 32 == 0:
+        """Pack the weight for the kernel now (at load, so the first token does not wait for it; a
+        compiled graph reads the packed copy, never makes it)."""
+        if self.group_size % 32 == 0 and not self.weight_int4.is_meta:
             self._kernel_operands()
 
-    def _kernel_operands(self) -> tuple[Tensor, Tensor]:
-        """The kernel's operands (`int4_kernel_operands`), made once."""
-        if self._kernel is None or self._kernel[0].device != self.weight_int4.device:
-            self._kernel = int4_kernel_operands(unpack_nibbles(self.weight_int4), self.scales, self.zeros)
-        return self._kernel
+    def _kernel_operands(self) -> PackedMatrix | tuple[Tensor, Tensor]:
+        """The kernel's operands, made once: glasslm's kernels' layout (levels, bf16 scales, the
+        zeros as minimums, offset 8), else PyTorch's int4 kernel's (`int4_kernel_operands`)."""
+        kernel = self._kernel
+        device = None if kernel is None else (kernel.device if isinstance(kernel, PackedMatrix) else kernel[0].device)
+        if kernel is None or device != self.weight_int4.device:
+            if kernel_ops() is not None and self.weight_int4.device.type == "cpu":
+                kernel = pack(self.quantized_matrix())
+            else:
+                kernel = int4_kernel_operands(unpack_nibbles(self.weight_int4), self.scales, self.zeros)
+            self._kernel = kernel
+        return kernel
+
+    def quantized_matrix(self) -> QuantizedMatrix:
+        """The weight as the kernels' readable `QuantizedMatrix`: levels 0..15, offset 8, the bf16
+        scales, the bf16 zeros as minimums."""
+        # The scales are bf16 as made; a model's .float() makes them float32, which bf16 holds exactly.
+        dtype = self.scales.dtype if self.scales.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        return QuantizedMatrix(unpack_nibbles(self.weight_int4), self.scales.to(dtype), self.zeros.to(dtype), 4, 8,
+                               self.group_size)
 
     def extra_repr(self) -> str:
         return (f"d_in={self.d_in}, d_out={self.d_out}, group_size={self.group_size}, bias={self.bias is not None}, "

@@ -75,12 +75,19 @@ def _block_layers(model: TransformerLM) -> dict[str, BlockLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, BlockLinear)}
 
 
+def _tied_copy(model: TransformerLM) -> bool:
+    """Whether the model's unembedding is a block copy of its embedding (a GGUF file's tied output)."""
+    return model.config.tie_embeddings and isinstance(model.unembed, BlockLinear)
+
+
 def _float_state_dict(model: TransformerLM) -> dict[str, Tensor]:
-    """The model's tensors with every block-quantized weight dequantized under its Linear name."""
+    """The model's tensors with every block-quantized weight dequantized under its Linear name (a tied
+    unembedding's blocks left out: the file's token embedding is that matrix)."""
     state = {name: t.detach() for name, t in model.state_dict().items()}
     for name, layer in _block_layers(model).items():
         del state[name + ".weight_blocks"]
-        state[name + ".weight"] = layer.dequantized_weight()
+        if not (name == "unembed" and _tied_copy(model)):
+            state[name + ".weight"] = layer.dequantized_weight()
     return state
 
 
@@ -88,6 +95,8 @@ def _kept_blocks(model: TransformerLM, family: HFFamily, hf: dict[str, Any], qty
     """GGUF name -> block bytes, for the HF tensors made only of rows of a layer already in `qtype`
     blocks (found by sending row numbers through the export steps, as import does)."""
     layers = {name: layer for name, layer in _block_layers(model).items() if layer.qtype == qtype}
+    if _tied_copy(model) and model.unembed.qtype == qtype:
+        layers["embed"] = layers.pop("unembed")  # the token embedding's own blocks, as the file held them
     table = family.weight_table(model.config, None)
     name_map = _name_map(model, family)
     kept: dict[str, Tensor] = {}

@@ -4,13 +4,16 @@ The file's architecture picks the family (`family_reading_gguf`), whose GGUF for
 metadata into a config.json and whose weight table — the same one Hugging Face directories are
 read with — turns the tensors into ours, after the form has undone llama.cpp's tensor changes.
 
-Tensors in a 4-bit block format glasslm runs (Q4_0, Q4_1) stay in their blocks when they are
+Tensors in a block format glasslm runs (Q4_0, Q4_1, Q8_0) stay in their blocks when they are
 Linear weights and nothing between the file and the model does more than reorder their rows:
 we find that out by sending each source row's number through the same steps (a column of row
 numbers must come out as a permutation of them; a transpose or any arithmetic shows up). Those
-layers become `BlockLinear`s, recorded as the `q4_0` / `q4_1` transforms; every other tensor (norms,
-embeddings, other formats such as Q8_0, the K-quants, F16) is dequantized to float32 by the gguf
-package. `GGUFImport.summary()` says which went which way.
+layers become `BlockLinear`s, recorded as the `q4_0` / `q4_1` / `q8_0` transforms. A file without
+an output matrix unembeds with its token embedding, as llama.cpp does: where that embedding is in
+one of these formats, the model's unembedding is a `BlockLinear` of the embedding's own blocks
+(`unembed` in the transform's layers), while the lookup table is dequantized. Every other tensor
+(norms, other formats such as the K-quants, F16) is dequantized to float32 by the gguf package.
+`GGUFImport.summary()` says which went which way.
 
 Example:
     >>> import tempfile
@@ -44,7 +47,7 @@ from glasslm.hf.gguf.reader import GGUFFile
 from glasslm.hf.plan import WeightTable
 from glasslm.io.build import empty_model, model_from_state_dict
 from glasslm.transforms import parameter_count
-from glasslm.transforms.ggml import LAYER_FORMATS
+from glasslm.transforms.ggml import LAYER_FORMATS, UNEMBED
 
 EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
 
@@ -185,8 +188,27 @@ def _plan_tensors(reading: _Reading, table: WeightTable, linears: set[str], keep
         else:
             tensors[ours] = lambda hf_names=hf_names, to_ours=to_ours: to_ours(*map(reading.hf_tensor, hf_names))
             dequantized.update(reading.file.qtype(reading.names[n]) for n in hf_names)
+    tied = _tied_unembedding(reading, table, keep_blocks)
+    if tied is not None:
+        qtype, make = tied
+        tensors[UNEMBED + ".weight_blocks"] = make
+        layers.setdefault(qtype, []).append(UNEMBED)
+        kept.update({qtype: 1})
     records = [{"name": qtype, "layers": sorted(names)} for qtype, names in sorted(layers.items())]
     return tensors, records, kept, dequantized
+
+
+def _tied_unembedding(reading: _Reading, table: WeightTable, keep_blocks: bool) -> tuple[str, Callable[[], Tensor]] | None:
+    """(format, block maker) of the token embedding as the unembedding's own blocks, where the model
+    unembeds with its embedding and the file holds that in a format the layers run."""
+    if not (keep_blocks and reading.hf.get("tie_word_embeddings")):
+        return None
+    hf_names, to_ours, _ = table.entries["embed.weight"]
+    qtype = reading.file.qtype(reading.names[hf_names[0]])
+    order = reading.row_order(hf_names, to_ours) if len(hf_names) == 1 and qtype in LAYER_FORMATS else None
+    if order is None:
+        return None
+    return qtype, lambda: reading.file.blocks(reading.names[hf_names[0]])[order]
 
 
 def import_gguf(

@@ -1,0 +1,123 @@
+"""Building glasslm's C++ kernels: compiled on first use into a cache, loaded as torch ops.
+
+`load()` compiles `qmatmul.cpp` with `torch.utils.cpp_extension` the first time any process needs
+it (tens of seconds), into `$TORCH_EXTENSIONS_DIR` if set, else `~/.cache/glasslm/kernels`, in a
+folder named after the source's hash, the compiler flags and the torch and Python versions, so
+every later process (and every worktree with the same source) loads the built library in
+milliseconds. Where it cannot be built (no C++ compiler, no ninja, a non-x86 CPU is fine) glasslm
+says so in one line and the quantized layers run PyTorch's own kernels instead.
+
+Which code path runs is chosen at run time: AVX-512 VNNI where the CPU has it, else AVX2, else
+plain C++. `$GLASSLM_KERNELS` overrides the choice: `avx512`, `avx2`, `scalar` (a lower path than the
+CPU allows, so every path can be tested on one machine) or `off` (no extension: PyTorch's kernels).
+`use_isa` changes it inside a process.
+
+Example:
+    >>> ops = load()
+    >>> ops is None or isa_name() in ISA_LEVELS
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ENV = "GLASSLM_KERNELS"
+ISA_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}  # the C++ side's numbering
+SOURCE = Path(__file__).with_name("qmatmul.cpp")
+# -O3 for the vector loops; OpenMP so at::parallel_for runs on torch's threads (the library joins
+# the libgomp torch already loaded). No -march: each path names its instructions (target
+# attributes), so one build runs on any x86-64 CPU and picks its path at run time.
+# -ffp-contract=off: a * b + c stays two roundings, as in the readable reference (no fused multiply-add
+# unless the code asks for one).
+CFLAGS = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
+LDFLAGS = ["-fopenmp"]
+
+
+def cache_dir() -> Path:
+    """Where built kernels live: a folder per source, flags, torch and Python version."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "glasslm" / "kernels")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:16]
+    tag = f"torch{torch.__version__.split('+')[0]}-py{sys.version_info.major}{sys.version_info.minor}"
+    return root / f"qmatmul-{tag}-{key}"
+
+
+@functools.cache
+def load() -> Any | None:
+    """`torch.ops.glasslm_kernels`, built or loaded; None (after one line on stderr saying why) where
+    the extension cannot be built or `$GLASSLM_KERNELS` is `off`."""
+    wanted = os.environ.get(ENV, "").strip().lower()
+    if wanted == "off":
+        return None
+    if wanted and wanted not in ISA_LEVELS:
+        raise ValueError(f"${ENV}={wanted!r}: choose one of {', '.join(ISA_LEVELS)} or off")
+    try:
+        from torch.utils import cpp_extension
+
+        folder = cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load("glasslm_kernels", [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                           build_directory=str(folder), is_python_module=False, verbose=False)
+    except Exception as err:  # noqa: BLE001 - any failure to build means: run without the extension
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        reason = next((line for line in lines if "error:" in line), lines[-1])[:200]
+        print(f"glasslm: the C++ quantized kernels could not be built ({reason}); quantized layers run "
+              "PyTorch's slower kernels (set GLASSLM_KERNELS=off to skip trying)", file=sys.stderr)
+        return None
+    ops = torch.ops.glasslm_kernels
+    ops.select_isa(ISA_LEVELS[wanted] if wanted else -1)
+    return ops
+
+
+def available() -> bool:
+    """Whether the C++ kernels are loaded (building them on first call)."""
+    return load() is not None
+
+
+def isa_name() -> str:
+    """The path the kernels take now: avx512, avx2 or scalar."""
+    ops = load()
+    if ops is None:
+        raise RuntimeError("the C++ kernels are not loaded")
+    return {level: name for name, level in ISA_LEVELS.items()}[ops.current_isa()]
+
+
+_LEVEL: list[int] = []  # the level chosen last through use_isa (empty: the environment's or the best)
+
+
+def _current_level() -> int:
+    if _LEVEL:
+        return _LEVEL[-1]
+    wanted = os.environ.get(ENV, "").strip().lower()
+    return ISA_LEVELS.get(wanted, -1)
+
+
+def supported_isas() -> list[str]:
+    """The paths this CPU can run, from plain C++ up."""
+    ops = load()
+    best = -1 if ops is None else ops.supported_isa()
+    return [name for name, level in ISA_LEVELS.items() if level <= best]
+
+
+@contextlib.contextmanager
+def use_isa(name: str) -> Iterator[None]:
+    """Within this block the kernels take path `name` (one of `supported_isas()`)."""
+    ops = load()
+    if ops is None or name not in supported_isas():
+        raise ValueError(f"path {name!r} is not available here; this CPU runs {supported_isas()}")
+    _LEVEL.append(ISA_LEVELS[name])
+    ops.select_isa(_LEVEL[-1])
+    try:
+        yield
+    finally:
+        _LEVEL.pop()
+        ops.select_isa(_current_level())

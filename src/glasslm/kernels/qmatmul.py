@@ -1,0 +1,339 @@
+"""Matrix products with int8 activations and 4- or 8-bit block weights: the readable definition of
+the C++ kernels beside this file (qmatmul.cpp), their packed weight layout, and the calls into them.
+
+This is how llama.cpp multiplies its quantized weights, and why it is fast on a CPU: a decoding step
+reads every weight once, so the bytes per weight set the speed, and the arithmetic must keep up with
+the memory. Both operands are small integers, so the products run as integer dot products (VNNI's
+vpdpbusd does 64 byte products per instruction) and only one float multiply-add per block of 32
+inputs remains.
+
+Activations. Each row of x is cut into blocks of 32 inputs; a block b keeps one float32 scale and
+its inputs rounded to int8 (`quantize_block_rows`):
+
+    dx_b = max_i |x_i| / 127        xq_i = round(x_i / dx_b)  in -127..127        s_b = sum_i xq_i
+
+llama.cpp stops there, and its int8 activations move a small model's logits by up to ~1 (SmolLM2's,
+of ~25: enough to change greedy answers where two tokens nearly tie). glasslm also rounds what that
+left over, x - dx * xq (at most dx / 2 per input), to int8 with the step dx / 256: each input is then
+dx / 256 * (256 * xq + xq2), a 16-bit integer kept as two bytes, good to 1/256 of a step (logits to
+~0.005), for twice the integer products but not one more byte of weights, which is what decoding
+waits for (`quantize_rows_reference` gives the two int8 rows of each row).
+
+Weights. A `QuantizedMatrix` holds unsigned levels u (0..15, or 0..255 for 8-bit weights stored
+as w + 128), a scale per group of inputs (fp16 or bf16, one group being one or more blocks) and
+optionally a minimum, and stands for
+
+    W[o, i] = ((u[o, i] - offset) * scale[o, g] + min[o, g]) * row_scale[o]        g = i // group_size
+
+which covers every format glasslm runs: llama.cpp's Q4_0 (offset 8), Q4_1 (offset 0, min m), Q8_0
+(offset 128) with fp16 block scales, glasslm's int4 (offset 8, min = its bf16 zero, groups of 64)
+and int8 (offset 128, scale 1, its float32 per-row scale as row_scale).
+
+Product. Within a block both operands are integers, so
+
+    y[o] = row_scale[o] * sum_b [ scale * dx_b * (sum_i u_i xq_i - offset * s_b) + min * dx_b * s_b ] + bias[o]
+
+with the bracket computed exactly in int32 (for the two bytes, xq stands for 256 * xq + xq2 and dx
+for dx / 256). `qmatmul_reference` is that sum written as a float
+matmul of the dequantized operands; the kernels differ from it only in the order float32 adds
+happen (`float_error_bound`), and from the float product x @ W.T by the activations' rounding,
+at most half a step per input (`activation_error_bound`).
+
+Packed layout (`pack`). The kernels read 16 output rows at once: a panel. For each panel and block,
+the 16 x 32 levels are stored as eight chunks k = 0..7 of 64 bytes, byte 4 * row + t of chunk k
+holding input 4k + t of that row, so one 32-bit lane is four inputs of one row and one broadcast of
+four activations meets all 16 rows. 4-bit levels put chunks k and k + 4 in the low and high nibbles
+of the same 64 bytes (256 bytes per panel and block, as many as the GGUF file's nibbles); scales
+and minimums become (panels, groups, 16). Rows past d_out are zero.
+
+Example:
+    >>> import torch
+    >>> matrix = QuantizedMatrix.from_float(torch.randn(40, 64), bits=8)
+    >>> x = torch.randn(3, 64)
+    >>> y = qmatmul_reference(*quantize_rows_reference(x), matrix)
+    >>> bool(((y - x @ matrix.weight().T).abs() <= activation_error_bound(x, matrix)).all())
+    True
+    >>> ops = kernel_ops()
+    >>> ops is None or bool(((qlinear(x, pack(matrix)) - y).abs() <= float_error_bound(x, matrix)).all())
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int, UInt8
+from torch import Tensor
+
+from glasslm.kernels import build
+
+BLOCK = 32  # inputs per block
+PANEL = 16  # output rows per panel
+PASSES = 2  # int8 rows per activation row: its rounding, and the rounding of what that left over
+SECOND_STEP = 1 / 256  # the second row's scale, relative to the first's
+
+
+# --- activations --------------------------------------------------------------------------------
+
+def quantize_block_rows(
+    x: Float[Tensor, "... d_in"],
+) -> tuple[Int[Tensor, "rows d_in"], Float[Tensor, "rows blocks"], Int[Tensor, "rows blocks"]]:
+    """(xq int8, dx float32, s int32) of every row of x, in blocks of 32 (one pass; llama.cpp's rounding)."""
+    d_in = x.shape[-1]
+    if d_in % BLOCK:
+        raise ValueError(f"rows are quantized in blocks of {BLOCK}; a width of {d_in} does not divide")
+    blocks = x.detach().float().reshape(-1, d_in // BLOCK, BLOCK)  # (rows, blocks, 32)
+    scale = blocks.abs().amax(dim=-1) / 127
+    # Multiplying by the inverse (not dividing by the scale) is what the kernels do: same bits.
+    inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
+    levels = torch.round(blocks * inverse[..., None]).clamp(-127, 127)  # half to even
+    return levels.to(torch.int8).reshape(-1, d_in), scale, levels.sum(dim=-1).to(torch.int32)
+
+
+def quantize_rows_reference(
+    x: Float[Tensor, "... d_in"],
+) -> tuple[Int[Tensor, "passes_rows d_in"], Float[Tensor, "passes_rows blocks"], Int[Tensor, "passes_rows blocks"]]:
+    """The kernels' activations, bit for bit: for row r of x, int8 rows 2r (x rounded) and 2r + 1
+    (what that left over, x - xq * dx, rounded to steps of dx / 256)."""
+    rows = x.detach().float().reshape(-1, x.shape[-1])
+    q, d, s = quantize_block_rows(rows)
+    left = (rows - dequantize_rows(q, d)).reshape(rows.shape[0], -1, BLOCK)  # at most d / 2 per input
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d)) * 256
+    q2 = torch.round(left * inverse[..., None]).clamp(-127, 127)   # (only a tie at d / 2 exactly is cut)
+    d2, s2 = d * SECOND_STEP, q2.sum(dim=-1).to(torch.int32)
+    q2 = q2.to(torch.int8).reshape(rows.shape)
+    return tuple(torch.stack(pair, dim=1).flatten(0, 1) for pair in ((q, q2), (d, d2), (s, s2)))
+
+
+def dequantize_rows(q: Int[Tensor, "rows d_in"], d: Float[Tensor, "rows blocks"]) -> Float[Tensor, "rows d_in"]:
+    """The float rows int8 blocks stand for: xq * dx per block."""
+    rows, d_in = q.shape
+    return (q.float().reshape(rows, -1, BLOCK) * d[..., None]).reshape(rows, d_in)
+
+
+def activation_rows(q: Int[Tensor, "passes_rows d_in"], d: Float[Tensor, "passes_rows blocks"],
+                    passes: int = PASSES, magnitude: bool = False) -> Float[Tensor, "rows d_in"]:
+    """The rows of x the activations stand for (each the sum of its `passes` int8 rows), in float64:
+    exact (a sum of two floats 2^8 apart in size fits float64's 53 bits). With `magnitude`, the sum of
+    the passes' absolute values instead (what the kernels' float terms add up to, for error bounds)."""
+    rows, d_in = q.shape
+    values = q.double().reshape(rows, -1, BLOCK) * d.double()[..., None]
+    values = values.abs() if magnitude else values
+    return values.reshape(rows // passes, passes, d_in).sum(dim=1)
+
+
+# --- weights ------------------------------------------------------------------------------------
+
+@dataclass
+class QuantizedMatrix:
+    """W = ((levels - offset) * scale + min) * row_scale, per group of `group_size` inputs (readable form)."""
+
+    levels: UInt8[Tensor, "d_out d_in"]        # unsigned: 0..15 (bits 4) or 0..255 (bits 8)
+    scales: Tensor                             # (d_out, d_in / group_size), float16 or bfloat16
+    mins: Tensor | None                        # like scales, or None (0)
+    bits: int
+    offset: int
+    group_size: int = BLOCK
+    row_scale: Float[Tensor, "d_out"] | None = None
+
+    def weight(self) -> Float[Tensor, "d_out d_in"]:
+        """The float32 matrix: every product and sum below is exact in float32 but the last rounding."""
+        d_out, d_in = self.levels.shape
+        q = (self.levels.float() - self.offset).reshape(d_out, -1, self.group_size)   # (d_out, groups, size)
+        weight = q * self.scales.float()[..., None]
+        if self.mins is not None:
+            weight = weight + self.mins.float()[..., None]
+        weight = weight.reshape(d_out, d_in)
+        return weight if self.row_scale is None else weight * self.row_scale.float()[:, None]
+
+    def magnitude(self) -> Float[Tensor, "d_out d_in"]:
+        """|levels - offset| * |scale| + |min| (times |row_scale|): a bound on every term the
+        kernels add for one weight, which can exceed |W| where scale and min nearly cancel."""
+        d_out, d_in = self.levels.shape
+        q = (self.levels.float() - self.offset).abs().reshape(d_out, -1, self.group_size)
+        size = q * self.scales.float().abs()[..., None]
+        if self.mins is not None:
+            size = size + self.mins.float().abs()[..., None]
+        size = size.reshape(d_out, d_in)
+        return size if self.row_scale is None else size * self.row_scale.float().abs()[:, None]
+
+    @classmethod
+    def from_float(cls, weight: Float[Tensor, "d_out d_in"], bits: int = 4) -> QuantizedMatrix:
+        """A symmetric block quantization of `weight` (fp16 scale per block of 32), for examples and tests."""
+        top = 7 if bits == 4 else 127
+        blocks = weight.detach().float().reshape(weight.shape[0], -1, BLOCK)
+        scales = (blocks.abs().amax(dim=-1) / top).to(torch.float16)
+        q = torch.round(blocks / scales.float().clamp_min(1e-30)[..., None]).clamp(-top, top)
+        offset = 8 if bits == 4 else 128
+        return cls((q + offset).to(torch.uint8).reshape(weight.shape), scales, None, bits, offset)
+
+
+def qmatmul_reference(q: Int[Tensor, "passes_rows d_in"], d: Float[Tensor, "passes_rows blocks"],
+                      sums: Int[Tensor, "passes_rows blocks"], matrix: QuantizedMatrix, bias: Tensor | None = None,
+                      passes: int = PASSES) -> Float[Tensor, "rows d_out"]:
+    """What the kernels compute, readably: the rows the int8 activations stand for times the matrix's
+    floats, plus bias. (`sums` is implied by q; the kernels take it to correct for the offset in integers.)"""
+    del sums
+    return F.linear(activation_rows(q, d, passes).float(), matrix.weight(), None if bias is None else bias.float())
+
+
+def summation_error_bound(rows: Float[Tensor, "rows d_in"], matrix: QuantizedMatrix,
+                           passes: int = PASSES) -> Float[Tensor, "rows d_out"]:
+    """How far two float32 evaluations of rows @ W.T that add in different orders (and, with two
+    passes, add each row's two int8 rows apart) can be: each is within about (d_in + 8) * 2^-24 of
+    the sum of the magnitudes of every term it adds up (the classic bound for recursive summation,
+    with room for the few products per block and the one rounding of the activations' float sum)."""
+    terms = rows.float().abs() @ matrix.magnitude().T  # (rows, d_out)
+    return 2 * (rows.shape[-1] + 8 + passes) * 2**-24 * terms
+
+
+def float_error_bound(x: Float[Tensor, "... d_in"], matrix: QuantizedMatrix) -> Float[Tensor, "rows d_out"]:
+    """How far the kernels' product of x's int8 rows with `matrix` can be from `qmatmul_reference`'s."""
+    q, d, _ = quantize_rows_reference(x)
+    return summation_error_bound(activation_rows(q, d, magnitude=True), matrix)
+
+
+def activation_error_bound(x: Float[Tensor, "... d_in"], matrix: QuantizedMatrix) -> Float[Tensor, "rows d_out"]:
+    """The most the kernels' output can be from the float product x @ W.T (itself computed in
+    float32): the activations stand for x to within |x - x~| per input (at most half the second
+    pass's step, 1/512 of the first's), which moves each output by that times |W|, plus both sides'
+    float32 rounding."""
+    q, d, _ = quantize_rows_reference(x)
+    rows = x.reshape(-1, x.shape[-1]).double()
+    gap = (rows - activation_rows(q, d)).abs().float()  # (rows, d_in), computed exactly in float64
+    weight = matrix.weight().abs()
+    return gap @ weight.T + float_error_bound(x, matrix) + 2 * x.shape[-1] * 2**-24 * (rows.float().abs() @ weight.T)
+
+
+# --- the packed layout --------------------------------------------------------------------------
+
+@dataclass
+class PackedMatrix:
+    """A `QuantizedMatrix` in the kernels' layout (see the module docstring), plus its shape facts."""
+
+    levels: UInt8[Tensor, "panels blocks chunk"]
+    scales: Tensor                # (panels, groups, 16)
+    mins: Tensor | None
+    bits: int
+    offset: int
+    group_blocks: int
+    d_out: int
+    row_scale: Float[Tensor, "d_out"] | None
+
+    @property
+    def device(self) -> torch.device:
+        return self.levels.device
+
+
+def _pad_rows(t: Tensor) -> Tensor:
+    return F.pad(t, (0, 0, 0, -t.shape[0] % PANEL))
+
+
+def pack_levels(levels: UInt8[Tensor, "d_out d_in"], bits: int) -> UInt8[Tensor, "panels blocks chunk"]:
+    """Levels in panels of 16 rows, input quads interleaved across the rows (module docstring)."""
+    d_out, d_in = levels.shape
+    u = _pad_rows(levels.to(torch.uint8))
+    panels, blocks = u.shape[0] // PANEL, d_in // BLOCK
+    # (panel, row, block, quad k, t) -> (panel, block, k, row, t): byte 4 * row + t of chunk k.
+    chunks = u.reshape(panels, PANEL, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(panels, blocks, 8, 4 * PANEL)
+    if bits == 8:
+        return chunks.reshape(panels, blocks, 8 * 4 * PANEL).contiguous()
+    return (chunks[:, :, :4] | (chunks[:, :, 4:] << 4)).reshape(panels, blocks, 4 * 4 * PANEL).contiguous()
+
+
+def unpack_levels(packed: UInt8[Tensor, "panels blocks chunk"], bits: int, d_out: int) -> UInt8[Tensor, "d_out d_in"]:
+    """The inverse of `pack_levels`."""
+    panels, blocks, _ = packed.shape
+    chunks = packed.reshape(panels, blocks, -1, 4 * PANEL)
+    if bits == 4:
+        chunks = torch.cat((chunks & 0x0F, chunks >> 4), dim=2)   # chunks 0..3 low, 4..7 high
+    u = chunks.reshape(panels, blocks, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(panels * PANEL, blocks * BLOCK)
+    return u[:d_out]
+
+
+def _pack_scales(scales: Tensor) -> Tensor:
+    """(d_out, groups) -> (panels, groups, 16)."""
+    padded = _pad_rows(scales)
+    return padded.reshape(-1, PANEL, padded.shape[1]).transpose(1, 2).contiguous()
+
+
+def pack(matrix: QuantizedMatrix) -> PackedMatrix:
+    """The kernels' operands for `matrix`, made once, at load (the levels' interleaving by the C++
+    `pack_levels` where the kernels are built: the same bytes as `pack_levels` here, ~50x sooner)."""
+    d_out, d_in = matrix.levels.shape
+    if d_in % BLOCK or matrix.group_size % BLOCK or d_in % matrix.group_size:
+        raise ValueError(f"the kernels take rows of whole blocks of {BLOCK} and groups of whole blocks; got "
+                         f"d_in {d_in}, groups of {matrix.group_size}")
+    if matrix.scales.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the kernels read fp16 or bf16 scales, not {matrix.scales.dtype}")
+    row_scale = None if matrix.row_scale is None else matrix.row_scale.float().contiguous()
+    ops = kernel_ops() if matrix.levels.device.type == "cpu" else None
+    levels = pack_levels(matrix.levels, matrix.bits) if ops is None else ops.pack_levels(matrix.levels, matrix.bits)
+    return PackedMatrix(levels, _pack_scales(matrix.scales),
+                        None if matrix.mins is None else _pack_scales(matrix.mins.to(matrix.scales.dtype)),
+                        matrix.bits, matrix.offset, matrix.group_size // BLOCK, d_out, row_scale)
+
+
+# --- the calls ----------------------------------------------------------------------------------
+
+@functools.cache
+def kernel_ops() -> Any | None:
+    """`torch.ops.glasslm_kernels` with shapes for the compiler (fake kernels), or None without the extension."""
+    ops = build.load()
+    if ops is not None:
+        _register_fakes()
+    return ops
+
+
+def _register_fakes() -> None:
+    """Output shapes without computing, so `torch.compile` keeps each call as one node of one graph."""
+    @torch.library.register_fake("glasslm_kernels::qlinear")
+    def _qlinear(x, levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias):
+        return x.new_empty((*x.shape[:-1], d_out))
+
+    @torch.library.register_fake("glasslm_kernels::qmatmul")
+    def _qmatmul(q, d, sums, passes, levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias):
+        return q.new_empty((q.shape[0] // passes, d_out), dtype=torch.float32)
+
+    @torch.library.register_fake("glasslm_kernels::quantize_rows")
+    def _quantize_rows(x):
+        rows, width = x.numel() // x.shape[-1] * PASSES, x.shape[-1]
+        return (x.new_empty((rows, width), dtype=torch.int8), x.new_empty((rows, width // BLOCK)),
+                x.new_empty((rows, width // BLOCK), dtype=torch.int32))
+
+
+_QLINEAR: list[Any] = []  # the op's overload, looked up once: a decoding step makes ~150 calls
+
+
+def qlinear(x: Float[Tensor, "... d_in"], packed: PackedMatrix, bias: Tensor | None = None) -> Float[Tensor, "... d_out"]:
+    """x @ W.T + bias through the kernels (x rounded to int8 blocks on the way in), in x's dtype."""
+    if not _QLINEAR:
+        # (A compiled graph calls the op itself: the loader is a Python function it need not trace.)
+        if not torch.compiler.is_compiling():
+            if kernel_ops() is None:
+                raise RuntimeError("the C++ kernels are not loaded (see glasslm.kernels.build)")
+            _QLINEAR.append(torch.ops.glasslm_kernels.qlinear.default)
+        op = torch.ops.glasslm_kernels.qlinear.default
+    else:
+        op = _QLINEAR[0]
+    rows = x if x.dtype == torch.float32 else x.float()
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    y = op(rows, packed.levels, packed.scales, packed.mins, packed.bits, packed.offset, packed.group_blocks,
+           packed.d_out, packed.row_scale, bias)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def qmatmul(q: Tensor, d: Tensor, sums: Tensor, packed: PackedMatrix, bias: Tensor | None = None,
+            passes: int = PASSES) -> Tensor:
+    """The kernels' product of rows already in int8 blocks (`passes` int8 rows per row: 1 for
+    llama.cpp's own) with `packed`: (rows, d_out) float32."""
+    ops = kernel_ops()
+    if ops is None:
+        raise RuntimeError("the C++ kernels are not loaded (see glasslm.kernels.build)")
+    return ops.qmatmul(q, d, sums, passes, packed.levels, packed.scales, packed.mins, packed.bits, packed.offset,
+                       packed.group_blocks, packed.d_out, packed.row_scale, bias)

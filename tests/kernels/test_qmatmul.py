@@ -1,0 +1,251 @@
+"""glasslm's C++ block kernels against their readable definition (qmatmul.py), closed-form bounds and
+llama.cpp's own quantizers, dequantizers and dot products; every CPU path this machine runs."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from glasslm.kernels import build
+from glasslm.kernels.qmatmul import (
+    QuantizedMatrix, activation_error_bound, activation_rows, dequantize_rows, float_error_bound, kernel_ops, pack,
+    qlinear, qmatmul, qmatmul_reference, quantize_block_rows, quantize_rows_reference, summation_error_bound,
+    unpack_levels,
+)
+from glasslm.transforms.ggml import block_matrix, quantize_blocks
+
+pytestmark = pytest.mark.skipif(kernel_ops() is None, reason="glasslm's C++ kernels could not be built here")
+
+PATHS = ["scalar", "avx2", "avx512"]
+
+
+@pytest.fixture(params=PATHS)
+def isa(request):
+    """Each code path in turn (the ones above this CPU's are skipped)."""
+    if request.param not in build.supported_isas():
+        pytest.skip(f"this CPU has no {request.param}")
+    with build.use_isa(request.param):
+        yield request.param
+
+
+def matrix_of(kind: str, d_out: int = 40, d_in: int = 256, seed: int = 0) -> QuantizedMatrix:
+    """Random levels in each format the layers use, with scales and minimums of mixed signs and sizes."""
+    g = torch.Generator().manual_seed(seed)
+    bits = 8 if kind in ("q8_0", "int8") else 4
+    levels = torch.randint(0, 16 if bits == 4 else 256, (d_out, d_in), generator=g, dtype=torch.uint8)
+    group = {"int4": 64, "int8": d_in}.get(kind, 32)
+    dtype = torch.bfloat16 if kind == "int4" else torch.float16
+    scales = (torch.rand(d_out, d_in // group, generator=g) * torch.logspace(-3, 0, d_out)[:, None]).to(dtype)
+    mins = (torch.randn(d_out, d_in // group, generator=g) * 0.1).to(dtype) if kind in ("q4_1", "int4") else None
+    if kind == "int8":
+        scales = torch.ones_like(scales)
+    offset = {"q4_0": 8, "q4_1": 0, "q8_0": 128, "int4": 8, "int8": 128}[kind]
+    row_scale = torch.rand(d_out, generator=g) + 0.01 if kind == "int8" else None
+    return QuantizedMatrix(levels, scales, mins, bits, offset, group, row_scale)
+
+
+KINDS = ["q4_0", "q4_1", "q8_0", "int4", "int8"]
+
+
+def activations(rows: int, d_in: int = 256, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, d_in, generator=g) * torch.logspace(-2, 1, d_in)[torch.randperm(d_in, generator=g)]
+    x[0, 40:72] = 0.0  # a block of zeros: scale 0 must not divide by zero
+    x[-1, 100] = 50.0  # an outlier widens its block's step
+    return x
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pack_lays_out_every_level_and_unpack_restores_it(kind):
+    matrix = matrix_of(kind, d_out=37)
+    packed = pack(matrix)
+    assert packed.levels.shape == (3, 8, 16 * 32 * matrix.bits // 8)  # 37 rows: three panels, the last cut short
+    assert torch.equal(unpack_levels(packed.levels, matrix.bits, 37), matrix.levels)
+    # The first four inputs of row 1 sit in bytes 4..7 of block 0's first chunk (4-bit: the low nibbles).
+    first = packed.levels[0, 0, 4:8]
+    assert torch.equal(first & 0x0F if matrix.bits == 4 else first, matrix.levels[1, :4])
+
+
+def test_activations_are_the_readable_rounding_bit_for_bit(isa):
+    x = activations(5)
+    x[3, :32] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5] * 6 + [0.0, 127.0])  # exact halves: round to even
+    reference = quantize_rows_reference(x)
+    for got, want in zip(kernel_ops().quantize_rows(x), reference):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert torch.equal(reference[2], reference[0].float().reshape(10, -1, 32).sum(-1).to(torch.int32))
+    q, d, _ = quantize_block_rows(x)
+    assert q[3, :5].tolist() == [0, 2, 2, 0, -2]  # 0.5, 1.5, 2.5, -0.5, -2.5 at scale 1: half to even
+    # The second pass rounds what the first left over in steps of dx / 256: x is then within half of that
+    # step (a whole one where a leftover of exactly dx / 2 is cut to 127), plus the float32 rounding of
+    # the leftover (x - xq * dx: two roundings, of 2^-24 of |x| at most).
+    q2, d2, _ = quantize_rows_reference(x)
+    assert torch.equal(q2[0::2], q) and torch.equal(d2[1::2], d / 256)
+    gap = (x.double() - activation_rows(q2, d2)).abs().reshape(5, -1, 32)
+    top = x.abs().reshape(5, -1, 32).amax(-1, keepdim=True).double()
+    assert torch.all(gap <= d2[1::2, :, None].double() + 2**-23 * top) and gap.max() > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])  # tiles of 4 rows, and what is left over
+def test_kernel_equals_the_readable_product_within_float_rounding(isa, kind, rows):
+    matrix, x = matrix_of(kind), activations(rows)
+    bias = torch.randn(40)
+    reference = qmatmul_reference(*quantize_rows_reference(x), matrix, bias)
+    got = qlinear(x, pack(matrix), bias)
+    assert got.shape == (rows, 40) and got.dtype == torch.float32
+    bound = float_error_bound(x, matrix)
+    assert torch.all((got - reference).abs() <= bound)
+    # The bound is tight enough to catch a real mistake: the weights one level off, or one pass left out.
+    wrong = QuantizedMatrix(matrix.levels, matrix.scales, matrix.mins, matrix.bits, matrix.offset + 1,
+                            matrix.group_size, matrix.row_scale)
+    assert not torch.all((qmatmul_reference(*quantize_rows_reference(x), wrong, bias) - got).abs() <= bound)
+    one_pass = qmatmul_reference(*quantize_block_rows(x), matrix, bias, passes=1)
+    assert not torch.all((one_pass - got).abs() <= bound)
+    # And against the float product: the activations' rounding, at most half a step per input.
+    assert torch.all((got - F.linear(x, matrix.weight(), bias)).abs() <= activation_error_bound(x, matrix))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_path_gives_each_row_what_it_alone_gets(kind):
+    matrix, x = matrix_of(kind, d_out=70), activations(6)
+    packed = pack(matrix)
+    outs = {}
+    for name in build.supported_isas():
+        with build.use_isa(name):
+            outs[name] = qlinear(x, packed)
+            assert torch.equal(torch.cat([qlinear(row[None], packed) for row in x]), outs[name])
+    # The paths add in different orders, each within the float bound of the readable product.
+    reference = qmatmul_reference(*quantize_rows_reference(x), matrix)
+    for out in outs.values():
+        assert torch.all((out - reference).abs() <= float_error_bound(x, matrix))
+
+
+# --- llama.cpp's own code, through the libraries llama-cpp-python ships ------------------------
+
+@pytest.fixture(scope="module")
+def ggml():
+    """llama.cpp's ggml base and CPU libraries (quantizers, dequantizers, dot products)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    folder = Path(llama_cpp.__file__).parent / "lib"
+    base, cpu = ctypes.CDLL(str(folder / "libggml-base.so")), ctypes.CDLL(str(folder / "libggml-cpu.so"))
+    cpu.ggml_cpu_init()
+    return base, cpu
+
+
+def _floats(a: np.ndarray):
+    return a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+
+
+def ggml_dequantize(base, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    rows, d_in = blocks.shape[0], blocks.shape[1] // {"q4_0": 18, "q4_1": 20, "q8_0": 34}[qtype] * 32
+    out = np.zeros((rows, d_in), dtype=np.float32)
+    data = np.ascontiguousarray(blocks.numpy())
+    for r in range(rows):
+        getattr(base, f"dequantize_row_{qtype}")(data[r].ctypes.data_as(ctypes.c_void_p),
+                                                 _floats(out[r]), ctypes.c_int64(d_in))
+    return torch.from_numpy(out)
+
+
+def ggml_activations(base, x: torch.Tensor, kind: str):
+    """llama.cpp's own int8 rows (q8_0, or q8_1 with its fp16 d * sum): (bytes, q, d, sums)."""
+    rows, d_in = x.shape
+    size = 36 if kind == "q8_1" else 34
+    out = np.zeros((rows, d_in // 32 * size), dtype=np.uint8)
+    values = np.ascontiguousarray(x.numpy())
+    for r in range(rows):
+        getattr(base, f"quantize_row_{kind}_ref")(_floats(values[r]), out[r].ctypes.data_as(ctypes.c_void_p),
+                                                  ctypes.c_int64(d_in))
+    blocks = torch.from_numpy(out).reshape(rows, -1, size)
+    d = blocks[..., :2].contiguous().view(torch.float16)[..., 0].float()
+    q = blocks[..., size - 32:].contiguous().view(torch.int8)
+    return out, q.reshape(rows, d_in), d, q.sum(-1, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
+def test_weights_are_llama_cpps_dequantized_blocks_bit_for_bit(ggml, qtype):
+    torch.manual_seed(0)
+    weight = torch.randn(40, 256) * torch.logspace(-3, 1, 40)[:, None]
+    blocks = quantize_blocks(weight, qtype)  # llama.cpp's reference bytes (tests/transforms/test_ggml.py)
+    assert torch.equal(block_matrix(blocks, qtype).weight(), ggml_dequantize(ggml[0], blocks, qtype))
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
+def test_kernel_equals_llama_cpps_dot_products_on_its_own_activations(ggml, isa, qtype):
+    """Given llama.cpp's int8 activations, our integer sums are its integer sums: the outputs differ
+    only by float rounding (and q4_1's fp16-rounded d * sum, which llama.cpp uses for the minimum)."""
+    base, cpu = ggml
+    torch.manual_seed(0)
+    weight, x = torch.randn(40, 256) * 0.1, activations(3)
+    blocks = quantize_blocks(weight, qtype)
+    act_kind = "q8_1" if qtype == "q4_1" else "q8_0"
+    act_bytes, q, d, sums = ggml_activations(base, x, act_kind)
+    matrix = block_matrix(blocks, qtype)
+    ours = qmatmul(q, d, sums, pack(matrix), passes=1)
+    theirs = np.zeros((3, 40), dtype=np.float32)
+    dot = getattr(cpu, f"ggml_vec_dot_{qtype}_{act_kind}")
+    weights = np.ascontiguousarray(blocks.numpy())
+    for r in range(3):
+        for o in range(40):
+            dot(ctypes.c_int(256), _floats(theirs[r, o:]), ctypes.c_size_t(0), weights[o].ctypes.data_as(ctypes.c_void_p),
+                ctypes.c_size_t(0), act_bytes[r].ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(0), ctypes.c_int(1))
+    bound = summation_error_bound(dequantize_rows(q, d).abs(), matrix, passes=1)
+    if qtype == "q4_1":  # llama.cpp's m * fp16(d * sum) against our m * d * sum: 2^-11 of each block's term
+        block_terms = (d * sums.float()).abs()[:, None, :] * matrix.mins.float().abs()[None, :, :]
+        bound = bound + (2**-11 * block_terms).sum(-1)
+    error = (ours - torch.from_numpy(theirs)).abs()
+    assert torch.all(error <= bound)
+    assert error.max() < 1e-3 * torch.from_numpy(theirs).abs().max()
+
+
+# --- compiling, errors, and the machine without a compiler ------------------------------------
+
+def test_a_compiled_function_keeps_the_kernel_call_in_one_graph():
+    matrix = matrix_of("q4_1", d_out=48)
+    packed, bias = pack(matrix), torch.randn(48)
+
+    def step(x):
+        return torch.relu(qlinear(x * 2, packed, bias)) + 1
+
+    compiled = torch.compile(step, fullgraph=True)  # a graph break would raise
+    x = activations(1)
+    assert torch.equal(compiled(x), step(x))
+
+
+def test_wrong_operands_get_a_clear_error():
+    packed = pack(matrix_of("q4_0", d_out=16))
+    with pytest.raises(RuntimeError, match="input width 64 is not the weight's 256"):
+        qlinear(torch.randn(1, 64), packed)
+    with pytest.raises(RuntimeError, match="a row's width must be a multiple of 32"):
+        qlinear(torch.randn(1, 250), packed)
+    with pytest.raises(RuntimeError, match="scales must be contiguous fp16 or bf16"):
+        kernel_ops().qlinear(torch.randn(1, 256), packed.levels, packed.scales.float(), None, 4, 8, 1, 16, None, None)
+    with pytest.raises(ValueError, match="groups of whole blocks"):
+        pack(QuantizedMatrix(torch.zeros(4, 48, dtype=torch.uint8), torch.ones(4, 1).half(), None, 4, 8, 48))
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+def test_without_a_compiler_one_line_says_so_and_the_layers_run_pytorchs_kernels(tmp_path):
+    code = ("import torch; from glasslm.transforms.ggml import BlockLinear; "
+            "layer = BlockLinear.from_weight(torch.randn(16, 64), None, 'q4_1'); "
+            "print(type(layer._kernel_operands()).__name__, tuple(layer(torch.randn(1, 64)).shape))")
+    done = _python(code, CXX="/nonexistent/c++", TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["tuple", "(1,", "16)"]  # PyTorch's int4 kernel's operands
+    lines = [line for line in done.stderr.splitlines() if "glasslm" in line]
+    assert len(lines) == 1 and "could not be built" in lines[0] and "GLASSLM_KERNELS=off" in lines[0]
+    off = _python("from glasslm.kernels import build; print(build.load())", GLASSLM_KERNELS="off")
+    assert off.stdout.strip() == "None" and off.stderr == ""
+    wrong = _python("from glasslm.kernels import build; build.load()", GLASSLM_KERNELS="sse9")
+    assert "GLASSLM_KERNELS='sse9': choose one of scalar, avx2, avx512 or off" in wrong.stderr
