@@ -1,5 +1,5 @@
-"""Preference tuning (DPO, SimPO): the loss, rewards and margins against TRL's DPOTrainer (full and
-LoRA) and CPOTrainer (SimPO) on the same batch and weights; the LoRA reference is the adapter-free
+"""Preference tuning (DPO, SimPO, ORPO): the loss, rewards and margins against TRL's DPOTrainer (full
+and LoRA), CPOTrainer (SimPO) and ORPOTrainer (ORPO) on the same batch and weights; the LoRA reference is the adapter-free
 base; a tiny model learns a synthetic preference (held-out accuracy well above chance); bad preference
 data is refused with the line and field named; `glasslm finetune --method dpo` runs LoRA, QLoRA and
 full, logs the rewards, and resumes exactly."""
@@ -20,7 +20,9 @@ from glasslm.io.checkpoint import WEIGHTS_FILE, read_safetensors, resolve_checkp
 from glasslm.presets import get_preset
 from glasslm.tokenizers import CharTokenizer
 from glasslm.training.batches import PreferenceBatches
-from glasslm.training.dpo import DPOObjective, SimPOObjective, reference_model, sequence_log_probs
+from glasslm.training.dpo import (
+    DPOObjective, ORPOObjective, SimPOObjective, log1mexp, reference_model, sequence_log_probs,
+)
 from glasslm.training.finetune import FinetuneConfig, chat_batches, prepare_model
 from glasslm.transforms.lora import adapters_disabled, lora_layers
 
@@ -165,6 +167,49 @@ def test_the_simpo_loss_equals_trls_cpo_trainers_on_the_same_weights(tmp_path):
     assert abs((chosen - rejected).mean().item()) > 1e-2
 
 
+def test_the_orpo_loss_equals_trls_orpo_trainers_on_the_same_weights(tmp_path):
+    """ORPO's odds-ratio term and rewards are TRL's ORPOTrainer's (`get_batch_logps`, `odds_ratio_loss`)
+    on transformers' logits. Its supervised term covers the chosen answer's tokens, as in the paper;
+    TRL's ORPOTrainer also counts the prompt's, so that term is checked against PyTorch's cross-entropy
+    on the same logits and answer tokens."""
+    from types import SimpleNamespace
+
+    from trl.experimental.orpo import ORPOTrainer
+
+    from glasslm.hf import load_chat_template, load_model
+
+    beta = 0.5
+    hf_model = hf_llama(0).eval()
+    hf_model.save_pretrained(tmp_path / "policy")
+    hf_tokenizer().save_pretrained(tmp_path / "policy")
+    policy, tokenizer = load_model(tmp_path / "policy")
+    template = load_chat_template(tmp_path / "policy", tokenizer)
+    _, x, y, loss, stats = _our_step(policy, None, tokenizer, template, tmp_path, beta, ORPOObjective(beta))
+
+    labels = torch.full_like(x, -100)  # TRL's labels: the token itself at each answer position, unshifted
+    labels[:, 1:] = torch.where(y[:, :-1] != -100, x[:, 1:], -100)
+    with torch.no_grad():
+        logits = hf_model(x).logits
+        mean_log_probs = ORPOTrainer.get_batch_logps(logits, labels, average_log_prob=True)
+        nll = torch.nn.functional.cross_entropy(logits[0::2, :-1].reshape(-1, logits.shape[-1]),
+                                                labels[0::2, 1:].reshape(-1), ignore_index=-100)
+    trl = SimpleNamespace(beta=beta, accelerator=SimpleNamespace(device="cpu"))
+    ratio_terms, chosen, rejected, log_odds_ratio, _ = ORPOTrainer.odds_ratio_loss(trl, mean_log_probs[0::2],
+                                                                                  mean_log_probs[1::2])
+    assert loss.item() == pytest.approx((nll - ratio_terms.mean()).item(), rel=1e-5)
+    assert stats["nll_loss"].item() == pytest.approx(nll.item(), rel=1e-5)
+    assert stats["log_odds_ratio"].item() == pytest.approx(log_odds_ratio.item(), rel=1e-5)
+    assert stats["rewards/margins"].item() == pytest.approx((chosen - rejected).mean().item(), rel=1e-4)
+    assert abs(ratio_terms.mean().item()) > 1e-3 and abs((chosen - rejected).mean().item()) > 1e-2
+
+
+def test_log1mexp_is_the_closed_form_at_both_ends():
+    x = torch.tensor([-1e-8, -1e-3, -0.5, -0.7, -2.0, -40.0], dtype=torch.float64)
+    assert torch.allclose(log1mexp(x), torch.log(1 - torch.exp(x)), rtol=1e-6)
+    assert log1mexp(torch.tensor([-1e-10])).item() == pytest.approx(math.log(1e-10), rel=1e-6)  # 1 - e^x rounds to 0 in float32
+    assert log1mexp(torch.tensor([-100.0])).item() == pytest.approx(-math.exp(-100), rel=1e-6)
+
+
 # ----- the reference -----
 
 def _tiny(**overrides) -> TransformerLM:
@@ -245,6 +290,14 @@ def test_simpo_learns_the_same_preference_without_a_reference(prefs):
     records = _dpo(prefs, "simpo", "--method", "simpo", "--dpo-beta", "2.0", "--full", "--lr", "3e-3",
                    "--max-steps", "100", "--eval-interval", "100")
     assert records[-1]["val_rewards/accuracies"] >= 0.8
+
+
+def test_orpo_learns_the_same_preference_without_a_reference(prefs):
+    records = _dpo(prefs, "orpo", "--method", "orpo", "--dpo-beta", "1.0", "--full", "--lr", "3e-3",
+                   "--max-steps", "100", "--eval-interval", "100")
+    first, last = records[0], records[-1]
+    assert "nll_loss" in first and "log_odds_ratio" in first
+    assert last["val_rewards/accuracies"] >= 0.8  # chance is 0.5
 
 
 @pytest.mark.parametrize("extra", [(), ("--quantize", "int4"), ("--full",)], ids=["lora", "qlora", "full"])

@@ -16,22 +16,21 @@ from glasslm.data.problems import load_problems, read_problems
 from glasslm.data.sft import IGNORE_INDEX, SFTExample, padded_batch
 from glasslm.io.checkpoint import resolve_checkpoint, save_checkpoint
 from glasslm.presets import get_preset
-from glasslm.training.dpo import token_log_probs
 from glasslm.tokenizers import CharTokenizer
-from glasslm.training.grpo import group_advantages, grpo_loss
-from glasslm.training.rewards import load_reward, score
+from glasslm.training.grpo import completion_log_probs, group_advantages, grpo_loss
+from glasslm.evaluation.rewards import load_reward, score
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _trl_trainer(model: str, tmp_path, beta: float, epsilon: float, group_size: int):
+def _trl_trainer(model: str, tmp_path, beta: float, epsilon: float, group_size: int, temperature: float = 1.0):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, beta=beta, epsilon=epsilon,
                       num_generations=group_size, per_device_train_batch_size=4, max_completion_length=8,
-                      save_strategy="no", bf16=False)
+                      save_strategy="no", bf16=False, temperature=temperature)
     return GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
                        train_dataset=Dataset.from_list([{"prompt": "ab"}] * 4), processing_class=hf_tokenizer())
 
@@ -73,17 +72,19 @@ def _our_batch():
     return padded_batch(examples, 128)
 
 
-@pytest.mark.parametrize("beta", [0.04, 0.0])
-def test_the_loss_equals_trls_on_the_same_samples(tmp_path, beta):
+@pytest.mark.parametrize("beta, temperature", [(0.04, 1.0), (0.0, 1.0), (0.04, 0.7)])
+def test_the_loss_equals_trls_on_the_same_samples(tmp_path, beta, temperature):
+    """At a sampling temperature T both score the tokens under softmax(logits / T), the distribution sampled."""
     from glasslm.hf import load_model
 
     epsilon = 0.2
     hf_llama(0).save_pretrained(tmp_path / "policy")
     hf_tokenizer().save_pretrained(tmp_path / "policy")
     policy, _ = load_model(tmp_path / "policy")
-    trainer = _trl_trainer(str(tmp_path / "policy"), tmp_path, beta, epsilon, group_size=2)  # its reference: the same file
+    trainer = _trl_trainer(str(tmp_path / "policy"), tmp_path, beta, epsilon, group_size=2,
+                           temperature=temperature)  # its reference: the same file
     x, y = _our_batch()
-    ours = token_log_probs(policy(x), y)                                                 # (rows, width)
+    ours = completion_log_probs(policy(x), y, temperature)                               # (rows, width)
     trl_inputs = _trl_inputs(None, None, None)
     with torch.no_grad():
         trl_logps, _ = trainer._get_per_token_logps_and_entropies(

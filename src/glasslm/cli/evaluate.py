@@ -1,5 +1,7 @@
 """`glasslm eval --checkpoint DIR --data TEXT`: loss, perplexity and bits per byte of a model on a text;
-`glasslm eval --checkpoint DIR --tasks NAME[,NAME]`: lm-evaluation-harness tasks, in this process."""
+`glasslm eval --checkpoint DIR --tasks NAME[,NAME]`: lm-evaluation-harness tasks, in this process;
+`glasslm eval --checkpoint DIR --problems JSONL --reward exact_match`: greedy answers to problems with
+checkable answers, scored by the reward a GRPO run trains with (its held-out measure)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ class EvalData:
     data: str | None = field(default=None, metadata={"one_of": "what"})
     # comma-separated lm-eval task names (standard ones download their data from the hub), instead of --data
     tasks: str | None = field(default=None, metadata={"one_of": "what"})
+    # problems JSONL (prompt or messages, answer; what finetune --method grpo trains on): greedy answers
+    # scored by --reward, instead of --data
+    problems: str | None = field(default=None, metadata={"one_of": "what", "metavar": "JSONL"})
     data_dir: str | None = None  # where datasets are kept; none: $GLASSLM_DATA_DIR, else ~/.cache/glasslm
     split: Split = "val"  # which part to score, split as in training (val: the text
                                                    # training did not see)
@@ -38,18 +43,33 @@ class TaskOptions:
     include_path: str | None = None  # a folder of your own task YAMLs (and the data files they name)
     num_fewshot: int | None = field(default=None, metadata={"minimum": 0})  # examples before each question;
                                                                              # none: the task's default
-    limit: int | None = field(default=None, metadata={"minimum": 1})  # score only the first N documents of each task
-    output: str | None = None  # also write lm-eval's results as JSON to this file
+    # score only the first N documents of each task (--problems: the first N problems)
+    limit: int | None = field(default=None, metadata={"minimum": 1})
+    # also write the results as JSON to this file (lm-eval's; --problems: each answer and its reward)
+    output: str | None = None
 
 
-def evaluate(source: CheckpointOption, data: EvalData, tasks: TaskOptions, scoring: EvalConfig,
-             runtime: RuntimeOptions) -> int:
+@dataclass
+class ProblemOptions:
+    """problems with checkable answers, with --problems (scored as finetune --method grpo rewards them)"""
+
+    # exact_match, regex:PATTERN, MODULE:FUNCTION or file.py:FUNCTION (glasslm.evaluation.rewards)
+    reward: str = "exact_match"
+    max_new_tokens: int = field(default=32, metadata={"minimum": 1})  # the longest answer written
+    chat_template: str | None = field(default=None, metadata={"metavar": "FILE"})  # Jinja file; none: the model's
+    show: int = field(default=0, metadata={"minimum": 0})  # print the first N answers with their rewards
+
+
+def evaluate(source: CheckpointOption, data: EvalData, tasks: TaskOptions, problems: ProblemOptions,
+             scoring: EvalConfig, runtime: RuntimeOptions) -> int:
     import time
 
     from glasslm.evaluation.perplexity import evaluate_text
 
-    if data.tasks:  # the parser allows exactly one of --data and --tasks
+    if data.tasks:  # the parser allows exactly one of --data, --tasks and --problems
         return _run_tasks(source, data.tasks, tasks, scoring.batch_size, runtime)
+    if data.problems:
+        return _run_problems(source, data.problems, problems, tasks, scoring.batch_size, runtime)
 
     model, tokenizer = load_for_inference(source.checkpoint, runtime, need_tokenizer=False, base=source.base)
     tokenizer, text, ids, described = _text_to_score(model, tokenizer, source.checkpoint, data, scoring)
@@ -89,6 +109,44 @@ def _run_tasks(source: CheckpointOption, task_names: str, options: TaskOptions, 
         keep = {key: results[key] for key in ("results", "versions", "n-shot", "config") if key in results}
         Path(options.output).write_text(json.dumps(keep, indent=2, default=str), encoding="utf-8")
         print(f"results written to {options.output}")
+    return 0
+
+
+def _run_problems(source: CheckpointOption, path: str, options: ProblemOptions, tasks: TaskOptions,
+                  batch_size: int, runtime: RuntimeOptions) -> int:
+    """Answer the problems greedily, score them with the reward, print accuracy (and --show answers)."""
+    import json
+    import time
+    from pathlib import Path
+
+    from glasslm.data.problems import load_problems
+    from glasslm.evaluation.problems import check_answers, score_problems
+    from glasslm.evaluation.rewards import load_reward
+    from glasslm.hf import load_chat_template
+
+    reward = load_reward(options.reward)  # a bad --reward is refused before the model loads
+    model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True, base=source.base)
+    template = load_chat_template(source.checkpoint, tokenizer, options.chat_template)
+    if template is None:
+        raise ValueError(f"{source.checkpoint} has no chat template (chat_template.jinja or tokenizer_config.json's "
+                         "chat_template): give one with --chat-template FILE")
+    problems = load_problems(path, tokenizer, template)[:tasks.limit]
+    check_answers(problems, options.reward, reward, path)
+    start = time.perf_counter()
+    result = score_problems(model, tokenizer, problems, reward, options.max_new_tokens, batch_size)
+    seconds = time.perf_counter() - start
+    for answer in result.answers[:options.show]:
+        print(f"reward {answer.reward:g}  expected {answer.expected!r}  prompt {answer.prompt!r}\n  answer {answer.completion!r}")
+    solved = sum(a.reward >= 1.0 for a in result.answers)
+    print(f"problems: {path} ({result.count} problems; reward {options.reward}; greedy, up to "
+          f"{options.max_new_tokens} new tokens)")
+    print(f"accuracy {result.accuracy:.4f} ({solved}/{result.count} with reward 1)  mean reward {result.mean_reward:.4f}  "
+          f"({seconds:.1f} s)")
+    if tasks.output:
+        summary = {"problems": path, "reward": options.reward, "accuracy": result.accuracy,
+                   "mean_reward": result.mean_reward, "answers": [dataclasses.asdict(a) for a in result.answers]}
+        Path(tasks.output).write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        print(f"results written to {tasks.output}")
     return 0
 
 
@@ -135,9 +193,11 @@ def _check_same_tokenizer(model_tokenizer: Any, data_tokenizer: Any, ids: Any, v
                          "prepare it with --tokenizer pointing at the checkpoint")
 
 
-COMMAND = Command("eval", evaluate, "loss, perplexity and bits per byte of a checkpoint on a text, or lm-eval tasks",
+COMMAND = Command("eval", evaluate, "loss, perplexity and bits per byte of a checkpoint on a text, lm-eval tasks, "
+                  "or accuracy on problems",
                   examples=(
                       'glasslm eval --checkpoint runs/shakespeare-char-cpu --data tinyshakespeare',
                       'glasslm eval --checkpoint runs/shakespeare-char-cpu --data my.txt --split all --stride 32',
                       'glasslm eval --checkpoint runs/llama --tasks hellaswag,arc_easy --limit 100 --output results.json',
+                      'glasslm eval --checkpoint runs/grpo --problems heldout.jsonl --reward exact_match --show 3',
                   ))

@@ -1,5 +1,5 @@
 """Problems for reinforcement learning from a verifiable reward (glasslm.training.grpo): a prompt the
-model answers, and the answer a reward checks it against (glasslm.training.rewards).
+model answers, and the answer a reward checks it against (glasslm.evaluation.rewards).
 
 One JSON record a line, in the shapes TRL's prompt-only datasets take:
 

@@ -15,7 +15,9 @@ a full fine-tune keeps a frozen copy of the starting weights.
 
 This is TRL's `DPOTrainer` with its default loss ("sigmoid"); tests/training/test_dpo.py checks the
 loss, rewards and margins against it on the same batch and weights. SimPO (`simpo_loss`) is the
-reference-free relative: the mean token log-probability in place of the sum, and a margin γ.
+reference-free relative: the mean token log-probability in place of the sum, and a margin γ. ORPO
+(`orpo_loss`, Hong et al., 2024) is another: the supervised loss on the chosen answer plus β times
+-log σ of the log odds ratio of the two answers' mean token probabilities.
 
 Example (a policy that prefers the chosen completions more than its reference does):
     >>> import torch
@@ -79,6 +81,26 @@ def simpo_loss(policy_chosen_mean: Float[Tensor, "pairs"], policy_rejected_mean:
     return losses.mean(), reward_stats(chosen_rewards, rejected_rewards)
 
 
+def log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation at either end (Mächler, 2012)."""
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo_loss(policy_chosen_mean: Float[Tensor, "pairs"], policy_rejected_mean: Float[Tensor, "pairs"],
+              chosen_nll: Float[Tensor, ""], beta: float) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
+    """ORPO (Hong et al., 2024), which needs no reference: with m(y) the mean log-probability of the
+    answer's tokens, odds(y) = e^m / (1 - e^m) and
+    L = NLL(y_w) - β mean(log σ(log odds(y_w) - log odds(y_l))), where NLL(y_w) is the chosen answers'
+    cross-entropy (TRL's ORPOTrainer, whose β is the paper's λ; its rewards are β m(y))."""
+    log_odds = (policy_chosen_mean - policy_rejected_mean) \
+        - (log1mexp(policy_chosen_mean) - log1mexp(policy_rejected_mean))                  # (pairs,)
+    log_odds_ratio = F.logsigmoid(log_odds)                                                # (pairs,)
+    stats = reward_stats(beta * policy_chosen_mean, beta * policy_rejected_mean)
+    stats |= {"nll_loss": chosen_nll.detach(), "log_odds_ratio": log_odds_ratio.detach().mean(),
+              "log_odds_chosen": log_odds.detach().mean()}
+    return chosen_nll - beta * log_odds_ratio.mean(), stats
+
+
 def reward_stats(chosen_rewards: Float[Tensor, "pairs"], rejected_rewards: Float[Tensor, "pairs"]) -> dict[str, Tensor]:
     """TRL's logged statistics: the mean rewards, their mean margin, how often the chosen one's is higher."""
     chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
@@ -137,11 +159,25 @@ class SimPOObjective(PairObjective):
         return simpo_loss(mean_log_probs[0::2], mean_log_probs[1::2], self.beta, self.gamma)
 
 
+class ORPOObjective(PairObjective):
+    """The ORPO loss: no reference model; the chosen answers' cross-entropy plus the odds-ratio term."""
+
+    def pair_loss(self, model: nn.Module, x: Int[Tensor, "rows seq"],
+                  y: Int[Tensor, "rows seq"]) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
+        per_token = token_log_probs(model(x), y)                                      # (2 * pairs, seq)
+        answer_tokens = (y != IGNORE_INDEX).sum(dim=-1)                               # (2 * pairs,)
+        mean_log_probs = per_token.sum(dim=-1) / answer_tokens.clamp(min=1)           # (2 * pairs,)
+        chosen_nll = -per_token[0::2].sum() / answer_tokens[0::2].sum().clamp(min=1)  # every chosen token alike
+        return orpo_loss(mean_log_probs[0::2], mean_log_probs[1::2], chosen_nll, self.beta)
+
+
 def preference_objective(method: str, model: TransformerLM, full: bool, beta: float,
                          simpo_gamma: float) -> PairObjective:
-    """The objective `glasslm finetune --method dpo|simpo` trains `model` (as `prepare_model` returns it) on."""
+    """The objective `glasslm finetune --method dpo|simpo|orpo` trains `model` (as `prepare_model` returns it) on."""
     if method == "simpo":
         return SimPOObjective(beta, simpo_gamma)
+    if method == "orpo":
+        return ORPOObjective(beta)
     return DPOObjective(reference_model(model, full), beta)
 
 

@@ -52,16 +52,21 @@ class FinetuneConfig:
 
     # sft: learn the assistant turns of conversations; dpo: prefer each record's chosen completion to
     # its rejected one (preference JSONL: prompt, chosen, rejected; glasslm.training.dpo); simpo: the
-    # same without a reference model, on each answer's mean token log-probability; grpo: raise a reward
-    # on sampled answers (problem JSONL: prompt, answer; glasslm.training.grpo)
-    method: Literal["sft", "dpo", "simpo", "grpo"] = "sft"
-    # DPO, SimPO: the β of the reward (DPO: a smaller β lets the model move further from the reference)
+    # same without a reference model, on each answer's mean token log-probability; orpo: the chosen
+    # answer's supervised loss plus an odds-ratio preference term, no reference; grpo: raise a reward on
+    # sampled answers (problem JSONL: prompt, answer; glasslm.training.grpo)
+    method: Literal["sft", "dpo", "simpo", "orpo", "grpo"] = "sft"
+    # DPO, SimPO, ORPO: the β of the reward (DPO: a smaller β lets the model move further from the
+    # reference; ORPO: the weight λ of the odds-ratio term)
     dpo_beta: float = 0.1
     simpo_gamma: float = 0.5  # SimPO: the margin γ the chosen answer's reward must clear
-    # GRPO: exact_match, regex:PATTERN, MODULE:FUNCTION or file.py:FUNCTION (glasslm.training.rewards)
+    # GRPO: exact_match, regex:PATTERN, MODULE:FUNCTION or file.py:FUNCTION (glasslm.evaluation.rewards)
     reward: str | None = None
     group_size: int = field(default=4, metadata={"minimum": 2})  # GRPO: completions sampled per prompt
     max_new_tokens: int = field(default=32, metadata={"minimum": 1})  # GRPO: the longest completion sampled
+    # GRPO: the sampling temperature; the log-probabilities the loss uses are of the same tempered
+    # distribution (TRL's temperature). A small model's answers at 1 are often too noisy to earn a reward
+    temperature: float = 1.0
     grpo_beta: float = 0.04  # GRPO: weight of the KL term to the reference (0: none, no reference kept)
     grpo_epsilon: float = 0.2  # GRPO: the probability ratio is clipped to [1 - ε, 1 + ε]
     full: bool = False  # train every weight instead of LoRA adapters
@@ -102,9 +107,9 @@ class FinetuneConfig:
                              "(QLoRA is LoRA on a quantized base)")
         if not self.full:
             self.lora()
-        if self.method not in ("sft", "dpo", "simpo", "grpo"):
-            raise ValueError(f"method: unknown fine-tuning method {self.method!r} (sft, dpo, simpo, grpo)")
-        if self.method in ("dpo", "simpo") and not self.dpo_beta > 0:
+        if self.method not in ("sft", "dpo", "simpo", "orpo", "grpo"):
+            raise ValueError(f"method: unknown fine-tuning method {self.method!r} (sft, dpo, simpo, orpo, grpo)")
+        if self.method in ("dpo", "simpo", "orpo") and not self.dpo_beta > 0:
             raise ValueError(f"--dpo-beta must be positive, got {self.dpo_beta}")
         if self.method == "grpo":
             self._check_grpo()
@@ -122,6 +127,8 @@ class FinetuneConfig:
         if self.group_size < 2 or self.max_new_tokens < 1:
             raise ValueError(f"--group-size must be at least 2 and --max-new-tokens at least 1, got {self.group_size} "
                              f"and {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"--temperature must be positive (GRPO samples), got {self.temperature}")
         if not self.grpo_epsilon > 0 or not self.grpo_beta >= 0:
             raise ValueError(f"--grpo-epsilon must be positive and --grpo-beta at least 0, got {self.grpo_epsilon} "
                              f"and {self.grpo_beta}")

@@ -1,6 +1,6 @@
 """Group Relative Policy Optimization (Shao et al., 2024, DeepSeekMath): reinforcement learning from a
 verifiable reward, with no value model. For each prompt the policy samples a group of G completions;
-each is scored by a plain function (glasslm.training.rewards), and a completion's advantage is how
+each is scored by a plain function (glasslm.evaluation.rewards), and a completion's advantage is how
 much better it scored than its group:
 
     A_i      = (r_i - mean(r_group)) / (std(r_group) + 1e-4)                  (`group_advantages`)
@@ -44,12 +44,13 @@ from torch import Tensor, nn
 from glasslm.core.model import TransformerLM
 from glasslm.data.problems import EncodedProblem, load_problems
 from glasslm.data.sft import IGNORE_INDEX, SFTExample, padded_batch
+from glasslm.evaluation.problems import prompt_text
+from glasslm.evaluation.rewards import Reward, load_reward, score
 from glasslm.generation.decoding import decode_steps
 from glasslm.generation.sampling import GenerationConfig, with_eos, with_vocab_limit
 from glasslm.training.batches import ProblemBatches
 from glasslm.training.dpo import reference_model, token_log_probs
 from glasslm.training.finetune import FinetuneConfig
-from glasslm.training.rewards import Reward, load_reward, score
 
 ADVANTAGE_EPS = 1e-4  # TRL's: keeps a group whose rewards are all equal at advantage 0
 
@@ -109,6 +110,12 @@ def sample_completions(model: TransformerLM, prompts: Sequence[Sequence[int]], c
     return completions
 
 
+def completion_log_probs(logits: Float[Tensor, "rows seq vocab"], labels: Int[Tensor, "rows seq"],
+                         temperature: float) -> Float[Tensor, "rows seq"]:
+    """log p(label) under the distribution the completions were sampled from: softmax(logits / T)."""
+    return token_log_probs(logits / temperature if temperature != 1.0 else logits, labels)
+
+
 def completion_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                     context_length: int) -> tuple[Int[Tensor, "rows seq"], Int[Tensor, "rows seq"]]:
     """(prompt + completion ids, labels on the completion's tokens only), right-padded."""
@@ -133,15 +140,16 @@ class GRPOObjective:
         group = [self.problems[i] for i in x[:, 0].tolist() for _ in range(self.group_size)]
         prompts = [p.prompt_ids for p in group]
         completions = self._sample(model, prompts)
-        rewards = torch.tensor([score(self.reward, p.problem.prompt[-1].get("content") or "", self._text(c),
-                                      p.problem.answer) for p, c in zip(group, completions)])
+        rewards = torch.tensor([score(self.reward, prompt_text(p), self._text(c), p.problem.answer)
+                                for p, c in zip(group, completions)])
         ids, labels = completion_rows(prompts, completions, model.config.context_length)  # (rows, seq) each
         ids, labels = ids.to(x.device), labels.to(x.device)
-        policy = token_log_probs(model(ids), labels)                                       # (rows, seq)
+        temperature = self.generation.temperature
+        policy = completion_log_probs(model(ids), labels, temperature)                     # (rows, seq)
         reference = None
         if self.beta != 0.0:
             with torch.no_grad():
-                reference = token_log_probs(self.reference(ids), labels)                   # (rows, seq)
+                reference = completion_log_probs(self.reference(ids), labels, temperature)  # (rows, seq)
         advantages = group_advantages(rewards, self.group_size).to(policy.device)          # (rows,)
         loss, stats = grpo_loss(policy, policy.detach(), reference, advantages, labels != IGNORE_INDEX,
                                 self.epsilon, self.beta)
@@ -170,13 +178,14 @@ def grpo_setup(data: str, model: TransformerLM, tokenizer: Any, template: str,
                config: FinetuneConfig) -> tuple[tuple[ProblemBatches, None], GRPOObjective]:
     """(the problems as batches, no held-out set; the objective) `glasslm finetune --method grpo` trains
     `model` (as `prepare_model` returns it, before training moves it) with. Completions are sampled at
-    temperature 1 from the model's own distribution, stopping at its eos ids, as TRL's defaults do."""
+    `config.temperature` (1 by default: the model's own distribution), stopping at its eos ids, as TRL does."""
     if tokenizer is None:
         raise ValueError("the base holds no tokenizer, so the problems cannot be encoded")
     assert config.reward is not None  # FinetuneConfig.check
     reward = load_reward(config.reward)
     problems = load_problems(data, tokenizer, template)
-    generation = with_vocab_limit(with_eos(GenerationConfig(max_new_tokens=config.max_new_tokens), model, tokenizer),
+    generation = with_vocab_limit(with_eos(GenerationConfig(max_new_tokens=config.max_new_tokens,
+                                                                    temperature=config.temperature), model, tokenizer),
                                   model, tokenizer)
     reference = reference_model(model, config.full) if config.grpo_beta != 0.0 else None
     objective = GRPOObjective(problems, tokenizer, reward, reference, generation, config.group_size,

@@ -1,4 +1,4 @@
-"""Verifiable rewards for GRPO (glasslm.training.grpo): plain Python functions that score a completion.
+"""Verifiable rewards for GRPO (glasslm.training.grpo) and for scoring answers (glasslm.evaluation.problems): plain Python functions that score a completion.
 
 A reward is `reward(prompt: str, completion: str) -> float`; one that also takes an `answer`
 argument receives the problem's expected answer (glasslm.data.problems; None where the record has
@@ -79,6 +79,8 @@ def _import(module: str, spec: str):
         return importlib.import_module(module)
     except ImportError as err:
         raise ValueError(f"--reward {spec!r}: cannot import {module!r} ({err})") from None
+    except Exception as err:  # the module itself fails: a syntax error, a name it lacks
+        raise ValueError(f"--reward {spec!r}: importing {module!r} failed: {type(err).__name__}: {err}") from None
 
 
 def _module_from_file(path: str, spec: str):
@@ -89,7 +91,11 @@ def _module_from_file(path: str, spec: str):
     assert loaded is not None and loaded.loader is not None
     module = importlib.util.module_from_spec(loaded)
     sys.modules[loaded.name] = module
-    loaded.loader.exec_module(module)
+    try:
+        loaded.loader.exec_module(module)
+    except Exception as err:  # a syntax error, an import inside it that fails, ...
+        del sys.modules[loaded.name]
+        raise ValueError(f"--reward {spec!r}: running {path} failed: {type(err).__name__}: {err}") from None
     return module
 
 
