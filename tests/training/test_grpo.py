@@ -18,6 +18,7 @@ from glasslm.io.checkpoint import resolve_checkpoint, save_checkpoint
 from glasslm.presets import get_preset
 from glasslm.tokenizers import CharTokenizer
 from glasslm.training.grpo import completion_log_probs, group_advantages, grpo_loss
+from glasslm.training.plot import signals_logged
 from glasslm.evaluation.rewards import load_reward, score
 
 
@@ -222,6 +223,10 @@ def test_a_tiny_model_learns_to_raise_its_reward(problems):
     assert records[0]["reward"] < 0.3
     assert sum(r["reward"] for r in records[-4:]) / 4 > 0.8
     assert records[-1]["kl"] > 0.1  # the policy has moved from its reference
+    assert main(["plot", str(problems / "grpo")]) == 0  # the loss row, and below it reward, KL and lengths per step
+    png = (problems / "grpo" / "loss.png").read_bytes()
+    assert int.from_bytes(png[20:24], "big") > 800  # the image's height: two rows of panels (one row is 440)
+    assert [key for key, _ in signals_logged(records)] == ["reward", "kl", "completion_length"]
 
 
 def test_a_lora_run_with_exact_match_logs_its_rewards_and_resumes(problems):
