@@ -285,7 +285,7 @@ def test_the_package_exposes_its_main_names():
     (["generate", "--checkpoint", "x", "--prompt", "a", "--interactive"], "not allowed with argument"),
     (["convert", "--out", "o"], "one of the arguments --from-hf --to-hf --from-gguf --to-gguf --from-peft --to-peft --from is required"),
     (["convert", "--to-hf", "--from-hf", "h", "--out", "o"], "not allowed with argument"),
-    (["eval", "--checkpoint", "x"], "one of the arguments --data --tasks is required"),
+    (["eval", "--checkpoint", "x"], "one of the arguments --data --tasks --problems is required"),
     (["eval", "--checkpoint", "x", "--data", "d", "--tasks", "t"], "not allowed with argument"),
     (["sample", "--checkpoint", "x", "--lookahead", "0"], "--lookahead: must be at least 1, got 0"),
     (["train-tokenizer", "--vocab-size", "300", "--out", "o"], "required: INPUTS"),

@@ -245,12 +245,16 @@ def test_a_lora_run_with_exact_match_logs_its_rewards_and_resumes(problems):
     (("--reward", "exact_match", "--grpo-epsilon", "0"), "grpo-epsilon"),
     (("--reward", "exact_match", "--lora-bias", "all"), "reference"),
     (("--reward", "nowhere_module:f"), "cannot import"),
+    (("--reward", "exact_match", "--data", "unanswered"), "have no 'answer' field"),
     (("--reward", "exact_match", "--max-new-tokens", "46"), "no room for --max-new-tokens 46"),
 ])
 def test_grpo_options_are_checked(problems, extra, message, capsys):
     args = ["finetune", "--checkpoint", str(problems / "base"), "--method", "grpo", "--data",
             str(problems / "problems.jsonl"), "--chat-template", str(problems / "t.jinja"), "--out", str(problems / "bad"),
             "--max-steps", "1", "--no-progress", *extra]
+    if "unanswered" in extra:
+        _write_jsonl(problems / "unanswered", [{"prompt": "abc", "answer": "a"}, {"prompt": "bcd"}])
+        args[args.index("unanswered")] = str(problems / "unanswered")
     try:
         code = main(args)
     except SystemExit as exited:  # argparse's own checks (a minimum)

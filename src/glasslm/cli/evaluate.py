@@ -41,8 +41,8 @@ class TaskOptions:
     """lm-evaluation-harness tasks, with --tasks (needs lm-eval: the eval extra)"""
 
     include_path: str | None = None  # a folder of your own task YAMLs (and the data files they name)
-    num_fewshot: int | None = field(default=None, metadata={"minimum": 0})  # examples before each question;
-                                                                             # none: the task's default
+    # examples before each question; none: the task's default
+    num_fewshot: int | None = field(default=None, metadata={"minimum": 0})
     # score only the first N documents of each task (--problems: the first N problems)
     limit: int | None = field(default=None, metadata={"minimum": 1})
     # also write the results as JSON to this file (lm-eval's; --problems: each answer and its reward)

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from glasslm.core.model import TransformerLM
 from glasslm.data.problems import EncodedProblem, load_problems
 from glasslm.data.sft import IGNORE_INDEX, SFTExample, padded_batch
-from glasslm.evaluation.problems import prompt_text
+from glasslm.evaluation.problems import check_answers, prompt_text
 from glasslm.evaluation.rewards import Reward, load_reward, score
 from glasslm.generation.decoding import decode_steps
 from glasslm.generation.sampling import GenerationConfig, with_eos, with_vocab_limit
@@ -184,6 +184,7 @@ def grpo_setup(data: str, model: TransformerLM, tokenizer: Any, template: str,
     assert config.reward is not None  # FinetuneConfig.check
     reward = load_reward(config.reward)
     problems = load_problems(data, tokenizer, template)
+    check_answers(problems, config.reward, reward, data)  # before any sampling, not at the first unanswered draw
     generation = with_vocab_limit(with_eos(GenerationConfig(max_new_tokens=config.max_new_tokens,
                                                                     temperature=config.temperature), model, tokenizer),
                                   model, tokenizer)
