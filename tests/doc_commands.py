@@ -262,6 +262,7 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     'python benchmarks/bench_tokenizers.py --data-dir "$GLASSLM_DATA_DIR"': Run(add=("--smoke", "--big"), process=True,
                                                                                 slow=True),
     "python benchmarks/bench_serve.py": Run(add=("--smoke",), process=True, slow=True),
+    "python benchmarks/bench_posttrain.py --threads 1 --repeats 5": Run(add=("--smoke",), process=True, slow=True),
     "python benchmarks/bench_serve.py --mix": Run(add=("--smoke",), process=True, slow=True),
     # docs/generation.md
     "python benchmarks/bench_compile.py": Run(add=("--smoke",), process=True, slow=True,
@@ -375,6 +376,13 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
         add=FINETUNE_RUN, needs=("BASE", "prefs.jsonl"), slow=True, creates=("runs/simpo/latest",)),
     "glasslm finetune --checkpoint BASE --method grpo --data problems.jsonl --reward exact_match --out runs/grpo": Run(
         add=FINETUNE_RUN, needs=("BASE", "problems.jsonl"), creates=("runs/grpo/latest",)),
+    "glasslm finetune --checkpoint BASE --method orpo --data prefs.jsonl --out runs/orpo": Run(
+        add=FINETUNE_RUN, needs=("BASE", "prefs.jsonl"), slow=True, creates=("runs/orpo/latest",)),
+    "glasslm eval --checkpoint BASE --problems heldout.jsonl --reward exact_match --max-new-tokens 12 --show 2": Run(
+        needs=("BASE", "heldout.jsonl"), expect=("accuracy", "expected")),
+    "glasslm eval --checkpoint runs/grpo --problems heldout.jsonl --reward exact_match --max-new-tokens 12": Run(
+        needs=("runs/grpo", "heldout.jsonl"), expect=("accuracy",)),
+    "glasslm plot runs/grpo": Run(needs=("runs/grpo",), creates=("runs/grpo/loss.png",)),
     "glasslm finetune --checkpoint BASE --method grpo --data problems.jsonl --reward my_rewards.py:brevity --group-size "
     "8 --grpo-beta 0 --out runs/grpo-own": Run(add=FINETUNE_RUN, needs=("BASE", "problems.jsonl", "my_rewards.py"),
                                                slow=True, creates=("runs/grpo-own/latest",)),
@@ -414,6 +422,7 @@ MAKERS = {
     "runs/adapter": "glasslm convert --from-peft path/to/peft-adapter --base path/to/base --out runs/adapter",
     "runs/shakespeare-data": "glasslm prepare tinyshakespeare --tokenizer runs/shakespeare-char-cpu --out "
                              "runs/shakespeare-data",
+    "runs/grpo": "glasslm finetune --checkpoint BASE --method grpo --data problems.jsonl --reward exact_match --out runs/grpo",
 }
 
 
@@ -737,6 +746,8 @@ STAND_INS = {
         {"prompt": "one and one?", "answer": "two"},
         {"messages": [{"role": "system", "content": "answer in a word."}, {"role": "user", "content": "say yes"}],
          "answer": "yes"}))),
+    "heldout.jsonl": _write(lambda sandbox: "".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in (
+        ("two and two?", "four"), ("say no", "no"), ("one and two?", "three")))),
     "my_rewards.py": _write(lambda sandbox: "def brevity(prompt, completion):\n    return -len(completion)\n"),
     "t.jinja": _write(lambda sandbox: TEMPLATE),
 }
