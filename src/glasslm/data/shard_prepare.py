@@ -37,6 +37,7 @@ import shutil
 import tempfile
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -68,21 +69,35 @@ class ReadOptions:
     streaming: bool = False  # datasets.load_dataset(..., streaming=True)
 
 
-def tokenizer_sha256(tokenizer: Tokenizer) -> str:
+def tokenizer_sha256(tokenizer: Tokenizer, saved: str | os.PathLike | None = None) -> str:
     """The sha256 of the files `tokenizer.save` writes (names and bytes): two tokenizers with the same
-    files give every text the same ids."""
+    files give every text the same ids. `saved`: a directory already holding only those files."""
+    if saved is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer.save(tmp)
+            return tokenizer_sha256(tokenizer, tmp)
     digest = hashlib.sha256()
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save(tmp)
-        for path in sorted(Path(tmp).rglob("*")):
-            if path.is_file():
-                digest.update(path.relative_to(tmp).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(Path(saved).rglob("*")):
+        if path.is_file():
+            digest.update(path.relative_to(saved).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
 # --- tokenizing in parallel ---------------------------------------------------------------------------------
 
 _WORKER_TOKENIZER: Tokenizer | None = None  # the worker processes' tokenizer (set by their initializer)
+Encoded = tuple[np.ndarray, np.ndarray]  # (every text's ids one after another (int64), each text's count)
+
+
+def flat_ids(ids_list: Sequence[Sequence[int]]) -> Encoded:
+    """Lists of ids as one int64 array and their lengths (arrays cross processes far faster than lists).
+
+    >>> ids, lengths = flat_ids([[1, 2], [], [3]])
+    >>> ids.tolist(), lengths.tolist()
+    ([1, 2, 3], [2, 0, 1])
+    """
+    lengths = np.fromiter(map(len, ids_list), dtype=np.int64, count=len(ids_list))
+    return np.fromiter(chain.from_iterable(ids_list), dtype=np.int64, count=int(lengths.sum())), lengths
 
 
 def _start_worker(tokenizer: Tokenizer) -> None:
@@ -90,19 +105,19 @@ def _start_worker(tokenizer: Tokenizer) -> None:
     _WORKER_TOKENIZER = tokenizer
 
 
-def _encode_in_worker(texts: list[str]) -> list[list[int]]:
+def _encode_in_worker(texts: list[str]) -> Encoded:
     assert _WORKER_TOKENIZER is not None
-    return [_WORKER_TOKENIZER.encode(text) for text in texts]
+    return flat_ids([_WORKER_TOKENIZER.encode(text) for text in texts])
 
 
-def encoder(tokenizer: Tokenizer, workers: int) -> tuple[Executor, Callable[[list[str]], list[list[int]]]]:
+def encoder(tokenizer: Tokenizer, workers: int) -> tuple[Executor, Callable[[list[str]], Encoded]]:
     """(executor, function of a batch of texts -> their ids): the tokenizer's threaded `encode_batch`
     on one background thread where it has one, else `workers` processes (one per core by default)."""
     batch = getattr(tokenizer, "encode_batch", None)
     if batch is not None:
-        return ThreadPoolExecutor(1), lambda texts: batch(texts, num_threads=max(1, workers))
+        return ThreadPoolExecutor(1), lambda texts: flat_ids(batch(texts, num_threads=max(1, workers)))
     if workers <= 1:
-        return ThreadPoolExecutor(1), lambda texts: [tokenizer.encode(t) for t in texts]
+        return ThreadPoolExecutor(1), lambda texts: flat_ids([tokenizer.encode(t) for t in texts])
     context = get_context("fork" if os.name == "posix" else "spawn")  # fork: workers start in milliseconds
     return ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
                                initargs=(tokenizer,)), _encode_in_worker
@@ -206,25 +221,27 @@ def _write_all(root: Path, tokenizer: Tokenizer, manifest: dict[str, Any], strea
     pieces_seen = max(c["piece"] for c in manifest["cursors"].values())
     with executor, progress_bar(desc="prepare", unit="tok", unit_scale=True, disable=not progress) as bar:
         texts = (lambda batch: [p.text for p, _, _ in batch])
-        for batch, ids_list in ordered_map(executor, encode, _batches(stream, manifest["cursors"]), 2 + workers, texts):
-            for (piece, eos_first, skipped), ids in zip(batch, ids_list):
-                ids = np.asarray(ids, dtype=np.int64)
-                if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
-                    raise ValueError(f"tokenizer produced an id outside [0, {vocab})")
+        for batch, (flat, lengths) in ordered_map(executor, encode, _batches(stream, manifest["cursors"]),
+                                                  2 + workers, texts):
+            if len(flat) and (flat.min() < 0 or flat.max() >= vocab):
+                raise ValueError(f"tokenizer produced an id outside [0, {vocab})")
+            ends = np.cumsum(lengths).tolist()
+            for (piece, eos_first, skipped), start, end in zip(batch, [0, *ends], ends):
+                ids = flat[start:end]
                 writers[piece.split].add(piece.index, np.concatenate([lead, ids]) if eos_first else ids, skipped)
-                bar.update(len(ids))
                 pieces_seen = piece.index + 1
+            bar.update(len(flat))
     for writer in writers.values():
         writer.flush({"piece": pieces_seen, "skip": 0})
     return pieces_seen
 
 
-def _new_manifest(tokenizer: Tokenizer, sources: Sequence[Source], shard_tokens: int, val_fraction: float,
-                  read: ReadOptions) -> dict[str, Any]:
+def _new_manifest(tokenizer: Tokenizer, sha256: str, sources: Sequence[Source], shard_tokens: int,
+                  val_fraction: float, read: ReadOptions) -> dict[str, Any]:
     return {
         "format": FORMAT, "complete": False, "dtype": token_dtype(tokenizer.vocab_size).name,
         "vocab_size": tokenizer.vocab_size, "tokenizer": getattr(tokenizer, "kind", type(tokenizer).__name__),
-        "tokenizer_sha256": tokenizer_sha256(tokenizer), "shard_tokens": shard_tokens, "val_fraction": val_fraction,
+        "tokenizer_sha256": sha256, "shard_tokens": shard_tokens, "val_fraction": val_fraction,
         "read": vars(read) | {"streaming": None}, "sources": [[s.kind, s.location] for s in sources],
         "splits": {s: [] for s in SPLIT_NAMES}, "cursors": {s: {"piece": 0, "skip": 0} for s in SPLIT_NAMES},
     }
@@ -243,8 +260,10 @@ def _check_resumable(out: Path, fresh: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def _start(out: Path, fresh: dict[str, Any], tokenizer: Tokenizer, inputs: list[str], overwrite: bool) -> dict[str, Any]:
-    """The manifest to go on from: an interrupted run's in `out` (resumed), or a new one in a new or emptied `out`."""
+def _start(out: Path, fresh: dict[str, Any], saved_tokenizer: Path, inputs: list[str],
+           overwrite: bool) -> dict[str, Any]:
+    """The manifest to go on from: an interrupted run's in `out` (resumed), or a new one in a new or
+    emptied `out`, which gets the tokenizer's files (from `saved_tokenizer`)."""
     resumable = (out / INCOMPLETE_MARKER).is_file() and (out / MANIFEST_FILE).is_file()
     if resumable and not overwrite:
         check_output_dir(out, True, inputs=inputs, what="dataset")
@@ -255,7 +274,7 @@ def _start(out: Path, fresh: dict[str, Any], tokenizer: Tokenizer, inputs: list[
     (out / SHARD_DIR).mkdir(parents=True, exist_ok=True)
     (out / INCOMPLETE_MARKER).write_text("glasslm prepare did not finish here; rerun the same command to resume "
                                          "(or pass --overwrite to start again)\n")
-    tokenizer.save(out)
+    shutil.copytree(saved_tokenizer, out, dirs_exist_ok=True)
     write_manifest(out, fresh)
     return fresh
 
@@ -300,8 +319,10 @@ def prepare_shards(
     sources = expand_sources(inputs, data_dir)
     out = Path(out_dir)
     local = [s.location for s in sources if s.kind != "dataset-name"]
-    manifest = _start(out, _new_manifest(tokenizer, sources, shard_tokens, val_fraction, read), tokenizer, local,
-                      overwrite)
+    with tempfile.TemporaryDirectory() as saved:  # saved once: hashed, then copied into a new `out`
+        tokenizer.save(saved)
+        fresh = _new_manifest(tokenizer, tokenizer_sha256(tokenizer, saved), sources, shard_tokens, val_fraction, read)
+        manifest = _start(out, fresh, Path(saved), local, overwrite)
     if manifest["complete"]:
         raise ValueError(f"{out} is already complete; pass --overwrite to prepare it again")
     stream = pieces(sources, val_fraction, read.field, read.column, read.split, read.streaming)
