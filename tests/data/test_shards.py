@@ -271,3 +271,52 @@ def test_prepare_and_train_from_the_command_line(corpus, tmp_path, data_dir, mon
                  "--threads", "1"]) == 0
     assert len(list((tmp_path / "run").glob("ckpt-*"))) >= 1
     assert os.path.getsize(tmp_path / "ds" / "manifest.json") > 0
+
+
+# --- issue 35's "done when", at a size the slow suite affords ------------------------------------------
+
+@pytest.mark.slow
+def test_a_jsonl_and_parquet_corpus_prepares_in_parallel_and_a_killed_run_resumes_exactly(tmp_path, shakespeare_text):
+    """~12 MB of JSONL and parquet (Shakespeare's paragraphs and synthetic text) prepared by 2 workers
+    into many shards; a real `glasslm train` on it killed with SIGKILL mid-run and resumed logs the
+    losses of the uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from glasslm.training.loggers import read_metrics
+
+    docs = documents(shakespeare_text, n=3000) * 12
+    write_corpus(tmp_path / "corpus", docs)
+    tok = CharTokenizer.from_text("".join(docs))
+    meta = prepare_shards([str(tmp_path / "corpus")], tok, tmp_path / "ds", shard_tokens=1_000_000, workers=2,
+                          progress=False)
+    assert meta["train_tokens"] > 8_000_000 and meta["shards"]["train"] > 8
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"), "OMP_NUM_THREADS": "1"}
+    args = ["--data", str(tmp_path / "ds"), "--n-layers", "1", "--d-model", "32", "--n-heads", "2",
+            "--context-length", "64", "--batch-size", "4", "--max-steps", "300", "--warmup-steps", "10",
+            "--eval-interval", "100", "--eval-iters", "2", "--log-interval", "10", "--checkpoint-interval", "7",
+            "--keep-last", "0", "--no-progress", "--sample-tokens", "0", "--threads", "1"]
+
+    def cli(*extra: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "glasslm.cli", "train", *args, *extra], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    whole = cli("--out", str(tmp_path / "whole"))
+    assert whole.wait(timeout=600) == 0, whole.communicate()[0]
+    killed = cli("--out", str(tmp_path / "run"))
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "run" / "ckpt-000042").exists():
+        assert killed.poll() is None and time.monotonic() < deadline, killed.communicate()[0]
+        time.sleep(0.01)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    resumed = subprocess.run([sys.executable, "-m", "glasslm.cli", "train", "--resume", str(tmp_path / "run")],
+                             env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+
+    def losses(run: str) -> list[tuple]:
+        return [(r["step"], r.get("train_loss"), r.get("val_loss")) for r in read_metrics(tmp_path / run / "metrics.jsonl")]
+
+    assert losses("run") == losses("whole") and losses("whole")[-1][0] == 300
