@@ -136,7 +136,7 @@ def test_an_interrupted_prepare_resumes_without_redoing_a_shard(corpus, tmp_path
         prepare_shards(*args, tmp_path / "part", **options)
     finished = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (tmp_path / "part" / "shards").glob("*.bin")}
     assert len(finished) == 3 and not (tmp_path / "part" / "meta.json").exists()
-    with pytest.raises(ValueError, match="incomplete preparation"):
+    with pytest.raises(ValueError, match="incomplete preparation.*rerun the same prepare command to resume"):
         load_prepared(tmp_path / "part")
     monkeypatch.setattr(shard_prepare, "write_manifest", real_write)
     made = []

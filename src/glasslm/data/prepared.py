@@ -202,6 +202,9 @@ def is_prepared(path: str | os.PathLike) -> bool:
 def check_prepared(path: str | os.PathLike) -> None:
     """Name an interrupted `prepare` as such (instead of "not a dataset")."""
     path = Path(path)
+    if (path / INCOMPLETE_MARKER).exists() and (path / MANIFEST_FILE).exists():
+        raise ValueError(f"{path} is an incomplete preparation (prepare was interrupted; its finished shards are "
+                         "kept): rerun the same prepare command to resume it, or pass --overwrite to start again")
     if (path / INCOMPLETE_MARKER).exists() or any(path.glob(f".*{TOKEN_FILE_SUFFIX}.tmp")):
         raise ValueError(f"{path} is an incomplete preparation (prepare was interrupted): "
                          "rerun prepare with --overwrite")
