@@ -178,6 +178,12 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
                                                            creates=("runs/small/latest",)),
     "torchrun --nproc_per_node=2 -m glasslm.cli train --batch-size 6 --out runs/ddp": Run(
         add=SMALL_RUN, process=True, slow=True, creates=("runs/ddp/latest",)),
+    'glasslm prepare "corpus/*.parquet" --tokenizer gpt2 --out runs/corpus --workers 2': Run(
+        add=("--shard-tokens", "20000"), needs=("corpus",), creates=("runs/corpus/manifest.json",),
+        expect=("shards",)),
+    "torchrun --nproc_per_node=2 -m glasslm.cli train --data runs/corpus --batch-size 6 --out runs/corpus-ddp": Run(
+        add=(*SMALL_RUN, "--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--context-length", "32"),
+        needs=("runs/corpus",), process=True, slow=True, creates=("runs/corpus-ddp/latest",)),
     'glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --temperature 0.8 --top-p 0.95 --min-p 0.05 '
     "--repetition-penalty 1.1 --stop $'\\n\\n' --seed 1": Run(add=SHORT, needs=("runs/shakespeare-char-cpu",), expect=("ROMEO:",)),
     "glasslm generate --checkpoint runs/shakespeare-char-cpu --interactive": Run(add=SHORT, needs=("runs/shakespeare-char-cpu",),
@@ -403,7 +409,8 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
 
 # Benchmarks no page shows in a code block: run the same way, so every benchmark has a smoke run.
 UNDOCUMENTED = {"python benchmarks/bench_finetune.py": Run(add=("--smoke",), process=True, slow=True),
-                "python benchmarks/bench_lora_defaults.py": Run(add=("--smoke",), process=True, slow=True)}
+                "python benchmarks/bench_lora_defaults.py": Run(add=("--smoke",), process=True, slow=True),
+                "python benchmarks/bench_prepare.py": Run(add=("--smoke",), process=True, slow=True)}
 
 # The runs the commands above read, each made by the command the docs show for it (the key): the
 # same run a reader following the docs has, at the reduced size its entry gives.
@@ -420,6 +427,7 @@ MAKERS = {
     "runs/imported": "glasslm convert --from-hf path/to/hf-model --out runs/imported",
     "runs/ft-peft": "glasslm convert --to-peft --checkpoint runs/ft --out runs/ft-peft",
     "runs/adapter": "glasslm convert --from-peft path/to/peft-adapter --base path/to/base --out runs/adapter",
+    "runs/corpus": 'glasslm prepare "corpus/*.parquet" --tokenizer gpt2 --out runs/corpus --workers 2',
     "runs/shakespeare-data": "glasslm prepare tinyshakespeare --tokenizer runs/shakespeare-char-cpu --out "
                              "runs/shakespeare-data",
     "runs/grpo": "glasslm finetune --checkpoint BASE --method grpo --data problems.jsonl --reward exact_match --out runs/grpo",
@@ -720,6 +728,17 @@ def _tiny_gguf(sandbox: Sandbox, target: Path) -> None:
     export_gguf(model, target, tokenizer, "q4_1", chat_template=TEMPLATE)
 
 
+def _parquet_folder(sandbox: Sandbox, target: Path) -> None:
+    """A folder of parquet files, a `text` column of Shakespeare's paragraphs (issue 35's corpus, small)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paragraphs = _shakespeare(sandbox)[:200_000].split("\n\n")
+    target.mkdir(parents=True)
+    for k in range(3):
+        pq.write_table(pa.table({"text": paragraphs[k::3]}), target / f"part-{k}.parquet")
+
+
 STAND_INS = {
     "path/to/SmolLM2-135M-Instruct.Q4_1.gguf": _smollm2,
     "path/to/model.gguf": _tiny_gguf,
@@ -737,6 +756,7 @@ STAND_INS = {
     "my_tasks": _task_folder,
     "run.toml": _write(lambda sandbox: code_block("docs/training.md", "toml")),
     "my_corpus.txt": _write(lambda sandbox: _shakespeare(sandbox)[:50_000]),
+    "corpus": _parquet_folder,
     "notes.txt": _write(lambda sandbox: _shakespeare(sandbox)[-5_000:]),
     "my.txt": _write(lambda sandbox: _shakespeare(sandbox)[:20_000].lower()),
     "prompt.txt": _write(lambda sandbox: "ROMEO:"),

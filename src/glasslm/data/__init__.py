@@ -7,6 +7,10 @@ Modules, one job each:
       start, is validation text) and `train_val_split` for tokens that come from no file.
     * `prepared`: `prepare` tokenizes text files once into `train.bin` / `val.bin` + `meta.json`;
       `load_prepared` memory-maps them back.
+    * `documents`: a corpus's inputs (text, JSONL, parquet, Hugging Face datasets, globs and
+      directories of them) read as documents, each record's split decided by its number.
+    * `shard_prepare`: `prepare_shards` tokenizes documents in parallel into fixed-size shards,
+      resumable; `sharded` reads each split's shards back as one `ShardedTokens` stream.
     * `batches`: `get_batch` (random contiguous windows) and `load_training_data` (a prepared
       directory, or a text file tokenized in memory).
 
@@ -35,10 +39,13 @@ from glasslm.data.prepared import (
     token_dtype,
     token_file,
 )
+from glasslm.data.shard_prepare import prepare_shards
+from glasslm.data.sharded import ShardedTokens
 from glasslm.data.splits import SPLITS, VAL_FRACTION, read_split, split_offset, split_texts, train_val_split
 
 __all__ = [
-    "DATASETS", "FILE_SETS", "META_FILE", "SPLITS", "TOKEN_DTYPES", "VAL_FRACTION", "DatasetInfo", "TokenData",
+    "DATASETS", "FILE_SETS", "META_FILE", "SPLITS", "TOKEN_DTYPES", "VAL_FRACTION", "DatasetInfo", "ShardedTokens",
+    "TokenData", "prepare_shards",
     "char_vocabulary", "check_prepared", "fetch_dataset", "get_batch", "held_by", "is_prepared", "known_names",
     "load_prepared", "load_token_file", "load_training_data", "prepare", "read_split", "resolve_text", "sha256_of",
     "split_offset", "split_texts", "token_dtype", "token_file", "train_val_split",

@@ -20,12 +20,13 @@ from torch import Tensor
 
 from glasslm.data.datasets import resolve_text
 from glasslm.data.prepared import TokenData, is_prepared, load_prepared
+from glasslm.data.sharded import ShardedTokens
 from glasslm.data.splits import VAL_FRACTION, split_texts
 from glasslm.tokenizers import ENDOFTEXT, CharTokenizer
 
 
 def get_batch(
-    tokens: Int[Tensor, "n"] | np.ndarray,
+    tokens: Int[Tensor, "n"] | np.ndarray | ShardedTokens,
     batch_size: int,
     context_length: int,
     device: torch.device | str = "cpu",
@@ -33,8 +34,9 @@ def get_batch(
 ) -> tuple[Int[Tensor, "batch seq"], Int[Tensor, "batch seq"]]:
     """Random contiguous windows: inputs tokens[i : i+T] and next-token targets tokens[i+1 : i+T+1].
 
-    `tokens` may be a 1-D tensor or numpy array, including a memory-mapped token file: only the
-    sampled windows are read from disk. Starts are uniform over every full window, drawn from
+    `tokens` may be a 1-D tensor or numpy array, including a memory-mapped token file, or a sharded
+    dataset's `ShardedTokens` (windows may span two shards: the stream is one): only the sampled
+    windows are read from disk. Starts are uniform over every full window, drawn from
     `generator` (torch's global generator if None). Both outputs are int64 on `device`.
 
     >>> x, y = get_batch(np.arange(100), batch_size=2, context_length=4, device="cpu")
@@ -51,7 +53,7 @@ def get_batch(
         )
     starts = torch.randint(n_starts, (batch_size,), generator=generator)
     offsets = starts[:, None] + torch.arange(context_length + 1)  # (batch, seq + 1)
-    if isinstance(tokens, np.ndarray):
+    if not isinstance(tokens, Tensor):  # a numpy array, a memory map, or ShardedTokens
         windows = torch.from_numpy(tokens[offsets.numpy()].astype(np.int64))
     else:
         windows = tokens[offsets].long()

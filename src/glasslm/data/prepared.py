@@ -23,6 +23,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 from torch import Tensor
 
+from glasslm.data.sharded import MANIFEST_FILE, ShardedTokens, load_split, read_manifest
 from glasslm.data.splits import VAL_FRACTION, check_val_fraction, split_offset
 from glasslm.locations import INCOMPLETE_MARKER, check_output_dir
 from glasslm.progress import progress_bar
@@ -201,6 +202,9 @@ def is_prepared(path: str | os.PathLike) -> bool:
 def check_prepared(path: str | os.PathLike) -> None:
     """Name an interrupted `prepare` as such (instead of "not a dataset")."""
     path = Path(path)
+    if (path / INCOMPLETE_MARKER).exists() and (path / MANIFEST_FILE).exists():
+        raise ValueError(f"{path} is an incomplete preparation (prepare was interrupted; its finished shards are "
+                         "kept): rerun the same prepare command to resume it, or pass --overwrite to start again")
     if (path / INCOMPLETE_MARKER).exists() or any(path.glob(f".*{TOKEN_FILE_SUFFIX}.tmp")):
         raise ValueError(f"{path} is an incomplete preparation (prepare was interrupted): "
                          "rerun prepare with --overwrite")
@@ -223,15 +227,16 @@ def load_token_file(path: str | os.PathLike, dtype: str | np.dtype) -> np.ndarra
 class TokenData:
     """Training and validation token streams plus the tokenizer that made them."""
 
-    train: Tensor | np.ndarray
-    val: Tensor | np.ndarray
+    train: Tensor | np.ndarray | ShardedTokens  # ShardedTokens: a sharded directory's stream (glasslm.data.sharded)
+    val: Tensor | np.ndarray | ShardedTokens
     tokenizer: Tokenizer
     description: str
     source: str  # the prepared directory or the text file, as a path
 
 
 def load_prepared(directory: str | os.PathLike) -> TokenData:
-    """The memory-mapped train/val files and tokenizer of a directory written by `prepare`."""
+    """The memory-mapped train/val token streams and tokenizer of a directory written by `prepare`
+    (train.bin / val.bin) or by `prepare_shards` (each split's shards read as one `ShardedTokens`)."""
     root = Path(directory)
     check_prepared(root)
     try:
@@ -247,7 +252,13 @@ def load_prepared(directory: str | os.PathLike) -> TokenData:
     tokenizer = load_tokenizer(root)
     if tokenizer.vocab_size != meta.get("vocab_size"):
         raise ValueError(f"{root}: tokenizer has {tokenizer.vocab_size} tokens but meta.json says {meta.get('vocab_size')}")
-    train = load_token_file(token_file(root, "train"), meta["dtype"])
-    val = load_token_file(token_file(root, "val"), meta["dtype"])
+    if meta.get("layout") == "shards":
+        manifest = read_manifest(root)
+        if manifest.get("dtype") != meta["dtype"] or not manifest.get("complete"):
+            raise ValueError(f"{root / MANIFEST_FILE} does not match {root / META_FILE}; rerun prepare with --overwrite")
+        train, val = load_split(root, manifest, "train"), load_split(root, manifest, "val")
+    else:
+        train = load_token_file(token_file(root, "train"), meta["dtype"])
+        val = load_token_file(token_file(root, "val"), meta["dtype"])
     return TokenData(train, val, tokenizer, f"{root} ({len(train):,} train / {len(val):,} val tokens, "
                                             f"vocab {tokenizer.vocab_size})", str(root))

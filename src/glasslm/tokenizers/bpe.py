@@ -257,6 +257,23 @@ class BPETokenizer:
         """Token ids for `text`; special tokens become their single ids (longest match wins)."""
         return encode_with_specials(text, self._special_re, self.special_tokens, self.encode_ordinary)
 
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        """`encode` of each text; with the tiktoken backend, the texts holding no special token are
+        encoded by tiktoken's threads (`num_threads`; its Rust core releases the GIL).
+
+        Example:
+            >>> tok = BPETokenizer({i: bytes([i]) for i in range(256)} | {256: b"ab"}, [(b"a", b"b")], ["<s>"])
+            >>> tok.encode_batch(["xab", "a<s>b"])
+            [[120, 256], [97, 257, 98]]
+        """
+        texts = list(texts)
+        if self._tiktoken is None:
+            return [self.encode(t) for t in texts]
+        special = [self._special_re is not None and self._special_re.search(t) is not None for t in texts]
+        plain = [t for t, s in zip(texts, special) if not s]
+        encoded = iter(self._tiktoken.encode_ordinary_batch(plain, num_threads=num_threads) if plain else [])
+        return [self.encode(t) if s else next(encoded) for t, s in zip(texts, special)]
+
     def encode_iterable(self, chunks: Iterable[str], flush_chars: int = 1 << 14) -> Iterator[int]:
         """Lazily encode a stream of text chunks (e.g. an open file's lines) in bounded memory.
 

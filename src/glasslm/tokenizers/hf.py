@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from glasslm.tokenizers.base import (
@@ -91,6 +91,16 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        """`encode` of each text, by the `tokenizers` library's parallel batch encoder (its own
+        thread pool, sized by RAYON_NUM_THREADS; `num_threads` is accepted for a uniform call).
+
+        >>> tok = HFTokenizer.from_json(to_hf_json(CharTokenizer.from_text("abc")))
+        >>> tok.encode_batch(["cab", "a"])
+        [[2, 0, 1], [0]]
+        """
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
 
     def encode_iterable(self, chunks: Iterable[str]) -> Iterator[int]:
         # A general tokenizer.json has no cut point known to be safe, so the text is encoded whole.
