@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
+from glasslm.training.activations import checkpoint_blocks
 from glasslm.training.batches import BatchSource, as_batch_source
 from glasslm.training.checkpointer import load_checkpoint_weights, load_optimizer
 from glasslm.training.config import TrainConfig
