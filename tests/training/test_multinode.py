@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -32,18 +33,27 @@ def corpus(tmp_path: Path) -> Path:
 
 
 def two_nodes(tmp_path: Path, args: list[str], env_extra: dict[str, str] | None = None) -> list[str]:
-    """Start both nodes' launchers, wait for both; their outputs. --max-restarts 3, not 1: when one
-    node's process dies, the other's fails too (its peer is gone) and each launcher may spend a
-    restart on it, in either order; with 1, a launcher sometimes ran out of restarts and ended the
-    rendezvous its peer was rejoining (seen once in three runs on the loaded 2-core machine)."""
-    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    """Start both nodes' launchers (this test's failing_train.py as the command), wait for both; their
+    outputs. --max-restarts 3, not 1: when one node's process dies, the other's fails too (its peer is
+    gone) and each launcher may spend a restart on it, in either order; with 1, a launcher sometimes
+    ran out of restarts and ended the rendezvous its peer was rejoining (seen once in three runs on the
+    loaded 2-core machine)."""
     endpoint = f"127.0.0.1:{free_port()}"
-    logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
-    launchers = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "glasslm-test", "--max-restarts", "3",
-         "--monitor-interval", "0.5", str(HERE / "failing_train.py"), *args],
-        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True) for node, log in zip((0, 1), logs)]
+    return launch([[*LAUNCHER, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-backend",
+                    "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "glasslm-test", "--max-restarts", "3",
+                    "--monitor-interval", "0.5", str(HERE / "failing_train.py"), *args] for node in (0, 1)],
+                  tmp_path, env_extra)
+
+
+LAUNCHER = [sys.executable, "-m", "torch.distributed.run"]  # torchrun, of this interpreter
+
+
+def launch(commands: list[list[str]], cwd: Path, env_extra: dict[str, str] | None = None) -> list[str]:
+    """Run the launchers at once in `cwd`, wait for all; their outputs (asserting each succeeded)."""
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    logs = [cwd / f"node{node}.log" for node in range(len(commands))]
+    launchers = [subprocess.Popen(command, cwd=cwd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                  start_new_session=True) for command, log in zip(commands, logs)]
     try:  # the launchers, not their output's end: a worker left behind would hold a pipe open
         codes = [launcher.wait(timeout=240) for launcher in launchers]
     finally:
@@ -51,8 +61,25 @@ def two_nodes(tmp_path: Path, args: list[str], env_extra: dict[str, str] | None 
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(launcher.pid, signal.SIGKILL)
     outputs = [log.read_text() for log in logs]
-    assert codes == [0, 0], outputs
+    assert codes == [0] * len(commands), outputs
     return outputs
+
+
+def documented_two_node_lines() -> list[str]:
+    """docs/training.md's two-node commands (tests/doc_commands.py counts them as run here)."""
+    text = (SRC.parent / "docs" / "training.md").read_text(encoding="utf-8")
+    return [line for line in text.splitlines() if line.startswith("torchrun --nnodes 2")]
+
+
+def test_the_documented_two_node_commands_train(tmp_path):
+    lines = documented_two_node_lines()
+    assert len(lines) == 2
+    endpoint = f"127.0.0.1:{free_port()}"  # the documented port may be taken here
+    commands = [LAUNCHER + shlex.split(line.replace("127.0.0.1:29500", endpoint))[1:]
+                + ["--data", str(corpus(tmp_path)), *COMMON, "--max-steps", "4"] for line in lines]
+    launch(commands, tmp_path)
+    assert (tmp_path / "runs" / "nodes" / "latest").read_text().strip() == "ckpt-000004"
+    assert [r["step"] for r in read_metrics(tmp_path / "runs" / "nodes" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
 def one_process(tmp_path: Path, data: Path) -> list[float]:
