@@ -22,7 +22,6 @@ reported with their ratio, so a noisy neighbour slows both alike.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import gc

@@ -41,13 +41,20 @@ def run_cfg(batch_size: int, **kw) -> TrainConfig:
                        log_interval=1, progress=False, **kw)
 
 
-def _worker(rank: int, world_size: int, port: int, out: str, fsdp: bool, checkpointing: bool = False) -> None:
+def join_group(rank: int, world_size: int, port: int):
+    """In a spawned process: the torchrun variables for `rank`, one thread, the gloo group joined."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from glasslm.training.distributed import init_distributed, shutdown_distributed
+    from glasslm.training.distributed import init_distributed
 
-    ctx = init_distributed("cpu")
+    return init_distributed("cpu")
+
+
+def _worker(rank: int, world_size: int, port: int, out: str, fsdp: bool, checkpointing: bool = False) -> None:
+    from glasslm.training.distributed import shutdown_distributed
+
+    ctx = join_group(rank, world_size, port)
     try:
         tokens = data()
         cfg = run_cfg(4, fsdp=fsdp, activation_checkpointing=checkpointing)

@@ -6,7 +6,6 @@ batch, loads whole for generation, and a failed save leaves nothing behind."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from glasslm.io.sharded import SHARDS_DIR, is_sharded_checkpoint, read_sharded_t
 from glasslm.presets import get_preset
 from glasslm.training.config import TrainConfig
 from glasslm.training.loop import train
-from test_distributed import free_port
+from test_distributed import free_port, join_group
 
 TINY = dict(vocab_size=16, n_layers=2, d_model=32, n_heads=2, context_length=16)
 GLOBAL_BATCH = 8
@@ -40,12 +39,9 @@ def run(world_size: int, out: Path, resume: Path | None = None, **kw) -> list[fl
 
 
 def _worker(rank: int, world_size: int, port: int, out: str, resume: str | None, kw: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    from glasslm.training.distributed import init_distributed, shutdown_distributed
+    from glasslm.training.distributed import shutdown_distributed
 
-    ctx = init_distributed("cpu")
+    ctx = join_group(rank, world_size, port)
     try:
         data = tokens()
         losses = train(get_preset("shakespeare-char-cpu", **TINY), run_cfg(world_size, **kw), data[:3500], data[3500:],
