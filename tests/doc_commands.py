@@ -260,6 +260,15 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
         needs=("path/to/pythia-160m",), creates=("runs/pythia/model.safetensors",)),
     "glasslm info --preset gemma3-270m": Run(expect=("268,098,176",)),
     "python benchmarks/bench_train.py --threads 2": Run(add=("--smoke",), process=True, slow=True),
+    "python benchmarks/bench_activation_checkpointing.py --threads 1": Run(add=("--smoke",), process=True, slow=True),
+    "python benchmarks/bench_gpu_train.py --compile": Run(add=("--smoke",), process=True, slow=True),
+    "python benchmarks/bench_gpu_decode.py": Run(add=("--smoke",), process=True, slow=True),
+    "bash scripts/gpu_check.sh": Elsewhere("tests/training/test_cuda.py::test_gpu_check_says_there_is_no_cuda_device",
+                                           "documented_gpu_check_lines"),
+    **{line: Elsewhere("tests/training/test_multinode.py::test_the_documented_two_node_commands_train",
+                       "documented_two_node_lines") for line in (
+        f"torchrun --nnodes 2 --node-rank {node} --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29500 "
+        "--rdzv-id run1 --max-restarts 3 -m glasslm.cli train --batch-size 3 --out runs/nodes" for node in (0, 1))},
     "python benchmarks/bench_time_to_loss.py --threads 1": Run(add=("--smoke",), process=True, slow=True),
     "python benchmarks/bench_generate.py --threads 2": Run(add=("--smoke",), process=True, slow=True),
     "python benchmarks/bench_llamacpp.py --threads 1,2": Run(add=("--smoke",), process=True, slow=True),

@@ -41,19 +41,27 @@ def run_cfg(batch_size: int, **kw) -> TrainConfig:
                        log_interval=1, progress=False, **kw)
 
 
-def _worker(rank: int, world_size: int, port: int, out: str, fsdp: bool) -> None:
+def join_group(rank: int, world_size: int, port: int):
+    """In a spawned process: the torchrun variables for `rank`, one thread, the gloo group joined."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from glasslm.training.distributed import init_distributed, shutdown_distributed
+    from glasslm.training.distributed import init_distributed
 
-    ctx = init_distributed("cpu")
+    return init_distributed("cpu")
+
+
+def _worker(rank: int, world_size: int, port: int, out: str, fsdp: bool, checkpointing: bool = False) -> None:
+    from glasslm.training.distributed import shutdown_distributed
+
+    ctx = join_group(rank, world_size, port)
     try:
         tokens = data()
-        result = train(get_preset("shakespeare-char-cpu", **TINY), run_cfg(4, fsdp=fsdp), tokens[:3500], tokens[3500:],
+        cfg = run_cfg(4, fsdp=fsdp, activation_checkpointing=checkpointing)
+        result = train(get_preset("shakespeare-char-cpu", **TINY), cfg, tokens[:3500], tokens[3500:],
                        dist_ctx=ctx, run_dir=Path(out) / "run")
         # Resume (same world size) from the step-4 checkpoint the run above wrote.
-        resumed = train(get_preset("shakespeare-char-cpu", **TINY), run_cfg(4, fsdp=fsdp), tokens[:3500],
+        resumed = train(get_preset("shakespeare-char-cpu", **TINY), cfg, tokens[:3500],
                         tokens[3500:], dist_ctx=ctx, run_dir=Path(out) / "resumed",
                         resume=Path(out) / "run" / "ckpt-000004")
         Path(out, f"rank{rank}.json").write_text(json.dumps(
@@ -72,9 +80,10 @@ def single_process() -> dict:
             "weights": {k: v.sum().item() for k, v in result.model.state_dict().items()}}
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
-def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, single_process, fsdp):
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), fsdp), nprocs=2, join=True)
+@pytest.mark.parametrize("fsdp,checkpointing", [(False, False), (True, False), (True, True)],
+                         ids=["ddp", "fsdp2", "fsdp2-activation-checkpointing"])
+def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, single_process, fsdp, checkpointing):
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), fsdp, checkpointing), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["train"] == ranks[1]["train"], "every rank reports the all-reduced loss"
     assert ranks[0]["resumed"] == ranks[0]["train"][4:], "resuming continues bit for bit"

@@ -132,6 +132,9 @@ def _plan(options: TrainOptions, run: dict[str, Any], training: dict[str, Any], 
     given = {k: v for k, v in file.items() if k not in CONFIG_TABLES} | run
     train_overrides = {**file.get("train", {}), **training}
     model_overrides = {**file.get("model", {}), **model}
+    relaunched = _relaunched_run(options, given)
+    if relaunched is not None:  # the same command again: its model options are the checkpoint's (checked on load)
+        options, model_overrides = dataclasses.replace(options, resume=relaunched), {}
     if options.resume is None:
         if options.extend_schedule:
             raise ValueError("--extend-schedule only applies with --resume")
@@ -155,6 +158,25 @@ def _plan(options: TrainOptions, run: dict[str, Any], training: dict[str, Any], 
             raise ValueError("give either --extend-schedule or --lr-decay-steps, not both")
         train_config = dataclasses.replace(train_config, lr_decay_steps=train_config.max_steps)
     return _Plan(run_config, train_config, {}, resumed, "tokenizer" in given)
+
+
+def _relaunched_run(options: TrainOptions, given: dict[str, Any]) -> str | None:
+    """The run directory to continue under `torchrun --max-restarts N` (N > 0), which relaunches this
+    same command on every node after a process fails: the command then resumes from its --out's
+    latest checkpoint (a run that had saved none starts afresh). Which launch is a relaunch cannot be
+    told from the environment (a node whose own processes did not fail is relaunched with
+    TORCHELASTIC_RESTART_COUNT unchanged), so with N > 0 any launch continues an --out that holds a
+    run, unless --overwrite or --resume says otherwise.
+
+    >>> _relaunched_run(TrainOptions(), {"out": "runs/none"}) is None   # not relaunched
+    True
+    """
+    from glasslm.io.checkpoint import read_pointer
+
+    if options.resume is not None or options.overwrite or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
+        return None
+    out = RunConfig(**given).out
+    return out if read_pointer(out, "latest") is not None else None
 
 
 def _refuse_guessing_the_run(resume: str, checkpoint: Path, given: dict[str, Any]) -> None:

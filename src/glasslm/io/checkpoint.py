@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
 from glasslm.io.build import model_from_state_dict
+from glasslm.io.sharded import MODEL_PREFIX, OPTIMIZER_PREFIX, is_sharded_checkpoint, read_sharded_tensors, strip_prefix
 from glasslm.tokenizers import (
     eos_token_ids, has_tokenizer, load_tokenizer, read_generation_config, save_hf_tokenizer,
 )
@@ -92,6 +93,7 @@ def save_checkpoint(
     extra_json: dict[str, Any] | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
     chat_template: str | None = None,
+    staging: Path | None = None,
 ) -> Path:
     """Write model weights, config, tokenizer and a small JSON of metadata to `directory`, atomically.
 
@@ -100,15 +102,20 @@ def save_checkpoint(
     is kept beside the tokenizer as chat_template.jinja (where transformers 5 keeps it). `state_dict`
     replaces `model.state_dict()` (a sharded model gathers its full weights first). The transforms
     applied to `model` (int8 ...) are recorded in the metadata under "transforms", for loading.
+
+    `staging` (from `staging_directory(directory)`) is a staging directory that already holds the
+    weights as a distributed checkpoint's shards (glasslm.io.sharded): the rest is written beside
+    them and the whole directory moves into place at once; no model.safetensors is written.
     """
     meta = _meta_with_transforms(model, meta)
     target = Path(directory)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{STAGING_MARK}", dir=target.parent))
+    sharded, staging = staging is not None, staging or staging_directory(target)
     try:
-        weights = state_dict if state_dict is not None else model.state_dict()
-        weights = {name: t.detach().contiguous().cpu() for name, t in weights.items()}
-        save_file(weights, staging / WEIGHTS_FILE, metadata={"format": "pt", "library": "glasslm"})
+        if not sharded:
+            weights = state_dict if state_dict is not None else model.state_dict()
+            weights = {name: t.detach().contiguous().cpu() for name, t in weights.items()}
+            save_file(weights, staging / WEIGHTS_FILE, metadata={"format": "pt", "library": "glasslm"})
         (staging / CONFIG_FILE).write_text(model.config.to_json())
         if tokenizer is not None:
             tokenizer.save(staging)
@@ -130,6 +137,13 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def staging_directory(target: Path) -> Path:
+    """A new, empty directory beside `target` to write its files into before they move into place
+    (a killed writer leaves it behind, marked as staging, and nothing at `target`)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}{STAGING_MARK}", dir=target.parent))
 
 
 def _meta_with_transforms(model: TransformerLM, meta: dict[str, Any] | None) -> dict[str, Any]:
@@ -167,6 +181,9 @@ def recorded_transforms(meta: Any) -> list[dict[str, Any]]:
 def _fsync_directory(path: Path) -> None:
     """Flush the files of `path` to disk so a power cut after the rename cannot leave empty files."""
     for child in path.iterdir():
+        if child.is_dir():  # a distributed checkpoint's shards
+            _fsync_directory(child)
+            continue
         with open(child, "rb") as f:
             os.fsync(f.fileno())
 
@@ -198,7 +215,7 @@ def load_checkpoint(
     path = resolve_checkpoint(directory)
     config = load_config(path / CONFIG_FILE)
     weights_path = path / WEIGHTS_FILE
-    if not weights_path.is_file():
+    if not weights_path.is_file() and not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"{weights_path} is missing: not a glasslm checkpoint?")
     meta_path = path / META_FILE
     meta = read_json(meta_path) if meta_path.is_file() else {}
@@ -207,7 +224,7 @@ def load_checkpoint(
                          "load it with glasslm.hf.load_model, which loads the base and applies them")
     # Built on the meta device, given the recorded transforms' structure (int8 layers ...), and
     # assigned the loaded tensors: no random init, no second copy.
-    model = model_from_state_dict(config, read_safetensors(weights_path, device), device, source=str(weights_path),
+    model = model_from_state_dict(config, read_weights(path, device), device, source=str(weights_path),
                                   transforms=recorded_transforms(meta))
     tokenizer = None
     if has_tokenizer(path):
@@ -249,6 +266,14 @@ def read_safetensors(path: Path, device: torch.device | str = "cpu") -> dict[str
             raise ValueError(f"{path} is a pickle/torch.save file, not safetensors; glasslm never unpickles "
                              "checkpoint files (unpickling can run arbitrary code)") from None
         raise ValueError(f"{path} is not a readable safetensors file ({err}); truncated or corrupt?") from None
+
+
+def read_weights(directory: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """A checkpoint's model weights, whole: from model.safetensors, or assembled from the shards of
+    a distributed run's checkpoint (glasslm.io.sharded)."""
+    if is_sharded_checkpoint(directory) and not (directory / WEIGHTS_FILE).is_file():
+        return strip_prefix(read_sharded_tensors(directory, MODEL_PREFIX, device), MODEL_PREFIX)
+    return read_safetensors(directory / WEIGHTS_FILE, device)
 
 
 def read_json(path: Path) -> Any:
@@ -313,12 +338,17 @@ def _param_key(text: str) -> int | str:
 
 
 def load_optimizer_state(directory: str | os.PathLike) -> dict[str, Any]:
-    """The optimizer state dict stored in a training checkpoint."""
+    """The optimizer state dict stored in a training checkpoint (whole tensors; a distributed run's
+    names its parameters as the model's state dict does, a single process's numbers them)."""
     path = Path(directory)
     scalars = read_json(path / OPTIMIZER_JSON)
     if not isinstance(scalars, dict) or "param_groups" not in scalars:
         raise ValueError(f"{path / OPTIMIZER_JSON} does not hold optimizer param_groups")
-    return optimizer_state_from_files(read_safetensors(path / OPTIMIZER_FILE), scalars)
+    if is_sharded_checkpoint(path) and not (path / OPTIMIZER_FILE).is_file():
+        tensors = strip_prefix(read_sharded_tensors(path, OPTIMIZER_PREFIX), OPTIMIZER_PREFIX)
+    else:
+        tensors = read_safetensors(path / OPTIMIZER_FILE)
+    return optimizer_state_from_files(tensors, scalars)
 
 
 # ----- run directories: numbered checkpoints, `latest` and `best` pointers, pruning -----

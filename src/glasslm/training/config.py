@@ -55,6 +55,7 @@ class TrainConfig:
     # CPU threads for training; 0: one per core the machine's load leaves free (as a library: PyTorch's count)
     threads: int = 0
     fsdp: bool = False  # shard parameters, gradients and optimizer state (FSDP2) instead of DDP
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1 more forward of compute
     tensorboard: bool = False  # also log metrics to TensorBoard (RUN_DIR/tensorboard; needs tensorboard)
     wandb: bool = False  # also log metrics to Weights & Biases, offline unless WANDB_MODE says otherwise
     progress: bool = True  # draw a progress bar with loss, lr and tokens/s (plain lines when stderr is not a terminal)

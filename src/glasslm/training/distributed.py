@@ -155,6 +155,15 @@ def gather_objects(obj: object, ctx: DistributedContext) -> list[object]:
     return out
 
 
+def broadcast_object(obj: object, ctx: DistributedContext) -> object:
+    """The main process's `obj` on every process (e.g. the staging directory it made)."""
+    if not ctx.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier(ctx: DistributedContext) -> None:
     if ctx.enabled:
         dist.barrier()

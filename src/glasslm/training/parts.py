@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
+from glasslm.training.activations import checkpoint_blocks
 from glasslm.training.batches import BatchSource, as_batch_source
 from glasslm.training.checkpointer import load_checkpoint_weights, load_optimizer
 from glasslm.training.config import TrainConfig
@@ -112,7 +113,10 @@ class TrainingParts:
 
 def wrap(model: TransformerLM, cfg: TrainConfig, ctx: DistributedContext, device: str,
          fsdp: bool) -> tuple[nn.Module, nn.Module]:
-    """(model to step, model to evaluate): FSDP2 or DDP across processes, then maybe compiled."""
+    """(model to step, model to evaluate): maybe activation-checkpointed per block, FSDP2 or DDP
+    across processes, then maybe compiled."""
+    if cfg.activation_checkpointing:  # before sharding: FSDP2's hooks then wrap the checkpointed forward
+        checkpoint_blocks(model)
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
