@@ -184,6 +184,9 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "torchrun --nproc_per_node=2 -m glasslm.cli train --data runs/corpus --batch-size 6 --out runs/corpus-ddp": Run(
         add=(*SMALL_RUN, "--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--context-length", "32"),
         needs=("runs/corpus",), process=True, slow=True, creates=("runs/corpus-ddp/latest",)),
+    "glasslm train --resume runs/corpus-ddp --batch-size 12 --max-steps 8000": Run(
+        add=("--max-steps", "4"), needs=("runs/corpus-ddp",), slow=True, expect=("resum",),
+        creates=("runs/corpus-ddp/ckpt-000004",)),
     'glasslm generate --checkpoint runs/shakespeare-char-cpu --prompt "ROMEO:" --temperature 0.8 --top-p 0.95 --min-p 0.05 '
     "--repetition-penalty 1.1 --stop $'\\n\\n' --seed 1": Run(add=SHORT, needs=("runs/shakespeare-char-cpu",), expect=("ROMEO:",)),
     "glasslm generate --checkpoint runs/shakespeare-char-cpu --interactive": Run(add=SHORT, needs=("runs/shakespeare-char-cpu",),
@@ -437,6 +440,7 @@ MAKERS = {
     "runs/ft-peft": "glasslm convert --to-peft --checkpoint runs/ft --out runs/ft-peft",
     "runs/adapter": "glasslm convert --from-peft path/to/peft-adapter --base path/to/base --out runs/adapter",
     "runs/corpus": 'glasslm prepare "corpus/*.parquet" --tokenizer gpt2 --out runs/corpus --workers 2',
+    "runs/corpus-ddp": "torchrun --nproc_per_node=2 -m glasslm.cli train --data runs/corpus --batch-size 6 --out runs/corpus-ddp",
     "runs/shakespeare-data": "glasslm prepare tinyshakespeare --tokenizer runs/shakespeare-char-cpu --out "
                              "runs/shakespeare-data",
     "runs/grpo": "glasslm finetune --checkpoint BASE --method grpo --data problems.jsonl --reward exact_match --out runs/grpo",
