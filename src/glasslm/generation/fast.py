@@ -95,11 +95,11 @@ class FastDecoder:
         if slot + 1 > c.context_length and c.positional != "none":
             raise ValueError(f"sequence of {slot + 1} tokens is longer than the context length {c.context_length}")
         model.check_tokens(tokens[:, None])
-        x = model.embed(tokens)  # (batch, d_model)
+        x = model.embed(tokens[:, None])  # (batch, 1, d_model)
         if c.scale_embeddings:
             x = x * math.sqrt(c.d_model)
         if model.pos_embed is not None:
-            x = x + model.pos_embed(positions)
+            x = x + model.pos_embed(positions[:, None])
         x = x.contiguous()
         pending = None  # an output still to be added to x, added by the next norm's call
         for layer, block in enumerate(self.blocks):
@@ -108,10 +108,10 @@ class FastDecoder:
         cache.advance(1)
         if pending is not None:
             x.add_(pending)
-        return model.logits(x).float()
+        return model.logits(x)[:, 0].float()
 
 
-def _norm(norm: nn.Module, x: Float[Tensor, "batch d"], pending: Tensor | None) -> Float[Tensor, "batch d"]:
+def _norm(norm: nn.Module, x: Float[Tensor, "batch 1 d"], pending: Tensor | None) -> Float[Tensor, "batch 1 d"]:
     """norm(x), after x += pending (in place) where an output is pending: one call for an RMSNorm."""
     if isinstance(norm, RMSNorm) and norm.weight.dtype == torch.float32:
         if pending is None:
@@ -122,19 +122,20 @@ def _norm(norm: nn.Module, x: Float[Tensor, "batch d"], pending: Tensor | None) 
     return norm(x)
 
 
-def _attention(block: Block, h: Float[Tensor, "batch d_model"], keys: Tensor, values: Tensor, slot: int,
-               positions: Tensor, key_mask: Tensor | None) -> Float[Tensor, "batch d_model"]:
+def _attention(block: Block, h: Float[Tensor, "batch 1 d_model"], keys: Tensor, values: Tensor, slot: int,
+               positions: Tensor, key_mask: Tensor | None) -> Float[Tensor, "batch 1 d_model"]:
     """The attention sublayer's output for one new token per row (its keys and values cached)."""
     attn = block.attn
     rotary = attn.rotary
     cos, sin = (None, None) if rotary is None else (rotary.cos, rotary.sin)
-    z = decode_attention(attn.qkv(h).contiguous(), keys, values, slot, positions, cos, sin, attn.n_heads,
+    batch = h.shape[0]
+    z = decode_attention(attn.qkv(h).reshape(batch, -1).contiguous(), keys, values, slot, positions, cos, sin, attn.n_heads,
                          attn.n_kv_heads, attn.scale, key_mask, attn.sliding_window or 0)
-    out = attn.out(z)
+    out = attn.out(z[:, None])  # (batch, 1, d_model)
     return out if block.ln1_post is None else block.ln1_post(out)
 
 
-def _mlp(block: Block, h: Float[Tensor, "batch d_model"]) -> Float[Tensor, "batch d_model"]:
+def _mlp(block: Block, h: Float[Tensor, "batch 1 d_model"]) -> Float[Tensor, "batch 1 d_model"]:
     """The MLP sublayer's output: the module's own layers and activation, without its hook points."""
     mlp = block.mlp
     if isinstance(mlp, SwiGLU):
@@ -144,9 +145,9 @@ def _mlp(block: Block, h: Float[Tensor, "batch d_model"]) -> Float[Tensor, "batc
     return out if block.ln2_post is None else block.ln2_post(out)
 
 
-def _block_step(block: Block, x: Float[Tensor, "batch d_model"], pending: Tensor | None, keys: Tensor,
+def _block_step(block: Block, x: Float[Tensor, "batch 1 d_model"], pending: Tensor | None, keys: Tensor,
                 values: Tensor, slot: int, positions: Tensor,
-                key_mask: Tensor | None) -> tuple[Float[Tensor, "batch d_model"], Tensor | None]:
+                key_mask: Tensor | None) -> tuple[Float[Tensor, "batch 1 d_model"], Tensor | None]:
     """One block for one new token per row: the stream (with an earlier output added) and the output
     the stream still has to add (left pending so the next norm adds it in the same call)."""
     h = _norm(block.ln1, x, pending)
