@@ -211,44 +211,57 @@ void place(const Step& st, const float* qkv, float* queries, float* keys, float*
   }
 }
 
-// softmax(q K^T * scale) V over the slots row b's query may see, into z (d_head); scores is scratch.
-void attend_head(const Step& st, const Vec& vec, int64_t b, const float* q, const float* keys, const float* values,
-                 float* scores, float* z) {
+// softmax(q K^T * scale) V for the `group` query heads that share one kv head, over the slots row b
+// may see: each key and value row is read once for all of them. scores is scratch (group, slots).
+void attend_group(const Step& st, const Vec& vec, int64_t b, int64_t group, const float* queries, const float* keys,
+                  const float* values, float* scores, float* z) {
   const int64_t first = st.window > 0 ? std::max<int64_t>(0, st.slot - st.window + 1) : 0;
   const bool* real = st.key_mask == nullptr ? nullptr : st.key_mask + b * st.slots;
-  float top = -std::numeric_limits<float>::infinity();
+  const float minus_inf = -std::numeric_limits<float>::infinity();
   for (int64_t j = first; j <= st.slot; ++j) {
     const bool seen = real == nullptr || real[j];
-    scores[j] = seen ? vec.dot(q, keys + j * st.d_head, st.d_head) * st.scale : -std::numeric_limits<float>::infinity();
-    top = std::max(top, scores[j]);
+    for (int64_t h = 0; h < group; ++h) {
+      scores[h * st.slots + j] = seen ? vec.dot(queries + h * st.d_head, keys + j * st.d_head, st.d_head) * st.scale
+                                      : minus_inf;
+    }
   }
-  std::fill(z, z + st.d_head, 0.0f);
-  if (!std::isfinite(top)) return;  // every key masked: zeros, as the readable softmax gives
-  float total = 0;
+  std::fill(z, z + group * st.d_head, 0.0f);
+  for (int64_t h = 0; h < group; ++h) {
+    float* row = scores + h * st.slots;
+    const float top = *std::max_element(row + first, row + st.slot + 1);
+    if (!std::isfinite(top)) {  // every key masked: zeros, as the readable softmax gives
+      std::fill(row + first, row + st.slot + 1, 0.0f);
+      continue;
+    }
+    float total = 0;
+    for (int64_t j = first; j <= st.slot; ++j) {
+      row[j] = std::exp(row[j] - top);
+      total += row[j];
+    }
+    for (int64_t j = first; j <= st.slot; ++j) row[j] /= total;
+  }
   for (int64_t j = first; j <= st.slot; ++j) {
-    scores[j] = std::exp(scores[j] - top);
-    total += scores[j];
+    for (int64_t h = 0; h < group; ++h) {
+      const float p = scores[h * st.slots + j];
+      if (p != 0) vec.axpy(p, values + j * st.d_head, z + h * st.d_head, st.d_head);
+    }
   }
-  for (int64_t j = first; j <= st.slot; ++j) {
-    if (scores[j] != 0) vec.axpy(scores[j], values + j * st.d_head, z, st.d_head);
-  }
-  const float inverse = 1.0f / total;
-  for (int64_t i = 0; i < st.d_head; ++i) z[i] *= inverse;
 }
 
 void attend(const Step& st, const float* queries, const float* keys, const float* values, float* out) {
   const Vec vec = vector_path();
   const int64_t group = st.heads / st.kv_heads;
   // Threads only for caches long enough to pay for waking them: ~64k multiply-adds a chunk.
-  const int64_t per_head = std::max<int64_t>(1, (st.slot + 1) * st.d_head * 2);
-  const int64_t grain = std::max<int64_t>(1, 65536 / per_head);
-  at::parallel_for(0, st.batch * st.heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(st.slots);
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / st.heads, h = bh % st.heads;
-      const int64_t cache = (b * st.kv_heads + h / group) * st.slots * st.d_head;
-      attend_head(st, vec, b, queries + bh * st.d_head, keys + cache, values + cache, scores.data(),
-                  out + bh * st.d_head);
+  const int64_t per_kv_head = std::max<int64_t>(1, (st.slot + 1) * st.d_head * 2 * group);
+  const int64_t grain = std::max<int64_t>(1, 65536 / per_kv_head);
+  at::parallel_for(0, st.batch * st.kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * st.slots);
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / st.kv_heads, g = bg % st.kv_heads;
+      const int64_t cache = bg * st.slots * st.d_head;
+      const int64_t first_head = (b * st.heads + g * group) * st.d_head;  // query heads g*group .. (g+1)*group-1
+      attend_group(st, vec, b, group, queries + first_head, keys + cache, values + cache, scores.data(),
+                   out + first_head);
     }
   });
 }
