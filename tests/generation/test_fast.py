@@ -98,6 +98,29 @@ def test_quantized_layers_decode_as_the_readable_forward(transform):
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=ref_logits.abs().amax().item() / 127 / 256 * 8)
 
 
+def test_rows_joining_and_leaving_decode_as_the_readable_step():
+    """What `glasslm serve`'s continuous batches do to a window (extend, keep_rows), through the fast step."""
+    model = family_model("llama")
+    results = {}
+    for fast in (True, False):
+        window, newcomer = DecodeWindow(model, 2, 20), DecodeWindow(model, 1, 20)
+        if not fast:
+            window.fast = newcomer.fast = None
+        with torch.inference_mode():
+            logits = [window.prefill([[1, 2, 3, 4], [5, 6]])]
+            logits.append(window.decode(logits[-1].argmax(-1)))
+            newcomer.prefill([[7, 8, 9, 1, 2, 3]])
+            window.extend(newcomer)
+            logits.append(window.decode(torch.tensor([3, 4, 5])))
+            window.keep_rows([2, 1])
+            logits.append(window.decode(logits[-1][[2, 1]].argmax(-1)))
+            for _ in range(3):
+                logits.append(window.decode(logits[-1].argmax(-1)))
+        results[fast] = logits
+    for fast_logits, readable_logits in zip(results[True], results[False]):
+        torch.testing.assert_close(fast_logits, readable_logits, rtol=0, atol=2e-5 * readable_logits.abs().max().item())
+
+
 def test_hooks_get_the_readable_forward():
     model = family_model("llama")
     seen = []
