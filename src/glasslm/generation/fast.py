@@ -33,10 +33,13 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from glasslm.core.attention import KVCache
 from glasslm.core.layers import RMSNorm, SwiGLU, _has_any_global_hook
@@ -65,10 +68,13 @@ class FastDecoder:
     def __init__(self, model: TransformerLM):
         self.model = model
         self.blocks: list[Block] = list(model.blocks)
+        self.attentions = [block.attn for block in self.blocks]
+        self.layers = [_Layer.of(block) for block in self.blocks]
         # Every hook any module could run (forward, pre-forward, backward), as the dicts nn.Module keeps
         # them in: registering a hook adds to one of these dicts, never replaces it.
         self._hook_tables = [table for module in model.modules() for table in (
             module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)]
+        self._no_hooks_at = -1  # RemovableHandle.next_id when the tables were last found empty
 
     @classmethod
     def for_model(cls, model: TransformerLM) -> FastDecoder | None:
@@ -80,10 +86,21 @@ class FastDecoder:
     def usable(self) -> bool:
         """Whether a step now would compute exactly what the readable forward shows: no hook attached
         anywhere, no opt-in hook inputs or per-head results, eval mode. Checked every step."""
-        if self.model.training or any(self._hook_tables) or _has_any_global_hook():
+        if self.model.training or _has_any_global_hook() or not self._no_hooks():
             return False
-        return not any(b.use_attn_in or b.use_split_qkv_input or b.use_hook_mlp_in or b.attn.use_attn_result
-                       for b in self.blocks)
+        return not (any(b.use_attn_in or b.use_split_qkv_input or b.use_hook_mlp_in for b in self.blocks)
+                    or any(a.use_attn_result for a in self.attentions))
+
+    def _no_hooks(self) -> bool:
+        """No module of the model has a hook. Reading every module's tables takes ~100 µs (SmolLM2 has
+        1,151 modules), so a finding of none is kept until torch hands out another hook handle (every
+        `register_*hook` call makes one, numbered by `RemovableHandle.next_id`)."""
+        stamp = RemovableHandle.next_id
+        if stamp != self._no_hooks_at:
+            if any(self._hook_tables):
+                return False  # looked at again next step: a hook removed leaves the stamp unchanged
+            self._no_hooks_at = stamp
+        return True
 
     def step(self, tokens: Int[Tensor, "batch"], cache: KVCache, positions: Int[Tensor, "batch"],
              key_mask: Bool[Tensor, "batch slots"] | None = None) -> Float[Tensor, "batch vocab"]:
@@ -102,59 +119,98 @@ class FastDecoder:
             x = x + model.pos_embed(positions[:, None])
         x = x.contiguous()
         pending = None  # an output still to be added to x, added by the next norm's call
-        for layer, block in enumerate(self.blocks):
-            x, pending = _block_step(block, x, pending, cache.keys[layer], cache.values[layer], slot, positions,
-                                     key_mask)
+        for layer, keys, values in zip(self.layers, cache.keys, cache.values):
+            x, pending = layer.step(x, pending, keys, values, slot, positions, key_mask)
         cache.advance(1)
         if pending is not None:
             x.add_(pending)
         return model.logits(x)[:, 0].float()
 
 
-def _norm(norm: nn.Module, x: Float[Tensor, "batch 1 d"], pending: Tensor | None) -> Float[Tensor, "batch 1 d"]:
-    """norm(x), after x += pending (in place) where an output is pending: one call for an RMSNorm."""
-    if isinstance(norm, RMSNorm) and norm.weight.dtype == torch.float32:
-        if pending is None:
-            return rms_norm(x, norm.weight, norm.eps, norm.unit_offset)
-        return add_rms_norm(x, pending, norm.weight, norm.eps, norm.unit_offset)
-    if pending is not None:
-        x.add_(pending)
-    return norm(x)
+@dataclass
+class _Norm:
+    """A norm as the step calls it: an RMSNorm's operands for the C++ call, or the module itself."""
+
+    module: nn.Module
+    weight: Tensor | None  # float32 RMSNorm gain (None: call the module)
+    eps: float = 0.0
+    unit_offset: bool = False
+
+    @classmethod
+    def of(cls, norm: nn.Module | None) -> _Norm | None:
+        if norm is None:
+            return None
+        if isinstance(norm, RMSNorm) and norm.weight.dtype == torch.float32:
+            return cls(norm, norm.weight, norm.eps, norm.unit_offset)
+        return cls(norm, None)
+
+    def __call__(self, x: Float[Tensor, "batch 1 d"], pending: Tensor | None = None) -> Float[Tensor, "batch 1 d"]:
+        """norm(x), after x += pending (in place) where an output is pending: one call for an RMSNorm."""
+        if self.weight is not None:
+            if pending is None:
+                return rms_norm(x, self.weight, self.eps, self.unit_offset)
+            return add_rms_norm(x, pending, self.weight, self.eps, self.unit_offset)
+        if pending is not None:
+            x.add_(pending)
+        return self.module(x)
 
 
-def _attention(block: Block, h: Float[Tensor, "batch 1 d_model"], keys: Tensor, values: Tensor, slot: int,
-               positions: Tensor, key_mask: Tensor | None) -> Float[Tensor, "batch 1 d_model"]:
-    """The attention sublayer's output for one new token per row (its keys and values cached)."""
-    attn = block.attn
-    rotary = attn.rotary
-    cos, sin = (None, None) if rotary is None else (rotary.cos, rotary.sin)
-    batch = h.shape[0]
-    z = decode_attention(attn.qkv(h).reshape(batch, -1).contiguous(), keys, values, slot, positions, cos, sin, attn.n_heads,
-                         attn.n_kv_heads, attn.scale, key_mask, attn.sliding_window or 0)
-    out = attn.out(z[:, None])  # (batch, 1, d_model)
-    return out if block.ln1_post is None else block.ln1_post(out)
+@dataclass
+class _Layer:
+    """One block's modules and constants, looked up once per window (nn.Module attribute lookups
+    cost ~1 µs each, and a step would make ~15 per layer)."""
 
+    ln1: _Norm
+    qkv: nn.Module
+    out: nn.Module
+    cos: Tensor | None
+    sin: Tensor | None
+    heads: int
+    kv_heads: int
+    scale: float
+    window: int
+    ln1_post: _Norm | None
+    parallel: bool
+    ln2: _Norm | None
+    gate: nn.Module | None  # SwiGLU's gate (None: a plain MLP, or no MLP)
+    up: nn.Module | None
+    down: nn.Module | None
+    act: Callable[[Tensor], Tensor] | None
+    ln2_post: _Norm | None
 
-def _mlp(block: Block, h: Float[Tensor, "batch 1 d_model"]) -> Float[Tensor, "batch 1 d_model"]:
-    """The MLP sublayer's output: the module's own layers and activation, without its hook points."""
-    mlp = block.mlp
-    if isinstance(mlp, SwiGLU):
-        out = mlp.down(mlp.act(mlp.gate(h)) * mlp.up(h))
-    else:
-        out = mlp.down(mlp.act(mlp.up(h)))
-    return out if block.ln2_post is None else block.ln2_post(out)
+    @classmethod
+    def of(cls, block: Block) -> _Layer:
+        attn, mlp, rotary = block.attn, block.mlp, block.attn.rotary
+        return cls(_Norm.of(block.ln1), attn.qkv, attn.out, None if rotary is None else rotary.cos,
+                   None if rotary is None else rotary.sin, attn.n_heads, attn.n_kv_heads, attn.scale,
+                   attn.sliding_window or 0, _Norm.of(block.ln1_post), block.parallel, _Norm.of(block.ln2),
+                   mlp.gate if isinstance(mlp, SwiGLU) else None, None if mlp is None else mlp.up,
+                   None if mlp is None else mlp.down, None if mlp is None else mlp.act, _Norm.of(block.ln2_post))
 
+    def attention(self, h: Float[Tensor, "batch 1 d_model"], keys: Tensor, values: Tensor, slot: int,
+                  positions: Tensor, key_mask: Tensor | None) -> Float[Tensor, "batch 1 d_model"]:
+        """The attention sublayer's output for one new token per row (its keys and values cached)."""
+        qkv = self.qkv(h).reshape(h.shape[0], -1).contiguous()  # (batch, (heads + 2 kv_heads) d_head)
+        z = decode_attention(qkv, keys, values, slot, positions, self.cos, self.sin, self.heads, self.kv_heads,
+                             self.scale, key_mask, self.window)
+        out = self.out(z[:, None])  # (batch, 1, d_model)
+        return out if self.ln1_post is None else self.ln1_post(out)
 
-def _block_step(block: Block, x: Float[Tensor, "batch 1 d_model"], pending: Tensor | None, keys: Tensor,
-                values: Tensor, slot: int, positions: Tensor,
-                key_mask: Tensor | None) -> tuple[Float[Tensor, "batch 1 d_model"], Tensor | None]:
-    """One block for one new token per row: the stream (with an earlier output added) and the output
-    the stream still has to add (left pending so the next norm adds it in the same call)."""
-    h = _norm(block.ln1, x, pending)
-    attended = _attention(block, h, keys, values, slot, positions, key_mask)
-    if block.parallel:  # GPT-NeoX: the MLP reads the same stream as attention; both outputs are added
-        return x, attended if block.mlp is None else attended + _mlp(block, _norm(block.ln2, x, None))
-    if block.mlp is None:
-        return x, attended
-    return x, _mlp(block, _norm(block.ln2, x, attended))
+    def mlp(self, h: Float[Tensor, "batch 1 d_model"]) -> Float[Tensor, "batch 1 d_model"]:
+        """The MLP sublayer's output: the module's own layers and activation, without its hook points."""
+        if self.gate is not None:
+            out = self.down(self.act(self.gate(h)) * self.up(h))
+        else:
+            out = self.down(self.act(self.up(h)))
+        return out if self.ln2_post is None else self.ln2_post(out)
 
+    def step(self, x: Float[Tensor, "batch 1 d_model"], pending: Tensor | None, keys: Tensor, values: Tensor,
+             slot: int, positions: Tensor, key_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The block for one new token per row: the stream (with an earlier output added) and the output
+        it still has to add (left pending so the next norm adds it in the same call)."""
+        attended = self.attention(self.ln1(x, pending), keys, values, slot, positions, key_mask)
+        if self.parallel:  # GPT-NeoX: the MLP reads the same stream as attention; both outputs are added
+            return x, attended if self.down is None else attended + self.mlp(self.ln2(x))
+        if self.down is None:
+            return x, attended
+        return x, self.mlp(self.ln2(x, attended))
