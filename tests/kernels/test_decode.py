@@ -109,3 +109,16 @@ def test_a_full_cache_and_bad_operands_are_clear_errors():
         decode_attention(qkv.double(), cache, cache.clone(), 0, position, None, None, 1, 1, 1.0)
     with pytest.raises(RuntimeError, match="positions"):
         decode_attention(qkv, cache, cache.clone(), 0, torch.tensor([0, 1]), None, None, 1, 1, 1.0)
+
+
+def test_the_ops_schemas_and_fake_kernels_hold_for_the_compiler():
+    """torch.library.opcheck: the declared mutations (the cache, the stream) and the fake kernels'
+    shapes agree with what the C++ ops do, so a compiled graph can hold them."""
+    torch.manual_seed(3)
+    x, weight = torch.randn(2, 1, 32), torch.randn(32)
+    torch.library.opcheck(torch.ops.glasslm_kernels.rms_norm.default, (x, weight, 1e-5, False))
+    torch.library.opcheck(torch.ops.glasslm_kernels.add_rms_norm.default, (x.clone(), x, weight, 1e-5, True))
+    cos, sin = torch.rand(16, 4), torch.rand(16, 4)
+    args = (torch.randn(2, 4 * 8), torch.randn(2, 1, 6, 8), torch.randn(2, 1, 6, 8), 3, torch.tensor([3, 1]),
+            cos, sin, 2, 1, 8, 0.5, torch.ones(2, 6, dtype=torch.bool), 0)
+    torch.library.opcheck(torch.ops.glasslm_kernels.decode_attention.default, args)
