@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from glasslm.core.attention import KVCache
-from glasslm.core.layers import RMSNorm, SwiGLU, _has_any_global_hook
+from glasslm.core.layers import RMSNorm, SwiGLU, _has_any_global_hook, linear
 from glasslm.core.model import Block, TransformerLM
 from glasslm.kernels.decode import add_rms_norm, decode_attention, decode_ops, rms_norm
 
@@ -70,6 +70,7 @@ class FastDecoder:
         self.blocks: list[Block] = list(model.blocks)
         self.attentions = [block.attn for block in self.blocks]
         self.layers = [_Layer.of(block) for block in self.blocks]
+        self.final_norm = _Norm.of(model.ln_final)
         # Every hook any module could run (forward, pre-forward, backward), as the dicts nn.Module keeps
         # them in: registering a hook adds to one of these dicts, never replaces it.
         self._hook_tables = [table for module in model.modules() for table in (
@@ -122,9 +123,17 @@ class FastDecoder:
         for layer, keys, values in zip(self.layers, cache.keys, cache.values):
             x, pending = layer.step(x, pending, keys, values, slot, positions, key_mask)
         cache.advance(1)
-        if pending is not None:
-            x.add_(pending)
-        return model.logits(x)[:, 0].float()
+        return self._logits(x, pending)[:, 0].float()
+
+    def _logits(self, x: Float[Tensor, "batch 1 d_model"], pending: Tensor | None) -> Float[Tensor, "batch 1 vocab"]:
+        """`TransformerLM.logits` of x + pending, the add and the final norm in one call."""
+        model = self.model
+        if self.final_norm is not None:
+            x = self.final_norm(x, pending)
+        elif pending is not None:
+            x = x.add_(pending)
+        logits = linear(x, model.embed.weight) if model.unembed is None else model.unembed(x)
+        return logits if model.unembed_bias is None else logits + model.unembed_bias
 
 
 @dataclass
