@@ -45,6 +45,7 @@ from glasslm.generation import DecodeWindow, generate, onednn_disabled
 from glasslm.hf import load_model
 from glasslm.runtime import cpu_flags
 from glasslm.transforms import apply_transform
+from glasslm.transforms.ggml import BlockLinear
 from glasslm.transforms.quantize import Int4Linear, Int8Linear
 
 PAIRS = [("fp32", "f32"), ("bf16", "f16"), ("int8", "q8_0"), ("int4", "q4_0")]
@@ -400,7 +401,8 @@ def time_rows(kind: str, ours: dict, theirs: dict, args, vocab: int, report) -> 
 
 
 MATMULS = {"aten::addmm", "aten::mm", "aten::bmm", "quantized::linear_dynamic", "aten::_weight_int8pack_mm",
-           "aten::_weight_int4pack_mm_for_cpu"}
+           "aten::_weight_int4pack_mm_for_cpu", "glasslm_kernels::qlinear", "glasslm_kernels::qmatmul"}
+ATTENTION = ("scaled_dot_product", "glasslm_kernels::decode_attention")
 
 
 def op_times(run, steps: int) -> dict[str, float]:
@@ -413,16 +415,20 @@ def op_times(run, steps: int) -> dict[str, float]:
     kinds = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
     for event in prof.key_averages():
         kind = ("matmul" if event.key in MATMULS else
-                "attention" if "scaled_dot_product" in event.key else "other ops")
+                "attention" if any(name in event.key for name in ATTENTION) else "other ops")
         kinds[kind] += event.self_cpu_time_total / 1e6 / steps
     return kinds
 
 
-def profile_step(name: str, model, steps: int = 32) -> None:
+def profile_step(name: str, model, steps: int = 32, readable: bool = False) -> None:
     """Where one batch-1 decoding step's time goes: the unembedding matmul, the blocks' matmuls,
     attention, other operators (norms, GELU, adds, copies) and the host (Python, module calls, the
-    dispatcher), the host being the step's wall time that no operator's self time accounts for."""
+    dispatcher), the host being the step's wall time that no operator's self time accounts for.
+    The step is the one `generate` takes (the fast step where it runs), or with `readable` the
+    model's readable forward."""
     window = DecodeWindow(model, 1, 4 + 3 * steps)
+    if readable:
+        window.fast = None
     token = torch.tensor([5])
     with torch.inference_mode():
         window.prefill([[1, 2]])
@@ -437,7 +443,7 @@ def profile_step(name: str, model, steps: int = 32) -> None:
     parts = {"unembedding matmul": head, "block matmuls": ops["matmul"] - head, "attention": ops["attention"],
              "other ops": ops["other ops"], "host (Python)": host}
     alone = matmuls_alone(model, steps)
-    print(f"| {name} | {wall * 1e3:.2f} | " + " | ".join(f"{t * 1e3:.2f} ({t / wall:.0%})" for t in parts.values())
+    print(f"| {name}{' (readable step)' if readable else ''} | {wall * 1e3:.2f} | " + " | ".join(f"{t * 1e3:.2f} ({t / wall:.0%})" for t in parts.values())
           + f" | {alone * 1e3:.2f} |")
 
 
@@ -445,7 +451,7 @@ def matmuls_alone(model, steps: int) -> float:
     """Seconds for one step's matrix products and nothing else: every projection layer of the model,
     then the unembedding, called back to back on one-row inputs (the wall time of the kernels as a
     step calls them, the profiler's cost and the child operators its self times leave out included)."""
-    layers = [m for m in model.blocks.modules() if isinstance(m, (Linear, Int8Linear, Int4Linear))]
+    layers = [m for m in model.blocks.modules() if isinstance(m, (Linear, Int8Linear, Int4Linear, BlockLinear))]
     dtype = model.embed.weight.dtype
     rows = [torch.randn(1, 1, layer.d_in if hasattr(layer, "d_in") else layer.weight.shape[1], dtype=dtype)
             for layer in layers]
@@ -460,6 +466,22 @@ def matmuls_alone(model, steps: int) -> float:
         for _ in range(3):
             step()
         return statistics.median(seconds(step) for _ in range(steps))
+
+
+def print_profiles(kind: str, models: dict, args) -> None:
+    """--profile: one batch-1 step of each model broken down, the step `generate` takes and the
+    readable forward's, on each thread count."""
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        print(f"\n{kind}: one batch-1 decoding step, ms (share), {threads} thread(s), torch.profiler self "
+              "times; operators' times include the profiler's own cost, so host time is an underestimate; "
+              f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        print("| glasslm | step | unembedding matmul | block matmuls | attention | other ops | host (Python) "
+              "| matmuls alone |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, model in models.items():
+            profile_step(name, model)
+            profile_step(name, model, readable=True)
 
 
 def print_table(kind: str, times: dict, bytes_ours: dict, bytes_theirs: dict, bandwidth: dict, args,
@@ -521,13 +543,7 @@ def run_model(kind: str, folder: Path, args, bandwidth: dict) -> None:
     theirs["f32", args.batches[0]].set_threads(args.threads[0])
     check_same_weights(ours["fp32"], theirs["f32", args.batches[0]], vocab)
     if args.profile:
-        print(f"\n{kind}: one batch-1 decoding step, ms (share), {args.threads[0]} thread(s), torch.profiler self "
-              "times; operators' times include the profiler's own cost, so host time is an underestimate")
-        print("| glasslm | step | unembedding matmul | block matmuls | attention | other ops | host (Python) "
-              "| matmuls alone |")
-        print("|---|---|---|---|---|---|---|---|")
-        for name, model in eager.items():
-            profile_step(name, model)
+        print_profiles(kind, eager, args)
     def report(times: dict, repeats: int) -> None:
         print_table(kind, times, bytes_ours, bytes_theirs, bandwidth, args, repeats)
         print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
@@ -555,6 +571,8 @@ def run_file(path: Path, args, bandwidth: dict) -> None:
     n_ctx = 1024 if args.prefill else 256 * (1 + (args.new_tokens + 8) // 256)
     theirs = {("file", batch): LlamaCpp(path, batch, n_ctx) for batch in args.batches}
     vocab = kept.config.vocab_size
+    if args.profile:
+        print_profiles(path.name, {name: model for name, model in ours.items() if not name.endswith(COMPILED)}, args)
 
     def report(times: dict, repeats: int) -> None:
         print_table(path.name, times, bytes_ours, bytes_theirs, bandwidth, args, repeats)

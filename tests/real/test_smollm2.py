@@ -117,6 +117,38 @@ def test_greedy_answers_equal_transformers(exact, reference, template):
     assert "Paris" in answer[0].text
 
 
+def test_the_fast_step_decodes_as_the_readable_step(gguf, exact, template):
+    """The default eager step (generation/fast.py) on the file's Q4_1 blocks and on its float32
+    dequantization: the readable forward's greedy tokens, and its logits to float32 rounding (fp32)
+    or to the kernels' activation rounding (blocks: an input that moves by float rounding can land on
+    the next int8 step; kernels/qmatmul.py bounds that at 1/256 of a step of max|x| / 127)."""
+    from glasslm.generation import DecodeWindow
+
+    model, tokenizer = exact
+    kept, _ = load_model(gguf)
+    ids = prompt_ids(tokenizer, template, QUESTIONS[0])
+    for name, decoder in (("fp32", model), ("Q4_1", kept)):
+        runs = {}
+        for fast in (True, False):
+            window = DecodeWindow(decoder, 1, len(ids) + 24)
+            assert window.fast is not None
+            if not fast:
+                window.fast = None
+            with torch.inference_mode():
+                logits, tokens, steps = window.prefill([ids]), [], []
+                for _ in range(24):
+                    tokens.append(int(logits.argmax()))
+                    logits = window.decode(torch.tensor(tokens[-1:]))
+                    steps.append(logits)
+            runs[fast] = tokens, torch.stack(steps)
+        assert runs[True][0] == runs[False][0], name
+        scale = runs[False][1].abs().max().item()
+        # Blocks: the two steps' logits measured 4.1e-3 apart over 20 tokens; a wrong slot, position or
+        # mask moves them by ~1, so 2e-2 separates the two with room on both sides.
+        tolerance = 2e-5 * scale if name == "fp32" else 2e-2
+        torch.testing.assert_close(runs[True][1], runs[False][1], rtol=0, atol=tolerance, msg=name)
+
+
 def test_glasslm_chat_answers_with_the_files_own_template(gguf):
     result = subprocess.run([sys.executable, "-m", "glasslm.cli", "chat", "--checkpoint", str(gguf),
                              "--temperature", "0", "--max-new-tokens", "30"],

@@ -28,6 +28,7 @@ from glasslm.core.layers import Linear
 from glasslm.core.model import TransformerLM
 from glasslm.generation.compiled import StaticDecodeWindow
 from glasslm.generation.cpu import low_precision_cpu, onednn_disabled
+from glasslm.generation.fast import FastDecoder
 from glasslm.generation.sampling import (
     GenerationConfig, Tokenizer, apply_repetition_penalty, find_stop, make_config, sample_next, with_eos,
     with_vocab_limit,
@@ -78,6 +79,7 @@ class DecodeWindow:
         self.key_is_real: Bool[Tensor, "batch max_length"] | None = None  # None: no padding anywhere
         self.next_position: Int[Tensor, "batch"] = torch.zeros(batch, dtype=torch.long, device=self.device)
         self._set_pads(torch.zeros(batch, dtype=torch.long, device=self.device))
+        self.fast = FastDecoder.for_model(model)  # the C++ step kernels' step, where it runs this model
 
     @property
     def full(self) -> bool:
@@ -133,7 +135,14 @@ class DecodeWindow:
         return logits.float() if every_position else logits[:, -1].float()
 
     def decode(self, tokens: Int[Tensor, "batch"]) -> Float[Tensor, "batch vocab"]:
-        """Feed one new token per row; its keys and values land in the next cache slot."""
+        """Feed one new token per row; its keys and values land in the next cache slot.
+
+        The step runs `fast.FastDecoder` where it can (the same numbers up to float rounding), and
+        the model's readable forward whenever hooks or TransformerLens-style options need it."""
+        if self.fast is not None and self.fast.usable():
+            logits = self.fast.step(tokens, self.cache, self.next_position, self.key_is_real)
+            self.next_position += 1
+            return logits
         positions = mask = None
         if self.key_is_real is not None:
             end = self.cache.length + 1

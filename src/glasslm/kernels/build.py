@@ -1,6 +1,6 @@
 """Building glasslm's C++ kernels: compiled on first use into a cache, loaded as torch ops.
 
-`load()` compiles `qmatmul.cpp` with `torch.utils.cpp_extension` the first time any process needs
+`load()` compiles `qmatmul.cpp` and `decode.cpp` with `torch.utils.cpp_extension` the first time any process needs
 it (tens of seconds), into `$TORCH_EXTENSIONS_DIR` if set, else `~/.cache/glasslm/kernels`, in a
 folder named after the source's hash, the compiler flags and the torch and Python versions, so
 every later process (and every worktree with the same source) loads the built library in
@@ -33,7 +33,7 @@ import torch
 
 ENV = "GLASSLM_KERNELS"
 ISA_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}  # the C++ side's numbering
-SOURCE = Path(__file__).with_name("qmatmul.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.cpp", "decode.cpp")]
 # -O3 for the vector loops; OpenMP so at::parallel_for runs on torch's threads (the library joins
 # the libgomp torch already loaded). No -march: each path names its instructions (target
 # attributes), so one build runs on any x86-64 CPU and picks its path at run time.
@@ -46,7 +46,8 @@ LDFLAGS = ["-fopenmp"]
 def cache_dir() -> Path:
     """Where built kernels live: a folder per source, flags, torch and Python version."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "glasslm" / "kernels")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:16]
+    code = b"".join(source.read_bytes() for source in SOURCES)
+    key = hashlib.sha256(code + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:16]
     tag = f"torch{torch.__version__.split('+')[0]}-py{sys.version_info.major}{sys.version_info.minor}"
     return root / f"qmatmul-{tag}-{key}"
 
@@ -65,7 +66,7 @@ def load() -> Any | None:
 
         folder = cache_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load("glasslm_kernels", [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        cpp_extension.load("glasslm_kernels", [str(source) for source in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                            build_directory=str(folder), is_python_module=False, verbose=False)
     except Exception as err:  # noqa: BLE001 - any failure to build means: run without the extension
         lines = str(err).strip().splitlines() or [type(err).__name__]

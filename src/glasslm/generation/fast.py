@@ -1,0 +1,225 @@
+"""The fast one-token decoding step: the model's own layers, with the small steps between its matrix
+products done by glasslm's C++ kernels (`glasslm.kernels.decode`), one call each.
+
+`TransformerLM.forward` is what a learner reads, and what hooks see. Decoding one token with it on a
+CPU costs far more than its matrix products: SmolLM2-135M's step took 17 ms on one core of the AMD
+EPYC here, of which its 151 quantized products took 7. The rest was ~40 tensor operators and a dozen
+module calls per layer, each a few microseconds on a vector of 576 floats. This step runs the same
+layers in the same order with the same weights: the same linear layers (quantized or not) and
+activations are called, norms and the residual add before them are one call (`add_rms_norm`), and
+rotary, the cache write and attention over the filled cache slots are one call (`decode_attention`).
+Its logits equal the readable path's to float32 rounding (tests/generation/test_fast.py holds every
+family to that, and greedy tokens to identity).
+
+`DecodeWindow.decode` takes it whenever `FastDecoder.for_model` accepts the model (float32 activations,
+the kernels built, pre-norm blocks without per-head q/k norms) and `usable()` says nothing would be
+missed: no hook attached to any module, no TransformerLens-style split inputs or per-head results, eval
+mode. Otherwise, and with `GLASSLM_KERNELS=off`, decoding runs the readable forward.
+
+Example:
+    >>> import torch
+    >>> from glasslm.presets import get_preset
+    >>> from glasslm.core.model import TransformerLM
+    >>> model = TransformerLM(get_preset("llama-tiny")).eval()
+    >>> fast = FastDecoder.for_model(model)
+    >>> cache = model.new_kv_cache(1, 8)
+    >>> with torch.inference_mode():
+    ...     _ = model(torch.tensor([[1, 2]]), kv_cache=cache)
+    ...     logits = fast.step(torch.tensor([3]), cache, torch.tensor([2])) if fast else None
+    >>> fast is None or tuple(logits.shape)
+    (1, 512)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from glasslm.core.attention import KVCache
+from glasslm.core.layers import RMSNorm, SwiGLU, _has_any_global_hook, linear
+from glasslm.core.model import Block, TransformerLM
+from glasslm.kernels.decode import add_rms_norm, decode_attention, decode_ops, rms_norm
+
+
+def unsupported(model: TransformerLM) -> str | None:
+    """Why the fast step cannot run `model` (None: it can)."""
+    c = model.config
+    weight = getattr(model.embed, "weight", None)
+    if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return "the fast step runs float32 activations on a CPU"
+    if c.norm_placement != "pre" or c.qk_norm:
+        return "post-norm blocks and per-head q/k norms run the readable step"
+    for block in model.blocks:
+        rotary = block.attn.rotary
+        if rotary is not None and (rotary.dynamic is not None or rotary.cos.dtype != torch.float32):
+            return "dynamic NTK rotary scaling runs the readable step"
+    return None
+
+
+class FastDecoder:
+    """One-token decoding steps of `model` through the C++ step kernels (see the module docstring)."""
+
+    def __init__(self, model: TransformerLM):
+        self.model = model
+        self.blocks: list[Block] = list(model.blocks)
+        self.attentions = [block.attn for block in self.blocks]
+        self.layers = [_Layer.of(block) for block in self.blocks]
+        self.final_norm = _Norm.of(model.ln_final)
+        # Every hook any module could run (forward, pre-forward, backward), as the dicts nn.Module keeps
+        # them in: registering a hook adds to one of these dicts, never replaces it.
+        self._hook_tables = [table for module in model.modules() for table in (
+            module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)]
+        self._no_hooks_at = -1  # RemovableHandle.next_id when the tables were last found empty
+
+    @classmethod
+    def for_model(cls, model: TransformerLM) -> FastDecoder | None:
+        """The fast step for `model`, or None where it cannot run it (no kernels, `unsupported`)."""
+        if decode_ops() is None or unsupported(model) is not None:
+            return None
+        return cls(model)
+
+    def usable(self) -> bool:
+        """Whether a step now would compute exactly what the readable forward shows: no hook attached
+        anywhere, no opt-in hook inputs or per-head results, eval mode. Checked every step."""
+        if self.model.training or _has_any_global_hook() or not self._no_hooks():
+            return False
+        return not (any(b.use_attn_in or b.use_split_qkv_input or b.use_hook_mlp_in for b in self.blocks)
+                    or any(a.use_attn_result for a in self.attentions))
+
+    def _no_hooks(self) -> bool:
+        """No module of the model has a hook. Reading every module's tables takes ~100 µs (SmolLM2 has
+        1,151 modules), so a finding of none is kept until torch hands out another hook handle (every
+        `register_*hook` call makes one, numbered by `RemovableHandle.next_id`)."""
+        stamp = RemovableHandle.next_id
+        if stamp != self._no_hooks_at:
+            if any(self._hook_tables):
+                return False  # looked at again next step: a hook removed leaves the stamp unchanged
+            self._no_hooks_at = stamp
+        return True
+
+    def step(self, tokens: Int[Tensor, "batch"], cache: KVCache, positions: Int[Tensor, "batch"],
+             key_mask: Bool[Tensor, "batch slots"] | None = None) -> Float[Tensor, "batch vocab"]:
+        """The next-token logits (float32) after one new token per row, written into the cache's next
+        slot (the cursor advances); `positions` are the tokens' positions, `key_mask` which slots hold
+        real tokens (None: all)."""
+        model, c = self.model, self.model.config
+        slot = cache.length
+        if slot + 1 > c.context_length and c.positional != "none":
+            raise ValueError(f"sequence of {slot + 1} tokens is longer than the context length {c.context_length}")
+        model.check_tokens(tokens[:, None])
+        x = model.embed(tokens[:, None])  # (batch, 1, d_model)
+        if c.scale_embeddings:
+            x = x * math.sqrt(c.d_model)
+        if model.pos_embed is not None:
+            x = x + model.pos_embed(positions[:, None])
+        x = x.contiguous()
+        pending = None  # an output still to be added to x, added by the next norm's call
+        for layer, keys, values in zip(self.layers, cache.keys, cache.values):
+            x, pending = layer.step(x, pending, keys, values, slot, positions, key_mask)
+        cache.advance(1)
+        return self._logits(x, pending)[:, 0].float()
+
+    def _logits(self, x: Float[Tensor, "batch 1 d_model"], pending: Tensor | None) -> Float[Tensor, "batch 1 vocab"]:
+        """`TransformerLM.logits` of x + pending, the add and the final norm in one call."""
+        model = self.model
+        if self.final_norm is not None:
+            x = self.final_norm(x, pending)
+        elif pending is not None:
+            x = x.add_(pending)
+        logits = linear(x, model.embed.weight) if model.unembed is None else model.unembed(x)
+        return logits if model.unembed_bias is None else logits + model.unembed_bias
+
+
+@dataclass
+class _Norm:
+    """A norm as the step calls it: an RMSNorm's operands for the C++ call, or the module itself."""
+
+    module: nn.Module
+    weight: Tensor | None  # float32 RMSNorm gain (None: call the module)
+    eps: float = 0.0
+    unit_offset: bool = False
+
+    @classmethod
+    def of(cls, norm: nn.Module | None) -> _Norm | None:
+        if norm is None:
+            return None
+        if isinstance(norm, RMSNorm) and norm.weight.dtype == torch.float32:
+            return cls(norm, norm.weight, norm.eps, norm.unit_offset)
+        return cls(norm, None)
+
+    def __call__(self, x: Float[Tensor, "batch 1 d"], pending: Tensor | None = None) -> Float[Tensor, "batch 1 d"]:
+        """norm(x), after x += pending (in place) where an output is pending: one call for an RMSNorm."""
+        if self.weight is not None:
+            if pending is None:
+                return rms_norm(x, self.weight, self.eps, self.unit_offset)
+            return add_rms_norm(x, pending, self.weight, self.eps, self.unit_offset)
+        if pending is not None:
+            x.add_(pending)
+        return self.module(x)
+
+
+@dataclass
+class _Layer:
+    """One block's modules and constants, looked up once per window (nn.Module attribute lookups
+    cost ~1 µs each, and a step would make ~15 per layer)."""
+
+    ln1: _Norm
+    qkv: nn.Module
+    out: nn.Module
+    cos: Tensor | None
+    sin: Tensor | None
+    heads: int
+    kv_heads: int
+    scale: float
+    window: int
+    ln1_post: _Norm | None
+    parallel: bool
+    ln2: _Norm | None
+    gate: nn.Module | None  # SwiGLU's gate (None: a plain MLP, or no MLP)
+    up: nn.Module | None
+    down: nn.Module | None
+    act: Callable[[Tensor], Tensor] | None
+    ln2_post: _Norm | None
+
+    @classmethod
+    def of(cls, block: Block) -> _Layer:
+        attn, mlp, rotary = block.attn, block.mlp, block.attn.rotary
+        return cls(_Norm.of(block.ln1), attn.qkv, attn.out, None if rotary is None else rotary.cos,
+                   None if rotary is None else rotary.sin, attn.n_heads, attn.n_kv_heads, attn.scale,
+                   attn.sliding_window or 0, _Norm.of(block.ln1_post), block.parallel, _Norm.of(block.ln2),
+                   mlp.gate if isinstance(mlp, SwiGLU) else None, None if mlp is None else mlp.up,
+                   None if mlp is None else mlp.down, None if mlp is None else mlp.act, _Norm.of(block.ln2_post))
+
+    def attention(self, h: Float[Tensor, "batch 1 d_model"], keys: Tensor, values: Tensor, slot: int,
+                  positions: Tensor, key_mask: Tensor | None) -> Float[Tensor, "batch 1 d_model"]:
+        """The attention sublayer's output for one new token per row (its keys and values cached)."""
+        qkv = self.qkv(h).reshape(h.shape[0], -1).contiguous()  # (batch, (heads + 2 kv_heads) d_head)
+        z = decode_attention(qkv, keys, values, slot, positions, self.cos, self.sin, self.heads, self.kv_heads,
+                             self.scale, key_mask, self.window)
+        out = self.out(z[:, None])  # (batch, 1, d_model)
+        return out if self.ln1_post is None else self.ln1_post(out)
+
+    def mlp(self, h: Float[Tensor, "batch 1 d_model"]) -> Float[Tensor, "batch 1 d_model"]:
+        """The MLP sublayer's output: the module's own layers and activation, without its hook points."""
+        if self.gate is not None:
+            out = self.down(self.act(self.gate(h)) * self.up(h))
+        else:
+            out = self.down(self.act(self.up(h)))
+        return out if self.ln2_post is None else self.ln2_post(out)
+
+    def step(self, x: Float[Tensor, "batch 1 d_model"], pending: Tensor | None, keys: Tensor, values: Tensor,
+             slot: int, positions: Tensor, key_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The block for one new token per row: the stream (with an earlier output added) and the output
+        it still has to add (left pending so the next norm adds it in the same call)."""
+        attended = self.attention(self.ln1(x, pending), keys, values, slot, positions, key_mask)
+        if self.parallel:  # GPT-NeoX: the MLP reads the same stream as attention; both outputs are added
+            return x, attended if self.down is None else attended + self.mlp(self.ln2(x))
+        if self.down is None:
+            return x, attended
+        return x, self.mlp(self.ln2(x, attended))

@@ -1,0 +1,331 @@
+// glasslm's CPU kernels for the small steps of a one-token decoding step: what decode.py says, fast.
+//
+// Read decode.py first: it holds the readable definition of each op here (rms_norm_reference,
+// decode_attention_reference), built from the readable core's own pieces. A one-token step of a small
+// model spends most of its time outside the matrix products: a norm is ~10 tensor operators, rotary
+// and the cache write another ~20, attention over the cache a few more, each a dispatcher call of a few
+// microseconds on a vector of a few hundred floats. Here each of those is one call:
+//
+//   rms_norm:          y = x / sqrt(mean(x^2) + eps) * w          (w or 1 + w: Gemma's unit offset)
+//   add_rms_norm:      x += r, then rms_norm(x)                   (the residual add and the next norm)
+//   decode_attention:  split one row of q|k|v per batch row into heads, rotate q and k by the row's
+//                      position (adjacent pairs, the first rotary_dims features), write k and v into
+//                      cache slot `slot`, and attend each query head over the cache slots it may see
+//                      (the filled prefix [0, slot], minus masked slots, within a sliding window):
+//                      softmax(q k^T * scale) v, in float32.
+//
+// Vectors are float32. Dot products and updates run AVX-512 or AVX2 where the CPU has it (the path
+// qmatmul.cpp's select_isa chose), else plain C++; only the order of float additions differs.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define GLASSLM_X86 1
+#define GLASSLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define GLASSLM_AVX2 __attribute__((target("avx2,fma")))
+#else
+#define GLASSLM_X86 0
+#endif
+
+namespace glasslm_kernels {
+
+int64_t current_isa();  // qmatmul.cpp: 0 plain C++, 1 AVX2, 2 AVX-512
+
+namespace {
+
+// ----------------------------------------------------------------------------------------------
+// Two vector primitives: a dot product and y += a * x.
+
+float dot_scalar(const float* a, const float* b, int64_t n) {
+  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // eight partial sums, as a vector unit would keep
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int k = 0; k < 8; ++k) lanes[k] += a[i + k] * b[i + k];
+  }
+  float total = 0;
+  for (float lane : lanes) total += lane;
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+void axpy_scalar(float alpha, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+#if GLASSLM_X86
+GLASSLM_AVX512 float dot_avx512(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  float total = _mm512_reduce_add_ps(acc);
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+GLASSLM_AVX512 void axpy_avx512(float alpha, const float* x, float* y, int64_t n) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+GLASSLM_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  float total = _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+GLASSLM_AVX2 void axpy_avx2(float alpha, const float* x, float* y, int64_t n) {
+  const __m256 a = _mm256_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+#endif
+
+struct Vec {
+  float (*dot)(const float*, const float*, int64_t) = dot_scalar;
+  void (*axpy)(float, const float*, float*, int64_t) = axpy_scalar;
+};
+
+Vec vector_path() {
+  Vec v;
+#if GLASSLM_X86
+  const int64_t isa = current_isa();
+  if (isa >= 2) {
+    v.dot = dot_avx512;
+    v.axpy = axpy_avx512;
+  } else if (isa == 1) {
+    v.dot = dot_avx2;
+    v.axpy = axpy_avx2;
+  }
+#endif
+  return v;
+}
+
+// ----------------------------------------------------------------------------------------------
+// RMSNorm.
+
+void check_float_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, name, " must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.is_contiguous() && x.dim() >= 1, name, " must be contiguous with at least one dim");
+}
+
+void rms_norm_rows(const float* x, const float* w, float eps, bool unit_offset, int64_t rows, int64_t d, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * d;
+    double squares = 0;  // a float64 sum: the mean of squares is then exact to float32's last bit
+    for (int64_t i = 0; i < d; ++i) squares += static_cast<double>(xr[i]) * xr[i];
+    const float inverse = 1.0f / std::sqrt(static_cast<float>(squares / d) + eps);
+    for (int64_t i = 0; i < d; ++i) {
+      const float gain = unit_offset ? 1.0f + w[i] : w[i];
+      y[r * d + i] = (xr[i] * inverse) * gain;
+    }
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
+  check_float_rows(x, "x");
+  check_float_rows(weight, "weight");
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(weight.numel() == d, "weight has ", weight.numel(), " features, x has ", d);
+  at::Tensor y = at::empty_like(x);
+  rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), static_cast<float>(eps), unit_offset, x.numel() / d, d,
+                y.data_ptr<float>());
+  return y;
+}
+
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps, bool unit_offset) {
+  check_float_rows(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "residual ", residual.sizes(), " and x ", x.sizes(), " differ in shape");
+  check_float_rows(x, "x");
+  float* xs = x.data_ptr<float>();
+  const float* rs = residual.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) xs[i] += rs[i];
+  return rms_norm(x, weight, eps, unit_offset);
+}
+
+// ----------------------------------------------------------------------------------------------
+// One query per row against the cache.
+
+struct Step {
+  int64_t batch, heads, kv_heads, d_head, slots, slot, rotary_dims, window;
+  float scale;
+  const int64_t* positions;
+  const float* cos;  // (context, rotary_dims / 2) or null
+  const float* sin;
+  int64_t context;
+  const bool* key_mask;  // (batch, slots) or null
+};
+
+// Rotate adjacent pairs (v[2i], v[2i+1]) of the first rotary_dims features by angle row `c`, `s`.
+void rotate(float* v, const float* c, const float* s, int64_t rotary_dims) {
+  for (int64_t i = 0; i < rotary_dims / 2; ++i) {
+    const float first = v[2 * i], second = v[2 * i + 1];
+    v[2 * i] = first * c[i] - second * s[i];
+    v[2 * i + 1] = first * s[i] + second * c[i];
+  }
+}
+
+// Queries (batch, heads, d_head) rotated into `queries`; the new keys (rotated) and values into the cache.
+void place(const Step& st, const float* qkv, float* queries, float* keys, float* values) {
+  const int64_t width = (st.heads + 2 * st.kv_heads) * st.d_head;
+  for (int64_t b = 0; b < st.batch; ++b) {
+    const float* row = qkv + b * width;
+    float* q = queries + b * st.heads * st.d_head;
+    std::copy(row, row + st.heads * st.d_head, q);
+    for (int64_t g = 0; g < st.kv_heads; ++g) {
+      const int64_t at = ((b * st.kv_heads + g) * st.slots + st.slot) * st.d_head;
+      const float* k = row + (st.heads + g) * st.d_head;
+      const float* v = row + (st.heads + st.kv_heads + g) * st.d_head;
+      std::copy(k, k + st.d_head, keys + at);
+      std::copy(v, v + st.d_head, values + at);
+    }
+    if (st.cos == nullptr) continue;
+    const int64_t p = st.positions[b];
+    TORCH_CHECK(p >= 0 && p < st.context, "position ", p, " is outside the rotary table's ", st.context, " rows");
+    const float* c = st.cos + p * (st.rotary_dims / 2);
+    const float* s = st.sin + p * (st.rotary_dims / 2);
+    for (int64_t h = 0; h < st.heads; ++h) rotate(q + h * st.d_head, c, s, st.rotary_dims);
+    for (int64_t g = 0; g < st.kv_heads; ++g) {
+      rotate(keys + ((b * st.kv_heads + g) * st.slots + st.slot) * st.d_head, c, s, st.rotary_dims);
+    }
+  }
+}
+
+// softmax(q K^T * scale) V for the `group` query heads that share one kv head, over the slots row b
+// may see: each key and value row is read once for all of them. scores is scratch (group, slots).
+void attend_group(const Step& st, const Vec& vec, int64_t b, int64_t group, const float* queries, const float* keys,
+                  const float* values, float* scores, float* z) {
+  const int64_t first = st.window > 0 ? std::max<int64_t>(0, st.slot - st.window + 1) : 0;
+  const bool* real = st.key_mask == nullptr ? nullptr : st.key_mask + b * st.slots;
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = first; j <= st.slot; ++j) {
+    const bool seen = real == nullptr || real[j];
+    for (int64_t h = 0; h < group; ++h) {
+      scores[h * st.slots + j] = seen ? vec.dot(queries + h * st.d_head, keys + j * st.d_head, st.d_head) * st.scale
+                                      : minus_inf;
+    }
+  }
+  std::fill(z, z + group * st.d_head, 0.0f);
+  for (int64_t h = 0; h < group; ++h) {
+    float* row = scores + h * st.slots;
+    const float top = *std::max_element(row + first, row + st.slot + 1);
+    if (!std::isfinite(top)) {  // every key masked: zeros, as the readable softmax gives
+      std::fill(row + first, row + st.slot + 1, 0.0f);
+      continue;
+    }
+    float total = 0;
+    for (int64_t j = first; j <= st.slot; ++j) {
+      row[j] = std::exp(row[j] - top);
+      total += row[j];
+    }
+    for (int64_t j = first; j <= st.slot; ++j) row[j] /= total;
+  }
+  for (int64_t j = first; j <= st.slot; ++j) {
+    for (int64_t h = 0; h < group; ++h) {
+      const float p = scores[h * st.slots + j];
+      if (p != 0) vec.axpy(p, values + j * st.d_head, z + h * st.d_head, st.d_head);
+    }
+  }
+}
+
+void attend(const Step& st, const float* queries, const float* keys, const float* values, float* out) {
+  const Vec vec = vector_path();
+  const int64_t group = st.heads / st.kv_heads;
+  // Threads only for caches long enough to pay for waking them: ~64k multiply-adds a chunk.
+  const int64_t per_kv_head = std::max<int64_t>(1, (st.slot + 1) * st.d_head * 2 * group);
+  const int64_t grain = std::max<int64_t>(1, 65536 / per_kv_head);
+  at::parallel_for(0, st.batch * st.kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * st.slots);
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / st.kv_heads, g = bg % st.kv_heads;
+      const int64_t cache = bg * st.slots * st.d_head;
+      const int64_t first_head = (b * st.heads + g * group) * st.d_head;  // query heads g*group .. (g+1)*group-1
+      attend_group(st, vec, b, group, queries + first_head, keys + cache, values + cache, scores.data(),
+                   out + first_head);
+    }
+  });
+}
+
+void check_cache(const at::Tensor& cache, int64_t batch, int64_t kv_heads, int64_t d_head, const char* name) {
+  TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.is_contiguous() && cache.dim() == 4, name,
+              " must be a contiguous float32 (batch, kv_heads, slots, d_head) buffer");
+  TORCH_CHECK(cache.size(0) == batch && cache.size(1) == kv_heads && cache.size(3) == d_head, name, " has shape ",
+              cache.sizes(), ", expected (", batch, ", ", kv_heads, ", slots, ", d_head, ")");
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values, int64_t slot,
+                            const at::Tensor& positions, const std::optional<at::Tensor>& cos,
+                            const std::optional<at::Tensor>& sin, int64_t heads, int64_t kv_heads, int64_t rotary_dims,
+                            double scale, const std::optional<at::Tensor>& key_mask, int64_t window) {
+  check_float_rows(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 2, "qkv must be (batch, (heads + 2 kv_heads) d_head), got ", qkv.sizes());
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  const int64_t batch = qkv.size(0), d_head = qkv.size(1) / (heads + 2 * kv_heads);
+  TORCH_CHECK(d_head * (heads + 2 * kv_heads) == qkv.size(1), "qkv's width does not split into heads");
+  check_cache(keys, batch, kv_heads, d_head, "keys");
+  check_cache(values, batch, kv_heads, d_head, "values");
+  const int64_t slots = keys.size(2);
+  TORCH_CHECK(slot >= 0 && slot < slots, "KV cache is full: ", slot + 1, " slots needed, ", slots, " allocated");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == batch,
+              "positions must be (batch,) int64");
+  Step st{batch, heads, kv_heads, d_head, slots, slot, rotary_dims, window, static_cast<float>(scale),
+          positions.data_ptr<int64_t>(), nullptr, nullptr, 0, nullptr};
+  if (cos.has_value()) {
+    TORCH_CHECK(sin.has_value(), "cos and sin come together");
+    check_float_rows(*cos, "cos");
+    check_float_rows(*sin, "sin");
+    TORCH_CHECK(rotary_dims % 2 == 0 && rotary_dims <= d_head && cos->size(-1) == rotary_dims / 2 &&
+                    sin->sizes() == cos->sizes(), "cos and sin must be (context, rotary_dims / 2)");
+    st.cos = cos->data_ptr<float>();
+    st.sin = sin->data_ptr<float>();
+    st.context = cos->size(0);
+  }
+  if (key_mask.has_value()) {
+    TORCH_CHECK(key_mask->scalar_type() == at::kBool && key_mask->is_contiguous() && key_mask->dim() == 2 &&
+                    key_mask->size(0) == batch && key_mask->size(1) == slots,
+                "key_mask must be a contiguous (batch, slots) bool tensor");
+    st.key_mask = key_mask->data_ptr<bool>();
+  }
+  at::Tensor queries = at::empty({batch, heads, d_head}, qkv.options());
+  at::Tensor out = at::empty({batch, heads * d_head}, qkv.options());
+  place(st, qkv.data_ptr<float>(), queries.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>());
+  attend(st, queries.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), out.data_ptr<float>());
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(glasslm_kernels, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps, bool unit_offset) -> Tensor");
+  m.def("decode_attention(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, int slot, Tensor positions, Tensor? cos, "
+        "Tensor? sin, int heads, int kv_heads, int rotary_dims, float scale, Tensor? key_mask, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(glasslm_kernels, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("decode_attention", &decode_attention);
+}
+
+}  // namespace glasslm_kernels

@@ -1,0 +1,172 @@
+"""The fast decoding step (generation/fast.py) computes what the readable forward computes: every
+family's logits within float32 rounding of a float64 readable run, greedy tokens identical, ragged
+batches and sliding windows included; hooks and GLASSLM_KERNELS=off get the readable forward."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from glasslm.core.model import TransformerLM
+from glasslm.generation import DecodeWindow, generate
+from glasslm.generation.fast import FastDecoder, unsupported
+from glasslm.kernels.decode import decode_ops
+from glasslm.presets import get_preset
+from glasslm.transforms import apply_transform
+
+pytestmark = pytest.mark.skipif(decode_ops() is None, reason="the C++ kernels are not built here")
+
+SHAPE = dict(vocab_size=97, n_layers=2, d_model=64, context_length=24, n_heads=4)
+# Every family's decoding step: learned positions and LayerNorm (GPT-2), rotary and grouped heads with
+# SwiGLU (Llama), q/k/v biases (Qwen2), parallel blocks with partial rotary (GPT-NeoX), post-norms, unit-offset
+# norms, scaled embeddings, local rotary and sliding windows (Gemma 3, without its q/k norms).
+FAMILIES = {
+    "gpt2": dict(preset="gpt2-small"),
+    "llama": dict(preset="llama-tiny", n_kv_heads=2, d_mlp=96),
+    "qwen2": dict(preset="qwen3-0.6b", n_kv_heads=2, d_mlp=96, qk_norm=False, attn_qkv_bias=True, d_head=16),
+    "neox": dict(preset="pythia-160m", d_mlp=128),
+    "gemma": dict(preset="gemma3-270m", n_kv_heads=2, d_mlp=96, qk_norm=False, d_head=16, sliding_window=5,
+              global_layers=(1,)),
+}
+
+
+def family_model(family: str, seed: int = 0, **overrides) -> TransformerLM:
+    """A tiny model of `family` with every parameter perturbed (norm gains and biases included)."""
+    spec = dict(FAMILIES[family])
+    cfg = get_preset(spec.pop("preset"), **{**SHAPE, **spec, **overrides})
+    torch.manual_seed(seed)
+    model = TransformerLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def greedy_logits(model: TransformerLM, rows: list[list[int]], steps: int, fast: bool) -> tuple[list, torch.Tensor]:
+    """Greedy tokens and each step's logits (steps, batch, vocab) through a DecodeWindow, fast step on or off."""
+    window = DecodeWindow(model, len(rows), max(map(len, rows)) + steps)
+    assert (window.fast is not None) == fast or not fast
+    if not fast:
+        window.fast = None
+    tokens, logits_per_step = [], []
+    with torch.inference_mode():
+        logits = window.prefill(rows)
+        for _ in range(steps):
+            token = logits.argmax(-1)
+            tokens.append(token.tolist())
+            logits = window.decode(token)
+            logits_per_step.append(logits)
+    return tokens, torch.stack(logits_per_step)
+
+
+def assert_float_close(actual: torch.Tensor, reference: torch.Tensor) -> None:
+    """float32 against float64 within 2e-5 of the logits' scale (tests/generation/test_generate.py's
+    tolerance: float32 rounding measures ~2e-6 of it; a wrong position, mask or slot moves ~1e-1)."""
+    scale = reference.abs().amax().item()
+    torch.testing.assert_close(actual.double(), reference.double(), rtol=0, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_decodes_as_its_readable_forward(family):
+    model = family_model(family)
+    assert unsupported(model) is None
+    rows = [[5, 9, 3, 7, 1, 2, 8], [4, 6]]  # ragged: the short row is left-padded and masked
+    tokens, logits = greedy_logits(model, rows, 12, fast=True)
+    reference = copy.deepcopy(model).double()  # float64: the readable forward (the fast step is float32 only)
+    assert FastDecoder.for_model(reference) is None
+    ref_tokens, ref_logits = greedy_logits(reference, rows, 12, fast=False)
+    assert tokens == ref_tokens
+    assert_float_close(logits, ref_logits)
+
+
+@pytest.mark.parametrize("transform", ["int8", "int4"])
+def test_quantized_layers_decode_as_the_readable_forward(transform):
+    """The fast step calls the model's own quantized layers: its logits are theirs, to the kernels'
+    activation rounding (inputs that differ by float rounding may round to the next int8 step)."""
+    model = family_model("llama")
+    apply_transform(model, transform)
+    rows = [[5, 9, 3, 7], [4, 6, 2, 2]]
+    tokens, logits = greedy_logits(model, rows, 10, fast=True)
+    ref_tokens, ref_logits = greedy_logits(model, rows, 10, fast=False)
+    assert tokens == ref_tokens
+    # The kernels' activations are good to 1/256 of a step of max|x| / 127 (kernels/qmatmul.py).
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=ref_logits.abs().amax().item() / 127 / 256 * 8)
+
+
+def test_rows_joining_and_leaving_decode_as_the_readable_step():
+    """What `glasslm serve`'s continuous batches do to a window (extend, keep_rows), through the fast step."""
+    model = family_model("llama")
+    results = {}
+    for fast in (True, False):
+        window, newcomer = DecodeWindow(model, 2, 20), DecodeWindow(model, 1, 20)
+        if not fast:
+            window.fast = newcomer.fast = None
+        with torch.inference_mode():
+            logits = [window.prefill([[1, 2, 3, 4], [5, 6]])]
+            logits.append(window.decode(logits[-1].argmax(-1)))
+            newcomer.prefill([[7, 8, 9, 1, 2, 3]])
+            window.extend(newcomer)
+            logits.append(window.decode(torch.tensor([3, 4, 5])))
+            window.keep_rows([2, 1])
+            logits.append(window.decode(logits[-1][[2, 1]].argmax(-1)))
+            for _ in range(3):
+                logits.append(window.decode(logits[-1].argmax(-1)))
+        results[fast] = logits
+    for fast_logits, readable_logits in zip(results[True], results[False]):
+        torch.testing.assert_close(fast_logits, readable_logits, rtol=0, atol=2e-5 * readable_logits.abs().max().item())
+
+
+def test_hooks_get_the_readable_forward():
+    model = family_model("llama")
+    seen = []
+    handle = model.blocks[1].hook_resid_post.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    window = DecodeWindow(model, 1, 16)
+    assert not window.fast.usable()
+    with torch.inference_mode():
+        window.prefill([[1, 2, 3]])
+        window.decode(torch.tensor([4]))
+    assert len(seen) == 2  # the prefill and the decoding step both ran the hook point
+    handle.remove()
+    assert window.fast.usable()
+
+
+@pytest.mark.parametrize("option", ["use_attn_result", "use_split_qkv_input", "training"])
+def test_transformer_lens_options_and_training_get_the_readable_forward(option):
+    model = family_model("llama")
+    fast = FastDecoder.for_model(model)
+    assert fast.usable()
+    if option == "training":
+        model.train()
+    elif option == "use_attn_result":
+        model.blocks[0].attn.use_attn_result = True
+    else:
+        model.blocks[1].use_split_qkv_input = True
+    assert not fast.usable()
+
+
+def test_qk_norms_and_bf16_run_the_readable_forward():
+    assert "q/k norms" in unsupported(family_model("gemma", qk_norm=True))
+    assert "float32" in unsupported(family_model("llama").to(torch.bfloat16))
+
+
+def test_generate_through_the_fast_step_equals_the_readable_step(monkeypatch):
+    model = family_model("neox")
+    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    fast = [g.tokens for g in generate(model, prompts, max_new_tokens=30, temperature=0.0)]  # past the context
+    monkeypatch.setattr(FastDecoder, "usable", lambda self: False)
+    readable = [g.tokens for g in generate(model, prompts, max_new_tokens=30, temperature=0.0)]
+    assert fast == readable
+
+
+def test_kernels_off_gives_the_readable_forward():
+    code = ("import torch; from glasslm.presets import get_preset; from glasslm.core.model import TransformerLM; "
+            "from glasslm.generation import DecodeWindow; "
+            "print(DecodeWindow(TransformerLM(get_preset('llama-tiny')).eval(), 1, 8).fast)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "GLASSLM_KERNELS": "off"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None"
