@@ -307,7 +307,12 @@ def glasslm_models(directory: Path) -> dict:
 
 
 def glasslm_greedy(model, prompts: list[list[int]], n_new: int, compile: bool = False) -> list[list[int]]:
-    return [g.tokens for g in generate(model, prompts, max_new_tokens=n_new, temperature=0.0, compile=compile)]
+    """n_new tokens for every row: an eos does not end a row early, as llama.cpp's loop here never stops
+    (a random prompt that drew an eos once made a repeat look six times faster)."""
+    out = [g.tokens for g in generate(model, prompts, max_new_tokens=n_new, temperature=0.0, compile=compile,
+                                      ignore_eos=True)]
+    assert all(len(tokens) == n_new for tokens in out), [len(tokens) for tokens in out]
+    return out
 
 
 def glasslm_prefill(model, prompt: list[int], compile: bool = False) -> None:
