@@ -320,10 +320,11 @@ def test_a_full_queue_answers_429_at_once():
 @pytest.mark.slow
 def test_cli_prints_its_url_and_drains_on_sigterm(tmp_path):
     model, tok = tiny_model()
-    save_checkpoint(tmp_path / "ckpt", model, tok)
+    checkpoint = save_checkpoint(tmp_path / "run" / "ckpt-000002", model, tok)  # a run's: the page plots the run
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "train_loss": 3.5}\n{"step": 2, "train_loss": 3.25}\n')
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "glasslm.cli", "serve", "--checkpoint", str(tmp_path / "ckpt"), "--port", "0",
+        [sys.executable, "-m", "glasslm.cli", "serve", "--checkpoint", str(checkpoint), "--port", "0",
          "--grace", "1", "--max-tokens-limit", "1000000"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -331,6 +332,8 @@ def test_cli_prints_its_url_and_drains_on_sigterm(tmp_path):
         match = re.search(r"http://127\.0\.0\.1:\d+", line)
         assert match, line + proc.stderr.read()
         url = match.group(0)
+        assert call(url, "/api/run") == (200, {"run": "run", "signals": [], "records": [{"step": 1, "train_loss": 3.5},
+                                                                                  {"step": 2, "train_loss": 3.25}]})
         conn, events = stream(url, {"prompt": "A", "max_tokens": 1_000_000})
         next(events)
         proc.send_signal(signal.SIGTERM)

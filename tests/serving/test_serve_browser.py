@@ -366,3 +366,45 @@ def test_the_explorer_works_on_the_induction_study_model(browser, tmp_path):
         page.screenshot(path=tmp_path / "induction.png", full_page=True)
         assert outside == []
         page.close()
+
+
+def test_the_training_run_panel_draws_the_runs_curves_and_follows_it(browser, tmp_path):
+    """A GRPO run's metrics.jsonl: one chart for the loss and one per logged signal, each line with one point
+    per record holding it; a step logged while the page is open shows on the next refresh."""
+    rows = [{"step": s, "train_loss": 0.5 / s, "reward": 0.1 * s, "reward_std": 0.05, "kl": 0.002 * s,
+             "completion_length": 12 - s, "completion_length_max": 16 - s} for s in (1, 2, 3)]
+    rows.insert(2, {"step": 2, "val_loss": 0.4})
+    metrics = tmp_path / "grpo-run" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "train_lo')  # torn: skipped
+    tok = CharTokenizer(list(CHARS))
+    model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=tok.vocab_size, n_layers=1, d_model=32,
+                                     n_heads=4, context_length=64)).eval()
+    with serving_in_thread(create_app(model, tok, ServeConfig(name="grpo"), metrics_file=metrics)) as url:
+        page, outside = open_page(browser, url)
+        page.wait_for_selector("#run-panel[data-steps='4']")
+
+        def drawn():
+            """{chart: {series: (points in data-points, vertices of its polyline)}}"""
+            return page.locator("#run-charts svg").evaluate_all("""svgs => Object.fromEntries(svgs.map(svg =>
+                [svg.dataset.key, Object.fromEntries([...svg.querySelectorAll('polyline')].map(l =>
+                    [l.classList[1], [Number(l.dataset.points), l.getAttribute('points').trim().split(' ').length]]))]))""")
+
+        assert drawn() == {"loss": {"train": [3, 3], "validation": [1, 1]}, "reward": {"train": [3, 3]},
+                           "kl": {"train": [3, 3]}, "completion_length": {"train": [3, 3], "longest": [3, 3]}}
+        assert page.locator("#run-charts svg[data-key=reward] polygon.band").count() == 1
+        assert page.locator("#run-charts svg[data-key=loss] circle").count() == 1  # the validation dot
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows + [rows[-1] | {"step": 4}]))
+        page.wait_for_selector("#run-panel[data-steps='5']", timeout=15_000)
+        assert {series["train"][0] for series in drawn().values()} == {4}
+        assert "grpo-run" in page.inner_text("#run-status") and "step 4" in page.inner_text("#run-status")
+        page.screenshot(path=tmp_path / "run.png", full_page=True)
+        assert outside == []
+        page.close()
+
+
+def test_a_model_from_no_run_says_so_in_the_training_run_panel(page_and_server):
+    page = page_and_server[0]
+    page.wait_for_selector("#run-panel[data-steps='0']")
+    assert "not in a training run directory" in page.inner_text("#run-status")
+    assert page.locator("#run-charts svg").count() == 0

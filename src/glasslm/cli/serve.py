@@ -13,6 +13,7 @@ from glasslm.serving.config import ServeConfig
 
 def serve(source: CheckpointOption, config: ServeConfig, runtime: RuntimeOptions) -> int:
     from glasslm.hf import load_chat_template
+    from glasslm.training.loggers import run_metrics_file
 
     try:
         from glasslm.serving.server import serve as serve_model
@@ -24,7 +25,8 @@ def serve(source: CheckpointOption, config: ServeConfig, runtime: RuntimeOptions
         config = dataclasses.replace(config, name=Path(source.checkpoint).resolve().name)
     if config.api_key is None and os.environ.get("GLASSLM_API_KEY"):  # the environment keeps it out of `ps`
         config = dataclasses.replace(config, api_key=os.environ["GLASSLM_API_KEY"])
-    serve_model(model, tokenizer, config, load_chat_template(source.checkpoint, tokenizer, config.chat_template))
+    serve_model(model, tokenizer, config, load_chat_template(source.checkpoint, tokenizer, config.chat_template),
+                run_metrics_file(source.checkpoint))
     return 0
 
 

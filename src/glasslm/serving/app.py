@@ -18,8 +18,10 @@ Example (the app without a network socket; `uvicorn.run(app)` would serve it):
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -29,13 +31,13 @@ from glasslm.serving.auth import BearerKey
 from glasslm.serving.config import ServeConfig
 from glasslm.serving.context import Served
 from glasslm.serving.errors import add_error_handlers
-from glasslm.serving.routes import chat, completions, explorer, health, tokenize
+from glasslm.serving.routes import chat, completions, explorer, health, tokenize, training_run
 
-ROUTERS = (health.router, completions.router, chat.router, tokenize.router, explorer.router)
+ROUTERS = (health.router, completions.router, chat.router, tokenize.router, explorer.router, training_run.router)
 
 
 def create_app(model: TransformerLM, tokenizer: Any, config: ServeConfig | None = None,
-               chat_template: str | None = None) -> FastAPI:
+               chat_template: str | None = None, metrics_file: str | os.PathLike | None = None) -> FastAPI:
     """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /tokenizer_info, /health,
     the explorer page and its /api endpoints.
 
@@ -44,8 +46,11 @@ def create_app(model: TransformerLM, tokenizer: Any, config: ServeConfig | None 
     The engine is `app.state.served.engine` (also `app.state.engine`). With `config.api_key`, every
     route but /health needs `Authorization: Bearer KEY` (`glasslm.serving.auth`). `chat_template` (Jinja
     source) is what /v1/chat/completions renders conversations with; without one it answers 400.
+    `metrics_file` (the run's metrics.jsonl, `run_metrics_file`) is what /api/run and the page's
+    "Training run" panel read; without one they say the model comes from no training run.
     """
-    served = Served.build(model, tokenizer, config, chat_template)
+    metrics_file = None if metrics_file is None else Path(metrics_file)
+    served = Served.build(model, tokenizer, config, chat_template, metrics_file)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Callable
 
 from fastapi import Depends, Request
@@ -70,16 +71,17 @@ class Served:
     name: str
     eos: frozenset[int]  # tokens that end a completion: the model's eos ids (`eos_ids`), none with ignore_eos
     chat_template: str | None = None  # the Jinja template /v1/chat/completions renders messages with
+    metrics_file: Path | None = None  # the served checkpoint's run's metrics.jsonl (/api/run), if it has one
 
     @classmethod
     def build(cls, model: TransformerLM, tokenizer: Any, config: ServeConfig | None = None,
-              chat_template: str | None = None) -> Served:
+              chat_template: str | None = None, metrics_file: Path | None = None) -> Served:
         if tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer, so text cannot be encoded")
         config = config or ServeConfig()
         eos = frozenset() if config.ignore_eos else frozenset(eos_ids(model, tokenizer))
         return cls(model, tokenizer, config, Engine(model, tokenizer, config.max_batch, config.max_queue),
-                   config.name or "glasslm", eos, chat_template)
+                   config.name or "glasslm", eos, chat_template, metrics_file)
 
     @property
     def context_length(self) -> int:

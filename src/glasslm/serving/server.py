@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -22,11 +23,13 @@ from glasslm.serving.app import create_app
 from glasslm.serving.config import ServeConfig
 
 
-def serve(model: TransformerLM, tokenizer: Any, config: ServeConfig, chat_template: str | None = None) -> None:
-    """Run the server until SIGTERM or Ctrl-C; prints the URL once it is listening."""
+def serve(model: TransformerLM, tokenizer: Any, config: ServeConfig, chat_template: str | None = None,
+          metrics_file: str | os.PathLike | None = None) -> None:
+    """Run the server until SIGTERM or Ctrl-C; prints the URL once it is listening. `metrics_file`:
+    the run's metrics.jsonl the explorer plots (see `create_app`)."""
     import uvicorn
 
-    app = create_app(model, tokenizer, config, chat_template)
+    app = create_app(model, tokenizer, config, chat_template, metrics_file)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not config.api_key and config.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("glasslm.serving").warning(

@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from glasslm.io.checkpoint import CHECKPOINT_PREFIX, POINTER_NAMES
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -63,6 +65,28 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def run_metrics_file(checkpoint: str | os.PathLike) -> Path | None:
+    """The metrics.jsonl of the training run a checkpoint path (as `resolve_checkpoint` takes it) belongs
+    to: the path's own for a run directory, its parent's for a ckpt-NNNNNN directory or a latest/best
+    pointer; None for a path outside a run (a GGUF file, a Hugging Face directory, a lone checkpoint).
+
+    >>> import tempfile
+    >>> run = Path(tempfile.mkdtemp())
+    >>> (run / "ckpt-000010").mkdir(); _ = (run / METRICS_FILE).write_text("")
+    >>> [run_metrics_file(p) == run / METRICS_FILE for p in (run, run / "ckpt-000010")]
+    [True, True]
+    >>> _ = (run / "model.gguf").write_bytes(b"GGUF")
+    >>> run_metrics_file(run / "model.gguf") is None
+    True
+    """
+    path = Path(checkpoint)
+    if path.is_file():
+        candidates = [path.parent] if path.name in POINTER_NAMES else []
+    else:
+        candidates = [path, path.parent] if path.name.startswith(CHECKPOINT_PREFIX) else [path]
+    return next((c / METRICS_FILE for c in candidates if (c / METRICS_FILE).is_file()), None)
 
 
 def truncate_metrics(path: Path, keep_up_to_step: int) -> None:

@@ -469,6 +469,116 @@ function applyDefaults(defaults) {
   }
 }
 
+// --- the training run: the curves `glasslm plot` draws, from /api/run, redrawn while the run trains ---
+
+const RUN_REFRESH_MS = 5000;
+const RUN_COLOURS = { train: "#1a73e8", validation: "#d62728", longest: "#888" };
+let runShown = "";  // what the charts show (record count and last record): redraw only when it changes
+
+// A small SVG line chart. Each series: { name, points: [[step, value], ...], band: [[step, low, high], ...]
+// (a shaded area, optional), dots: true for sparse series (validation), dashed: true }.
+function lineChart(title, series, key) {
+  const width = 320, height = 170, left = 48, right = 8, top = 30, bottom = 24;
+  const ys = series.flatMap((s) => s.points.map((p) => p[1]).concat((s.band || []).flatMap((b) => [b[1], b[2]])));
+  const xs = series.flatMap((s) => s.points.map((p) => p[0]));
+  let [x0, x1] = [xs.reduce((a, b) => Math.min(a, b)), xs.reduce((a, b) => Math.max(a, b))];
+  let [y0, y1] = [ys.reduce((a, b) => Math.min(a, b)), ys.reduce((a, b) => Math.max(a, b))];
+  if (x1 === x0) { x0 -= 1; x1 += 1; }
+  if (y1 === y0) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
+  const sx = (x) => (left + (x - x0) / (x1 - x0) * (width - left - right)).toFixed(1);
+  const sy = (y) => (top + (y1 - y) / (y1 - y0) * (height - top - bottom)).toFixed(1);
+  const svg = document.createElementNS(svgNS, "svg");
+  svg.setAttribute("width", width); svg.setAttribute("height", height); svg.dataset.key = key;
+  const add = (tag, attrs, text) => {
+    const e = document.createElementNS(svgNS, tag);
+    for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+    if (text !== undefined) e.textContent = text;
+    svg.appendChild(e); return e;
+  };
+  add("text", { x: left, y: 12, "font-size": 12 }, title);
+  add("rect", { x: left, y: top, width: width - left - right, height: height - top - bottom, fill: "none", stroke: "#ccc" });
+  const fmt = (v) => Number(v.toPrecision(4)).toString();
+  add("text", { x: left - 4, y: top + 8, "text-anchor": "end", "font-size": 10 }, fmt(y1));
+  add("text", { x: left - 4, y: height - bottom, "text-anchor": "end", "font-size": 10 }, fmt(y0));
+  add("text", { x: left, y: height - 8, "font-size": 10 }, `step ${x0}`);
+  add("text", { x: width - right, y: height - 8, "text-anchor": "end", "font-size": 10 }, `${x1}`);
+  let legendX = left;
+  for (const s of series) {
+    const colour = RUN_COLOURS[s.name];
+    if (s.band) {
+      const edge = s.band.map((b) => `${sx(b[0])},${sy(b[2])}`).concat(s.band.slice().reverse().map((b) => `${sx(b[0])},${sy(b[1])}`));
+      add("polygon", { points: edge.join(" "), fill: colour, "fill-opacity": 0.2, class: "band" });
+    }
+    const line = add("polyline", { points: s.points.map((p) => `${sx(p[0])},${sy(p[1])}`).join(" "), fill: "none",
+                                   stroke: colour, "stroke-width": 1.3, class: `series ${s.name}` });
+    if (s.dashed) line.setAttribute("stroke-dasharray", "4 3");
+    line.dataset.points = s.points.length;
+    if (s.dots) s.points.forEach((p) => add("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 2.5, fill: colour }));
+    add("text", { x: legendX, y: 25, "font-size": 10, fill: colour }, s.name);
+    legendX += 8 + 6 * s.name.length;
+  }
+  return svg;
+}
+
+// The series of one chart: `key` over the training records, `val_${key}` where held-out records have it.
+function runSeries(records, key, valKey) {
+  const points = (k) => records.filter((r) => typeof r[k] === "number" && typeof r.step === "number")
+                               .map((r) => [r.step, r[k]]);
+  const series = [{ name: "train", points: points(key) }];
+  const held = points(valKey);
+  if (held.length) series.push({ name: "validation", points: held, dots: true });
+  return series.filter((s) => s.points.length);
+}
+
+function drawRun(data) {
+  const panel = $("run-panel"), charts = $("run-charts");
+  if (data.run === null) {
+    charts.textContent = ""; panel.dataset.steps = 0; runShown = "";
+    showStatus($("run-status"), data.reason);
+    return;
+  }
+  const records = data.records, last = records[records.length - 1];
+  const shown = `${records.length}:${JSON.stringify(last)}`;
+  if (shown === runShown) return;
+  runShown = shown;
+  const loss = runSeries(records, "train_loss", "val_loss");
+  const drawn = loss.length ? [lineChart(data.signals.length ? "training objective" : "loss (nats/token)", loss, "loss")] : [];
+  for (const [key, title] of data.signals) {
+    const series = runSeries(records, key, `val_${key}`);
+    const train = records.filter((r) => typeof r[key] === "number");
+    if (key === "reward" && train.every((r) => typeof r.reward_std === "number")) {
+      series[0].band = train.map((r) => [r.step, r.reward - r.reward_std, r.reward + r.reward_std]);
+    }
+    if (key === "completion_length" && train.every((r) => typeof r.completion_length_max === "number")) {
+      series.push({ name: "longest", points: runSeries(records, "completion_length_max")[0].points, dashed: true });
+    }
+    if (series.length) drawn.push(lineChart(title, series, key));
+  }
+  charts.textContent = "";
+  drawn.forEach((svg) => charts.appendChild(svg));
+  const steps = records.filter((r) => typeof r.step === "number").map((r) => r.step);
+  panel.dataset.steps = steps.length;
+  showStatus($("run-status"), `${data.run}: ${records.length} records` +
+             (steps.length ? `, up to step ${steps[steps.length - 1]}` : "") + `; refreshed every ${RUN_REFRESH_MS / 1000} s`);
+}
+
+// Polls while the server has a run to show; a model from no run answers once and the polling stops.
+async function refreshRun() {
+  if (document.hidden) return;
+  try {
+    const response = await fetch("/api/run");
+    const data = await response.json();
+    if (!response.ok) throw new Error(data.error ? data.error.message : response.statusText);
+    drawRun(data);
+    if (data.run === null) clearInterval(refreshRun.timer);
+  } catch (err) { showError($("run-status"), err); }
+}
+
+function startRunPanel() {
+  refreshRun.timer = setInterval(refreshRun, RUN_REFRESH_MS);
+  return refreshRun();
+}
+
 function wireControls() {
   $("generate").onclick = generate;
   $("inspect-generation").onclick = inspectGeneration;
@@ -490,6 +600,7 @@ function wireControls() {
 async function start() {
   window.addEventListener("unhandledrejection", (event) => showError($("page-status"), event.reason));
   wireControls();
+  startRunPanel();  // the run's curves need no model info: they show even if /api/info fails
   try {
     const response = await fetch("/api/info");
     info = await response.json();
