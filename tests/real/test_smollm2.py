@@ -279,7 +279,7 @@ def test_grpo_raises_the_held_out_accuracy_of_small_subtraction(gguf, tmp_path, 
     assert main(["finetune", "--checkpoint", str(gguf), "--method", "grpo", "--data", str(train), "--reward", "exact_match",
                  "--out", str(run), "--max-steps", "15", "--batch-size", "4", "--group-size", "6", "--max-new-tokens",
                  "12", "--temperature", "0.7", "--lr", "1e-3", "--lora-sites", "q,v,mlp_up", "--log-interval", "1",
-                 "--warmup-steps", "0", "--threads", "1", "--no-progress"]) == 0
+                 "--warmup-steps", "0", "--threads", "2", "--no-progress"]) == 0
     capsys.readouterr()
     after = _held_out_accuracy(run, heldout, capsys)
     rewards = [json.loads(line)["reward"] for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -152,7 +152,8 @@ def _pyarrow(what: str) -> Any:
         import pyarrow.json
         import pyarrow.parquet
     except ImportError:
-        raise ImportError(f"reading {what} needs pyarrow: pip install 'glasslm[data]'") from None
+        raise ImportError(f"reading {what} needs pyarrow: pip install pyarrow (in a glasslm checkout: "
+                          "pip install -e '.[data]')") from None
     return pyarrow
 
 
@@ -195,7 +196,8 @@ def _dataset_texts(source: Source, column: str, split: str, streaming: bool) -> 
     try:
         import datasets
     except ImportError:
-        raise ImportError("Hugging Face datasets need the datasets package: pip install 'glasslm[data]'") from None
+        raise ImportError("Hugging Face datasets need the datasets package: pip install datasets (in a glasslm "
+                          "checkout: pip install -e '.[data]')") from None
     if source.kind == "dataset-dir":
         dataset = datasets.load_from_disk(source.location)
         if isinstance(dataset, datasets.DatasetDict):
