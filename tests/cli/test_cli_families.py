@@ -80,7 +80,7 @@ def _serve_completes(ckpt, monkeypatch):
     from glasslm.serving.app import create_app
 
     served = {}
-    monkeypatch.setattr(server, "serve", lambda model, tok, config, chat_template=None: served.update(
+    monkeypatch.setattr(server, "serve", lambda model, tok, config, chat_template=None, metrics_file=None: served.update(
         app=create_app(model, tok, config, chat_template=chat_template)))
     assert main(["serve", "--checkpoint", str(ckpt)]) == 0
     with TestClient(served["app"]) as client:

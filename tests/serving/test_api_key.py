@@ -76,7 +76,7 @@ def test_glasslm_serve_takes_the_key_from_the_environment(monkeypatch):
     monkeypatch.setattr(serve_command, "load_for_inference", lambda *a, **k: tiny_model())
     monkeypatch.setattr("glasslm.hf.load_chat_template", lambda checkpoint, tokenizer, template_file: None)
     monkeypatch.setattr("glasslm.serving.server.serve",
-                        lambda model, tok, config, chat_template=None: seen.update(config=config))
+                        lambda model, tok, config, chat_template=None, metrics_file=None: seen.update(config=config))
     assert serve_command.serve(CheckpointOption("runs/x"), ServeConfig(), RuntimeOptions()) == 0
     assert seen["config"].api_key == "from-env" and seen["config"].host == "127.0.0.1"
     serve_command.serve(CheckpointOption("runs/x"), ServeConfig(api_key="flag"), RuntimeOptions())
