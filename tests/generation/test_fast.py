@@ -14,7 +14,7 @@ import torch
 
 from glasslm.core.model import TransformerLM
 from glasslm.generation import DecodeWindow, generate
-from glasslm.generation.fast import FastDecoder, unsupported
+from glasslm.generation.fast import FastDecoder, native_block, unsupported
 from glasslm.kernels.decode import decode_ops
 from glasslm.presets import get_preset
 from glasslm.transforms import apply_transform
@@ -96,6 +96,43 @@ def test_quantized_layers_decode_as_the_readable_forward(transform):
     assert tokens == ref_tokens
     # The kernels' activations are good to 1/256 of a step of max|x| / 127 (kernels/qmatmul.py).
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=ref_logits.abs().amax().item() / 127 / 256 * 8)
+
+
+def window_logits(model: TransformerLM, fast: FastDecoder, rows: list[list[int]], steps: int) -> torch.Tensor:
+    """Each step's logits (steps, batch, vocab) decoding the given tokens through `fast`."""
+    window = DecodeWindow(model, len(rows), max(map(len, rows)) + steps)
+    window.fast = fast
+    with torch.inference_mode():
+        logits = [window.prefill(rows)]
+        for step in range(steps):
+            logits.append(window.decode(torch.tensor([(7 * step + row) % 90 for row in range(len(rows))])))
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("transform", ["int8", "int4", "q8_0", "q4_1"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_blocks_step_as_the_python_step(family, transform):
+    """kernels/block.cpp runs a whole block in C++: every family's quantized blocks, ragged rows included,
+    give the Python step's logits (the same kernels in the same order; LayerNorm and activations are
+    ATen's there, which may move an activation to the next int8 step)."""
+    model = family_model(family, seed=1)
+    apply_transform(model, transform)
+    native, python = FastDecoder(model), FastDecoder(model, native_blocks=False)
+    assert all(isinstance(step, torch.ScriptMethod) for step in native.steps)  # every block in one C++ call
+    assert not any(isinstance(step, torch.ScriptMethod) for step in python.steps)
+    rows = [[5, 9, 3, 7, 1], [4, 6]]
+    expected = window_logits(model, python, rows, 8)
+    torch.testing.assert_close(window_logits(model, native, rows, 8), expected, rtol=0,
+                               atol=expected.abs().amax().item() / 127 / 256 * 8)
+
+
+def test_blocks_with_float_or_adapted_products_keep_the_python_step():
+    model = family_model("llama")
+    assert native_block(FastDecoder(model, native_blocks=False).layers[0]) is None  # float32 weights
+    apply_transform(model, "int8")
+    assert native_block(FastDecoder(model, native_blocks=False).layers[0]) is not None
+    apply_transform(model, "lora")  # adapters on q and v: the qkv product is no longer a packed matrix
+    assert not any(isinstance(step, torch.ScriptMethod) for step in FastDecoder(model).steps)
 
 
 def test_rows_joining_and_leaving_decode_as_the_readable_step():

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,9 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from glasslm.core.attention import KVCache
-from glasslm.core.layers import RMSNorm, SwiGLU, _has_any_global_hook, linear
+from glasslm.core.layers import (
+    FAST_ACTIVATIONS, READABLE_ACTIVATIONS, LayerNorm, RMSNorm, SwiGLU, _has_any_global_hook, linear,
+)
 from glasslm.core.model import Block, TransformerLM
 from glasslm.kernels.decode import add_rms_norm, decode_attention, decode_ops, rms_norm
 
@@ -65,11 +68,15 @@ def unsupported(model: TransformerLM) -> str | None:
 class FastDecoder:
     """One-token decoding steps of `model` through the C++ step kernels (see the module docstring)."""
 
-    def __init__(self, model: TransformerLM):
+    def __init__(self, model: TransformerLM, native_blocks: bool = True):
         self.model = model
         self.blocks: list[Block] = list(model.blocks)
         self.attentions = [block.attn for block in self.blocks]
         self.layers = [_Layer.of(block) for block in self.blocks]
+        # Each block's step: one C++ call where every product in it is a packed quantized matrix
+        # (kernels/block.cpp), else the layer's Python step over the same kernels.
+        natives = [native_block(layer) if native_blocks else None for layer in self.layers]
+        self.steps = [layer.step if native is None else native.step for layer, native in zip(self.layers, natives)]
         self.final_norm = _Norm.of(model.ln_final)
         # Every hook any module could run (forward, pre-forward, backward), as the dicts nn.Module keeps
         # them in: registering a hook adds to one of these dicts, never replaces it.
@@ -120,8 +127,8 @@ class FastDecoder:
             x = x + model.pos_embed(positions[:, None])
         x = x.contiguous()
         pending = None  # an output still to be added to x, added by the next norm's call
-        for layer, keys, values in zip(self.layers, cache.keys, cache.values):
-            x, pending = layer.step(x, pending, keys, values, slot, positions, key_mask)
+        for step, keys, values in zip(self.steps, cache.keys, cache.values):
+            x, pending = step(x, pending, keys, values, slot, positions, key_mask)
         cache.advance(1)
         return self._logits(x, pending)[:, 0].float()
 
@@ -223,3 +230,39 @@ class _Layer:
         if self.down is None:
             return x, attended
         return x, self.mlp(self.ln2(x, attended))
+
+
+# kernels/block.cpp's numbering of a Block's norms, products and activations.
+_NORM_KINDS = {RMSNorm: 1, LayerNorm: 2}
+_ACTIVATIONS = {fn: code for table in (READABLE_ACTIVATIONS, FAST_ACTIVATIONS)
+                for code, name in enumerate(("gelu", "gelu_tanh", "relu", "silu")) for fn in (table[name],)}
+
+
+def native_block(layer: _Layer) -> Any | None:
+    """`layer` as a C++ `glasslm_kernels.Block` (kernels/block.cpp) whose `step` is `layer.step` in one
+    call, or None where a part of it has no C++ form there: a product that is not a packed quantized
+    matrix (float weights, adapters), a norm other than a float32 RMSNorm or LayerNorm, another
+    activation."""
+    native = torch.classes.glasslm_kernels.Block()
+    for slot, module in enumerate((layer.qkv, layer.out, layer.gate, layer.up, layer.down)):
+        if module is None:
+            continue
+        matrix = getattr(module, "kernel_matrix", lambda: None)()
+        if matrix is None:
+            return None
+        native.set_matrix(slot, matrix.levels, matrix.scales, matrix.mins, matrix.bits, matrix.offset,
+                          matrix.group_blocks, matrix.d_out, matrix.row_scale, module.bias)
+    for slot, norm in enumerate((layer.ln1, layer.ln1_post, layer.ln2, layer.ln2_post)):
+        if norm is None:
+            continue
+        module = norm.module
+        kind = _NORM_KINDS.get(type(module))
+        if kind is None or module.weight.dtype != torch.float32 or getattr(module, "unbiased_std", False):
+            return None
+        native.set_norm(slot, kind, module.weight, getattr(module, "bias", None), module.eps,
+                        getattr(module, "unit_offset", False))
+    if layer.down is not None and layer.act not in _ACTIVATIONS:
+        return None
+    native.set_attention(layer.cos, layer.sin, layer.heads, layer.kv_heads, layer.scale, layer.window)
+    native.set_mlp(_ACTIVATIONS.get(layer.act, 0), layer.parallel)
+    return native

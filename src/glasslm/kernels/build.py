@@ -33,7 +33,7 @@ import torch
 
 ENV = "GLASSLM_KERNELS"
 ISA_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}  # the C++ side's numbering
-SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.cpp", "decode.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.cpp", "decode.cpp", "block.cpp")]
 # -O3 for the vector loops; OpenMP so at::parallel_for runs on torch's threads (the library joins
 # the libgomp torch already loaded). No -march: each path names its instructions (target
 # attributes), so one build runs on any x86-64 CPU and picks its path at run time.

@@ -124,6 +124,8 @@ Vec vector_path() {
 // ----------------------------------------------------------------------------------------------
 // RMSNorm.
 
+}  // namespace
+
 void check_float_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, name, " must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.is_contiguous() && x.dim() >= 1, name, " must be contiguous with at least one dim");
@@ -162,6 +164,8 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Ten
   for (int64_t i = 0; i < x.numel(); ++i) xs[i] += rs[i];
   return rms_norm(x, weight, eps, unit_offset);
 }
+
+namespace {
 
 // ----------------------------------------------------------------------------------------------
 // One query per row against the cache.

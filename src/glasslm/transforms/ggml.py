@@ -169,6 +169,13 @@ class BlockLinear(nn.Module):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
+    def kernel_matrix(self) -> PackedMatrix | None:
+        """The packed matrix `forward` multiplies a float32 CPU row by (None: it takes another path)."""
+        if self.impl != "fast" or self.weight_blocks.device.type != "cpu":
+            return None
+        kernel = self._kernel_operands()
+        return kernel if isinstance(kernel, PackedMatrix) else None
+
     def quantized_matrix(self) -> QuantizedMatrix:
         """The blocks as the kernels' readable `QuantizedMatrix` (`block_matrix`)."""
         return block_matrix(self.weight_blocks, self.qtype)

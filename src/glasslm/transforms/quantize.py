@@ -236,6 +236,12 @@ class Int8Linear(nn.Module):
             self._matrix = pack(self.quantized_matrix())
         return self._matrix
 
+    def kernel_matrix(self) -> PackedMatrix | None:
+        """The packed matrix `forward` multiplies a float32 CPU row by (None: it takes another path)."""
+        if self.impl != "fast" or self.d_in % _KERNEL_D_IN_MULTIPLE:
+            return None
+        return self._packed_matrix()
+
     def quantized_matrix(self) -> QuantizedMatrix:
         """The weight as the kernels' readable `QuantizedMatrix`: levels w + 128 (offset 128), block
         scale 1, the per-channel scale as the row scale."""
@@ -428,6 +434,13 @@ class Int4Linear(nn.Module):
                 kernel = int4_kernel_operands(unpack_nibbles(self.weight_int4), self.scales, self.zeros)
             self._kernel = kernel
         return kernel
+
+    def kernel_matrix(self) -> PackedMatrix | None:
+        """The packed matrix `forward` multiplies a float32 CPU row by (None: it takes another path)."""
+        if self.impl != "fast" or self.group_size % 32 or self.weight_int4.device.type != "cpu":
+            return None
+        kernel = self._kernel_operands()
+        return kernel if isinstance(kernel, PackedMatrix) else None
 
     def quantized_matrix(self) -> QuantizedMatrix:
         """The weight as the kernels' readable `QuantizedMatrix`: levels 0..15, offset 8, the bf16

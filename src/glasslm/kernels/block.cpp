@@ -1,0 +1,172 @@
+// A whole transformer block's one-token decoding step in one call: what generation/fast.py's
+// `_Layer.step` does in Python, with the same kernels, minus the interpreter between them.
+//
+// Why. With the small steps already one kernel each (decode.cpp) and the matrix products in
+// qmatmul.cpp, GPT-2 small's int4 step still spent ~1 ms of its ~6 on the host: eight module calls
+// and their Python wrappers per block, ~8 us each (a `qlinear` through Python is 8 us, the same op
+// called from C++ well under 1). A `Block` holds one block's operands (the packed matrices, the norms'
+// gains, the rotary tables) and runs its step from C++, so a step is one Python call per block.
+//
+// The step, exactly as `_Layer.step` (read that first; the readable forward is core/model.py):
+//
+//   x += pending;  h = ln1(x)                     (the previous block's output, added by this norm)
+//   z = decode_attention(qkv(h), cache, ...)      (decode.cpp: rotary, cache write, attention)
+//   a = out(z);  a = ln1_post(a) if present
+//   parallel (GPT-NeoX):  pending = a + mlp(ln2(x))
+//   sequential:           x += a;  pending = mlp(ln2(x))
+//   mlp(h) = down(act(gate(h)) * up(h))  or  down(act(up(h)));  ln2_post after it if present
+//
+// Every product here is a packed quantized matrix (qmatmul.cpp's `qlinear`); norms are RMSNorm
+// (decode.cpp) or LayerNorm (ATen's), activations ATen's. A block with anything else (float weights,
+// adapters, other norms) keeps the Python step; `glasslm.generation.fast` decides.
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <c10/util/Exception.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+namespace glasslm_kernels {
+
+// qmatmul.cpp and decode.cpp
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& levels, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& mins, int64_t bits, int64_t offset, int64_t group_blocks, int64_t d_out,
+                   const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& bias);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps, bool unit_offset);
+at::Tensor decode_attention(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values, int64_t slot,
+                            const at::Tensor& positions, const std::optional<at::Tensor>& cos,
+                            const std::optional<at::Tensor>& sin, int64_t heads, int64_t kv_heads, int64_t rotary_dims,
+                            double scale, const std::optional<at::Tensor>& key_mask, int64_t window);
+
+namespace {
+
+enum NormKind : int64_t { kNoNorm = 0, kRms = 1, kLayer = 2 };
+enum Activation : int64_t { kGelu = 0, kGeluTanh = 1, kRelu = 2, kSilu = 3 };
+enum Slot : int64_t { kLn1 = 0, kLn1Post = 1, kLn2 = 2, kLn2Post = 3 };
+enum Product : int64_t { kQkv = 0, kOut = 1, kGate = 2, kUp = 3, kDown = 4 };
+
+struct Norm {
+  int64_t kind = kNoNorm;
+  at::Tensor weight;
+  std::optional<at::Tensor> bias;
+  double eps = 0;
+  bool unit_offset = false;
+
+  // norm(x), after x += pending (in place) where something is pending.
+  at::Tensor operator()(at::Tensor& x, const std::optional<at::Tensor>& pending) const {
+    if (kind == kNoNorm) {
+      if (pending) x.add_(*pending);
+      return x;
+    }
+    if (kind == kRms) {
+      return pending ? add_rms_norm(x, *pending, weight, eps, unit_offset) : rms_norm(x, weight, eps, unit_offset);
+    }
+    if (pending) x.add_(*pending);
+    return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
+  }
+};
+
+struct Matrix {
+  bool present = false;
+  at::Tensor levels, scales;
+  std::optional<at::Tensor> mins, row_scale, bias;
+  int64_t bits = 0, offset = 0, group_blocks = 0, d_out = 0;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    // Named as the op a Python call would run, so torch.profiler counts it as one (benchmarks).
+    RECORD_FUNCTION("glasslm_kernels::qlinear", c10::ArrayRef<const c10::IValue>{});
+    return qlinear(x, levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias);
+  }
+};
+
+at::Tensor activate(int64_t kind, const at::Tensor& x) {
+  switch (kind) {
+    case kGelu: return at::gelu(x);
+    case kGeluTanh: return at::gelu(x, "tanh");
+    case kRelu: return at::relu(x);
+    default: return at::silu(x);
+  }
+}
+
+}  // namespace
+
+struct Block : torch::CustomClassHolder {
+  Norm norms[4];
+  Matrix products[5];
+  std::optional<at::Tensor> cos, sin;
+  int64_t heads = 0, kv_heads = 0, window = 0, activation = kGelu;
+  double scale = 1.0;
+  bool parallel = false;
+
+  void set_norm(int64_t which, int64_t kind, const at::Tensor& weight, const std::optional<at::Tensor>& bias, double eps,
+                bool unit_offset) {
+    TORCH_CHECK(which >= kLn1 && which <= kLn2Post && kind >= kNoNorm && kind <= kLayer, "Block.set_norm: bad slot or kind");
+    TORCH_CHECK(kind == kNoNorm || (weight.scalar_type() == at::kFloat && weight.is_contiguous()),
+                "Block.set_norm: the gain must be contiguous float32");
+    norms[which] = Norm{kind, weight, bias, eps, unit_offset};
+  }
+
+  void set_matrix(int64_t which, const at::Tensor& levels, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                  int64_t bits, int64_t offset, int64_t group_blocks, int64_t d_out,
+                  const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& bias) {
+    TORCH_CHECK(which >= kQkv && which <= kDown, "Block.set_matrix: bad slot");
+    products[which] = Matrix{true, levels, scales, mins, row_scale, bias, bits, offset, group_blocks, d_out};
+  }
+
+  void set_attention(const std::optional<at::Tensor>& cos_, const std::optional<at::Tensor>& sin_, int64_t heads_,
+                     int64_t kv_heads_, double scale_, int64_t window_) {
+    cos = cos_, sin = sin_, heads = heads_, kv_heads = kv_heads_, scale = scale_, window = window_;
+  }
+
+  void set_mlp(int64_t activation_, bool parallel_) {
+    TORCH_CHECK(activation_ >= kGelu && activation_ <= kSilu, "Block.set_mlp: unknown activation ", activation_);
+    activation = activation_, parallel = parallel_;
+  }
+
+  // (x with `pending` added, this block's output still to add): `_Layer.step`'s contract.
+  std::tuple<at::Tensor, at::Tensor> step(at::Tensor x, const std::optional<at::Tensor>& pending, at::Tensor keys,
+                                          at::Tensor values, int64_t slot, const at::Tensor& positions,
+                                          const std::optional<at::Tensor>& key_mask) const {
+    RECORD_FUNCTION("glasslm_kernels::Block.step", c10::ArrayRef<const c10::IValue>{});
+    const at::Tensor h = norms[kLn1](x, pending);
+    const at::Tensor qkv = products[kQkv](h).reshape({x.size(0), -1});
+    const at::Tensor z = attention(qkv, keys, values, slot, positions, key_mask);
+    at::Tensor attended = products[kOut](z.unsqueeze(1));
+    if (norms[kLn1Post].kind != kNoNorm) attended = norms[kLn1Post](attended, std::nullopt);
+    if (!products[kDown].present) return {x, attended};
+    if (parallel) return {x, attended + mlp(norms[kLn2](x, std::nullopt))};
+    return {x, mlp(norms[kLn2](x, attended))};
+  }
+
+ private:
+  at::Tensor attention(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values, int64_t slot, const at::Tensor& positions,
+                       const std::optional<at::Tensor>& key_mask) const {
+    RECORD_FUNCTION("glasslm_kernels::decode_attention", c10::ArrayRef<const c10::IValue>{});
+    const int64_t rotary_dims = cos ? 2 * cos->size(-1) : 0;
+    return decode_attention(qkv, keys, values, slot, positions, cos, sin, heads, kv_heads, rotary_dims, scale, key_mask,
+                            window);
+  }
+
+  at::Tensor mlp(const at::Tensor& h) const {
+    at::Tensor hidden = activate(activation, products[products[kGate].present ? kGate : kUp](h));
+    if (products[kGate].present) hidden = hidden.mul_(products[kUp](h));
+    at::Tensor out = products[kDown](hidden);
+    return norms[kLn2Post].kind != kNoNorm ? norms[kLn2Post](out, std::nullopt) : out;
+  }
+};
+
+TORCH_LIBRARY_FRAGMENT(glasslm_kernels, m) {
+  m.class_<Block>("Block")
+      .def(torch::init<>())
+      .def("set_norm", &Block::set_norm)
+      .def("set_matrix", &Block::set_matrix)
+      .def("set_attention", &Block::set_attention)
+      .def("set_mlp", &Block::set_mlp)
+      .def("step", &Block::step);
+}
+
+}  // namespace glasslm_kernels
