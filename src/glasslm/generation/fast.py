@@ -12,7 +12,7 @@ Its logits equal the readable path's to float32 rounding (tests/generation/test_
 family to that, and greedy tokens to identity).
 
 `DecodeWindow.decode` takes it whenever `FastDecoder.for_model` accepts the model (float32 activations,
-the kernels built, pre-norm blocks without per-head q/k norms) and `usable()` says nothing would be
+the kernels built, pre-norm blocks) and `usable()` says nothing would be
 missed: no hook attached to any module, no TransformerLens-style split inputs or per-head results, eval
 mode. Otherwise, and with `GLASSLM_KERNELS=off`, decoding runs the readable forward.
 
@@ -56,8 +56,8 @@ def unsupported(model: TransformerLM) -> str | None:
     weight = getattr(model.embed, "weight", None)
     if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return "the fast step runs float32 activations on a CPU"
-    if c.norm_placement != "pre" or c.qk_norm:
-        return "post-norm blocks and per-head q/k norms run the readable step"
+    if c.norm_placement != "pre":
+        return "post-norm blocks run the readable step"
     for block in model.blocks:
         rotary = block.attn.rotary
         if rotary is not None and (rotary.dynamic is not None or rotary.cos.dtype != torch.float32):
@@ -193,6 +193,8 @@ class _Layer:
     down: nn.Module | None
     act: Callable[[Tensor], Tensor] | None
     ln2_post: _Norm | None
+    q_norm: _Norm | None  # per-head norms of the queries and keys over d_head (Qwen3, Gemma 3), before rotary
+    k_norm: _Norm | None
 
     @classmethod
     def of(cls, block: Block) -> _Layer:
@@ -201,16 +203,27 @@ class _Layer:
                    None if rotary is None else rotary.sin, attn.n_heads, attn.n_kv_heads, attn.scale,
                    attn.sliding_window or 0, _Norm.of(block.ln1_post), block.parallel, _Norm.of(block.ln2),
                    mlp.gate if isinstance(mlp, SwiGLU) else None, None if mlp is None else mlp.up,
-                   None if mlp is None else mlp.down, None if mlp is None else mlp.act, _Norm.of(block.ln2_post))
+                   None if mlp is None else mlp.down, None if mlp is None else mlp.act, _Norm.of(block.ln2_post),
+                   _Norm.of(attn.q_norm), _Norm.of(attn.k_norm))
 
     def attention(self, h: Float[Tensor, "batch 1 d_model"], keys: Tensor, values: Tensor, slot: int,
                   positions: Tensor, key_mask: Tensor | None) -> Float[Tensor, "batch 1 d_model"]:
         """The attention sublayer's output for one new token per row (its keys and values cached)."""
         qkv = self.qkv(h).reshape(h.shape[0], -1).contiguous()  # (batch, (heads + 2 kv_heads) d_head)
+        if self.q_norm is not None:
+            qkv = self.normed_queries_and_keys(qkv)
         z = decode_attention(qkv, keys, values, slot, positions, self.cos, self.sin, self.heads, self.kv_heads,
                              self.scale, key_mask, self.window)
         out = self.out(z[:, None])  # (batch, 1, d_model)
         return out if self.ln1_post is None else self.ln1_post(out)
+
+    def normed_queries_and_keys(self, qkv: Float[Tensor, "batch width"]) -> Float[Tensor, "batch width"]:
+        """q|k|v with each query head and key head normed over its d_head features (values unchanged)."""
+        batch, kv_start = qkv.shape[0], self.heads + self.kv_heads
+        heads = qkv.view(batch, kv_start + self.kv_heads, -1)  # (batch, heads + 2 kv_heads, d_head)
+        q = self.q_norm(heads[:, :self.heads].contiguous())
+        k = self.k_norm(heads[:, self.heads:kv_start].contiguous())
+        return torch.cat([q, k, heads[:, kv_start:]], dim=1).reshape(batch, -1)
 
     def mlp(self, h: Float[Tensor, "batch 1 d_model"]) -> Float[Tensor, "batch 1 d_model"]:
         """The MLP sublayer's output: the module's own layers and activation, without its hook points."""
@@ -252,7 +265,7 @@ def native_block(layer: _Layer) -> Any | None:
             return None
         native.set_matrix(slot, matrix.levels, matrix.scales, matrix.mins, matrix.bits, matrix.offset,
                           matrix.group_blocks, matrix.d_out, matrix.row_scale, module.bias)
-    for slot, norm in enumerate((layer.ln1, layer.ln1_post, layer.ln2, layer.ln2_post)):
+    for slot, norm in enumerate((layer.ln1, layer.ln1_post, layer.ln2, layer.ln2_post, layer.q_norm, layer.k_norm)):
         if norm is None:
             continue
         module = norm.module

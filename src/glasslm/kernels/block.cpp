@@ -10,7 +10,8 @@
 // The step, exactly as `_Layer.step` (read that first; the readable forward is core/model.py):
 //
 //   x += pending;  h = ln1(x)                     (the previous block's output, added by this norm)
-//   z = decode_attention(qkv(h), cache, ...)      (decode.cpp: rotary, cache write, attention)
+//   qkv = qkv(h), its q and k heads normed if the block has q/k norms
+//   z = decode_attention(qkv, cache, ...)         (decode.cpp: rotary, cache write, attention)
 //   a = out(z);  a = ln1_post(a) if present
 //   parallel (GPT-NeoX):  pending = a + mlp(ln2(x))
 //   sequential:           x += a;  pending = mlp(ln2(x))
@@ -46,7 +47,7 @@ namespace {
 
 enum NormKind : int64_t { kNoNorm = 0, kRms = 1, kLayer = 2 };
 enum Activation : int64_t { kGelu = 0, kGeluTanh = 1, kRelu = 2, kSilu = 3 };
-enum Slot : int64_t { kLn1 = 0, kLn1Post = 1, kLn2 = 2, kLn2Post = 3 };
+enum Slot : int64_t { kLn1 = 0, kLn1Post = 1, kLn2 = 2, kLn2Post = 3, kQNorm = 4, kKNorm = 5 };
 enum Product : int64_t { kQkv = 0, kOut = 1, kGate = 2, kUp = 3, kDown = 4 };
 
 struct Norm {
@@ -95,7 +96,7 @@ at::Tensor activate(int64_t kind, const at::Tensor& x) {
 }  // namespace
 
 struct Block : torch::CustomClassHolder {
-  Norm norms[4];
+  Norm norms[6];
   Matrix products[5];
   std::optional<at::Tensor> cos, sin;
   int64_t heads = 0, kv_heads = 0, window = 0, activation = kGelu;
@@ -104,7 +105,7 @@ struct Block : torch::CustomClassHolder {
 
   void set_norm(int64_t which, int64_t kind, const at::Tensor& weight, const std::optional<at::Tensor>& bias, double eps,
                 bool unit_offset) {
-    TORCH_CHECK(which >= kLn1 && which <= kLn2Post && kind >= kNoNorm && kind <= kLayer, "Block.set_norm: bad slot or kind");
+    TORCH_CHECK(which >= kLn1 && which <= kKNorm && kind >= kNoNorm && kind <= kLayer, "Block.set_norm: bad slot or kind");
     TORCH_CHECK(kind == kNoNorm || (weight.scalar_type() == at::kFloat && weight.is_contiguous()),
                 "Block.set_norm: the gain must be contiguous float32");
     norms[which] = Norm{kind, weight, bias, eps, unit_offset};
@@ -133,7 +134,8 @@ struct Block : torch::CustomClassHolder {
                                           const std::optional<at::Tensor>& key_mask) const {
     RECORD_FUNCTION("glasslm_kernels::Block.step", c10::ArrayRef<const c10::IValue>{});
     const at::Tensor h = norms[kLn1](x, pending);
-    const at::Tensor qkv = products[kQkv](h).reshape({x.size(0), -1});
+    at::Tensor qkv = products[kQkv](h).reshape({x.size(0), -1});
+    if (norms[kQNorm].kind != kNoNorm) qkv = normed_queries_and_keys(qkv);
     const at::Tensor z = attention(qkv, keys, values, slot, positions, key_mask);
     at::Tensor attended = products[kOut](z.unsqueeze(1));
     if (norms[kLn1Post].kind != kNoNorm) attended = norms[kLn1Post](attended, std::nullopt);
@@ -143,6 +145,14 @@ struct Block : torch::CustomClassHolder {
   }
 
  private:
+  // q|k|v with each query and key head normed over its d_head features (Qwen3, Gemma 3), before rotary.
+  at::Tensor normed_queries_and_keys(const at::Tensor& qkv) const {
+    const at::Tensor heads = qkv.view({qkv.size(0), this->heads + 2 * kv_heads, -1});
+    at::Tensor q = heads.narrow(1, 0, this->heads).contiguous(), k = heads.narrow(1, this->heads, kv_heads).contiguous();
+    return at::cat({norms[kQNorm](q, std::nullopt), norms[kKNorm](k, std::nullopt), heads.narrow(1, this->heads + kv_heads, kv_heads)},
+                   1).reshape({qkv.size(0), -1});
+  }
+
   at::Tensor attention(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values, int64_t slot, const at::Tensor& positions,
                        const std::optional<at::Tensor>& key_mask) const {
     RECORD_FUNCTION("glasslm_kernels::decode_attention", c10::ArrayRef<const c10::IValue>{});
