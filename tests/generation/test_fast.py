@@ -24,14 +24,15 @@ pytestmark = pytest.mark.skipif(decode_ops() is None, reason="the C++ kernels ar
 SHAPE = dict(vocab_size=97, n_layers=2, d_model=64, context_length=24, n_heads=4)
 # Every family's decoding step: learned positions and LayerNorm (GPT-2), rotary and grouped heads with
 # SwiGLU (Llama), q/k/v biases (Qwen2), parallel blocks with partial rotary (GPT-NeoX), post-norms, unit-offset
-# norms, scaled embeddings, local rotary and sliding windows (Gemma 3, without its q/k norms).
+# norms, scaled embeddings, local rotary and sliding windows with per-head q/k norms (Gemma 3), q/k norms
+# on grouped heads (Qwen3).
 FAMILIES = {
     "gpt2": dict(preset="gpt2-small"),
     "llama": dict(preset="llama-tiny", n_kv_heads=2, d_mlp=96),
     "qwen2": dict(preset="qwen3-0.6b", n_kv_heads=2, d_mlp=96, qk_norm=False, attn_qkv_bias=True, d_head=16),
     "neox": dict(preset="pythia-160m", d_mlp=128),
-    "gemma": dict(preset="gemma3-270m", n_kv_heads=2, d_mlp=96, qk_norm=False, d_head=16, sliding_window=5,
-              global_layers=(1,)),
+    "qwen3": dict(preset="qwen3-0.6b", n_kv_heads=2, d_mlp=96, d_head=16),
+    "gemma": dict(preset="gemma3-270m", n_kv_heads=2, d_mlp=96, d_head=16, sliding_window=5, global_layers=(1,)),
 }
 
 
@@ -149,8 +150,8 @@ def test_transformer_lens_options_and_training_get_the_readable_forward(option):
     assert not fast.usable()
 
 
-def test_qk_norms_and_bf16_run_the_readable_forward():
-    assert "q/k norms" in unsupported(family_model("gemma", qk_norm=True))
+def test_post_norm_blocks_and_bf16_run_the_readable_forward():
+    assert "post-norm" in unsupported(family_model("gpt2", norm_placement="post"))
     assert "float32" in unsupported(family_model("llama").to(torch.bfloat16))
 
 

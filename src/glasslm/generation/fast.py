@@ -12,7 +12,7 @@ Its logits equal the readable path's to float32 rounding (tests/generation/test_
 family to that, and greedy tokens to identity).
 
 `DecodeWindow.decode` takes it whenever `FastDecoder.for_model` accepts the model (float32 activations,
-the kernels built, pre-norm blocks without per-head q/k norms) and `usable()` says nothing would be
+the kernels built, pre-norm blocks) and `usable()` says nothing would be
 missed: no hook attached to any module, no TransformerLens-style split inputs or per-head results, eval
 mode. Otherwise, and with `GLASSLM_KERNELS=off`, decoding runs the readable forward.
 
@@ -53,8 +53,8 @@ def unsupported(model: TransformerLM) -> str | None:
     weight = getattr(model.embed, "weight", None)
     if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return "the fast step runs float32 activations on a CPU"
-    if c.norm_placement != "pre" or c.qk_norm:
-        return "post-norm blocks and per-head q/k norms run the readable step"
+    if c.norm_placement != "pre":
+        return "post-norm blocks run the readable step"
     for block in model.blocks:
         rotary = block.attn.rotary
         if rotary is not None and (rotary.dynamic is not None or rotary.cos.dtype != torch.float32):
@@ -186,6 +186,8 @@ class _Layer:
     down: nn.Module | None
     act: Callable[[Tensor], Tensor] | None
     ln2_post: _Norm | None
+    q_norm: _Norm | None = None  # per-head RMSNorms on queries and keys, before the rotary (Qwen3, Gemma 3)
+    k_norm: _Norm | None = None
 
     @classmethod
     def of(cls, block: Block) -> _Layer:
@@ -194,12 +196,24 @@ class _Layer:
                    None if rotary is None else rotary.sin, attn.n_heads, attn.n_kv_heads, attn.scale,
                    attn.sliding_window or 0, _Norm.of(block.ln1_post), block.parallel, _Norm.of(block.ln2),
                    mlp.gate if isinstance(mlp, SwiGLU) else None, None if mlp is None else mlp.up,
-                   None if mlp is None else mlp.down, None if mlp is None else mlp.act, _Norm.of(block.ln2_post))
+                   None if mlp is None else mlp.down, None if mlp is None else mlp.act, _Norm.of(block.ln2_post),
+                   _Norm.of(attn.q_norm), _Norm.of(attn.k_norm))
+
+    def normed_qk(self, qkv: Float[Tensor, "batch width"]) -> Float[Tensor, "batch width"]:
+        """qkv with each query and key head normalised over its d_head features (v as it was)."""
+        assert self.q_norm is not None and self.k_norm is not None
+        batch, d_head = qkv.shape[0], qkv.shape[1] // (self.heads + 2 * self.kv_heads)
+        q, k, v = qkv.split([self.heads * d_head, self.kv_heads * d_head, self.kv_heads * d_head], dim=-1)
+        q = self.q_norm(q.reshape(batch, self.heads, d_head).contiguous())  # (batch, heads, d_head)
+        k = self.k_norm(k.reshape(batch, self.kv_heads, d_head).contiguous())  # (batch, kv_heads, d_head)
+        return torch.cat([q.reshape(batch, -1), k.reshape(batch, -1), v], dim=-1)
 
     def attention(self, h: Float[Tensor, "batch 1 d_model"], keys: Tensor, values: Tensor, slot: int,
                   positions: Tensor, key_mask: Tensor | None) -> Float[Tensor, "batch 1 d_model"]:
         """The attention sublayer's output for one new token per row (its keys and values cached)."""
         qkv = self.qkv(h).reshape(h.shape[0], -1).contiguous()  # (batch, (heads + 2 kv_heads) d_head)
+        if self.q_norm is not None:
+            qkv = self.normed_qk(qkv)
         z = decode_attention(qkv, keys, values, slot, positions, self.cos, self.sin, self.heads, self.kv_heads,
                              self.scale, key_mask, self.window)
         out = self.out(z[:, None])  # (batch, 1, d_model)
