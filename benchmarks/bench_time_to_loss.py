@@ -155,7 +155,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--target", type=float, default=1.88, help="validation loss to reach")
-    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--eval-every", type=int, default=50,
+                        help="steps between whole-split evaluations (the times to a loss are read at them)")
     parser.add_argument("--glasslm-preset", default="shakespeare-char-cpu")
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override the glasslm recipe")
     parser.add_argument("--seed", type=int, default=1337)

@@ -14,7 +14,7 @@ from glasslm.cli import main
 from glasslm.data.sft import read_conversations, split_examples
 from glasslm.training.config import TrainConfig
 
-pytestmark = pytest.mark.slow  # trains the demo model (600 steps: about a minute on 2 idle cores)
+pytestmark = pytest.mark.slow  # trains the demo model (300 steps: about half a minute on one core)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "chat"
