@@ -247,8 +247,8 @@ class _Layer:
 
 # kernels/block.cpp's numbering of a Block's norms, products and activations.
 _NORM_KINDS = {RMSNorm: 1, LayerNorm: 2}
-_ACTIVATIONS = {fn: code for table in (READABLE_ACTIVATIONS, FAST_ACTIVATIONS)
-                for code, name in enumerate(("gelu", "gelu_tanh", "relu", "silu")) for fn in (table[name],)}
+_ACTIVATIONS = {table[name]: code for code, name in enumerate(("gelu", "gelu_tanh", "relu", "silu"))
+                for table in (READABLE_ACTIVATIONS, FAST_ACTIVATIONS)}
 
 
 def native_block(layer: _Layer) -> Any | None:
