@@ -118,13 +118,16 @@ def test_native_blocks_step_as_the_python_step(family, transform):
     ATen's there, which may move an activation to the next int8 step)."""
     model = family_model(family, seed=1)
     apply_transform(model, transform)
-    native, python = FastDecoder(model), FastDecoder(model, native_blocks=False)
+    native, python, per_block = FastDecoder(model), FastDecoder(model, native_blocks=False), FastDecoder(model)
     assert all(isinstance(step, torch.ScriptMethod) for step in native.steps)  # every block in one C++ call
     assert not any(isinstance(step, torch.ScriptMethod) for step in python.steps)
+    assert native.native_stack is not None and python.native_stack is None  # all blocks in one call
+    per_block.native_stack = None  # the same Blocks, one Python call each
     rows = [[5, 9, 3, 7, 1], [4, 6]]
     expected = window_logits(model, python, rows, 8)
-    torch.testing.assert_close(window_logits(model, native, rows, 8), expected, rtol=0,
-                               atol=expected.abs().amax().item() / 127 / 256 * 8)
+    got = window_logits(model, native, rows, 8)
+    torch.testing.assert_close(got, expected, rtol=0, atol=expected.abs().amax().item() / 127 / 256 * 8)
+    assert torch.equal(window_logits(model, per_block, rows, 8), got)
 
 
 def test_blocks_with_float_or_adapted_products_keep_the_python_step():
@@ -132,8 +135,19 @@ def test_blocks_with_float_or_adapted_products_keep_the_python_step():
     assert native_block(FastDecoder(model, native_blocks=False).layers[0]) is None  # float32 weights
     apply_transform(model, "int8")
     assert native_block(FastDecoder(model, native_blocks=False).layers[0]) is not None
+    assert FastDecoder(model).native_stack is not None
     apply_transform(model, "lora")  # adapters on q and v: the qkv product is no longer a packed matrix
     assert not any(isinstance(step, torch.ScriptMethod) for step in FastDecoder(model).steps)
+    assert FastDecoder(model).native_stack is None
+
+
+def test_a_native_stack_given_the_wrong_caches_says_so():
+    model = family_model("llama")
+    apply_transform(model, "int8")
+    stack, cache = FastDecoder(model).native_stack, model.new_kv_cache(1, 8)
+    x = torch.randn(1, 1, model.config.d_model)
+    with pytest.raises(RuntimeError, match="Stack.step: 2 blocks, 1 key and 2 value caches"):
+        stack.step(x, cache.keys[:1], cache.values, 0, torch.tensor([0]), None)
 
 
 def test_rows_joining_and_leaving_decode_as_the_readable_step():

@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string_view>
 #include <tuple>
@@ -627,20 +628,43 @@ at::Tensor qmatmul(const at::Tensor& q, const at::Tensor& d, const at::Tensor& s
   return y;
 }
 
+// x's rows quantized into this thread's scratch, then multiplied: `qlinear` after its checks of the
+// weights, which block.cpp makes once per matrix (a decoding step's ~50 products then allocate only
+// their outputs).
+at::Tensor qlinear_checked(const at::Tensor& x, const Weights& w) {
+  check_rows(x);
+  TORCH_CHECK(x.size(-1) == w.blocks * kBlock, "glasslm_kernels: input width ", x.size(-1), " is not the weight's ",
+              w.blocks * kBlock);
+  const at::Tensor rows = x.contiguous();
+  const int64_t width = x.size(-1), count = rows.numel() / width;
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d;
+  thread_local std::vector<int32_t> sums;
+  q.resize(kPasses * count * width);
+  d.resize(kPasses * count * w.blocks);
+  sums.resize(d.size());
+  quantize_into(rows.const_data_ptr<float>(), count, width, q.data(), d.data(), sums.data());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = w.d_out;
+  at::Tensor y = at::empty(shape, x.options());
+  matmul_rows(w, Rows{q.data(), d.data(), sums.data(), count, w.blocks}, y.mutable_data_ptr<float>());
+  return y;
+}
+
+// The checked operands of one matrix, kept by block.cpp (which holds the tensors they point into).
+std::shared_ptr<const Weights> checked_weights(const at::Tensor& levels, const at::Tensor& scales,
+                                               const std::optional<at::Tensor>& mins, int64_t bits, int64_t offset,
+                                               int64_t group_blocks, int64_t d_out,
+                                               const std::optional<at::Tensor>& row_scale,
+                                               const std::optional<at::Tensor>& bias) {
+  return std::make_shared<const Weights>(weights_of(levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias));
+}
+
 // quantize_rows then qmatmul, in one call: (..., d_in) float32 -> (..., d_out) float32.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& levels, const at::Tensor& scales,
                    const std::optional<at::Tensor>& mins, int64_t bits, int64_t offset, int64_t group_blocks, int64_t d_out,
                    const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& bias) {
-  check_rows(x);
-  const Weights w = weights_of(levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias);
-  TORCH_CHECK(x.size(-1) == w.blocks * kBlock, "glasslm_kernels: input width ", x.size(-1), " is not the weight's ",
-              w.blocks * kBlock);
-  const Activations a = quantized(x);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = d_out;
-  at::Tensor y = at::empty(shape, x.options());
-  matmul_rows(w, a.rows(), y.mutable_data_ptr<float>());
-  return y;
+  return qlinear_checked(x, weights_of(levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias));
 }
 
 // ----------------------------------------------------------------------------------------------
