@@ -7,13 +7,15 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from glasslm.core.attention import scaled_dot_product_attention
-from glasslm.core.layers import RMSNorm
+from glasslm.core.layers import LayerNorm, RMSNorm
 from glasslm.core.positions import RotaryPositions
 from glasslm.kernels import build
 from glasslm.kernels.decode import (
-    add_rms_norm, decode_attention, decode_attention_reference, decode_ops, rms_norm, rms_norm_reference,
+    add_layer_norm, add_rms_norm, decode_attention, decode_attention_reference, decode_ops, layer_norm,
+    layer_norm_reference, rms_norm, rms_norm_reference,
 )
 
 pytestmark = pytest.mark.skipif(decode_ops() is None, reason="the C++ kernels are not built here")
@@ -35,6 +37,34 @@ def test_rms_norm_equals_the_readable_core_norm(unit_offset):
     expected = norm(x).detach()
     torch.testing.assert_close(rms_norm_reference(x, norm.weight.detach(), 1e-5, unit_offset), expected)
     torch.testing.assert_close(rms_norm(x, norm.weight.detach(), 1e-5, unit_offset), expected, rtol=4e-7, atol=0)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm_equals_the_readable_core_norm(bias):
+    torch.manual_seed(2)
+    norm = LayerNorm(96, eps=1e-5, bias=bias, impl="readable")
+    with torch.no_grad():
+        for parameter in norm.parameters():
+            parameter.normal_()
+    x = torch.randn(3, 1, 96) * 4 + 3  # a mean far from zero, as a residual stream has
+    expected = norm(x).detach()
+    b = norm.bias.detach() if bias else None
+    torch.testing.assert_close(layer_norm_reference(x, norm.weight.detach(), b, 1e-5), expected)
+    scale = float(expected.abs().max())  # (x - mean) * inverse * w + b: a few roundings of the largest output
+    torch.testing.assert_close(layer_norm(x, norm.weight.detach(), b, 1e-5), expected, rtol=0, atol=8 * 2**-24 * scale)
+    torch.testing.assert_close(F.layer_norm(x, (96,), norm.weight.detach(), b, 1e-5), expected, rtol=0,
+                               atol=8 * 2**-24 * scale)
+
+
+def test_add_layer_norm_adds_in_place_then_normalises():
+    torch.manual_seed(4)
+    x, residual, weight, bias = torch.randn(2, 1, 64), torch.randn(2, 1, 64), torch.randn(64), torch.randn(64)
+    total = x + residual
+    out = add_layer_norm(x, residual, weight, bias, 1e-5)
+    assert torch.equal(x, total)
+    torch.testing.assert_close(out, layer_norm_reference(total, weight, bias, 1e-5), rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="bias has 3 features, x has 64"):
+        layer_norm(total, weight, torch.zeros(3), 1e-5)
 
 
 def test_add_rms_norm_adds_in_place_then_normalises():
@@ -118,6 +148,8 @@ def test_the_ops_schemas_and_fake_kernels_hold_for_the_compiler():
     x, weight = torch.randn(2, 1, 32), torch.randn(32)
     torch.library.opcheck(torch.ops.glasslm_kernels.rms_norm.default, (x, weight, 1e-5, False))
     torch.library.opcheck(torch.ops.glasslm_kernels.add_rms_norm.default, (x.clone(), x, weight, 1e-5, True))
+    torch.library.opcheck(torch.ops.glasslm_kernels.layer_norm.default, (x, weight, torch.randn(32), 1e-5))
+    torch.library.opcheck(torch.ops.glasslm_kernels.add_layer_norm.default, (x.clone(), x, weight, None, 1e-5))
     cos, sin = torch.rand(16, 4), torch.rand(16, 4)
     args = (torch.randn(2, 4 * 8), torch.randn(2, 1, 6, 8), torch.randn(2, 1, 6, 8), 3, torch.tensor([3, 1]),
             cos, sin, 2, 1, 8, 0.5, torch.ones(2, 6, dtype=torch.bool), 0)

@@ -47,7 +47,9 @@ from glasslm.core.layers import (
     FAST_ACTIVATIONS, READABLE_ACTIVATIONS, LayerNorm, RMSNorm, SwiGLU, _has_any_global_hook, linear,
 )
 from glasslm.core.model import Block, TransformerLM
-from glasslm.kernels.decode import add_rms_norm, decode_attention, decode_ops, rms_norm
+from glasslm.kernels.decode import (
+    add_layer_norm, add_rms_norm, decode_attention, decode_ops, layer_norm, rms_norm,
+)
 
 
 def unsupported(model: TransformerLM) -> str | None:
@@ -150,10 +152,12 @@ class FastDecoder:
 
 @dataclass
 class _Norm:
-    """A norm as the step calls it: an RMSNorm's operands for the C++ call, or the module itself."""
+    """A norm as the step calls it: a float32 RMSNorm's or LayerNorm's operands for the C++ call, or the
+    module itself."""
 
     module: nn.Module
-    weight: Tensor | None  # float32 RMSNorm gain (None: call the module)
+    weight: Tensor | None  # float32 gain (None: call the module)
+    bias: Tensor | None = None  # LayerNorm's shift
     eps: float = 0.0
     unit_offset: bool = False
 
@@ -162,18 +166,25 @@ class _Norm:
         if norm is None:
             return None
         if isinstance(norm, RMSNorm) and norm.weight.dtype == torch.float32:
-            return cls(norm, norm.weight, norm.eps, norm.unit_offset)
+            return cls(norm, norm.weight, None, norm.eps, norm.unit_offset)
+        if isinstance(norm, LayerNorm) and norm.weight.dtype == torch.float32 and not norm.unbiased_std:
+            return cls(norm, norm.weight, norm.bias, norm.eps)
         return cls(norm, None)
 
     def __call__(self, x: Float[Tensor, "batch 1 d"], pending: Tensor | None = None) -> Float[Tensor, "batch 1 d"]:
-        """norm(x), after x += pending (in place) where an output is pending: one call for an RMSNorm."""
-        if self.weight is not None:
+        """norm(x), after x += pending (in place) where an output is pending: one C++ call for a float32
+        RMSNorm or LayerNorm."""
+        if self.weight is None:
+            if pending is not None:
+                x.add_(pending)
+            return self.module(x)
+        if isinstance(self.module, LayerNorm):
             if pending is None:
-                return rms_norm(x, self.weight, self.eps, self.unit_offset)
-            return add_rms_norm(x, pending, self.weight, self.eps, self.unit_offset)
-        if pending is not None:
-            x.add_(pending)
-        return self.module(x)
+                return layer_norm(x, self.weight, self.bias, self.eps)
+            return add_layer_norm(x, pending, self.weight, self.bias, self.eps)
+        if pending is None:
+            return rms_norm(x, self.weight, self.eps, self.unit_offset)
+        return add_rms_norm(x, pending, self.weight, self.eps, self.unit_offset)
 
 
 @dataclass

@@ -18,7 +18,7 @@
 //   mlp(h) = down(act(gate(h)) * up(h))  or  down(act(up(h)));  ln2_post after it if present
 //
 // Every product here is a packed quantized matrix (qmatmul.cpp's `qlinear`); norms are RMSNorm
-// (decode.cpp) or LayerNorm (ATen's), activations ATen's. A block with anything else (float weights,
+// or LayerNorm (decode.cpp), activations ATen's. A block with anything else (float weights,
 // adapters, other norms) keeps the Python step; `glasslm.generation.fast` decides.
 
 #include <ATen/ATen.h>
@@ -44,6 +44,9 @@ std::shared_ptr<const Weights> checked_weights(const at::Tensor& levels, const a
 at::Tensor qlinear_checked(const at::Tensor& x, const Weights& w);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
 at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps, bool unit_offset);
+at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, double eps);
+at::Tensor add_layer_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias, double eps);
 at::Tensor decode_attention(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values, int64_t slot,
                             const at::Tensor& positions, const std::optional<at::Tensor>& cos,
                             const std::optional<at::Tensor>& sin, int64_t heads, int64_t kv_heads, int64_t rotary_dims,
@@ -72,8 +75,7 @@ struct Norm {
     if (kind == kRms) {
       return pending ? add_rms_norm(x, *pending, weight, eps, unit_offset) : rms_norm(x, weight, eps, unit_offset);
     }
-    if (pending) x.add_(*pending);
-    return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
+    return pending ? add_layer_norm(x, *pending, weight, bias, eps) : layer_norm(x, weight, bias, eps);
   }
 };
 

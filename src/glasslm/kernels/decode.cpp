@@ -8,6 +8,8 @@
 //
 //   rms_norm:          y = x / sqrt(mean(x^2) + eps) * w          (w or 1 + w: Gemma's unit offset)
 //   add_rms_norm:      x += r, then rms_norm(x)                   (the residual add and the next norm)
+//   layer_norm:        y = (x - mean(x)) / sqrt(var(x) + eps) * w + b     (var biased, b optional)
+//   add_layer_norm:    x += r, then layer_norm(x)
 //   decode_attention:  split one row of q|k|v per batch row into heads, rotate q and k by the row's
 //                      position (adjacent pairs, the first rotary_dims features), write k and v into
 //                      cache slot `slot`, and attend each query head over the cache slots it may see
@@ -233,14 +235,56 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   return y;
 }
 
-at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps, bool unit_offset) {
+void add_in_place(at::Tensor& x, const at::Tensor& residual) {
   check_float_rows(residual, "residual");
   TORCH_CHECK(residual.sizes() == x.sizes(), "residual ", residual.sizes(), " and x ", x.sizes(), " differ in shape");
   check_float_rows(x, "x");
   float* xs = x.data_ptr<float>();
   const float* rs = residual.data_ptr<float>();
   for (int64_t i = 0; i < x.numel(); ++i) xs[i] += rs[i];
+}
+
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps, bool unit_offset) {
+  add_in_place(x, residual);
   return rms_norm(x, weight, eps, unit_offset);
+}
+
+// The mean and the variance in float64 sums, like the RMSNorm above: float32's last bit, whatever d.
+void layer_norm_rows(const float* x, const float* w, const float* b, float eps, int64_t rows, int64_t d, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * d;
+    double total = 0;
+    for (int64_t i = 0; i < d; ++i) total += xr[i];
+    const float mean = static_cast<float>(total / d);
+    double squares = 0;
+    for (int64_t i = 0; i < d; ++i) squares += static_cast<double>(xr[i] - mean) * (xr[i] - mean);
+    const float inverse = 1.0f / std::sqrt(static_cast<float>(squares / d) + eps);
+    for (int64_t i = 0; i < d; ++i) {
+      const float scaled = ((xr[i] - mean) * inverse) * w[i];
+      y[r * d + i] = b != nullptr ? scaled + b[i] : scaled;
+    }
+  }
+}
+
+at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, double eps) {
+  check_float_rows(x, "x");
+  check_float_rows(weight, "weight");
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(weight.numel() == d, "weight has ", weight.numel(), " features, x has ", d);
+  if (bias) {
+    check_float_rows(*bias, "bias");
+    TORCH_CHECK(bias->numel() == d, "bias has ", bias->numel(), " features, x has ", d);
+  }
+  at::Tensor y = at::empty_like(x);
+  layer_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+                  static_cast<float>(eps), x.numel() / d, d, y.data_ptr<float>());
+  return y;
+}
+
+at::Tensor add_layer_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias, double eps) {
+  add_in_place(x, residual);
+  return layer_norm(x, weight, bias, eps);
 }
 
 namespace {
@@ -394,6 +438,8 @@ at::Tensor decode_attention(const at::Tensor& qkv, at::Tensor& keys, at::Tensor&
 TORCH_LIBRARY_FRAGMENT(glasslm_kernels, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps, bool unit_offset) -> Tensor");
+  m.def("layer_norm(Tensor x, Tensor weight, Tensor? bias, float eps) -> Tensor");
+  m.def("add_layer_norm(Tensor(a!) x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> Tensor");
   m.def("decode_attention(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, int slot, Tensor positions, Tensor? cos, "
         "Tensor? sin, int heads, int kv_heads, int rotary_dims, float scale, Tensor? key_mask, int window) -> Tensor");
 }
@@ -401,6 +447,8 @@ TORCH_LIBRARY_FRAGMENT(glasslm_kernels, m) {
 TORCH_LIBRARY_IMPL(glasslm_kernels, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("layer_norm", &layer_norm);
+  m.impl("add_layer_norm", &add_layer_norm);
   m.impl("decode_attention", &decode_attention);
 }
 

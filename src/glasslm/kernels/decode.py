@@ -10,6 +10,8 @@ additions:
 
     rms_norm(x, w)                 x / sqrt(mean(x^2) + eps) * w        (`rms_norm_reference`)
     add_rms_norm(x, r, w)          x += r; rms_norm(x, w)                (the residual add, then the next norm)
+    layer_norm(x, w, b)            (x - mean) / sqrt(var + eps) * w + b  (`layer_norm_reference`)
+    add_layer_norm(x, r, w, b)     x += r; layer_norm(x, w, b)
     decode_attention(qkv, ...)     one new query per row: rotary, cache write, attention over the
                                    filled slots              (`decode_attention_reference`)
 
@@ -43,6 +45,14 @@ def rms_norm_reference(x: Float[Tensor, "... d"], weight: Float[Tensor, "d"], ep
     """x / sqrt(mean(x^2) + eps), times weight (or 1 + weight), in float32: core.layers.RMSNorm's maths."""
     normed = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
     return normed * (1.0 + weight if unit_offset else weight)
+
+
+def layer_norm_reference(x: Float[Tensor, "... d"], weight: Float[Tensor, "d"], bias: Float[Tensor, "d"] | None,
+                         eps: float) -> Float[Tensor, "... d"]:
+    """(x - mean) / sqrt(var + eps) * weight (+ bias), the variance biased: core.layers.LayerNorm's maths."""
+    mean = x.mean(dim=-1, keepdim=True)
+    out = (x - mean) * torch.rsqrt(x.var(dim=-1, keepdim=True, unbiased=False) + eps) * weight
+    return out if bias is None else out + bias
 
 
 def rotate_pairs(x: Float[Tensor, "... d_head"], cos: Float[Tensor, "... half"],
@@ -103,6 +113,14 @@ def _register_fakes() -> None:
     def _add_rms_norm(x, residual, weight, eps, unit_offset):
         return torch.empty_like(x)
 
+    @torch.library.register_fake("glasslm_kernels::layer_norm")
+    def _layer_norm(x, weight, bias, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("glasslm_kernels::add_layer_norm")
+    def _add_layer_norm(x, residual, weight, bias, eps):
+        return torch.empty_like(x)
+
     @torch.library.register_fake("glasslm_kernels::decode_attention")
     def _decode_attention(qkv, keys, values, slot, positions, cos, sin, heads, kv_heads, rotary_dims, scale,
                           key_mask, window):
@@ -119,6 +137,18 @@ def add_rms_norm(x: Float[Tensor, "... d"], residual: Float[Tensor, "... d"], we
                  unit_offset: bool = False) -> Float[Tensor, "... d"]:
     """x += residual (in place), then `rms_norm(x, weight)`, in one C++ call."""
     return torch.ops.glasslm_kernels.add_rms_norm.default(x, residual, weight, eps, unit_offset)
+
+
+def layer_norm(x: Float[Tensor, "... d"], weight: Float[Tensor, "d"], bias: Tensor | None,
+               eps: float) -> Float[Tensor, "... d"]:
+    """`layer_norm_reference` in one C++ call (float32, contiguous x)."""
+    return torch.ops.glasslm_kernels.layer_norm.default(x, weight, bias, eps)
+
+
+def add_layer_norm(x: Float[Tensor, "... d"], residual: Float[Tensor, "... d"], weight: Float[Tensor, "d"],
+                   bias: Tensor | None, eps: float) -> Float[Tensor, "... d"]:
+    """x += residual (in place), then `layer_norm(x, weight, bias)`, in one C++ call."""
+    return torch.ops.glasslm_kernels.add_layer_norm.default(x, residual, weight, bias, eps)
 
 
 def decode_attention(
