@@ -66,7 +66,8 @@ constexpr int kPasses = 2;
 // 5-10% faster than 16 KiB (the earlier distance) and 4-bit ones 0-3% faster than 8 KiB; 4 KiB or
 // less was 6-28% slower than 16 KiB, and no prefetch at all ~7% slower.
 constexpr int64_t kAheadBytes = 6144;
-constexpr float kSecondStep = 1.0f / 256;  // the second pass's scale, relative to the first's
+constexpr float kSecondStep = 1.0f / 256;
+constexpr int64_t kKeptScratch = 1 << 16;  // activations per call whose int8 rows stay allocated per thread  // the second pass's scale, relative to the first's
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
@@ -637,9 +638,17 @@ at::Tensor qlinear_checked(const at::Tensor& x, const Weights& w) {
               w.blocks * kBlock);
   const at::Tensor rows = x.contiguous();
   const int64_t width = x.size(-1), count = rows.numel() / width;
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> d;
-  thread_local std::vector<int32_t> sums;
+  // Kept between calls for decoding's few rows; a long prefill's rows get their own, freed after.
+  thread_local std::vector<int8_t> kept_q;
+  thread_local std::vector<float> kept_d;
+  thread_local std::vector<int32_t> kept_sums;
+  std::vector<int8_t> own_q;
+  std::vector<float> own_d;
+  std::vector<int32_t> own_sums;
+  const bool small = count * width <= kKeptScratch;
+  std::vector<int8_t>& q = small ? kept_q : own_q;
+  std::vector<float>& d = small ? kept_d : own_d;
+  std::vector<int32_t>& sums = small ? kept_sums : own_sums;
   q.resize(kPasses * count * width);
   d.resize(kPasses * count * w.blocks);
   sums.resize(d.size());
