@@ -14,8 +14,8 @@ from glasslm.core.layers import LayerNorm, RMSNorm
 from glasslm.core.positions import RotaryPositions
 from glasslm.kernels import build
 from glasslm.kernels.decode import (
-    add_layer_norm, add_rms_norm, decode_attention, decode_attention_reference, decode_ops, layer_norm,
-    layer_norm_reference, rms_norm, rms_norm_reference,
+    add_layer_norm, add_rms_norm, decode_attention, decode_attention_reference, decode_ops, gelu_tanh, layer_norm,
+    layer_norm_reference, rms_norm, rms_norm_reference, silu_mul,
 )
 
 pytestmark = pytest.mark.skipif(decode_ops() is None, reason="the C++ kernels are not built here")
@@ -65,6 +65,22 @@ def test_add_layer_norm_adds_in_place_then_normalises():
     torch.testing.assert_close(out, layer_norm_reference(total, weight, bias, 1e-5), rtol=1e-6, atol=1e-6)
     with pytest.raises(RuntimeError, match="bias has 3 features, x has 64"):
         layer_norm(total, weight, torch.zeros(3), 1e-5)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_activations_equal_torchs_own(path):
+    """GELU's tanh form and SiLU(gate) * up against torch's functions, over the whole float range a
+    step meets (large negative and positive inputs included, a width that is no multiple of 16)."""
+    torch.manual_seed(5)
+    x = torch.cat([torch.randn(3, 1000) * 4, torch.linspace(-120, 120, 3 * 37).reshape(3, 37)], dim=1)
+    up, before = torch.randn_like(x), x.clone()
+    with build.use_isa(path):
+        got_gelu, got_silu = gelu_tanh(x), silu_mul(x, up)
+    want_gelu, want_silu = F.gelu(x, approximate="tanh"), F.silu(x) * up
+    # a few float32 steps of each value, and of 1 where tanh's 1 - 2 / (e^2u + 1) cancels near zero
+    torch.testing.assert_close(got_gelu, want_gelu, rtol=8 * 2**-24, atol=4 * 2**-24)
+    torch.testing.assert_close(got_silu, want_silu, rtol=8 * 2**-24, atol=2**-126)
+    assert torch.equal(x, before)  # the ops return new tensors
 
 
 def test_add_rms_norm_adds_in_place_then_normalises():
@@ -149,6 +165,8 @@ def test_the_ops_schemas_and_fake_kernels_hold_for_the_compiler():
     torch.library.opcheck(torch.ops.glasslm_kernels.rms_norm.default, (x, weight, 1e-5, False))
     torch.library.opcheck(torch.ops.glasslm_kernels.add_rms_norm.default, (x.clone(), x, weight, 1e-5, True))
     torch.library.opcheck(torch.ops.glasslm_kernels.layer_norm.default, (x, weight, torch.randn(32), 1e-5))
+    torch.library.opcheck(torch.ops.glasslm_kernels.gelu_tanh.default, (x,))
+    torch.library.opcheck(torch.ops.glasslm_kernels.silu_mul.default, (x, x * 2))
     torch.library.opcheck(torch.ops.glasslm_kernels.add_layer_norm.default, (x.clone(), x, weight, None, 1e-5))
     cos, sin = torch.rand(16, 4), torch.rand(16, 4)
     args = (torch.randn(2, 4 * 8), torch.randn(2, 1, 6, 8), torch.randn(2, 1, 6, 8), 3, torch.tensor([3, 1]),

@@ -17,9 +17,10 @@
 //   sequential:           x += a;  pending = mlp(ln2(x))
 //   mlp(h) = down(act(gate(h)) * up(h))  or  down(act(up(h)));  ln2_post after it if present
 //
-// Every product here is a packed quantized matrix (qmatmul.cpp's `qlinear`); norms are RMSNorm
-// or LayerNorm (decode.cpp), activations ATen's. A block with anything else (float weights,
-// adapters, other norms) keeps the Python step; `glasslm.generation.fast` decides.
+// Every product here is a packed quantized matrix (qmatmul.cpp's `qlinear`); the norms (RMSNorm,
+// LayerNorm), GELU's tanh form and SwiGLU's SiLU are decode.cpp's, other activations ATen's. A block
+// with anything else (float weights, adapters, other norms) keeps the Python step;
+// `glasslm.generation.fast` decides.
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -47,6 +48,8 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Ten
 at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, double eps);
 at::Tensor add_layer_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias, double eps);
+void gelu_tanh_in_place(at::Tensor& x);
+void silu_mul_in_place(at::Tensor& gate, const at::Tensor& up);
 at::Tensor decode_attention(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values, int64_t slot,
                             const at::Tensor& positions, const std::optional<at::Tensor>& cos,
                             const std::optional<at::Tensor>& sin, int64_t heads, int64_t kv_heads, int64_t rotary_dims,
@@ -91,10 +94,10 @@ struct Matrix {
   }
 };
 
-at::Tensor activate(int64_t kind, const at::Tensor& x) {
+at::Tensor activate(int64_t kind, at::Tensor x) {
   switch (kind) {
     case kGelu: return at::gelu(x);
-    case kGeluTanh: return at::gelu(x, "tanh");
+    case kGeluTanh: gelu_tanh_in_place(x); return x;  // x is a product's fresh output
     case kRelu: return at::relu(x);
     default: return at::silu(x);
   }
@@ -173,8 +176,14 @@ struct Block : torch::CustomClassHolder {
   }
 
   at::Tensor mlp(const at::Tensor& h) const {
-    at::Tensor hidden = activate(activation, products[products[kGate].present() ? kGate : kUp](h));
-    if (products[kGate].present()) hidden = hidden.mul_(products[kUp](h));
+    const bool gated = products[kGate].present();
+    at::Tensor hidden = products[gated ? kGate : kUp](h);
+    if (gated && activation == kSilu) {
+      silu_mul_in_place(hidden, products[kUp](h));  // SwiGLU in one pass
+    } else {
+      hidden = activate(activation, hidden);
+      if (gated) hidden = hidden.mul_(products[kUp](h));
+    }
     at::Tensor out = products[kDown](hidden);
     return norms[kLn2Post].kind != kNoNorm ? norms[kLn2Post](out, std::nullopt) : out;
   }

@@ -10,6 +10,8 @@
 //   add_rms_norm:      x += r, then rms_norm(x)                   (the residual add and the next norm)
 //   layer_norm:        y = (x - mean(x)) / sqrt(var(x) + eps) * w + b     (var biased, b optional)
 //   add_layer_norm:    x += r, then layer_norm(x)
+//   gelu_tanh:         y = x / 2 * (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+//   silu_mul:          y = gate / (1 + e^-gate) * up
 //   decode_attention:  split one row of q|k|v per batch row into heads, rotate q and k by the row's
 //                      position (adjacent pairs, the first rotary_dims features), write k and v into
 //                      cache slot `slot`, and attend each query head over the cache slots it may see
@@ -287,6 +289,106 @@ at::Tensor add_layer_norm(at::Tensor& x, const at::Tensor& residual, const at::T
   return layer_norm(x, weight, bias, eps);
 }
 
+// ----------------------------------------------------------------------------------------------
+// The MLP's activations, in place: GELU in its tanh form (GPT-2's) and SiLU(gate) * up (SwiGLU's).
+//
+// The plain C++ with std::tanh and std::exp is the definition. The AVX-512 path takes e^x as 2^n e^r,
+// r = x - n ln 2 within ln 2 / 2 of zero and e^r its Taylor series to r^6 (within ~2 float32 steps of
+// std::exp), and GELU as x / (1 + e^-2u), the same value as x (1 + tanh u) / 2. ATen's own activation
+// cost ~6 us a call on a decoding step's row, most of it dispatch.
+
+namespace {
+
+constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluKappa = 0.044715f;
+
+void gelu_tanh_scalar(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    x[i] = 0.5f * v * (1.0f + std::tanh(kGeluBeta * (v + kGeluKappa * v * v * v)));
+  }
+}
+
+void silu_mul_scalar(float* gate, const float* up, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+#if GLASSLM_X86
+GLASSLM_AVX512 __m512 exp512(__m512 x) {
+  // Past these, 2^n is already infinite or zero (scalef overflows and underflows as e^x does); inside
+  // them n stays a small integer.
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(89.0f)), _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2 in two parts: n ln 2 exactly
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 series = _mm512_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+    series = _mm512_fmadd_ps(series, r, _mm512_set1_ps(c));
+  }
+  return _mm512_scalef_ps(series, n);
+}
+
+GLASSLM_AVX512 __mmask16 tail_mask(int64_t left) {
+  return static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+}
+
+GLASSLM_AVX512 void gelu_tanh_avx512(float* x, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = tail_mask(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(mask, x + i);
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(v, v), v);
+    const __m512 u = _mm512_mul_ps(_mm512_set1_ps(kGeluBeta), _mm512_fmadd_ps(_mm512_set1_ps(kGeluKappa), cube, v));
+    // x (1 + tanh u) / 2 = x / (1 + e^-2u): no 1 + tanh u to cancel where tanh u is near -1
+    const __m512 e = exp512(_mm512_mul_ps(_mm512_set1_ps(-2.0f), u));
+    _mm512_mask_storeu_ps(x + i, mask, _mm512_div_ps(v, _mm512_add_ps(one, e)));
+  }
+}
+
+GLASSLM_AVX512 void silu_mul_avx512(float* gate, const float* up, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = tail_mask(n - i);
+    const __m512 g = _mm512_maskz_loadu_ps(mask, gate + i);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_mask_storeu_ps(gate + i, mask, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(mask, up + i)));
+  }
+}
+#endif
+
+}  // namespace
+
+void gelu_tanh_in_place(at::Tensor& x) {
+  check_float_rows(x, "x");
+#if GLASSLM_X86
+  if (current_isa() >= 2) return gelu_tanh_avx512(x.data_ptr<float>(), x.numel());
+#endif
+  gelu_tanh_scalar(x.data_ptr<float>(), x.numel());
+}
+
+void silu_mul_in_place(at::Tensor& gate, const at::Tensor& up) {
+  check_float_rows(gate, "gate");
+  check_float_rows(up, "up");
+  TORCH_CHECK(gate.sizes() == up.sizes(), "gate ", gate.sizes(), " and up ", up.sizes(), " differ in shape");
+#if GLASSLM_X86
+  if (current_isa() >= 2) return silu_mul_avx512(gate.data_ptr<float>(), up.data_ptr<float>(), gate.numel());
+#endif
+  silu_mul_scalar(gate.data_ptr<float>(), up.data_ptr<float>(), gate.numel());
+}
+
+at::Tensor gelu_tanh(const at::Tensor& x) {
+  at::Tensor y = x.clone();
+  gelu_tanh_in_place(y);
+  return y;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  at::Tensor y = gate.clone();
+  silu_mul_in_place(y, up);
+  return y;
+}
+
 namespace {
 
 // ----------------------------------------------------------------------------------------------
@@ -440,6 +542,8 @@ TORCH_LIBRARY_FRAGMENT(glasslm_kernels, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps, bool unit_offset) -> Tensor");
   m.def("layer_norm(Tensor x, Tensor weight, Tensor? bias, float eps) -> Tensor");
   m.def("add_layer_norm(Tensor(a!) x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> Tensor");
+  m.def("gelu_tanh(Tensor x) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("decode_attention(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, int slot, Tensor positions, Tensor? cos, "
         "Tensor? sin, int heads, int kv_heads, int rotary_dims, float scale, Tensor? key_mask, int window) -> Tensor");
 }
@@ -449,6 +553,8 @@ TORCH_LIBRARY_IMPL(glasslm_kernels, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("layer_norm", &layer_norm);
   m.impl("add_layer_norm", &add_layer_norm);
+  m.impl("gelu_tanh", &gelu_tanh);
+  m.impl("silu_mul", &silu_mul);
   m.impl("decode_attention", &decode_attention);
 }
 

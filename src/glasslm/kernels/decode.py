@@ -12,6 +12,8 @@ additions:
     add_rms_norm(x, r, w)          x += r; rms_norm(x, w)                (the residual add, then the next norm)
     layer_norm(x, w, b)            (x - mean) / sqrt(var + eps) * w + b  (`layer_norm_reference`)
     add_layer_norm(x, r, w, b)     x += r; layer_norm(x, w, b)
+    gelu_tanh(x)                   F.gelu(x, approximate="tanh")         (GPT-2's activation)
+    silu_mul(gate, up)             F.silu(gate) * up                     (SwiGLU's)
     decode_attention(qkv, ...)     one new query per row: rotary, cache write, attention over the
                                    filled slots              (`decode_attention_reference`)
 
@@ -121,6 +123,14 @@ def _register_fakes() -> None:
     def _add_layer_norm(x, residual, weight, bias, eps):
         return torch.empty_like(x)
 
+    @torch.library.register_fake("glasslm_kernels::gelu_tanh")
+    def _gelu_tanh(x):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("glasslm_kernels::silu_mul")
+    def _silu_mul(gate, up):
+        return torch.empty_like(gate)
+
     @torch.library.register_fake("glasslm_kernels::decode_attention")
     def _decode_attention(qkv, keys, values, slot, positions, cos, sin, heads, kv_heads, rotary_dims, scale,
                           key_mask, window):
@@ -149,6 +159,16 @@ def add_layer_norm(x: Float[Tensor, "... d"], residual: Float[Tensor, "... d"], 
                    bias: Tensor | None, eps: float) -> Float[Tensor, "... d"]:
     """x += residual (in place), then `layer_norm(x, weight, bias)`, in one C++ call."""
     return torch.ops.glasslm_kernels.add_layer_norm.default(x, residual, weight, bias, eps)
+
+
+def gelu_tanh(x: Float[Tensor, "... d"]) -> Float[Tensor, "... d"]:
+    """`F.gelu(x, approximate="tanh")` in one C++ call (float32, contiguous x)."""
+    return torch.ops.glasslm_kernels.gelu_tanh.default(x)
+
+
+def silu_mul(gate: Float[Tensor, "... d"], up: Float[Tensor, "... d"]) -> Float[Tensor, "... d"]:
+    """`F.silu(gate) * up` in one C++ call (float32, contiguous, one shape)."""
+    return torch.ops.glasslm_kernels.silu_mul.default(gate, up)
 
 
 def decode_attention(
