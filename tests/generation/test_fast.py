@@ -150,6 +150,22 @@ def test_a_native_stack_given_the_wrong_caches_says_so():
         stack.step(x, cache.keys[:1], cache.values, 0, torch.tensor([0]), None)
 
 
+def test_a_window_builds_its_fast_step_at_the_first_decode(monkeypatch):
+    """Serve's newcomers and scored prompts only prefill: they must not pay for the C++ Blocks."""
+    model = family_model("llama")
+    apply_transform(model, "int8")
+    built = []
+    original = FastDecoder.for_model
+    monkeypatch.setattr(FastDecoder, "for_model", classmethod(lambda cls, m: built.append(m) or original(m)))
+    window = DecodeWindow(model, 1, 8)
+    with torch.inference_mode():
+        logits = window.prefill([[1, 2, 3]])
+        assert built == []
+        for _ in range(2):
+            logits = window.decode(logits.argmax(-1))
+    assert built == [model] and window.fast.native_stack is not None
+
+
 def test_rows_joining_and_leaving_decode_as_the_readable_step():
     """What `glasslm serve`'s continuous batches do to a window (extend, keep_rows), through the fast step."""
     model = family_model("llama")
