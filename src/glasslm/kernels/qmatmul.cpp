@@ -638,25 +638,31 @@ at::Tensor qlinear_checked(const at::Tensor& x, const Weights& w) {
               w.blocks * kBlock);
   const at::Tensor rows = x.contiguous();
   const int64_t width = x.size(-1), count = rows.numel() / width;
-  // Kept between calls for decoding's few rows; a long prefill's rows get their own, freed after.
+  // Kept between calls for decoding's few rows; a long prefill's rows get their own tensors, freed after
+  // (and never zeroed: quantize_into writes every byte).
   thread_local std::vector<int8_t> kept_q;
   thread_local std::vector<float> kept_d;
   thread_local std::vector<int32_t> kept_sums;
-  std::vector<int8_t> own_q;
-  std::vector<float> own_d;
-  std::vector<int32_t> own_sums;
-  const bool small = count * width <= kKeptScratch;
-  std::vector<int8_t>& q = small ? kept_q : own_q;
-  std::vector<float>& d = small ? kept_d : own_d;
-  std::vector<int32_t>& sums = small ? kept_sums : own_sums;
-  q.resize(kPasses * count * width);
-  d.resize(kPasses * count * w.blocks);
-  sums.resize(d.size());
-  quantize_into(rows.const_data_ptr<float>(), count, width, q.data(), d.data(), sums.data());
+  Activations own;
+  int8_t* q;
+  float* d;
+  int32_t* sums;
+  if (count * width <= kKeptScratch) {
+    kept_q.resize(kPasses * count * width);
+    kept_d.resize(kPasses * count * w.blocks);
+    kept_sums.resize(kPasses * count * w.blocks);
+    q = kept_q.data(), d = kept_d.data(), sums = kept_sums.data();
+  } else {
+    own = Activations{at::empty({kPasses * count, width}, rows.options().dtype(at::kChar)),
+                      at::empty({kPasses * count, w.blocks}, rows.options()),
+                      at::empty({kPasses * count, w.blocks}, rows.options().dtype(at::kInt))};
+    q = own.q.mutable_data_ptr<int8_t>(), d = own.d.mutable_data_ptr<float>(), sums = own.sums.mutable_data_ptr<int32_t>();
+  }
+  quantize_into(rows.const_data_ptr<float>(), count, width, q, d, sums);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = w.d_out;
   at::Tensor y = at::empty(shape, x.options());
-  matmul_rows(w, Rows{q.data(), d.data(), sums.data(), count, w.blocks}, y.mutable_data_ptr<float>());
+  matmul_rows(w, Rows{q, d, sums, count, w.blocks}, y.mutable_data_ptr<float>());
   return y;
 }
 
