@@ -62,7 +62,11 @@ def _machine_locks(config) -> tuple[Path, Path] | None:
     worker = getattr(config, "workerinput", None)
     if worker is None or fcntl is None:
         return None
-    stem = Path(tempfile.gettempdir()) / f"glasslm-tests-{worker['testrunuid']}"
+    # Each worker's basetemp is a folder of the controller's (pytest-of-USER/pytest-N/popen-gwI), which
+    # pytest prunes with the rest of the old runs' temporary folders.
+    factory = getattr(config, "_tmp_path_factory", None)
+    shared = factory.getbasetemp().parent if factory is not None else Path(tempfile.gettempdir())
+    stem = shared / f"glasslm-machine-{worker['testrunuid']}"
     return stem.with_suffix(".gate"), stem.with_suffix(".run")
 
 
