@@ -12,4 +12,10 @@ if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null 
     echo "note: no Chromium found, so the explorer's browser tests will be skipped;" \
          "install it (Debian/Ubuntu: sudo apt-get install -y chromium) or set GLASSLM_CHROMIUM=/path/to/chrome" >&2
 fi
-exec python -m pytest "$@"
+# Two pytest-xdist workers, a core each (CI has 2 cores); tests that need the machine to themselves are
+# marked `alone` (tests/conftest.py). Passing -n N (-n 0: serially) or -p no:xdist replaces this.
+workers=(-n 2 --dist loadgroup)
+for arg in "$@"; do
+    case "$arg" in -n|-n[0-9]*|-nauto|--numprocesses*|no:xdist|-pno:xdist) workers=() ;; esac
+done
+exec python -m pytest ${workers[@]+"${workers[@]}"} "$@"

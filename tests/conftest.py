@@ -1,6 +1,12 @@
 import contextlib
 import os
+import tempfile
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no machine locks, so run the suite there without xdist
+    fcntl = None
 
 import pytest
 import torch
@@ -43,8 +49,52 @@ def unchecked_shapes():
     with _shape_checks_off():
         yield
 
-# Tests are small: more threads than cores only adds contention on the 2-core CI machines.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Tests are small: more threads than cores only adds contention on the 2-core CI machines. Under
+# pytest-xdist (scripts/test.sh runs two workers) each worker has a core of its own, so one thread;
+# a test marked `alone` has the machine to itself and gets the serial run's threads back.
+SERIAL_THREADS = min(2, os.cpu_count() or 1)
+WORKER_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else SERIAL_THREADS
+torch.set_num_threads(WORKER_THREADS)
+
+
+def _machine_locks(config) -> tuple[Path, Path] | None:
+    """(gate, run) lock files shared by this run's xdist workers; None outside xdist (or off POSIX)."""
+    worker = getattr(config, "workerinput", None)
+    if worker is None or fcntl is None:
+        return None
+    # Each worker's basetemp is a folder of the controller's (pytest-of-USER/pytest-N/popen-gwI), which
+    # pytest prunes with the rest of the old runs' temporary folders.
+    factory = getattr(config, "_tmp_path_factory", None)
+    shared = factory.getbasetemp().parent if factory is not None else Path(tempfile.gettempdir())
+    stem = shared / f"glasslm-machine-{worker['testrunuid']}"
+    return stem.with_suffix(".gate"), stem.with_suffix(".run")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist, a test marked `alone` (it measures time or load, or its processes need every core)
+    waits until the other workers finish their current test and keeps them waiting until it is done:
+    each test holds the run lock shared, an `alone` one exclusive. The gate keeps the shared holders
+    from starving a waiting `alone` test: every test passes it before taking the run lock, and the
+    `alone` one holds it while it waits and runs. Setup and teardown (module fixtures too) are inside."""
+    locks = _machine_locks(item.config)
+    if locks is None:
+        return (yield)
+    alone = item.get_closest_marker("alone") is not None
+    with open(locks[0], "a+") as gate, open(locks[1], "a+") as run:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        torch.set_num_threads(SERIAL_THREADS if alone else WORKER_THREADS)
+        try:
+            return (yield)
+        finally:
+            torch.set_num_threads(WORKER_THREADS)
+            fcntl.flock(run, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 @pytest.fixture

@@ -88,7 +88,10 @@ RUNS = {**{key: spec for key, spec in COVERAGE.items() if isinstance(spec, Run)}
 
 def _case(key: str) -> pytest.param:
     spec = RUNS[key]
-    return pytest.param(key, id=PLACES.get(key, key.split()[1]), marks=[pytest.mark.slow] if is_slow(key, spec) else [])
+    marks = [pytest.mark.slow] if is_slow(key, spec) else []
+    if "--threads 2" in key or key.startswith("torchrun "):  # two busy threads or processes: the cores to themselves
+        marks.append(pytest.mark.alone)
+    return pytest.param(key, id=PLACES.get(key, key.split()[1]), marks=marks)
 
 
 @pytest.fixture(scope="module")

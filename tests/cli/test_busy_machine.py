@@ -18,6 +18,9 @@ import torch
 from glasslm import runtime
 from glasslm.cli import main
 
+# alone: the busy loops must be the only load (under xdist, no other test runs beside these)
+pytestmark = pytest.mark.alone
+
 TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
 
 

@@ -181,6 +181,7 @@ def test_the_openai_client_chats_with_it_through_glasslm_serve(gguf, template):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # --threads 2: beside another test, each step's threads wait for a core
 def test_a_lora_fine_tune_lowers_the_loss_and_merges(gguf, tmp_path, capsys):
     facts = [("What is glasslm?", "A transformer library you can read."),
              ("Who made glasslm?", "Its founding engineers."),
@@ -209,6 +210,7 @@ def test_a_lora_fine_tune_lowers_the_loss_and_merges(gguf, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # --threads 2: beside another test, each step's threads wait for a core
 def test_a_few_dpo_lora_steps_raise_the_margin_of_the_training_pairs(gguf, tmp_path):
     pairs = [("What is the capital of France?", "Paris.", "London."),
              ("What is 7 times 8?", "56.", "54."),
@@ -269,6 +271,7 @@ def _held_out_accuracy(checkpoint, heldout, capsys) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # --threads 2: beside another test, each step's threads wait for a core
 def test_grpo_raises_the_held_out_accuracy_of_small_subtraction(gguf, tmp_path, capsys):
     """SmolLM2 answers a third of "What is 13 minus 4?" right (greedy, exact match on the last word);
     15 LoRA GRPO steps on 43 other such problems (4 a step x 6 completions sampled at temperature 0.7)

@@ -28,7 +28,8 @@ from glasslm.serving.app import create_app  # noqa: E402
 from glasslm.serving.server import serving_in_thread  # noqa: E402
 from glasslm.tokenizers import CharTokenizer  # noqa: E402
 
-pytestmark = pytest.mark.slow  # the long runs: `pytest -m "not slow"` leaves them out
+pytestmark = [pytest.mark.slow,  # the long runs: `pytest -m "not slow"` leaves them out
+              pytest.mark.xdist_group("browser")]  # under xdist, one Chromium at a time
 
 CHARS = "\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 

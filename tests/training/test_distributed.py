@@ -20,7 +20,8 @@ from glasslm.training.loggers import read_metrics
 from glasslm.training.config import TrainConfig
 from glasslm.training.loop import train
 
-pytestmark = pytest.mark.slow  # the long runs: `pytest -m "not slow"` leaves them out
+pytestmark = [pytest.mark.slow,  # the long runs: `pytest -m "not slow"` leaves them out
+              pytest.mark.alone]  # two processes in lockstep (gloo): under xdist, no other test beside them
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 TINY = dict(vocab_size=16, n_layers=2, d_model=32, n_heads=2, context_length=16)

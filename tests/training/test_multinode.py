@@ -18,7 +18,8 @@ import pytest
 from glasslm.training.loggers import read_metrics
 from test_distributed import SRC, free_port
 
-pytestmark = pytest.mark.slow
+# alone: the launchers' rendezvous and restarts need both cores (under xdist no other test runs beside them)
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 HERE = Path(__file__).resolve().parent
 COMMON = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--context-length", "16", "--eval-interval", "0",

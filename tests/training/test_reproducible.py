@@ -9,6 +9,8 @@ from glasslm.training.config import get_recipe
 from glasslm.training.loop import train
 
 REPEATS = 6
+# alone: two threads each run; beside another test every step waits for a core (under xdist)
+pytestmark = pytest.mark.alone
 
 
 @pytest.fixture
