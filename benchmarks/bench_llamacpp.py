@@ -27,7 +27,6 @@ f32 pair must pick the same greedy tokens for the first steps (a check that the 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -47,6 +46,9 @@ from glasslm.runtime import cpu_flags
 from glasslm.transforms import apply_transform
 from glasslm.transforms.ggml import BlockLinear
 from glasslm.transforms.quantize import Int4Linear, Int8Linear
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llamacpp_reference import LlamaCpp, configuration, quantize  # noqa: E402  (llama.cpp set up for this CPU)
 
 PAIRS = [("fp32", "f32"), ("bf16", "f16"), ("int8", "q8_0"), ("int4", "q4_0")]
 COMPILED = " compiled"  # a glasslm row whose name ends so decodes with `compile=True` (--compile)
@@ -186,18 +188,6 @@ def write_gguf(kind: str, hf: dict, state: dict[str, torch.Tensor], path: Path) 
     writer.close()
 
 
-def quantize_gguf(source: Path, target: Path, ftype: str) -> None:
-    """llama.cpp's own quantizer, with its default choices (e.g. q6_K for a tied output at q4_0)."""
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = {"f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
-                    "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0}[ftype]
-    status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
-    if status != 0:
-        raise RuntimeError(f"llama_model_quantize({ftype}) failed with {status}")
-
-
 def gguf_bytes_per_token(path: Path) -> tuple[float, str]:
     """Bytes of weights one decoding step reads, and the tensor types in the file. Token and position
     tables are only looked up, unless the token table is also the output (no output.weight)."""
@@ -229,66 +219,6 @@ def glasslm_bytes_per_token(model) -> float:
 
 
 # --- running each side --------------------------------------------------------------------------
-
-class LlamaCpp:
-    """One GGUF model in llama.cpp through llama-cpp-python's C API: greedy decoding of a batch of
-    rows (one sequence each), argmax on the host as glasslm's greedy sampler does."""
-
-    def __init__(self, path: Path, batch: int, n_ctx: int):
-        import llama_cpp
-
-        self.api = llama_cpp
-        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = n_ctx * batch, 512, 512, batch
-        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
-        self.batch = llama_cpp.llama_batch_init(512, 0, batch)
-
-    def set_threads(self, threads: int) -> None:
-        self.api.llama_set_n_threads(self.ctx, threads, threads)
-
-    def clear(self) -> None:
-        self.api.llama_memory_clear(self.api.llama_get_memory(self.ctx), True)
-
-    def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
-        """items: (token, position, sequence, wants logits)."""
-        b = self.batch
-        for i, (token, position, sequence, logits) in enumerate(items):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, position, 1, logits
-            b.seq_id[i][0] = sequence
-        b.n_tokens = len(items)
-        status = self.api.llama_decode(self.ctx, b)
-        if status != 0:
-            raise RuntimeError(f"llama_decode returned {status}")
-
-    def _argmax(self, index: int) -> int:
-        logits = np.ctypeslib.as_array(self.api.llama_get_logits_ith(self.ctx, index), shape=(self.n_vocab,))
-        return int(logits.argmax())
-
-    def last_logits(self, prompt: list[int]) -> np.ndarray:
-        """The logits after `prompt`, as float32 (vocab,)."""
-        self.prefill(prompt)
-        return np.ctypeslib.as_array(self.api.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,)).copy()
-
-    def greedy(self, prompts: list[list[int]], n_new: int) -> list[list[int]]:
-        self.clear()
-        items = [(t, p, s, p == len(row) - 1) for s, row in enumerate(prompts) for p, t in enumerate(row)]
-        self._decode(items)
-        last = [i for i, item in enumerate(items) if item[3]]
-        out = [[self._argmax(i)] for i in last]
-        for step in range(n_new - 1):
-            self._decode([(row[-1], len(prompt) + step, s, True) for s, (row, prompt) in enumerate(zip(out, prompts))])
-            for s, row in enumerate(out):
-                row.append(self._argmax(s))
-        return out
-
-    def prefill(self, prompt: list[int]) -> None:
-        self.clear()
-        for start in range(0, len(prompt), 512):
-            chunk = prompt[start:start + 512]
-            self._decode([(t, start + i, 0, start + i == len(prompt) - 1) for i, t in enumerate(chunk)])
-
 
 def glasslm_models(directory: Path) -> dict:
     """glasslm fp32 / bf16 / int8 / int4 from the HF directory, prepared as `glasslm generate` does."""
@@ -531,7 +461,7 @@ def run_model(kind: str, folder: Path, args, bandwidth: dict) -> None:
     write_gguf(kind, hf, state, files["f32"])
     for ftype in ("f16", "q8_0", "q4_0"):
         files[ftype] = folder / f"{kind}-{ftype}.gguf"
-        quantize_gguf(files["f32"], files[ftype], ftype)
+        quantize(files["f32"], files[ftype], ftype)
     bytes_theirs = {name: gguf_bytes_per_token(path) for name, path in files.items()}
     for name, (size, types) in bytes_theirs.items():
         print(f"{kind} {name}.gguf: {size / 1e6:.0f} MB read per token; tensor types {types}")
@@ -620,17 +550,12 @@ def main() -> None:
         args.threads = args.threads[:1] if args.compile else args.threads  # a compiled graph per thread count
     args.batches = [int(b) for b in args.batches.split(",")]
     args.threads = [int(t) for t in args.threads.split(",")]
-    import llama_cpp
-
     # Each (model, batch, cache size) is its own compiled graph: more than dynamo's default limit of 8.
     torch._dynamo.config.recompile_limit = 64
-    llama_cpp.llama_backend_init()
-    quiet = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
-    llama_cpp.llama_log_set(quiet, ctypes.c_void_p(0))  # llama.cpp logs every tensor it loads
     print("command:", " ".join([sys.executable, *sys.argv]))
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni", "avx2")))
     print(f"CPU: {cpu_name()}; flags: {' '.join(flags)}")
-    print(f"torch {torch.__version__}, llama-cpp-python {llama_cpp.__version__}")
+    print(f"torch {torch.__version__}; {configuration()}")
     bandwidth = {t: memory_bandwidth(t, 16 if args.smoke else 512) for t in args.threads}
     print(f"memory bandwidth (streaming torch sum of {16 if args.smoke else 512} MB): "
           + ", ".join(f"{bw / 1e9:.1f} GB/s on {t} thread{'s' * (t > 1)}" for t, bw in bandwidth.items()))

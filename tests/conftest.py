@@ -154,3 +154,17 @@ def padded_qwen3(tmp_path_factory, data_dir):
     except FileNotFoundError as err:
         pytest.skip(str(err))
     return padded_qwen3_dir(tmp_path_factory.mktemp("padded-qwen3"), files)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Says once which llama.cpp the reference tests ran and how (its extra buffer types are off where
+    its build has AMX: benchmarks/llamacpp_reference.py), so a run on an AMX Xeon says so."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from llamacpp_reference import configuration
+
+    terminalreporter.write_line(f"reference: {configuration()}")

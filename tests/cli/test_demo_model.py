@@ -42,15 +42,19 @@ def test_the_quantized_perplexities_the_pages_quote_are_this_versions(demo, caps
     generation = " ".join((ROOT / "docs" / "generation.md").read_text().split())
     int4, fp32 = map(float, re.search(r"the demo model's val perplexity ([\d.]+) against ([\d.]+) in fp32",
                                       readme).groups())
-    quoted = re.search(r"scored val perplexity ([\d.]+) against ([\d.]+) \(fp32\) and ([\d.]+) \(int8\)", generation)
+    quoted = re.search(r"scored val perplexity ([\d.]+) against ([\d.]+) \(fp32\) and ([\d.]+) \(int8\)"
+                       r" when trained on a 2-core (AMD EPYC|Intel Xeon)", generation)
+    assert quoted, "docs/generation.md quotes the demo model's perplexities and names the CPU it trained on"
     assert (int4, fp32) == tuple(map(float, quoted.groups()[:2]))  # the two pages agree
     measured = {q: _perplexity(demo, q, capsys) for q in ("none", "int8", "int4")}
-    # Training on another CPU or thread count rounds differently in the last bits: 1% covers it (the
-    # figures quoted before this test, 5.985 / 5.941, were 2.3% off what this version gives).
-    assert measured["none"] == pytest.approx(fp32, rel=0.01)
-    assert measured["int8"] == pytest.approx(float(quoted.group(3)), rel=0.01)
-    assert measured["int4"] == pytest.approx(int4, rel=0.01)
-    assert measured["int4"] / measured["none"] == pytest.approx(int4 / fp32, abs=0.003)  # what int4 costs
+    # What holds on every machine: the bounds the pages state for each quantization (int8 within 1% of
+    # fp32, int4 within 3%). The quoted figures are one CPU's training run: another CPU kind rounds
+    # differently, and a 300-step run carries that on (int4 cost 0.83% on an AMD EPYC, 0.44% on an
+    # Intel Xeon), so they are held only to 2%, which catches a page left behind by a recipe change.
+    assert measured["int8"] / measured["none"] == pytest.approx(1, abs=0.01)
+    assert measured["int4"] / measured["none"] == pytest.approx(1, abs=0.03)
+    assert measured["none"] == pytest.approx(fp32, rel=0.02)
+    assert measured["int4"] == pytest.approx(int4, rel=0.02)
 
 
 def test_a_default_lora_finetune_of_the_demo_model_answers_and_stops(demo, tmp_path, capsys, monkeypatch):

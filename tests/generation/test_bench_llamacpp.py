@@ -4,7 +4,6 @@ equal glasslm's, row for row in a batch of 8, for GPT-2 and for a Llama with gro
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import json
 from pathlib import Path
@@ -16,19 +15,15 @@ pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
 
 from glasslm.hf import load_model  # noqa: E402
+from tests.llamacpp import RemoteLlama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def bench():
-    import llama_cpp
-
     path = Path(__file__).parents[2] / "benchmarks" / "bench_llamacpp.py"
     spec = importlib.util.spec_from_file_location("bench_llamacpp", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    llama_cpp.llama_backend_init()
-    module.quiet = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
-    llama_cpp.llama_log_set(module.quiet, ctypes.c_void_p(0))
     return module
 
 
@@ -60,7 +55,8 @@ def test_llama_cpp_decodes_the_written_gguf_as_glasslm_decodes_the_hf_directory(
     bench.write_gguf(kind, hf, load_file(tmp_path / "hf" / "model.safetensors"), tmp_path / "f32.gguf")
     ours, _ = load_model(tmp_path / "hf")
     prompts = [[i, 3 * i + 7] for i in range(8)]
-    theirs = bench.LlamaCpp(tmp_path / "f32.gguf", batch=8, n_ctx=64).greedy(prompts, 12)
-    alone = [bench.LlamaCpp(tmp_path / "f32.gguf", batch=1, n_ctx=64).greedy([p], 12)[0] for p in prompts[:2]]
+    # The benchmark's own llama.cpp runner (llamacpp_reference.LlamaCpp), in the tests' child process.
+    theirs = RemoteLlama(tmp_path / "f32.gguf", batch=8, n_ctx=64).greedy(prompts, 12)
+    alone = [RemoteLlama(tmp_path / "f32.gguf", batch=1, n_ctx=64).greedy([p], 12)[0] for p in prompts[:2]]
     assert theirs[:2] == alone  # llama.cpp's batch runner keeps rows apart
     assert theirs == bench.glasslm_greedy(ours, prompts, 12)

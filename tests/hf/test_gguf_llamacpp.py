@@ -14,7 +14,7 @@ from glasslm.hf.gguf.exporter import export_gguf  # noqa: E402
 from glasslm.hf.gguf.reader import GGUFFile  # noqa: E402
 from glasslm.tokenizers.gguf import tokenizer_from_gguf  # noqa: E402
 from tests.hf.test_gguf import FAMILY_CONFIGS, bpe, perturbed  # noqa: E402,F401 (bpe: the shared fixture)
-from tests.llamacpp import quiet_llama  # noqa: E402
+from tests.llamacpp import llama_cpp_quantize, quiet_llama  # noqa: E402
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
@@ -25,8 +25,7 @@ def test_llama_cpp_computes_our_logits_from_our_file(family, bpe, shakespeare_te
     ids = bpe.encode(text)[:40]
     llm = quiet_llama(path, logits_all=True)
     assert llm.tokenize(text.encode(), add_bos=False, special=True)[:40] == ids
-    llm.eval(ids)
-    theirs = np.array(llm.scores[:len(ids)])
+    theirs = llm.logits(ids)
     with torch.no_grad():
         ours = model(torch.tensor([ids]))[0].numpy()
     # Both in float32 throughout, summed in other orders (~1e-5 relative); but ggml's GELU reads a
@@ -64,18 +63,6 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_llama_cpp_does(shakespeare_text
     assert ours.encode("a  b") != sp.encode("a  b")
 
 
-def llama_cpp_quantize(source, target, ftype: str) -> None:
-    """llama.cpp's own quantizer (llama-quantize), with its default choice of types per tensor."""
-    import ctypes
-
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}")
-    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) != 0:
-        raise RuntimeError(f"llama_model_quantize({ftype}) failed")
-
-
 @pytest.mark.parametrize("ftype", ["q4_1", "q4_0", "q5_0", "q4_k_m"])
 def test_files_llama_cpps_quantizer_wrote_read_as_llama_cpp_runs_them(ftype, bpe, shakespeare_text, tmp_path):
     from glasslm.hf.gguf.importer import import_gguf
@@ -99,9 +86,7 @@ def test_files_llama_cpps_quantizer_wrote_read_as_llama_cpp_runs_them(ftype, bpe
         if hasattr(module, "impl"):
             module.impl = "readable"  # the file's values exactly
     ids = bpe.encode(shakespeare_text[:300])[:32]
-    llm = quiet_llama(tmp_path / f"{ftype}.gguf", logits_all=True)
-    llm.eval(ids)
-    theirs = np.array(llm.scores[:len(ids)])
+    theirs = quiet_llama(tmp_path / f"{ftype}.gguf", logits_all=True).logits(ids)
     with torch.no_grad():
         ours_logits = loaded.model(torch.tensor([ids]))[0].numpy()
     # The same quantized weights; llama.cpp also rounds activations to 8 bits for its dot products

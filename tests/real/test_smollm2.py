@@ -304,8 +304,7 @@ def test_eval_perplexity_on_tiny_shakespeare_matches_llama_cpps(gguf, data_dir, 
     text = (data_dir / "tinyshakespeare.txt").read_text()
     llm = quiet_llama(gguf, n_ctx=512, logits_all=True)
     ids = llm.tokenize(text[-4000:].encode(), add_bos=False, special=False)[:512]
-    llm.eval(ids)
-    logits = torch.tensor(llm.scores[:len(ids)])
+    logits = torch.tensor(llm.logits(ids))
     theirs = math.exp(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())
     model, _ = load_model(gguf)
     with torch.no_grad():
@@ -340,11 +339,8 @@ def test_gguf_to_glasslm_to_gguf_gives_llama_cpp_glasslms_greedy_tokens(gguf, ex
         ids = prompt_ids(tokenizer, template, question)
         ours = generate(model, [ids], GenerationConfig(max_new_tokens=30, temperature=0.0),
                         tokenizer=tokenizer)[0].tokens
-        theirs = []
-        for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            theirs.append(token)
-            if token == 2 or len(theirs) == len(ours):
-                break
+        theirs = llm.greedy([ids], len(ours))[0]
+        theirs = theirs[:theirs.index(2) + 1] if 2 in theirs else theirs  # up to the eos, as ours stops
         assert theirs == ours, question
 
 
