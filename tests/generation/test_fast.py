@@ -18,6 +18,8 @@ from glasslm.generation.fast import FastDecoder, native_block, unsupported
 from glasslm.kernels.decode import decode_ops
 from glasslm.presets import get_preset
 from glasslm.transforms import apply_transform
+from glasslm.transforms.ggml import BlockLinear
+from tests.ggml_blocks import random_blocks
 
 pytestmark = pytest.mark.skipif(decode_ops() is None, reason="the C++ kernels are not built here")
 
@@ -110,7 +112,7 @@ def window_logits(model: TransformerLM, fast: FastDecoder, rows: list[list[int]]
     return torch.stack(logits)
 
 
-@pytest.mark.parametrize("transform", ["int8", "int4", "q8_0", "q4_1"])
+@pytest.mark.parametrize("transform", ["int8", "int4", "q8_0", "q4_1", "q5_0", "q5_1"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_native_blocks_step_as_the_python_step(family, transform):
     """kernels/block.cpp runs a whole block in C++: every family's quantized blocks, ragged rows included,
@@ -128,6 +130,37 @@ def test_native_blocks_step_as_the_python_step(family, transform):
     got = window_logits(model, native, rows, 8)
     torch.testing.assert_close(got, expected, rtol=0, atol=expected.abs().amax().item() / 127 / 256 * 8)
     assert torch.equal(window_logits(model, per_block, rows, 8), got)
+
+
+def test_mixed_formats_of_a_k_quant_file_step_in_cpp_as_in_python():
+    """A Q4_K_M-like block: q|k in Q4_K and v in Q6_K (a row split of the fused qkv), the MLP in Q5_K and
+    Q6_K, the output in Q8_0: one C++ call per block, as the Python step, as the readable forward."""
+    model = family_model("llama", d_model=256, d_mlp=256, n_heads=4, n_kv_heads=2)
+    kv_rows = 2 * 64  # two key (and two value) heads of 64
+    apply_transform(model, "row_split", layers={f"blocks.{i}.attn.qkv": [256 + kv_rows, kv_rows] for i in range(2)})
+    formats = {"attn.qkv.parts.0": "q4_k", "attn.qkv.parts.1": "q6_k", "attn.out": "q8_0", "mlp.gate": "q5_k",
+               "mlp.up": "q4_k", "mlp.down": "q6_k"}
+    for i, block in enumerate(model.blocks):
+        for name, qtype in formats.items():
+            parent, _, child = name.rpartition(".")
+            layer = block.get_submodule(name)
+            blocks = random_blocks(qtype, layer.weight.shape[0], layer.weight.shape[1], seed=i)
+            setattr(block.get_submodule(parent), child, BlockLinear.from_blocks(blocks, None, qtype))
+    native, python = FastDecoder(model), FastDecoder(model, native_blocks=False)
+    assert native.native_stack is not None
+    rows = [[5, 9, 3, 7, 1], [4, 6]]
+    expected = window_logits(model, python, rows, 6)
+    got = window_logits(model, native, rows, 6)
+    torch.testing.assert_close(got, expected, rtol=0, atol=expected.abs().amax().item() / 127 / 256 * 8)
+    # And the readable forward on the blocks' exact values (float64), within the kernels' activation rounding.
+    reference = copy.deepcopy(model)
+    for module in reference.modules():
+        if hasattr(module, "impl"):
+            module.impl = "readable"
+    tokens, logits = greedy_logits(model, rows, 6, fast=True)
+    ref_tokens, ref_logits = greedy_logits(reference.double(), rows, 6, fast=False)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits.double(), ref_logits.double(), rtol=0, atol=ref_logits.abs().amax().item() * 2e-3)
 
 
 def test_blocks_with_float_or_adapted_products_keep_the_python_step():

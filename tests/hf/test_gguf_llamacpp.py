@@ -63,11 +63,12 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_llama_cpp_does(shakespeare_text
     assert ours.encode("a  b") != sp.encode("a  b")
 
 
-@pytest.mark.parametrize("ftype", ["q4_1", "q4_0", "q5_0", "q4_k_m"])
+@pytest.mark.parametrize("ftype", ["q4_1", "q4_0", "q5_0", "q5_1", "q8_0", "q4_k_m", "q5_k_m", "q6_k"])
 def test_files_llama_cpps_quantizer_wrote_read_as_llama_cpp_runs_them(ftype, bpe, shakespeare_text, tmp_path):
     from glasslm.hf.gguf.importer import import_gguf
     from glasslm.presets import get_preset
     from glasslm.transforms.ggml import BlockLinear
+    from glasslm.transforms.split import RowSplitLinear
 
     # Rows of 256: the K-quants' super-blocks need them (a narrower matrix falls back to another type).
     model = perturbed(get_preset("llama-tiny", vocab_size=bpe.vocab_size, d_model=256, n_heads=4, d_mlp=512))
@@ -75,21 +76,32 @@ def test_files_llama_cpps_quantizer_wrote_read_as_llama_cpp_runs_them(ftype, bpe
     llama_cpp_quantize(tmp_path / "f32.gguf", tmp_path / f"{ftype}.gguf", ftype)
     file, loaded = GGUFFile.open(tmp_path / f"{ftype}.gguf"), import_gguf(tmp_path / f"{ftype}.gguf")
     types = {file.qtype(name) for name in file.tensor_names()}
+    # Every matrix kept in the file's own blocks (a mixed file's fused q|k|v split by format); only
+    # the norms (f32) and the token embedding's lookup table are read as float32.
+    assert set(loaded.kept) == types - {"f32"} and sum(loaded.dequantized.values()) - loaded.dequantized["f32"] == 1
+    linears = [loaded.model.blocks[0].attn.qkv, loaded.model.blocks[0].mlp.up, loaded.model.blocks[1].mlp.down]
+    parts = [p for m in linears for p in (m.parts if isinstance(m, RowSplitLinear) else [m])]
+    assert all(isinstance(p, BlockLinear) for p in parts)
     if ftype in ("q4_0", "q4_1"):
-        # Kept as llama.cpp wrote them; and glasslm's own quantizer writes the same bytes from the f32 file.
-        assert loaded.kept[ftype] > 0 and isinstance(loaded.model.blocks[0].mlp.up, BlockLinear)
+        # glasslm's own quantizer writes the same bytes from the f32 file.
         ours = GGUFFile.open(export_gguf(model, tmp_path / "ours.gguf", bpe, ftype))
         assert torch.equal(ours.blocks("blk.1.ffn_up.weight"), file.blocks("blk.1.ffn_up.weight"))
-    else:
-        assert types - {"f32"} and not loaded.kept  # every quantized tensor dequantized (Q5_0, K-quants)
-    for module in loaded.model.modules():
-        if hasattr(module, "impl"):
-            module.impl = "readable"  # the file's values exactly
     ids = bpe.encode(shakespeare_text[:300])[:32]
     theirs = quiet_llama(tmp_path / f"{ftype}.gguf", logits_all=True).logits(ids)
     with torch.no_grad():
-        ours_logits = loaded.model(torch.tensor([ids]))[0].numpy()
-    # The same quantized weights; llama.cpp also rounds activations to 8 bits for its dot products
-    # (q8_0/q8_1/q8_K), which moves the largest logit difference to 2-3% of the largest logit here.
-    assert np.abs(ours_logits - theirs).max() < 0.05 * np.abs(theirs).max()
-    assert (ours_logits.argmax(-1) == theirs.argmax(-1)).mean() > 0.9
+        fast = loaded.model(torch.tensor([ids]))[0].numpy()  # glasslm's kernels on the blocks
+        for module in loaded.model.modules():
+            if hasattr(module, "impl"):
+                module.impl = "readable"  # the file's values exactly, in float32
+        exact = loaded.model(torch.tensor([ids]))[0].numpy()
+    # The same quantized weights. llama.cpp rounds activations to 8 bits for its dot products
+    # (q8_0/q8_1/q8_K), which moves the largest logit difference to 2-3% of the largest logit here;
+    # glasslm's kernels keep 16 bits of them (docs/generation.md), so stay ~100x closer to the exact product.
+    scale = np.abs(exact).max()
+    theirs_gap, fast_gap = np.abs(theirs - exact).max(axis=-1), np.abs(fast - exact).max(axis=-1)
+    assert theirs_gap.max() < 0.05 * scale and fast_gap.max() < 1e-3 * scale
+    # Where the exact top logit leads the next by more than twice a side's largest gap, that side picks it.
+    top2 = np.sort(exact, axis=-1)[:, -2:]
+    for gap, logits in ((theirs_gap, theirs), (fast_gap, fast)):
+        decided = top2[:, 1] - top2[:, 0] > 2 * gap
+        assert decided.mean() > 0.3 and (logits.argmax(-1) == exact.argmax(-1))[decided].all()

@@ -4,6 +4,7 @@ llama.cpp's own quantizers, dequantizers and dot products; every CPU path this m
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,10 +18,10 @@ import torch.nn.functional as F
 from glasslm.kernels import build
 from glasslm.kernels.qmatmul import (
     QuantizedMatrix, activation_error_bound, activation_rows, dequantize_rows, float_error_bound, kernel_ops, pack,
-    qlinear, qmatmul, qmatmul_reference, quantize_block_rows, quantize_rows_reference, summation_error_bound,
-    unpack_levels,
+    panel_block_bytes, qlinear, qmatmul, qmatmul_reference, quantize_block_rows, quantize_rows_reference,
+    summation_error_bound, unpack_levels,
 )
-from glasslm.transforms.ggml import block_matrix, quantize_blocks
+from glasslm.transforms.ggml import FORMATS, block_matrix, quantize_blocks
 
 pytestmark = pytest.mark.skipif(kernel_ops() is None, reason="glasslm's C++ kernels could not be built here")
 
@@ -36,26 +37,38 @@ def isa(request):
         yield request.param
 
 
-def matrix_of(kind: str, d_out: int = 40, d_in: int = 256, seed: int = 0) -> QuantizedMatrix:
-    """Random levels in each format the layers use, with scales and minimums of mixed signs and sizes."""
+def matrix_of(kind: str, d_out: int = 40, d_in: int = 512, seed: int = 0) -> QuantizedMatrix:
+    """Random levels in each format the layers use, with scales and minimums of mixed signs and sizes
+    (the K-quants: integer sub-scales of fp16 super-scales, over two super-blocks at d_in 512)."""
     g = torch.Generator().manual_seed(seed)
-    bits = 8 if kind in ("q8_0", "int8") else 4
-    levels = torch.randint(0, 16 if bits == 4 else 256, (d_out, d_in), generator=g, dtype=torch.uint8)
+    bits = {"q8_0": 8, "int8": 8, "q5_0": 5, "q5_1": 5, "q5_k": 5, "q6_k": 6}.get(kind, 4)
+    levels = torch.randint(0, 2**bits, (d_out, d_in), generator=g, dtype=torch.uint8)
+    offset = {"q4_0": 8, "q8_0": 128, "int4": 8, "int8": 128, "q5_0": 16, "q6_k": 32}.get(kind, 0)
+    row_sizes = torch.logspace(-3, 0, d_out)[:, None]
+    if kind in ("q4_k", "q5_k", "q6_k"):
+        group = 16 if kind == "q6_k" else 32
+        if kind == "q6_k":
+            scales = torch.randint(-128, 128, (d_out, d_in // group), generator=g, dtype=torch.int8)
+        else:
+            scales = torch.randint(0, 64, (d_out, d_in // group), generator=g, dtype=torch.uint8)
+        supers = (torch.rand(d_out, d_in // 256, generator=g) * row_sizes / 60).half()
+        mins = torch.randint(0, 64, scales.shape, generator=g, dtype=torch.uint8) if kind != "q6_k" else None
+        super_mins = None if mins is None else -(torch.rand(d_out, d_in // 256, generator=g) * 0.1 / 60).half()
+        return QuantizedMatrix(levels, scales, mins, bits, offset, group, None, supers, super_mins)
     group = {"int4": 64, "int8": d_in}.get(kind, 32)
     dtype = torch.bfloat16 if kind == "int4" else torch.float16
-    scales = (torch.rand(d_out, d_in // group, generator=g) * torch.logspace(-3, 0, d_out)[:, None]).to(dtype)
-    mins = (torch.randn(d_out, d_in // group, generator=g) * 0.1).to(dtype) if kind in ("q4_1", "int4") else None
+    scales = (torch.rand(d_out, d_in // group, generator=g) * row_sizes).to(dtype)
+    mins = (torch.randn(d_out, d_in // group, generator=g) * 0.1).to(dtype) if kind in ("q4_1", "q5_1", "int4") else None
     if kind == "int8":
         scales = torch.ones_like(scales)
-    offset = {"q4_0": 8, "q4_1": 0, "q8_0": 128, "int4": 8, "int8": 128}[kind]
     row_scale = torch.rand(d_out, generator=g) + 0.01 if kind == "int8" else None
     return QuantizedMatrix(levels, scales, mins, bits, offset, group, row_scale)
 
 
-KINDS = ["q4_0", "q4_1", "q8_0", "int4", "int8"]
+KINDS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int4", "int8"]
 
 
-def activations(rows: int, d_in: int = 256, seed: int = 1) -> torch.Tensor:
+def activations(rows: int, d_in: int = 512, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, d_in, generator=g) * torch.logspace(-2, 1, d_in)[torch.randperm(d_in, generator=g)]
     x[0, 40:72] = 0.0  # a block of zeros: scale 0 must not divide by zero
@@ -67,11 +80,15 @@ def activations(rows: int, d_in: int = 256, seed: int = 1) -> torch.Tensor:
 def test_pack_lays_out_every_level_and_unpack_restores_it(kind):
     matrix = matrix_of(kind, d_out=37)
     packed = pack(matrix)
-    assert packed.levels.shape == (3, 8, 16 * 32 * matrix.bits // 8)  # 37 rows: three panels, the last cut short
+    # 37 rows: three panels, the last cut short; as many bytes per weight as the levels' bits.
+    assert packed.levels.shape == (3, 16, 16 * 32 * matrix.bits // 8) == (3, 16, panel_block_bytes(matrix.bits))
     assert torch.equal(unpack_levels(packed.levels, matrix.bits, 37), matrix.levels)
-    # The first four inputs of row 1 sit in bytes 4..7 of block 0's first chunk (4-bit: the low nibbles).
+    # The first four inputs of row 1 sit in bytes 4..7 of block 0's first chunk (4 to 6 bits: the low
+    # nibbles; their fifth bits in bit 0 of bytes 4..7 of the first plane, after the 256 nibble bytes).
     first = packed.levels[0, 0, 4:8]
-    assert torch.equal(first & 0x0F if matrix.bits == 4 else first, matrix.levels[1, :4])
+    assert torch.equal(first if matrix.bits == 8 else first & 0x0F, matrix.levels[1, :4] & (0xFF if matrix.bits == 8 else 0x0F))
+    if matrix.bits in (5, 6):
+        assert torch.equal(packed.levels[0, 0, 260:264] & 1, (matrix.levels[1, :4] >> 4) & 1)
 
 
 def test_activations_are_the_readable_rounding_bit_for_bit(isa):
@@ -104,8 +121,7 @@ def test_kernel_equals_the_readable_product_within_float_rounding(isa, kind, row
     bound = float_error_bound(x, matrix)
     assert torch.all((got - reference).abs() <= bound)
     # The bound is tight enough to catch a real mistake: the weights one level off, or one pass left out.
-    wrong = QuantizedMatrix(matrix.levels, matrix.scales, matrix.mins, matrix.bits, matrix.offset + 1,
-                            matrix.group_size, matrix.row_scale)
+    wrong = dataclasses.replace(matrix, offset=matrix.offset + 1)
     assert not torch.all((qmatmul_reference(*quantize_rows_reference(x), wrong, bias) - got).abs() <= bound)
     one_pass = qmatmul_reference(*quantize_block_rows(x), matrix, bias, passes=1)
     assert not torch.all((one_pass - got).abs() <= bound)
@@ -144,65 +160,107 @@ def _floats(a: np.ndarray):
     return a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
 
 
+FORMAT_NAMES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
+
+
+def _ggml_name(qtype: str) -> str:
+    return qtype.replace("_k", "_K")  # ggml spells the K-quants q4_K
+
+
+def _bytes_of(a: np.ndarray):
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def ggml_quantize(base, weight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """llama.cpp's own reference quantizer's bytes for `weight` (quantize_row_*_ref)."""
+    fmt, (rows, d_in) = FORMATS[qtype], weight.shape
+    out = np.zeros((rows, d_in // fmt.inputs * fmt.bytes), dtype=np.uint8)
+    values = np.ascontiguousarray(weight.numpy())
+    for r in range(rows):
+        getattr(base, f"quantize_row_{_ggml_name(qtype)}_ref")(_floats(values[r]), _bytes_of(out[r]), ctypes.c_int64(d_in))
+    return torch.from_numpy(out)
+
+
 def ggml_dequantize(base, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
-    rows, d_in = blocks.shape[0], blocks.shape[1] // {"q4_0": 18, "q4_1": 20, "q8_0": 34}[qtype] * 32
+    fmt = FORMATS[qtype]
+    rows, d_in = blocks.shape[0], blocks.shape[1] // fmt.bytes * fmt.inputs
     out = np.zeros((rows, d_in), dtype=np.float32)
     data = np.ascontiguousarray(blocks.numpy())
     for r in range(rows):
-        getattr(base, f"dequantize_row_{qtype}")(data[r].ctypes.data_as(ctypes.c_void_p),
-                                                 _floats(out[r]), ctypes.c_int64(d_in))
+        getattr(base, f"dequantize_row_{_ggml_name(qtype)}")(_bytes_of(data[r]), _floats(out[r]), ctypes.c_int64(d_in))
     return torch.from_numpy(out)
 
 
 def ggml_activations(base, x: torch.Tensor, kind: str):
-    """llama.cpp's own int8 rows (q8_0, or q8_1 with its fp16 d * sum): (bytes, q, d, sums)."""
+    """llama.cpp's own int8 rows (q8_0; q8_1 with its fp16 d * sum; q8_K, a float32 d per 256 inputs),
+    and as glasslm's one-pass activations in blocks of 32: (bytes, q, d, sums)."""
     rows, d_in = x.shape
-    size = 36 if kind == "q8_1" else 34
-    out = np.zeros((rows, d_in // 32 * size), dtype=np.uint8)
+    inputs, size, header = {"q8_0": (32, 34, 2), "q8_1": (32, 36, 4), "q8_K": (256, 292, 4)}[kind]
+    out = np.zeros((rows, d_in // inputs * size), dtype=np.uint8)
     values = np.ascontiguousarray(x.numpy())
     for r in range(rows):
-        getattr(base, f"quantize_row_{kind}_ref")(_floats(values[r]), out[r].ctypes.data_as(ctypes.c_void_p),
-                                                  ctypes.c_int64(d_in))
+        getattr(base, f"quantize_row_{kind}_ref")(_floats(values[r]), _bytes_of(out[r]), ctypes.c_int64(d_in))
     blocks = torch.from_numpy(out).reshape(rows, -1, size)
-    d = blocks[..., :2].contiguous().view(torch.float16)[..., 0].float()
-    q = blocks[..., size - 32:].contiguous().view(torch.int8)
-    return out, q.reshape(rows, d_in), d, q.sum(-1, dtype=torch.int32)
+    if kind == "q8_K":  # d (float32) | 256 x int8 | 16 x int16 sums: the same d for each of its 32-blocks
+        d = blocks[..., :4].contiguous().view(torch.float32)[..., 0].repeat_interleave(8, dim=1)
+        q = blocks[..., 4:260].contiguous().view(torch.int8)
+    else:
+        d = blocks[..., :2].contiguous().view(torch.float16)[..., 0].float()
+        q = blocks[..., header:].contiguous().view(torch.int8)
+    q = q.reshape(rows, d_in)
+    return out, q, d, q.reshape(rows, -1, 32).sum(-1, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("qtype", FORMAT_NAMES)
 def test_weights_are_llama_cpps_dequantized_blocks_bit_for_bit(ggml, qtype):
+    """llama.cpp's quantizer writes the blocks; glasslm's reading of them (levels, scales, minimums,
+    super-scales) is ggml's dequantizer bit for bit, and the C++ packer lays out the same bytes as pack()."""
     torch.manual_seed(0)
-    weight = torch.randn(40, 256) * torch.logspace(-3, 1, 40)[:, None]
-    blocks = quantize_blocks(weight, qtype)  # llama.cpp's reference bytes (tests/transforms/test_ggml.py)
-    assert torch.equal(block_matrix(blocks, qtype).weight(), ggml_dequantize(ggml[0], blocks, qtype))
+    weight = torch.randn(40, 512) * torch.logspace(-3, 1, 40)[:, None]
+    weight[3] = weight[3].abs() + 0.5  # a minimum far from zero
+    blocks = ggml_quantize(ggml[0], weight, qtype)
+    if qtype in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"):
+        assert torch.equal(blocks, quantize_blocks(weight, qtype))  # the gguf package writes the same bytes
+    matrix = block_matrix(blocks, qtype)
+    assert torch.equal(matrix.weight(), ggml_dequantize(ggml[0], blocks, qtype))
+    packed, readable = kernel_ops().pack_ggml(blocks, qtype), pack(matrix)
+    for got, want in zip(packed, (readable.levels, readable.scales, readable.mins, readable.super_scales,
+                                  readable.super_mins)):
+        assert (got is None and want is None) or (got.dtype == want.dtype and torch.equal(got, want))
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
+def _ggml_dot(cpu, name: str, weights: np.ndarray, act_bytes: np.ndarray, d_in: int) -> torch.Tensor:
+    """Every row of weights against every row of activations through ggml's vec_dot_* (its SIMD path)."""
+    out = np.zeros((act_bytes.shape[0], weights.shape[0]), dtype=np.float32)
+    dot = getattr(cpu, f"ggml_vec_dot_{name}")
+    for r in range(act_bytes.shape[0]):
+        for o in range(weights.shape[0]):
+            dot(ctypes.c_int(d_in), _floats(out[r, o:]), ctypes.c_size_t(0), _bytes_of(weights[o]), ctypes.c_size_t(0),
+                _bytes_of(act_bytes[r]), ctypes.c_size_t(0), ctypes.c_int(1))
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("qtype", FORMAT_NAMES)
 def test_kernel_equals_llama_cpps_dot_products_on_its_own_activations(ggml, isa, qtype):
     """Given llama.cpp's int8 activations, our integer sums are its integer sums: the outputs differ
-    only by float rounding (and q4_1's fp16-rounded d * sum, which llama.cpp uses for the minimum)."""
+    only by float rounding (and q4_1's / q5_1's fp16-rounded d * sum, which llama.cpp uses for the
+    minimum). The K-quants' activations are q8_K: one float scale per 256 inputs."""
     base, cpu = ggml
     torch.manual_seed(0)
-    weight, x = torch.randn(40, 256) * 0.1, activations(3)
-    blocks = quantize_blocks(weight, qtype)
-    act_kind = "q8_1" if qtype == "q4_1" else "q8_0"
+    weight, x = torch.randn(40, 512) * 0.1, activations(3)
+    blocks = ggml_quantize(base, weight, qtype)
+    act_kind = {"q4_1": "q8_1", "q5_1": "q8_1"}.get(qtype, "q8_K" if qtype.endswith("_k") else "q8_0")
     act_bytes, q, d, sums = ggml_activations(base, x, act_kind)
     matrix = block_matrix(blocks, qtype)
     ours = qmatmul(q, d, sums, pack(matrix), passes=1)
-    theirs = np.zeros((3, 40), dtype=np.float32)
-    dot = getattr(cpu, f"ggml_vec_dot_{qtype}_{act_kind}")
-    weights = np.ascontiguousarray(blocks.numpy())
-    for r in range(3):
-        for o in range(40):
-            dot(ctypes.c_int(256), _floats(theirs[r, o:]), ctypes.c_size_t(0), weights[o].ctypes.data_as(ctypes.c_void_p),
-                ctypes.c_size_t(0), act_bytes[r].ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(0), ctypes.c_int(1))
+    theirs = _ggml_dot(cpu, f"{_ggml_name(qtype)}_{act_kind}", np.ascontiguousarray(blocks.numpy()), act_bytes, 512)
     bound = summation_error_bound(dequantize_rows(q, d).abs(), matrix, passes=1)
-    if qtype == "q4_1":  # llama.cpp's m * fp16(d * sum) against our m * d * sum: 2^-11 of each block's term
+    if matrix.mins is not None and matrix.super_mins is None:  # m * fp16(d * sum) against our m * d * sum
         block_terms = (d * sums.float()).abs()[:, None, :] * matrix.mins.float().abs()[None, :, :]
         bound = bound + (2**-11 * block_terms).sum(-1)
-    error = (ours - torch.from_numpy(theirs)).abs()
+    error = (ours - theirs).abs()
     assert torch.all(error <= bound)
-    assert error.max() < 1e-3 * torch.from_numpy(theirs).abs().max()
+    assert error.max() < 1e-3 * theirs.abs().max()
 
 
 # --- compiling, errors, and the machine without a compiler ------------------------------------
@@ -221,12 +279,18 @@ def test_a_compiled_function_keeps_the_kernel_call_in_one_graph():
 
 def test_wrong_operands_get_a_clear_error():
     packed = pack(matrix_of("q4_0", d_out=16))
-    with pytest.raises(RuntimeError, match="input width 64 is not the weight's 256"):
+    with pytest.raises(RuntimeError, match="input width 64 is not the weight's 512"):
         qlinear(torch.randn(1, 64), packed)
     with pytest.raises(RuntimeError, match="a row's width must be a multiple of 32"):
         qlinear(torch.randn(1, 250), packed)
-    with pytest.raises(RuntimeError, match="scales must be contiguous fp16 or bf16"):
-        kernel_ops().qlinear(torch.randn(1, 256), packed.levels, packed.scales.float(), None, 4, 8, 1, 16, None, None)
+    with pytest.raises(RuntimeError, match="scales must be fp16 or bf16, got Float"):
+        kernel_ops().qlinear(torch.randn(1, 512), packed.levels, packed.scales.float(), None, None, None, 4, 8, 32, 0, 16,
+                             None, None)
+    with pytest.raises(RuntimeError, match="sub-scales must be uint8 or int8"):  # super-scales need integer sub-scales
+        kernel_ops().qlinear(torch.randn(1, 512), packed.levels, packed.scales, None, packed.scales, None, 4, 8, 32, 8, 16,
+                             None, None)
+    with pytest.raises(RuntimeError, match="a group is 16 inputs or whole blocks of 32, got 24"):
+        kernel_ops().qlinear(torch.randn(1, 512), packed.levels, packed.scales, None, None, None, 4, 8, 24, 0, 16, None, None)
     with pytest.raises(ValueError, match="groups of whole blocks"):
         pack(QuantizedMatrix(torch.zeros(4, 48, dtype=torch.uint8), torch.ones(4, 1).half(), None, 4, 8, 48))
 

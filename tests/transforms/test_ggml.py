@@ -15,6 +15,7 @@ from glasslm.presets import get_preset
 from glasslm.transforms import applied_transforms, apply_transform
 from glasslm.transforms.ggml import BlockLinear, block_fields, dequantize_blocks, quantize_blocks
 from glasslm.transforms.lora import LoRAConfig, add_lora
+from tests.ggml_blocks import random_blocks
 
 
 def awkward_weight(rows: int = 40, d_in: int = 128) -> torch.Tensor:
@@ -27,7 +28,7 @@ def awkward_weight(rows: int = 40, d_in: int = 128) -> torch.Tensor:
     return weight
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
 def test_quantize_and_dequantize_are_llama_cpps_reference_bit_for_bit(qtype):
     weight = awkward_weight()
     blocks = quantize_blocks(weight, qtype)
@@ -38,7 +39,17 @@ def test_quantize_and_dequantize_are_llama_cpps_reference_bit_for_bit(qtype):
     assert torch.equal(ours, torch.from_numpy(theirs))  # not close: the same bits
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_k", "q5_k", "q6_k"])
+def test_k_quant_blocks_read_as_the_gguf_packages_dequantizer_reads_them(qtype):
+    """Random super-blocks (any bytes are a valid block once its fp16 scales are finite): glasslm's
+    reading of their levels, 6- or 8-bit sub-scales and super-scales gives the gguf package's
+    numpy dequantizer's floats (a copy of ggml's dequantize_row_*), bit for bit."""
+    blocks = random_blocks(qtype, 24, 512, seed=3)
+    theirs = quants.dequantize(blocks.numpy(), GGMLQuantizationType[qtype.upper()])
+    assert torch.equal(dequantize_blocks(blocks, qtype), torch.from_numpy(theirs))
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
 def test_each_weight_is_within_half_a_step_of_its_block(qtype):
     weight = awkward_weight()
     error = (dequantize_blocks(quantize_blocks(weight, qtype), qtype) - weight).abs()
@@ -49,9 +60,12 @@ def test_each_weight_is_within_half_a_step_of_its_block(qtype):
     # into 15 steps, q8_0 puts max |w| at 127. Round to nearest: at most half a step, plus the fp16
     # rounding of the block's scale (and minimum): 2^-11 relative, or 2^-24 absolute below fp16's
     # normal range, times the largest level.
-    step, top = {"q4_0": (amax / 8, 8), "q4_1": ((high - low) / 15, 15), "q8_0": (amax / 127, 127)}[qtype]
-    fp16 = (step * top + (low.abs() if qtype == "q4_1" else 0)) * 2**-11 + top * 2**-24
-    bound = ((step if qtype == "q4_0" else step / 2) + fp16)[..., None].expand_as(blocks).reshape_as(weight)
+    # q5_0 and q5_1 likewise with 32 levels.
+    step, top = {"q4_0": (amax / 8, 8), "q4_1": ((high - low) / 15, 15), "q5_0": (amax / 16, 16),
+                 "q5_1": ((high - low) / 31, 31), "q8_0": (amax / 127, 127)}[qtype]
+    fp16 = (step * top + (low.abs() if qtype in ("q4_1", "q5_1") else 0)) * 2**-11 + top * 2**-24
+    clipped = qtype in ("q4_0", "q5_0")
+    bound = ((step if clipped else step / 2) + fp16)[..., None].expand_as(blocks).reshape_as(weight)
     assert torch.all(error <= bound * (1 + 1e-6))
     assert error.max() > 0.4 * bound.max()  # (the bound is tight enough to mean something)
 
@@ -68,7 +82,7 @@ def test_block_fields_lay_out_nibbles_as_ggml_does():
 KERNELS = kernel_ops() is not None  # glasslm's C++ kernels (glasslm.kernels) built on this machine
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
 def test_the_kernel_path_matches_the_readable_path_within_its_bound(qtype):
     torch.manual_seed(1)
     weight, bias = torch.randn(90, 256) * 0.05, torch.randn(90)   # 90 rows: a panel of 16 cut short
@@ -84,7 +98,7 @@ def test_the_kernel_path_matches_the_readable_path_within_its_bound(qtype):
     if KERNELS:  # int8 activations in blocks of 32: within half a step per input of the float product
         assert torch.all((fast - exact).abs() <= activation_error_bound(x, layer.quantized_matrix()).reshape(3, 5, 90))
         assert not torch.equal(fast, exact)  # (the bound above is doing work)
-    elif qtype == "q8_0":  # its float weight
+    elif qtype not in ("q4_0", "q4_1"):  # its float weight
         assert torch.allclose(fast, exact, atol=1e-5)
     else:  # PyTorch's int4 kernel: activations, scales and zeros in bf16 (8 bits of mantissa)
         assert torch.allclose(fast, exact, atol=2e-2 * exact.abs().max().item())

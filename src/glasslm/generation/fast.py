@@ -50,6 +50,7 @@ from glasslm.core.model import Block, TransformerLM
 from glasslm.kernels.decode import (
     add_layer_norm, add_rms_norm, decode_attention, decode_ops, layer_norm, rms_norm,
 )
+from glasslm.transforms.split import RowSplitLinear
 
 
 def unsupported(model: TransformerLM) -> str | None:
@@ -270,17 +271,16 @@ _ACTIVATIONS = {table[name]: code for code, name in enumerate(("gelu", "gelu_tan
 def native_block(layer: _Layer) -> Any | None:
     """`layer` as a C++ `glasslm_kernels.Block` (kernels/block.cpp) whose `step` is `layer.step` in one
     call, or None where a part of it has no C++ form there: a product that is not a packed quantized
-    matrix (float weights, adapters), a norm other than a float32 RMSNorm or LayerNorm, another
-    activation."""
+    matrix or a row split of them (float weights, adapters), a norm other than a float32 RMSNorm or
+    LayerNorm, another activation."""
     native = torch.classes.glasslm_kernels.Block()
     for slot, module in enumerate((layer.qkv, layer.out, layer.gate, layer.up, layer.down)):
-        if module is None:
-            continue
-        matrix = getattr(module, "kernel_matrix", lambda: None)()
-        if matrix is None:
-            return None
-        native.set_matrix(slot, matrix.levels, matrix.scales, matrix.mins, matrix.bits, matrix.offset,
-                          matrix.group_blocks, matrix.d_out, matrix.row_scale, module.bias)
+        # A row split (a mixed GGUF file's q|k and v) is one product of several matrices side by side.
+        for part in () if module is None else module.parts if isinstance(module, RowSplitLinear) else (module,):
+            matrix = getattr(part, "kernel_matrix", lambda: None)()
+            if matrix is None:
+                return None
+            native.add_matrix(slot, *matrix.operands(), part.bias)
     for slot, norm in enumerate((layer.ln1, layer.ln1_post, layer.ln2, layer.ln2_post, layer.q_norm, layer.k_norm)):
         if norm is None:
             continue

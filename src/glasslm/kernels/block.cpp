@@ -38,11 +38,13 @@ namespace glasslm_kernels {
 // qmatmul.cpp and decode.cpp
 struct Weights;
 std::shared_ptr<const Weights> checked_weights(const at::Tensor& levels, const at::Tensor& scales,
-                                               const std::optional<at::Tensor>& mins, int64_t bits, int64_t offset,
-                                               int64_t group_blocks, int64_t d_out,
+                                               const std::optional<at::Tensor>& mins,
+                                               const std::optional<at::Tensor>& super_scales,
+                                               const std::optional<at::Tensor>& super_mins, int64_t bits, int64_t offset,
+                                               int64_t group_size, int64_t super_groups, int64_t d_out,
                                                const std::optional<at::Tensor>& row_scale,
                                                const std::optional<at::Tensor>& bias);
-at::Tensor qlinear_checked(const at::Tensor& x, const Weights& w);
+at::Tensor qlinear_parts(const at::Tensor& x, const std::vector<const Weights*>& parts);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
 at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps, bool unit_offset);
 at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, double eps);
@@ -82,15 +84,17 @@ struct Norm {
   }
 };
 
+// One product: a packed matrix, or (a row split: transforms/split.py) several whose outputs sit side by side.
 struct Matrix {
-  std::vector<at::Tensor> operands;     // what `weights` points into, kept alive here
-  std::shared_ptr<const Weights> weights;  // checked once, in set_matrix; null: no such product
+  std::vector<at::Tensor> operands;     // what `parts` points into, kept alive here
+  std::vector<std::shared_ptr<const Weights>> parts;  // checked once, in add_matrix; none: no such product
+  std::vector<const Weights*> views;
 
-  bool present() const { return weights != nullptr; }
+  bool present() const { return !parts.empty(); }
   at::Tensor operator()(const at::Tensor& x) const {
     // Named as the op a Python call would run, so torch.profiler counts it as one (benchmarks).
     RECORD_FUNCTION("glasslm_kernels::qlinear", c10::ArrayRef<const c10::IValue>{});
-    return qlinear_checked(x, *weights);
+    return qlinear_parts(x, views);
   }
 };
 
@@ -121,15 +125,20 @@ struct Block : torch::CustomClassHolder {
     norms[which] = Norm{kind, weight, bias, eps, unit_offset};
   }
 
-  void set_matrix(int64_t which, const at::Tensor& levels, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-                  int64_t bits, int64_t offset, int64_t group_blocks, int64_t d_out,
+  // Adds a part to product `which` (a row split's next rows; the first call for a plain matrix).
+  void add_matrix(int64_t which, const at::Tensor& levels, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                  const std::optional<at::Tensor>& super_scales, const std::optional<at::Tensor>& super_mins, int64_t bits,
+                  int64_t offset, int64_t group_size, int64_t super_groups, int64_t d_out,
                   const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& bias) {
-    TORCH_CHECK(which >= kQkv && which <= kDown, "Block.set_matrix: bad slot");
-    std::vector<at::Tensor> operands{levels, scales};
-    for (const auto* optional : {&mins, &row_scale, &bias}) {
-      if (*optional) operands.push_back(**optional);
+    TORCH_CHECK(which >= kQkv && which <= kDown, "Block.add_matrix: bad slot");
+    Matrix& matrix = products[which];
+    matrix.operands.insert(matrix.operands.end(), {levels, scales});
+    for (const auto* optional : {&mins, &super_scales, &super_mins, &row_scale, &bias}) {
+      if (*optional) matrix.operands.push_back(**optional);
     }
-    products[which] = Matrix{operands, checked_weights(levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias)};
+    matrix.parts.push_back(checked_weights(levels, scales, mins, super_scales, super_mins, bits, offset, group_size,
+                                           super_groups, d_out, row_scale, bias));
+    matrix.views.push_back(matrix.parts.back().get());  // (each call checks every part's width against x's)
   }
 
   void set_attention(const std::optional<at::Tensor>& cos_, const std::optional<at::Tensor>& sin_, int64_t heads_,
@@ -214,7 +223,7 @@ TORCH_LIBRARY_FRAGMENT(glasslm_kernels, m) {
   m.class_<Block>("Block")
       .def(torch::init<>())
       .def("set_norm", &Block::set_norm)
-      .def("set_matrix", &Block::set_matrix)
+      .def("add_matrix", &Block::add_matrix)
       .def("set_attention", &Block::set_attention)
       .def("set_mlp", &Block::set_mlp)
       .def("step", &Block::step);

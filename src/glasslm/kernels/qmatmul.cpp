@@ -7,10 +7,12 @@
 //   activations: each row cut into blocks of 32; a block is rounded to int8 with the float32 scale
 //                d1 = max|x| / 127, and what that leaves over is rounded to int8 with d2 = d1 / 256:
 //                x ~ d2 * (256 * q1 + q2), a 16-bit integer per input, in two bytes;
-//   weights:     unsigned levels u (0..15, or 0..255 for 8-bit weights stored as w + 128) in panels
-//                of 16 output rows, with a scale per group of blocks (fp16 or bf16) and, optionally,
-//                a minimum; the weight is W = (u - offset) * scale + min;
-//   product:     y[o] = sum over blocks b of  scale * d2 * (sum_i u_i (256 q1_i + q2_i) - offset * s)
+//   weights:     unsigned levels u of 4, 5, 6 or 8 bits (8-bit weights stored as w + 128) in panels
+//                of 16 output rows, with a scale per group of inputs and, optionally, a minimum; the
+//                weight is W = (u - offset) * scale + min. A group is one or more blocks, or half a
+//                block (llama.cpp's Q6_K); its scale and minimum are fp16 or bf16, or (the K-quants)
+//                an 8-bit integer times an fp16 super-scale shared by 256 inputs;
+//   product:     y[o] = sum over groups g of  scale * d2 * (sum_i u_i (256 q1_i + q2_i) - offset * s)
 //                                            + min * d2 * s,        s = sum_i (256 q1_i + q2_i),
 //                the bracket in exact int32 arithmetic, then times row_scale[o], plus bias[o].
 //
@@ -106,17 +108,29 @@ int64_t current_isa() {
 // ----------------------------------------------------------------------------------------------
 // The operands, as raw pointers.
 
+// How a group's scale and minimum are stored.
+enum ScaleKind : int { kHalf = 0, kBf16 = 1, kSubU8 = 2, kSubI8 = 3 };
+
 struct Weights {
-  const uint8_t* levels;   // (panels, blocks, 16 * 32 * bits / 8): see pack_levels in qmatmul.py
-  const uint16_t* scales;  // (panels, groups, 16) fp16 or bf16 bits
-  const uint16_t* mins;    // the same, or null
-  int64_t blocks, groups, group_blocks, panels, d_out;
-  int bits, offset;
-  bool bf16;
+  const uint8_t* levels;   // (panels, blocks, panel_block_bytes): see pack_levels in qmatmul.py
+  const void* scales;      // (panels, groups, 16): fp16 or bf16 bits, or the integer sub-scales
+  const void* mins;        // the same, or null
+  const uint16_t* super_scales;  // (panels, supers, 16) fp16: what sub-scales multiply; null without
+  const uint16_t* super_mins;
+  int64_t blocks, groups, group_size, super_groups, panels, d_out;
+  int bits, offset, scale_kind;
   const float* row_scale;  // (d_out) or null
   const float* bias;       // (d_out) or null
 
-  int64_t panel_block_bytes() const { return kPanel * kBlock * bits / 8; }
+  // 16 rows x 32 levels: the low four bits as nibbles (or whole bytes at 8 bits), a 64-byte plane per higher bit.
+  int64_t panel_block_bytes() const { return bits == 8 ? kPanel * kBlock : kPanel * kBlock / 2 + 64 * (bits - 4); }
+  bool halves() const { return group_size == kBlock / 2; }
+  int64_t group_blocks() const { return halves() ? 1 : group_size / kBlock; }
+  int64_t supers() const { return super_groups > 0 ? groups / super_groups : 0; }
+
+  // Group g's scale (or, with `min`, its minimum) for panel row `lane`, as float32 (exact: a sub-scale
+  // of 8 bits times an fp16 number fits float32's 24-bit mantissa).
+  float group_value(int64_t panel, int64_t g, int lane, bool min) const;
 };
 
 // Activation row r is int8 rows 2r (q1) and 2r + 1 (q2); d holds each pass's scale (d2 = d1 / 256),
@@ -136,11 +150,19 @@ struct Rows {
   float step(int64_t row, int64_t block) const { return d[at(row, 1, block)]; }
 };
 
-float scale_value(uint16_t bits, bool bf16) {
-  if (bf16) {
-    return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()));
+float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+float Weights::group_value(int64_t panel, int64_t g, int lane, bool min) const {
+  const void* values = min ? mins : scales;
+  const int64_t at = (panel * groups + g) * kPanel + lane;
+  if (scale_kind == kHalf) return half_value(static_cast<const uint16_t*>(values)[at]);
+  if (scale_kind == kBf16) {
+    return static_cast<float>(c10::BFloat16(static_cast<const uint16_t*>(values)[at], c10::BFloat16::from_bits()));
   }
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  const float sub = scale_kind == kSubU8 ? static_cast<float>(static_cast<const uint8_t*>(values)[at])
+                                         : static_cast<float>(static_cast<const int8_t*>(values)[at]);
+  const uint16_t* per_super = min ? super_mins : super_scales;
+  return sub * half_value(per_super[(panel * supers() + g / super_groups) * kPanel + lane]);
 }
 
 // The level of input 4k + t of panel row `lane` in one block's packed bytes (qmatmul.pack_levels).
@@ -149,32 +171,42 @@ inline int level_at(const uint8_t* block, int bits, int k, int lane, int t) {
     return block[64 * k + 4 * lane + t];
   }
   const uint8_t byte = block[64 * (k & 3) + 4 * lane + t];
-  return k < 4 ? (byte & 0x0F) : (byte >> 4);
+  int level = k < 4 ? (byte & 0x0F) : (byte >> 4);
+  for (int bit = 4; bit < bits; ++bit) level |= ((block[256 + 64 * (bit - 4) + 4 * lane + t] >> k) & 1) << bit;
+  return level;
 }
 
 // ----------------------------------------------------------------------------------------------
 // Plain C++: the layout read one level at a time.
 
+// Sum of one pass's levels of a row's block over inputs [begin, end).
+int32_t level_sum(const int8_t* xq, int begin, int end) {
+  int32_t total = 0;
+  for (int i = begin; i < end; ++i) total += xq[i];
+  return total;
+}
+
 void tile_scalar(const Weights& w, const Rows& x, int64_t panel, int64_t row0, int rows, float* y, int64_t ld_y) {
   const int64_t step = w.panel_block_bytes();
+  const int parts = w.halves() ? 2 : 1, width = kBlock / parts;  // a half-block group is its own part
   for (int64_t row = row0; row < row0 + rows; ++row) {
     float acc[kPanel] = {};
     for (int64_t b = 0; b < w.blocks; ++b) {
       const uint8_t* block = w.levels + (panel * w.blocks + b) * step;
-      const int64_t group = panel * w.groups + b / w.group_blocks;
-      const int32_t sum = x.joined_sum(row, b);
       const float dx = x.step(row, b);
-      for (int lane = 0; lane < kPanel; ++lane) {
-        int32_t dot = -w.offset * sum;
-        for (int pass = 0; pass < kPasses; ++pass) {
-          const int8_t* xq = x.levels(row, pass, b);
-          const int32_t weight = pass == 0 ? 256 : 1;
-          for (int i = 0; i < kBlock; ++i) dot += weight * level_at(block, w.bits, i / 4, lane, i % 4) * xq[i];
-        }
-        const float scale = scale_value(w.scales[group * kPanel + lane], w.bf16);
-        acc[lane] += (scale * dx) * static_cast<float>(dot);
-        if (w.mins != nullptr) {
-          acc[lane] += scale_value(w.mins[group * kPanel + lane], w.bf16) * (dx * static_cast<float>(sum));
+      for (int part = 0; part < parts; ++part) {
+        const int64_t group = w.halves() ? 2 * b + part : b / w.group_blocks();
+        const int begin = part * width, end = begin + width;
+        const int32_t sum = 256 * level_sum(x.levels(row, 0, b), begin, end) + level_sum(x.levels(row, 1, b), begin, end);
+        for (int lane = 0; lane < kPanel; ++lane) {
+          int32_t dot = -w.offset * sum;
+          for (int pass = 0; pass < kPasses; ++pass) {
+            const int8_t* xq = x.levels(row, pass, b);
+            const int32_t weight = pass == 0 ? 256 : 1;
+            for (int i = begin; i < end; ++i) dot += weight * level_at(block, w.bits, i / 4, lane, i % 4) * xq[i];
+          }
+          acc[lane] += (w.group_value(panel, group, lane, false) * dx) * static_cast<float>(dot);
+          if (w.mins != nullptr) acc[lane] += w.group_value(panel, group, lane, true) * (dx * static_cast<float>(sum));
         }
       }
     }
@@ -197,13 +229,34 @@ inline void prefetch_block(const uint8_t* ahead) {
   for (int line = 0; line < BITS; ++line) _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * line), _MM_HINT_T1);
 }
 
-template <bool BF16>
-GLASSLM_AVX512 inline __m512 load16_scales(const uint16_t* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  if constexpr (BF16) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-  } else {
+// acc[r] * row_scale + bias into row row0 + r of y, for the panel's rows that exist.
+template <int ROWS>
+GLASSLM_AVX512 inline void store_tile512(const Weights& w, const __m512* acc, int64_t panel, int64_t row0, float* y,
+                                         int64_t ld_y) {
+  const int64_t first = panel * kPanel;
+  const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(kPanel, w.d_out - first)) - 1);
+  const __m512 row_scale = w.row_scale ? _mm512_maskz_loadu_ps(mask, w.row_scale + first) : _mm512_set1_ps(1.0f);
+  const __m512 bias = w.bias ? _mm512_maskz_loadu_ps(mask, w.bias + first) : _mm512_setzero_ps();
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_mask_storeu_ps(y + (row0 + r) * ld_y + first, mask, _mm512_fmadd_ps(acc[r], row_scale, bias));
+  }
+}
+
+// 16 panel rows' values of one group (its scales, or with MIN its minimums) as float32.
+template <int SCALE, bool MIN>
+GLASSLM_AVX512 inline __m512 group_values512(const Weights& w, int64_t panel, int64_t g) {
+  const int64_t at = (panel * w.groups + g) * kPanel;
+  const void* values = MIN ? w.mins : w.scales;
+  if constexpr (SCALE == kHalf || SCALE == kBf16) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(values) + at));
+    if constexpr (SCALE == kBf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
     return _mm512_cvtph_ps(bits);
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(values) + at));
+    const __m512i sub = SCALE == kSubU8 ? _mm512_cvtepu8_epi32(bytes) : _mm512_cvtepi8_epi32(bytes);
+    const uint16_t* per_super = (MIN ? w.super_mins : w.super_scales) + (panel * w.supers() + g / w.super_groups) * kPanel;
+    const __m512 super = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(per_super)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(sub), super);  // exact: an 8-bit integer times an fp16 number
   }
 }
 
@@ -214,35 +267,51 @@ GLASSLM_AVX512 inline __m512i broadcast4(const int8_t* p) {
 }
 
 // One block's 32 inputs x 16 rows as eight registers of unsigned levels, register k holding inputs
-// 4k..4k+3 of every row (pack_levels puts quads k and k + 4 in the low and high nibbles of chunk k).
+// 4k..4k+3 of every row (pack_levels puts quads k and k + 4 in the low and high nibbles of chunk k,
+// and bit k of each byte of a high-bit plane is that bit of register k's byte).
 template <int BITS>
 GLASSLM_AVX512 inline void unpack_block512(const uint8_t* block, __m512i* levels) {
-  if constexpr (BITS == 4) {
+  if constexpr (BITS == 8) {
+    for (int k = 0; k < 8; ++k) levels[k] = _mm512_loadu_si512(block + 64 * k);
+  } else {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int k = 0; k < 4; ++k) {
       const __m512i bytes = _mm512_loadu_si512(block + 64 * k);
       levels[k] = _mm512_and_si512(bytes, low4);
       levels[k + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
     }
-  } else {
-    for (int k = 0; k < 8; ++k) {
-      levels[k] = _mm512_loadu_si512(block + 64 * k);
+    for (int bit = 4; bit < BITS; ++bit) {
+      const __m512i plane = _mm512_loadu_si512(block + 256 + 64 * (bit - 4));
+      const __m512i value = _mm512_set1_epi8(static_cast<char>(1 << bit));
+      for (int k = 0; k < 8; ++k) {
+        const __mmask64 set = _mm512_test_epi8_mask(plane, _mm512_set1_epi8(static_cast<char>(1 << k)));
+        levels[k] = _mm512_mask_add_epi8(levels[k], set, levels[k], value);  // (the bit is clear: add is or)
+      }
     }
   }
 }
 
-// sum_i u_i xq_i over one block for all 16 rows, added to `start`: two chains of four vpdpbusd, so
-// consecutive ones do not wait on each other.
-GLASSLM_AVX512 inline __m512i block_dot512(const __m512i* levels, const int8_t* xq, __m512i start) {
+// sum_i u_i xq_i over register quads [k0, k1) of one block for all 16 rows, added to `start`: two
+// chains of vpdpbusd, so consecutive ones do not wait on each other.
+GLASSLM_AVX512 inline __m512i quads_dot512(const __m512i* levels, const int8_t* xq, __m512i start, int k0, int k1) {
   __m512i odd = _mm512_setzero_si512();
-  for (int k = 0; k < 8; k += 2) {
+  for (int k = k0; k < k1; k += 2) {
     start = _mm512_dpbusd_epi32(start, levels[k], broadcast4(xq + 4 * k));
     odd = _mm512_dpbusd_epi32(odd, levels[k + 1], broadcast4(xq + 4 * k + 4));
   }
   return _mm512_add_epi32(start, odd);
 }
 
-template <int BITS, bool BF16, bool MINS, int ROWS>
+// sum_i (u_i - offset) (256 q1_i + q2_i) over quads [k0, k1), whose activations sum to `sum`, as float32.
+GLASSLM_AVX512 inline __m512 joined_dot512(const __m512i* levels, const Rows& x, int64_t row, int64_t b, int offset,
+                                           int32_t sum, int k0, int k1) {
+  const __m512i first = quads_dot512(levels, x.levels(row, 0, b), _mm512_setzero_si512(), k0, k1);
+  const __m512i second = quads_dot512(levels, x.levels(row, 1, b), _mm512_set1_epi32(-offset * sum), k0, k1);
+  return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(first, 8), second));
+}
+
+// Groups of whole blocks.
+template <int BITS, int SCALE, bool MINS, int ROWS>
 GLASSLM_AVX512 void tile_avx512(const Weights& w, const Rows& x, int64_t panel, int64_t row0, float* y,
                                 int64_t ld_y) {
   const int64_t step = w.panel_block_bytes();
@@ -251,10 +320,10 @@ GLASSLM_AVX512 void tile_avx512(const Weights& w, const Rows& x, int64_t panel, 
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   int64_t b = 0;
   for (int64_t g = 0; g < w.groups; ++g) {
-    const __m512 scale = load16_scales<BF16>(w.scales + (panel * w.groups + g) * kPanel);
+    const __m512 scale = group_values512<SCALE, false>(w, panel, g);
     __m512 min = _mm512_setzero_ps();
-    if constexpr (MINS) min = load16_scales<BF16>(w.mins + (panel * w.groups + g) * kPanel);
-    for (const int64_t end = std::min(b + w.group_blocks, w.blocks); b < end; ++b, block += step) {
+    if constexpr (MINS) min = group_values512<SCALE, true>(w, panel, g);
+    for (const int64_t end = std::min(b + w.group_blocks(), w.blocks); b < end; ++b, block += step) {
       prefetch_block<BITS>(block + kAheadBytes);
       __m512i levels[8];
       unpack_block512<BITS>(block, levels);
@@ -262,35 +331,72 @@ GLASSLM_AVX512 void tile_avx512(const Weights& w, const Rows& x, int64_t panel, 
         const int64_t row = row0 + r;
         const int32_t sum = x.joined_sum(row, b);
         // 256 * (first byte's sums) + (second byte's), the offset taken off in the same integers.
-        const __m512i first = block_dot512(levels, x.levels(row, 0, b), _mm512_setzero_si512());
-        const __m512i second = block_dot512(levels, x.levels(row, 1, b), _mm512_set1_epi32(-w.offset * sum));
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(first, 8), second));
+        const __m512 dot = joined_dot512(levels, x, row, b, w.offset, sum, 0, 8);
         const float dx = x.step(row, b);
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(dx)), dot, acc[r]);
         if constexpr (MINS) acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(dx * static_cast<float>(sum)), acc[r]);
       }
     }
   }
-  const int64_t first = panel * kPanel;
-  const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(kPanel, w.d_out - first)) - 1);
-  const __m512 row_scale = w.row_scale ? _mm512_maskz_loadu_ps(mask, w.row_scale + first) : _mm512_set1_ps(1.0f);
-  const __m512 bias = w.bias ? _mm512_maskz_loadu_ps(mask, w.bias + first) : _mm512_setzero_ps();
-  for (int r = 0; r < ROWS; ++r) {
-    _mm512_mask_storeu_ps(y + (row0 + r) * ld_y + first, mask, _mm512_fmadd_ps(acc[r], row_scale, bias));
+  store_tile512<ROWS>(w, acc, panel, row0, y, ld_y);
+}
+
+// The sum of a block's first 16 levels of one pass (sad_epu8 sums unsigned bytes: flip, then take 16 * 128 off).
+inline int32_t first_half_sum(const int8_t* q) {  // (SSE2: every x86-64 CPU)
+  const __m128i flipped = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), _mm_set1_epi8(static_cast<char>(0x80)));
+  const __m128i sums = _mm_sad_epu8(flipped, _mm_setzero_si128());
+  return _mm_cvtsi128_si32(sums) + _mm_extract_epi16(sums, 4) - 16 * 128;
+}
+
+// Groups of half a block (llama.cpp's Q6_K: a scale per 16 inputs, no minimums): each block's two
+// halves (quads 0..3 and 4..7) get their own dot product and scale.
+template <int BITS, int SCALE, bool MINS, int ROWS>
+GLASSLM_AVX512 void tile_halves_avx512(const Weights& w, const Rows& x, int64_t panel, int64_t row0, float* y,
+                                       int64_t ld_y) {
+  static_assert(!MINS, "half-block groups have no minimums");
+  const int64_t step = w.panel_block_bytes();
+  const uint8_t* block = w.levels + panel * w.blocks * step;
+  __m512 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.blocks; ++b, block += step) {
+    const __m512 first_scale = group_values512<SCALE, false>(w, panel, 2 * b);
+    const __m512 second_scale = group_values512<SCALE, false>(w, panel, 2 * b + 1);
+    prefetch_block<BITS>(block + kAheadBytes);
+    __m512i levels[8];
+    unpack_block512<BITS>(block, levels);
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = row0 + r;
+      const int32_t sum = x.joined_sum(row, b);
+      const int32_t first_sum = 256 * first_half_sum(x.levels(row, 0, b)) + first_half_sum(x.levels(row, 1, b));
+      const __m512 first = joined_dot512(levels, x, row, b, w.offset, first_sum, 0, 4);
+      const __m512 second = joined_dot512(levels, x, row, b, w.offset, sum - first_sum, 4, 8);
+      const __m512 dx = _mm512_set1_ps(x.step(row, b));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(first_scale, dx), first, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(second_scale, dx), second, acc[r]);
+    }
   }
+  store_tile512<ROWS>(w, acc, panel, row0, y, ld_y);
 }
 
 // ----------------------------------------------------------------------------------------------
 // AVX2: each panel as two halves of 8 rows (the first and last 32 bytes of every 64-byte chunk);
 // vpmaddubsw multiplies unsigned by signed bytes into int16 pairs, vpmaddwd sums those into int32.
 
-template <bool BF16>
-GLASSLM_AVX2 inline __m256 load8_scales(const uint16_t* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (BF16) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-  } else {
+// 8 panel rows' values of one group (rows 8 * half .. 8 * half + 7) as float32.
+template <int SCALE, bool MIN>
+GLASSLM_AVX2 inline __m256 group_values256(const Weights& w, int64_t panel, int64_t g, int half) {
+  const int64_t at = (panel * w.groups + g) * kPanel + 8 * half;
+  const void* values = MIN ? w.mins : w.scales;
+  if constexpr (SCALE == kHalf || SCALE == kBf16) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values) + at));
+    if constexpr (SCALE == kBf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
     return _mm256_cvtph_ps(bits);
+  } else {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(values) + at));
+    const __m256i sub = SCALE == kSubU8 ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes);
+    const uint16_t* per_super = (MIN ? w.super_mins : w.super_scales) + (panel * w.supers() + g / w.super_groups) * kPanel;
+    const __m256 super = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(per_super + 8 * half)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(sub), super);
   }
 }
 
@@ -300,90 +406,123 @@ GLASSLM_AVX2 inline __m256i broadcast4_avx2(const int8_t* p) {
   return _mm256_set1_epi32(four);
 }
 
-// sum_i w_i x_i over one block for 8 rows, in int32. 4-bit levels (0..15) go straight into
-// vpmaddubsw: a pair is at most 2 * 15 * 127 in size, eight pairs' sum still fits int16. 8-bit levels
-// are turned back into signed weights (u xor 0x80 = w) and multiplied as |w| times x with w's sign, as
-// vpmaddubsw's unsigned operand must be; a pair is then at most 2 * 128 * 127 < 2^15.
+// sum_i w_i x_i over register quads [k0, k1) of one block for 8 rows, in int32. vpmaddubsw's pairs
+// are int16: 4-bit levels (0..15) make pairs of at most 2 * 15 * 127, so eight still fit; 5- and
+// 6-bit levels (up to 63) two. 8-bit levels are turned back into signed weights (u xor 0x80 = w) and
+// multiplied as |w| times x with w's sign, as vpmaddubsw's unsigned operand must be; a pair is then
+// at most 2 * 128 * 127 < 2^15.
 template <int BITS>
-GLASSLM_AVX2 inline __m256i block_dot_avx2(const __m256i* levels, const int8_t* xq) {
+GLASSLM_AVX2 inline __m256i quads_dot_avx2(const __m256i* levels, const int8_t* xq, int k0, int k1) {
   const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (BITS == 4) {
-    __m256i pairs = _mm256_maddubs_epi16(levels[0], broadcast4_avx2(xq));
-    for (int k = 1; k < 8; ++k) {
-      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(levels[k], broadcast4_avx2(xq + 4 * k)));
-    }
-    return _mm256_madd_epi16(pairs, ones);
-  } else {
-    __m256i sum = _mm256_setzero_si256();
-    for (int k = 0; k < 8; ++k) {
+  __m256i sum = _mm256_setzero_si256();
+  if constexpr (BITS == 8) {
+    for (int k = k0; k < k1; ++k) {
       const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(levels[k]),
                                                  _mm256_sign_epi8(broadcast4_avx2(xq + 4 * k), levels[k]));
       sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
     }
-    return sum;
+  } else {
+    constexpr int kRun = BITS == 4 ? 8 : 2;  // quads summed in int16 before widening
+    for (int k = k0; k < k1; k += kRun) {
+      __m256i pairs = _mm256_maddubs_epi16(levels[k], broadcast4_avx2(xq + 4 * k));
+      for (int j = k + 1; j < std::min(k + kRun, k1); ++j) {
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(levels[j], broadcast4_avx2(xq + 4 * j)));
+      }
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+    }
   }
+  return sum;
 }
 
 template <int BITS>
 GLASSLM_AVX2 inline void unpack_half_block256(const uint8_t* half, __m256i* levels) {
-  if constexpr (BITS == 4) {
+  if constexpr (BITS == 8) {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int k = 0; k < 8; ++k) {
+      levels[k] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + 64 * k)), flip);
+    }
+  } else {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int k = 0; k < 4; ++k) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + 64 * k));
       levels[k] = _mm256_and_si256(bytes, low4);
       levels[k + 4] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
     }
-  } else {
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int k = 0; k < 8; ++k) {
-      levels[k] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + 64 * k)), flip);
+    for (int bit = 4; bit < BITS; ++bit) {
+      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + 256 + 64 * (bit - 4)));
+      const __m256i value = _mm256_set1_epi8(static_cast<char>(1 << bit));
+      for (int k = 0; k < 8; ++k) {
+        const __m256i probe = _mm256_set1_epi8(static_cast<char>(1 << k));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(plane, probe), probe);
+        levels[k] = _mm256_or_si256(levels[k], _mm256_and_si256(set, value));
+      }
     }
   }
 }
 
-template <int BITS, bool BF16, bool MINS, int ROWS>
+// sum_i (w_i - offset) (256 q1_i + q2_i) over quads [k0, k1), whose activations sum to `sum`.
+template <int BITS>
+GLASSLM_AVX2 inline __m256 joined_dot_avx2(const __m256i* levels, const Rows& x, int64_t row, int64_t b, int32_t offset,
+                                           int32_t sum, int k0, int k1) {
+  const __m256i first = quads_dot_avx2<BITS>(levels, x.levels(row, 0, b), k0, k1);
+  const __m256i second = quads_dot_avx2<BITS>(levels, x.levels(row, 1, b), k0, k1);
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(first, 8), second),
+                                             _mm256_set1_epi32(-offset * sum)));
+}
+
+template <int ROWS>
+GLASSLM_AVX2 inline void store_half_tile256(const Weights& w, const __m256* acc, int64_t panel, int half, int64_t row0,
+                                            float* y, int64_t ld_y) {
+  const int64_t first = panel * kPanel + 8 * half;
+  const int valid = static_cast<int>(std::clamp<int64_t>(w.d_out - first, 0, 8));
+  for (int r = 0; r < ROWS && valid > 0; ++r) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc[r]);
+    float* dst = y + (row0 + r) * ld_y + first;
+    for (int lane = 0; lane < valid; ++lane) {
+      const float scaled = w.row_scale ? out[lane] * w.row_scale[first + lane] : out[lane];
+      dst[lane] = w.bias ? scaled + w.bias[first + lane] : scaled;
+    }
+  }
+}
+
+// Groups of whole blocks, or (HALVES: Q6_K) of half a block, each half of a block then its own product.
+template <int BITS, int SCALE, bool MINS, bool HALVES, int ROWS>
 GLASSLM_AVX2 void tile_avx2(const Weights& w, const Rows& x, int64_t panel, int64_t row0, float* y, int64_t ld_y) {
   const int64_t step = w.panel_block_bytes();
   // 8-bit weights are multiplied as signed numbers here, so no offset is taken off.
-  const int32_t offset = BITS == 4 ? w.offset : 0;
+  const int32_t offset = BITS == 8 ? 0 : w.offset;
   for (int half = 0; half < 2; ++half) {
     const uint8_t* block = w.levels + panel * w.blocks * step + 32 * half;
-    __m256 acc[ROWS];
+    __m256 acc[ROWS], scale = _mm256_setzero_ps(), min = _mm256_setzero_ps(), second_scale = scale;
     for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (int64_t g = 0; g < w.groups; ++g) {
-      const int64_t at_scale = (panel * w.groups + g) * kPanel + 8 * half;
-      const __m256 scale = load8_scales<BF16>(w.scales + at_scale);
-      __m256 min = _mm256_setzero_ps();
-      if constexpr (MINS) min = load8_scales<BF16>(w.mins + at_scale);
-      for (const int64_t end = std::min(b + w.group_blocks, w.blocks); b < end; ++b, block += step) {
-        if (half == 0) prefetch_block<BITS>(block + kAheadBytes);  // the second half reads the panel again, from cache
-        __m256i levels[8];
-        unpack_half_block256<BITS>(block, levels);
-        for (int r = 0; r < ROWS; ++r) {
-          const int64_t row = row0 + r;
-          const int32_t sum = x.joined_sum(row, b);
-          const __m256i first = block_dot_avx2<BITS>(levels, x.levels(row, 0, b));
-          const __m256i second = block_dot_avx2<BITS>(levels, x.levels(row, 1, b));
-          const __m256i dot = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(first, 8), second),
-                                               _mm256_set1_epi32(-offset * sum));
-          const float dx = x.step(row, b);
-          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(dot), acc[r]);
-          if constexpr (MINS) acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(dx * static_cast<float>(sum)), acc[r]);
+    for (int64_t b = 0; b < w.blocks; ++b, block += step) {
+      if (HALVES) {
+        scale = group_values256<SCALE, false>(w, panel, 2 * b, half);
+        second_scale = group_values256<SCALE, false>(w, panel, 2 * b + 1, half);
+      } else if (b % w.group_blocks() == 0) {
+        scale = group_values256<SCALE, false>(w, panel, b / w.group_blocks(), half);
+        if constexpr (MINS) min = group_values256<SCALE, true>(w, panel, b / w.group_blocks(), half);
+      }
+      if (half == 0) prefetch_block<BITS>(block + kAheadBytes);  // the second half reads the panel again, from cache
+      __m256i levels[8];
+      unpack_half_block256<BITS>(block, levels);
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t row = row0 + r;
+        const int32_t sum = x.joined_sum(row, b);
+        const __m256 dx = _mm256_set1_ps(x.step(row, b));
+        if constexpr (HALVES) {
+          const int32_t first_sum = 256 * first_half_sum(x.levels(row, 0, b)) + first_half_sum(x.levels(row, 1, b));
+          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), joined_dot_avx2<BITS>(levels, x, row, b, offset, first_sum, 0, 4), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(second_scale, dx),
+                                   joined_dot_avx2<BITS>(levels, x, row, b, offset, sum - first_sum, 4, 8), acc[r]);
+        } else {
+          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), joined_dot_avx2<BITS>(levels, x, row, b, offset, sum, 0, 8), acc[r]);
+          if constexpr (MINS) acc[r] = _mm256_fmadd_ps(min, _mm256_mul_ps(dx, _mm256_set1_ps(static_cast<float>(sum))), acc[r]);
         }
       }
     }
-    const int64_t first = panel * kPanel + 8 * half;
-    const int valid = static_cast<int>(std::clamp<int64_t>(w.d_out - first, 0, 8));
-    for (int r = 0; r < ROWS && valid > 0; ++r) {
-      alignas(32) float out[8];
-      _mm256_store_ps(out, acc[r]);
-      float* dst = y + (row0 + r) * ld_y + first;
-      for (int lane = 0; lane < valid; ++lane) {
-        const float scaled = w.row_scale ? out[lane] * w.row_scale[first + lane] : out[lane];
-        dst[lane] = w.bias ? scaled + w.bias[first + lane] : scaled;
-      }
-    }
+    store_half_tile256<ROWS>(w, acc, panel, half, row0, y, ld_y);
   }
 }
 
@@ -394,47 +533,66 @@ GLASSLM_AVX2 void tile_avx2(const Weights& w, const Rows& x, int64_t panel, int6
 
 using TileFn = void (*)(const Weights&, const Rows&, int64_t, int64_t, float*, int64_t);
 
-template <template <int, bool, bool, int> class Pick, int BITS, bool BF16, bool MINS>
+template <template <int, int, bool, bool, int> class Pick, int BITS, int SCALE, bool MINS, bool HALVES>
 TileFn pick_rows(int rows) {
   switch (rows) {
-    case 1: return Pick<BITS, BF16, MINS, 1>::fn;
-    case 2: return Pick<BITS, BF16, MINS, 2>::fn;
-    case 3: return Pick<BITS, BF16, MINS, 3>::fn;
-    default: return Pick<BITS, BF16, MINS, 4>::fn;
+    case 1: return Pick<BITS, SCALE, MINS, HALVES, 1>::fn;
+    case 2: return Pick<BITS, SCALE, MINS, HALVES, 2>::fn;
+    case 3: return Pick<BITS, SCALE, MINS, HALVES, 3>::fn;
+    default: return Pick<BITS, SCALE, MINS, HALVES, 4>::fn;
   }
 }
 
-template <template <int, bool, bool, int> class Pick>
+// The vector paths are built for the formats glasslm's layers use; any other takes the plain path.
+//   4 bits: Q4_0 (fp16), Q4_1 (fp16, mins), int4 (bf16, mins), Q4_K (sub-scales, mins)
+//   5 bits: Q5_0, Q5_1, Q5_K;   6 bits: Q6_K (int8 sub-scales per half block);   8 bits: Q8_0 and int8 (fp16)
+template <template <int, int, bool, bool, int> class Pick>
 TileFn pick_tile(const Weights& w, int rows) {
-  if (w.bits == 4) {
-    if (w.bf16) return w.mins ? pick_rows<Pick, 4, true, true>(rows) : pick_rows<Pick, 4, true, false>(rows);
-    return w.mins ? pick_rows<Pick, 4, false, true>(rows) : pick_rows<Pick, 4, false, false>(rows);
+  const bool mins = w.mins != nullptr;
+  const int kind = w.scale_kind;
+  if (w.halves()) {
+    return w.bits == 6 && kind == kSubI8 && !mins ? pick_rows<Pick, 6, kSubI8, false, true>(rows) : nullptr;
   }
-  if (w.bf16) return w.mins ? pick_rows<Pick, 8, true, true>(rows) : pick_rows<Pick, 8, true, false>(rows);
-  return w.mins ? pick_rows<Pick, 8, false, true>(rows) : pick_rows<Pick, 8, false, false>(rows);
+  if (w.bits == 4 || w.bits == 5) {
+    const bool four = w.bits == 4;
+    if (kind == kHalf && mins) return four ? pick_rows<Pick, 4, kHalf, true, false>(rows) : pick_rows<Pick, 5, kHalf, true, false>(rows);
+    if (kind == kHalf) return four ? pick_rows<Pick, 4, kHalf, false, false>(rows) : pick_rows<Pick, 5, kHalf, false, false>(rows);
+    if (kind == kSubU8 && mins) return four ? pick_rows<Pick, 4, kSubU8, true, false>(rows) : pick_rows<Pick, 5, kSubU8, true, false>(rows);
+    if (kind == kBf16 && mins && four) return pick_rows<Pick, 4, kBf16, true, false>(rows);
+  }
+  if (w.bits == 8 && kind == kHalf && !mins) return pick_rows<Pick, 8, kHalf, false, false>(rows);
+  return nullptr;
 }
 
 #if GLASSLM_X86
-template <int BITS, bool BF16, bool MINS, int ROWS>
+template <int BITS, int SCALE, bool MINS, bool HALVES, int ROWS>
 struct Avx512Tile {
-  static constexpr TileFn fn = tile_avx512<BITS, BF16, MINS, ROWS>;
+  static constexpr TileFn pick() {
+    if constexpr (HALVES) {
+      return tile_halves_avx512<BITS, SCALE, MINS, ROWS>;
+    } else {
+      return tile_avx512<BITS, SCALE, MINS, ROWS>;
+    }
+  }
+  static constexpr TileFn fn = pick();
 };
-template <int BITS, bool BF16, bool MINS, int ROWS>
+template <int BITS, int SCALE, bool MINS, bool HALVES, int ROWS>
 struct Avx2Tile {
-  static constexpr TileFn fn = tile_avx2<BITS, BF16, MINS, ROWS>;
+  static constexpr TileFn fn = tile_avx2<BITS, SCALE, MINS, HALVES, ROWS>;
 };
 #endif
 
 void run_tile(const Weights& w, const Rows& x, int64_t panel, int64_t row0, int rows, float* y, int64_t ld_y,
               int64_t isa) {
 #if GLASSLM_X86
-  if (isa == kAvx512) return pick_tile<Avx512Tile>(w, rows)(w, x, panel, row0, y, ld_y);
-  if (isa == kAvx2) return pick_tile<Avx2Tile>(w, rows)(w, x, panel, row0, y, ld_y);
+  const TileFn tile = isa == kAvx512 ? pick_tile<Avx512Tile>(w, rows) : isa == kAvx2 ? pick_tile<Avx2Tile>(w, rows) : nullptr;
+  if (tile != nullptr) return tile(w, x, panel, row0, y, ld_y);
 #endif
   tile_scalar(w, x, panel, row0, rows, y, ld_y);
 }
 
-void matmul_rows(const Weights& w, const Rows& x, float* y) {
+// y (rows of ld_y floats; this matrix's outputs in their first d_out columns) = x @ W.T.
+void matmul_rows(const Weights& w, const Rows& x, float* y, int64_t ld_y) {
   const int64_t isa = current_isa();
   // Threads split the panels; a chunk is at least ~256 block-rows of work, so the small products of
   // a decoding step (a few dozen panels) still split in two but never into slivers.
@@ -442,7 +600,7 @@ void matmul_rows(const Weights& w, const Rows& x, float* y) {
   at::parallel_for(0, w.panels, grain, [&](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel) {
       for (int64_t row0 = 0; row0 < x.count; row0 += kTile) {
-        run_tile(w, x, panel, row0, static_cast<int>(std::min<int64_t>(kTile, x.count - row0)), y, w.d_out, isa);
+        run_tile(w, x, panel, row0, static_cast<int>(std::min<int64_t>(kTile, x.count - row0)), y, ld_y, isa);
       }
     }
   });
@@ -560,40 +718,75 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
   return {a.q, a.d, a.sums};
 }
 
-Weights weights_of(const at::Tensor& levels, const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t bits,
-                   int64_t offset, int64_t group_blocks, int64_t d_out, const std::optional<at::Tensor>& row_scale,
-                   const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(bits == 4 || bits == 8, "glasslm_kernels: weights have 4 or 8 bits, got ", bits);
-  TORCH_CHECK(levels.scalar_type() == at::kByte && levels.dim() == 3 && levels.is_contiguous() &&
-                  levels.size(2) == kPanel * kBlock * bits / 8,
-              "glasslm_kernels: packed levels must be contiguous uint8 (panels, blocks, ", kPanel * kBlock * bits / 8,
-              "), got ", levels.scalar_type(), " ", levels.sizes());
-  const int64_t panels = levels.size(0), blocks = levels.size(1);
-  TORCH_CHECK(group_blocks >= 1, "glasslm_kernels: group_blocks must be positive");
-  const int64_t groups = (blocks + group_blocks - 1) / group_blocks;
-  const bool bf16 = scales.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((bf16 || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({panels, groups, kPanel}),
-              "glasslm_kernels: scales must be contiguous fp16 or bf16 (", panels, ", ", groups, ", 16), got ",
-              scales.scalar_type(), " ", scales.sizes());
-  if (mins) {
-    TORCH_CHECK(mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() && mins->sizes() == scales.sizes(),
-                "glasslm_kernels: mins must be laid out as the scales");
+// A matrix's operands as the ops take them (qmatmul.py's PackedMatrix.operands()).
+struct Operands {
+  const at::Tensor& levels;
+  const at::Tensor& scales;
+  const std::optional<at::Tensor>& mins;
+  const std::optional<at::Tensor>& super_scales;
+  const std::optional<at::Tensor>& super_mins;
+  int64_t bits, offset, group_size, super_groups, d_out;
+  const std::optional<at::Tensor>& row_scale;
+  const std::optional<at::Tensor>& bias;
+};
+
+int scale_kind_of(const Operands& m) {
+  const at::ScalarType type = m.scales.scalar_type();
+  if (m.super_scales) {
+    TORCH_CHECK(type == at::kByte || type == at::kChar, "glasslm_kernels: sub-scales must be uint8 or int8, got ", type);
+    return type == at::kByte ? kSubU8 : kSubI8;
   }
-  TORCH_CHECK(d_out > (panels - 1) * kPanel && d_out <= panels * kPanel, "glasslm_kernels: d_out ", d_out,
+  TORCH_CHECK(type == at::kHalf || type == at::kBFloat16, "glasslm_kernels: scales must be fp16 or bf16, got ", type);
+  return type == at::kHalf ? kHalf : kBf16;
+}
+
+void check_laid_out(const at::Tensor& t, at::ScalarType type, at::IntArrayRef sizes, const char* what) {
+  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.sizes() == sizes, "glasslm_kernels: ", what,
+              " must be contiguous ", type, " ", sizes, ", got ", t.scalar_type(), " ", t.sizes());
+}
+
+Weights weights_of(const Operands& m) {
+  const int64_t bits = m.bits;
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "glasslm_kernels: weights have 4, 5, 6 or 8 bits, got ", bits);
+  Weights w{};
+  w.bits = static_cast<int>(bits);
+  TORCH_CHECK(m.levels.scalar_type() == at::kByte && m.levels.dim() == 3 && m.levels.is_contiguous() &&
+                  m.levels.size(2) == w.panel_block_bytes(),
+              "glasslm_kernels: packed levels must be contiguous uint8 (panels, blocks, ", w.panel_block_bytes(), "), got ",
+              m.levels.scalar_type(), " ", m.levels.sizes());
+  const int64_t panels = m.levels.size(0), blocks = m.levels.size(1);
+  TORCH_CHECK(m.group_size == kBlock / 2 || (m.group_size >= kBlock && m.group_size % kBlock == 0),
+              "glasslm_kernels: a group is 16 inputs or whole blocks of 32, got ", m.group_size);
+  w.group_size = m.group_size;
+  const int64_t groups = m.group_size == kBlock / 2 ? 2 * blocks : (blocks + w.group_blocks() - 1) / w.group_blocks();
+  w.scale_kind = scale_kind_of(m);
+  check_laid_out(m.scales, m.scales.scalar_type(), {panels, groups, kPanel}, "scales");
+  if (m.mins) check_laid_out(*m.mins, m.scales.scalar_type(), {panels, groups, kPanel}, "mins (as the scales)");
+  if (m.super_scales) {
+    TORCH_CHECK(m.super_groups > 0 && groups % m.super_groups == 0 && (m.super_groups * m.group_size) % kBlock == 0,
+                "glasslm_kernels: ", groups, " groups do not make whole super-blocks of ", m.super_groups);
+    check_laid_out(*m.super_scales, at::kHalf, {panels, groups / m.super_groups, kPanel}, "super-scales");
+    TORCH_CHECK(!m.mins || m.super_mins, "glasslm_kernels: sub-minimums need super-minimums");
+    if (m.super_mins) check_laid_out(*m.super_mins, at::kHalf, {panels, groups / m.super_groups, kPanel}, "super-minimums");
+  }
+  TORCH_CHECK(m.d_out > (panels - 1) * kPanel && m.d_out <= panels * kPanel, "glasslm_kernels: d_out ", m.d_out,
               " does not fit ", panels, " panels of 16 rows");
-  for (const auto* vector : {&row_scale, &bias}) {
+  for (const auto* vector : {&m.row_scale, &m.bias}) {
     if (*vector) {
-      TORCH_CHECK((*vector)->scalar_type() == at::kFloat && (*vector)->is_contiguous() && (*vector)->numel() == d_out,
+      TORCH_CHECK((*vector)->scalar_type() == at::kFloat && (*vector)->is_contiguous() && (*vector)->numel() == m.d_out,
                   "glasslm_kernels: row scales and bias must be contiguous float32 of d_out values");
     }
   }
-  return Weights{levels.const_data_ptr<uint8_t>(),
-                 reinterpret_cast<const uint16_t*>(scales.const_data_ptr()),
-                 mins ? reinterpret_cast<const uint16_t*>(mins->const_data_ptr()) : nullptr,
-                 blocks, groups, group_blocks, panels, d_out, static_cast<int>(bits), static_cast<int>(offset), bf16,
-                 row_scale ? row_scale->const_data_ptr<float>() : nullptr,
-                 bias ? bias->const_data_ptr<float>() : nullptr};
+  w.levels = m.levels.const_data_ptr<uint8_t>();
+  w.scales = m.scales.const_data_ptr();
+  w.mins = m.mins ? m.mins->const_data_ptr() : nullptr;
+  w.super_scales = m.super_scales ? reinterpret_cast<const uint16_t*>(m.super_scales->const_data_ptr()) : nullptr;
+  w.super_mins = m.super_mins && m.mins ? reinterpret_cast<const uint16_t*>(m.super_mins->const_data_ptr()) : nullptr;
+  w.blocks = blocks, w.groups = groups, w.super_groups = m.super_scales ? m.super_groups : 0;
+  w.panels = panels, w.d_out = m.d_out, w.offset = static_cast<int>(m.offset);
+  w.row_scale = m.row_scale ? m.row_scale->const_data_ptr<float>() : nullptr;
+  w.bias = m.bias ? m.bias->const_data_ptr<float>() : nullptr;
+  return w;
 }
 
 // Rows already in int8 blocks. One pass (llama.cpp's activations) is run as two, the second zero.
@@ -618,24 +811,32 @@ Activations given_rows(const at::Tensor& q, const at::Tensor& d, const at::Tenso
 }
 
 at::Tensor qmatmul(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums, int64_t passes,
-                   const at::Tensor& levels, const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t bits,
-                   int64_t offset, int64_t group_blocks, int64_t d_out, const std::optional<at::Tensor>& row_scale,
-                   const std::optional<at::Tensor>& bias) {
-  const Weights w = weights_of(levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias);
+                   const at::Tensor& levels, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                   const std::optional<at::Tensor>& super_scales, const std::optional<at::Tensor>& super_mins, int64_t bits,
+                   int64_t offset, int64_t group_size, int64_t super_groups, int64_t d_out,
+                   const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& bias) {
+  const Weights w = weights_of({levels, scales, mins, super_scales, super_mins, bits, offset, group_size, super_groups, d_out,
+                                row_scale, bias});
   const Activations a = given_rows(q, d, sums, passes, w.blocks);
   const Rows x = a.rows();
   at::Tensor y = at::empty({x.count, d_out}, q.options().dtype(at::kFloat));
-  matmul_rows(w, x, y.mutable_data_ptr<float>());
+  matmul_rows(w, x, y.mutable_data_ptr<float>(), d_out);
   return y;
 }
 
-// x's rows quantized into this thread's scratch, then multiplied: `qlinear` after its checks of the
-// weights, which block.cpp makes once per matrix (a decoding step's ~50 products then allocate only
-// their outputs).
-at::Tensor qlinear_checked(const at::Tensor& x, const Weights& w) {
+// x's rows quantized into this thread's scratch, then multiplied by each matrix of `parts` in turn,
+// their outputs side by side (a row split's parts: one quantization of x for all of them): `qlinear`
+// after its checks of the weights, which block.cpp makes once per matrix (a decoding step's ~50
+// products then allocate only their outputs).
+at::Tensor qlinear_parts(const at::Tensor& x, const std::vector<const Weights*>& parts) {
   check_rows(x);
-  TORCH_CHECK(x.size(-1) == w.blocks * kBlock, "glasslm_kernels: input width ", x.size(-1), " is not the weight's ",
-              w.blocks * kBlock);
+  const Weights& first = *parts.front();
+  int64_t d_out = 0;
+  for (const Weights* w : parts) {
+    TORCH_CHECK(x.size(-1) == w->blocks * kBlock, "glasslm_kernels: input width ", x.size(-1), " is not the weight's ",
+                w->blocks * kBlock);
+    d_out += w->d_out;
+  }
   const at::Tensor rows = x.contiguous();
   const int64_t width = x.size(-1), count = rows.numel() / width;
   // Kept between calls for decoding's few rows; a long prefill's rows get their own tensors, freed after
@@ -649,63 +850,82 @@ at::Tensor qlinear_checked(const at::Tensor& x, const Weights& w) {
   int32_t* sums;
   if (count * width <= kKeptScratch) {
     kept_q.resize(kPasses * count * width);
-    kept_d.resize(kPasses * count * w.blocks);
-    kept_sums.resize(kPasses * count * w.blocks);
+    kept_d.resize(kPasses * count * first.blocks);
+    kept_sums.resize(kPasses * count * first.blocks);
     q = kept_q.data(), d = kept_d.data(), sums = kept_sums.data();
   } else {
     own = Activations{at::empty({kPasses * count, width}, rows.options().dtype(at::kChar)),
-                      at::empty({kPasses * count, w.blocks}, rows.options()),
-                      at::empty({kPasses * count, w.blocks}, rows.options().dtype(at::kInt))};
+                      at::empty({kPasses * count, first.blocks}, rows.options()),
+                      at::empty({kPasses * count, first.blocks}, rows.options().dtype(at::kInt))};
     q = own.q.mutable_data_ptr<int8_t>(), d = own.d.mutable_data_ptr<float>(), sums = own.sums.mutable_data_ptr<int32_t>();
   }
   quantize_into(rows.const_data_ptr<float>(), count, width, q, d, sums);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = w.d_out;
+  shape.back() = d_out;
   at::Tensor y = at::empty(shape, x.options());
-  matmul_rows(w, Rows{q, d, sums, count, w.blocks}, y.mutable_data_ptr<float>());
+  int64_t column = 0;
+  for (const Weights* w : parts) {
+    matmul_rows(*w, Rows{q, d, sums, count, w->blocks}, y.mutable_data_ptr<float>() + column, d_out);
+    column += w->d_out;
+  }
   return y;
 }
 
+at::Tensor qlinear_checked(const at::Tensor& x, const Weights& w) { return qlinear_parts(x, {&w}); }
+
 // The checked operands of one matrix, kept by block.cpp (which holds the tensors they point into).
 std::shared_ptr<const Weights> checked_weights(const at::Tensor& levels, const at::Tensor& scales,
-                                               const std::optional<at::Tensor>& mins, int64_t bits, int64_t offset,
-                                               int64_t group_blocks, int64_t d_out,
+                                               const std::optional<at::Tensor>& mins,
+                                               const std::optional<at::Tensor>& super_scales,
+                                               const std::optional<at::Tensor>& super_mins, int64_t bits, int64_t offset,
+                                               int64_t group_size, int64_t super_groups, int64_t d_out,
                                                const std::optional<at::Tensor>& row_scale,
                                                const std::optional<at::Tensor>& bias) {
-  return std::make_shared<const Weights>(weights_of(levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias));
+  return std::make_shared<const Weights>(weights_of(
+      {levels, scales, mins, super_scales, super_mins, bits, offset, group_size, super_groups, d_out, row_scale, bias}));
 }
 
 // quantize_rows then qmatmul, in one call: (..., d_in) float32 -> (..., d_out) float32.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& levels, const at::Tensor& scales,
-                   const std::optional<at::Tensor>& mins, int64_t bits, int64_t offset, int64_t group_blocks, int64_t d_out,
-                   const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& bias) {
-  return qlinear_checked(x, weights_of(levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias));
+                   const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& super_scales,
+                   const std::optional<at::Tensor>& super_mins, int64_t bits, int64_t offset, int64_t group_size,
+                   int64_t super_groups, int64_t d_out, const std::optional<at::Tensor>& row_scale,
+                   const std::optional<at::Tensor>& bias) {
+  return qlinear_checked(x, weights_of({levels, scales, mins, super_scales, super_mins, bits, offset, group_size,
+                                        super_groups, d_out, row_scale, bias}));
 }
 
 // ----------------------------------------------------------------------------------------------
 // Packing (pack_levels and pack(block_matrix(...)) in Python, done here for speed at load time).
 
-// Byte 4 * lane + t of chunk k holds input 4k + t; 4-bit chunks k and k + 4 share a byte (low, high).
+// Byte 4 * lane + t of chunk k holds input 4k + t; 4-bit chunks k and k + 4 share a byte (low, high);
+// bit k of byte 4 * lane + t of a high-bit plane is that bit of chunk k's level.
 template <typename LevelOf>
 void pack_panel_block(int bits, int64_t lanes, LevelOf level_of, uint8_t* out) {
-  const int64_t chunk_count = bits == 8 ? 8 : 4;
-  std::memset(out, 0, chunk_count * 64);
+  std::memset(out, 0, bits == 8 ? kPanel * kBlock : kPanel * kBlock / 2 + 64 * (bits - 4));
   for (int64_t lane = 0; lane < lanes; ++lane) {
-    for (int k = 0; k < chunk_count; ++k) {
+    for (int k = 0; k < 8; ++k) {
       for (int t = 0; t < 4; ++t) {
-        const int value = bits == 8 ? level_of(lane, 4 * k + t) : level_of(lane, 4 * k + t) | (level_of(lane, 4 * k + 16 + t) << 4);
-        out[64 * k + 4 * lane + t] = static_cast<uint8_t>(value);
+        const int level = level_of(lane, 4 * k + t), byte = static_cast<int>(4 * lane + t);
+        if (bits == 8) {
+          out[64 * k + byte] = static_cast<uint8_t>(level);
+          continue;
+        }
+        out[64 * (k & 3) + byte] |= static_cast<uint8_t>((level & 0x0F) << (k < 4 ? 0 : 4));
+        for (int bit = 4; bit < bits; ++bit) out[256 + 64 * (bit - 4) + byte] |= static_cast<uint8_t>(((level >> bit) & 1) << k);
       }
     }
   }
 }
 
 at::Tensor pack_levels(const at::Tensor& levels, int64_t bits) {
-  TORCH_CHECK(levels.scalar_type() == at::kByte && levels.dim() == 2 && levels.size(1) % kBlock == 0 && (bits == 4 || bits == 8),
-              "glasslm_kernels: pack_levels takes (d_out, d_in) uint8 levels, d_in a multiple of 32, and 4 or 8 bits");
+  TORCH_CHECK(levels.scalar_type() == at::kByte && levels.dim() == 2 && levels.size(1) % kBlock == 0 &&
+                  (bits == 4 || bits == 5 || bits == 6 || bits == 8),
+              "glasslm_kernels: pack_levels takes (d_out, d_in) uint8 levels, d_in a multiple of 32, and 4, 5, 6 or 8 bits");
   const at::Tensor rows = levels.contiguous();
   const int64_t d_out = rows.size(0), d_in = rows.size(1), blocks = d_in / kBlock;
-  const int64_t panels = (d_out + kPanel - 1) / kPanel, step = kPanel * kBlock * bits / 8;
+  const int64_t panels = (d_out + kPanel - 1) / kPanel;
+  const int64_t step = bits == 8 ? kPanel * kBlock : kPanel * kBlock / 2 + 64 * (bits - 4);
   at::Tensor out = at::empty({panels, blocks, step}, rows.options());
   const uint8_t* in = rows.const_data_ptr<uint8_t>();
   uint8_t* dst = out.mutable_data_ptr<uint8_t>();
@@ -721,52 +941,176 @@ at::Tensor pack_levels(const at::Tensor& levels, int64_t bits) {
   return out;
 }
 
-// llama.cpp's blocks straight into the packed layout: (levels, fp16 scales d, fp16 minimums m or None).
-std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> pack_ggml(const at::Tensor& blocks, std::string_view qtype) {
-  const bool q8 = qtype == "q8_0", q41 = qtype == "q4_1";
-  TORCH_CHECK(q8 || q41 || qtype == "q4_0", "glasslm_kernels: pack_ggml takes q4_0, q4_1 or q8_0, not ", qtype);
-  const int64_t size = q8 ? 34 : (q41 ? 20 : 18), header = q41 ? 4 : 2, bits = q8 ? 8 : 4;
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(1) % size == 0,
-              "glasslm_kernels: ", qtype, " blocks must be (rows, n_blocks * ", size, ") uint8");
+// ----------------------------------------------------------------------------------------------
+// llama.cpp's blocks, read (the readable definitions: transforms/ggml.py) and packed in one pass.
+
+struct GgmlFormat {
+  std::string_view name;
+  int inputs, bytes;         // per block of the file (a super-block of 256 for the K-quants)
+  int bits, offset, group_size, scale_kind;
+  bool mins, supers;
+};
+
+constexpr GgmlFormat kGgmlFormats[] = {
+    {"q4_0", 32, 18, 4, 8, 32, kHalf, false, false},     {"q4_1", 32, 20, 4, 0, 32, kHalf, true, false},
+    {"q5_0", 32, 22, 5, 16, 32, kHalf, false, false},    {"q5_1", 32, 24, 5, 0, 32, kHalf, true, false},
+    {"q8_0", 32, 34, 8, 128, 32, kHalf, false, false},   {"q4_k", 256, 144, 4, 0, 32, kSubU8, true, true},
+    {"q5_k", 256, 176, 5, 0, 32, kSubU8, true, true},    {"q6_k", 256, 210, 6, 32, 16, kSubI8, false, true},
+};
+
+uint16_t read16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+
+// One file block: its levels (`inputs` of them), its groups' scales and minimums (fp16 bits, or
+// 8-bit sub-scales) and, for the K-quants, the super-scale d and the minimums' super-scale -dmin.
+struct DecodedBlock {
+  uint8_t levels[256];
+  uint16_t scales[16], mins[16];
+  uint16_t super_scale, super_min;
+};
+
+// The 6-bit sub-scale and sub-minimum of group j of a Q4_K / Q5_K super-block (llama.cpp's get_scale_min_k4).
+void k_scale_min(const uint8_t* q, int j, uint16_t* scale, uint16_t* min) {
+  if (j < 4) {
+    *scale = q[j] & 63, *min = q[j + 4] & 63;
+  } else {
+    *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+void decode_small(const GgmlFormat& f, const uint8_t* in, DecodedBlock& out) {
+  const bool two = f.mins;  // q4_1 and q5_1 carry m after d
+  out.scales[0] = read16(in);
+  if (two) out.mins[0] = read16(in + 2);
+  const uint8_t* q = in + (two ? 4 : 2);
+  if (f.bits == 8) {
+    for (int i = 0; i < 32; ++i) out.levels[i] = q[i] ^ 0x80;  // int8 q -> q + 128
+    return;
+  }
+  uint32_t high = 0;
+  if (f.bits == 5) {
+    high = static_cast<uint32_t>(q[0]) | (q[1] << 8) | (q[2] << 16) | (static_cast<uint32_t>(q[3]) << 24);
+    q += 4;
+  }
+  for (int i = 0; i < 32; ++i) {
+    const int nibble = i < 16 ? q[i] & 0x0F : q[i - 16] >> 4;
+    out.levels[i] = static_cast<uint8_t>(nibble | (((high >> i) & 1) << 4));
+  }
+}
+
+void decode_k(const GgmlFormat& f, const uint8_t* in, DecodedBlock& out) {
+  if (f.bits == 6) {  // ql[128] qh[64] scales[16] (int8) d
+    const uint8_t *ql = in, *qh = in + 128;
+    for (int n = 0; n < 2; ++n, ql += 64, qh += 32) {
+      for (int l = 0; l < 32; ++l) {
+        uint8_t* y = out.levels + 128 * n + l;
+        y[0] = (ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4);
+        y[32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+        y[64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+        y[96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+      }
+    }
+    for (int g = 0; g < 16; ++g) out.scales[g] = in[192 + g];  // int8 bits
+    out.super_scale = read16(in + 208);
+    return;
+  }
+  // d dmin scales[12] (qh[32] for Q5_K) qs[128]
+  out.super_scale = read16(in), out.super_min = read16(in + 2) ^ 0x8000;  // -dmin: the sign bit flipped
+  const uint8_t* qh = in + 16;
+  const uint8_t* qs = in + (f.bits == 5 ? 48 : 16);
+  for (int j = 0; j < 8; ++j) {
+    k_scale_min(in + 4, j, &out.scales[j], &out.mins[j]);
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t byte = qs[32 * (j / 2) + l];
+      const int nibble = j % 2 == 0 ? byte & 0x0F : byte >> 4;
+      const int high = f.bits == 5 ? (qh[l] >> j) & 1 : 0;
+      out.levels[32 * j + l] = static_cast<uint8_t>(nibble | (high << 4));
+    }
+  }
+}
+
+const GgmlFormat& ggml_format(std::string_view qtype) {
+  for (const GgmlFormat& f : kGgmlFormats) {
+    if (f.name == qtype) return f;
+  }
+  TORCH_CHECK(false, "glasslm_kernels: pack_ggml takes q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k or q6_k, not ", qtype);
+}
+
+// The packed operands of a file's rows of blocks: (levels, scales, mins?, super_scales?, super_mins?).
+struct PackedGgml {
+  at::Tensor levels, scales, mins, supers, super_mins;
+};
+
+PackedGgml empty_packed(const GgmlFormat& f, int64_t panels, int64_t d_in, const at::TensorOptions& bytes) {
+  const int64_t blocks = d_in / kBlock, groups = d_in / f.group_size, supers = d_in / 256;
+  const at::ScalarType scale_type = f.scale_kind == kHalf ? at::kHalf : (f.scale_kind == kSubU8 ? at::kByte : at::kChar);
+  const int64_t step = f.bits == 8 ? kPanel * kBlock : kPanel * kBlock / 2 + 64 * (f.bits - 4);
+  PackedGgml out{at::empty({panels, blocks, step}, bytes), at::zeros({panels, groups, kPanel}, bytes.dtype(scale_type))};
+  if (f.mins) out.mins = at::zeros({panels, groups, kPanel}, bytes.dtype(scale_type));
+  if (f.supers) out.supers = at::zeros({panels, supers, kPanel}, bytes.dtype(at::kHalf));
+  if (f.supers && f.mins) out.super_mins = at::zeros({panels, supers, kPanel}, bytes.dtype(at::kHalf));
+  return out;
+}
+
+// One panel's file blocks number `fb` (rows p * 16 ..): decoded, then packed and their scales stored.
+void pack_file_block(const GgmlFormat& f, const uint8_t* in, int64_t row_bytes, int64_t p, int64_t lanes, int64_t fb,
+                     int64_t d_in, PackedGgml& out) {
+  DecodedBlock decoded[kPanel];
+  for (int64_t lane = 0; lane < lanes; ++lane) {
+    const uint8_t* block = in + (p * kPanel + lane) * row_bytes + fb * f.bytes;
+    f.supers ? decode_k(f, block, decoded[lane]) : decode_small(f, block, decoded[lane]);
+  }
+  const int64_t blocks = d_in / kBlock, groups = d_in / f.group_size, step = out.levels.size(2);
+  const int64_t per_block = f.inputs / kBlock, per_groups = f.inputs / f.group_size;
+  for (int64_t b = 0; b < per_block; ++b) {
+    auto level_of = [&](int64_t lane, int i) { return static_cast<int>(decoded[lane].levels[b * kBlock + i]); };
+    pack_panel_block(f.bits, lanes, level_of, out.levels.mutable_data_ptr<uint8_t>() + (p * blocks + fb * per_block + b) * step);
+  }
+  const int64_t size = f.scale_kind == kHalf ? 2 : 1;
+  auto store = [&](at::Tensor& t, int64_t index, int64_t lane, uint16_t value) {
+    std::memcpy(static_cast<uint8_t*>(t.mutable_data_ptr()) + ((index) * kPanel + lane) * size, &value, size);
+  };
+  for (int64_t lane = 0; lane < lanes; ++lane) {
+    for (int64_t g = 0; g < per_groups; ++g) {
+      store(out.scales, p * groups + fb * per_groups + g, lane, decoded[lane].scales[g]);
+      if (f.mins) store(out.mins, p * groups + fb * per_groups + g, lane, decoded[lane].mins[g]);
+    }
+    if (f.supers) {
+      const int64_t at = ((p * (d_in / 256) + fb) * kPanel + lane);
+      reinterpret_cast<uint16_t*>(out.supers.mutable_data_ptr())[at] = decoded[lane].super_scale;
+      if (f.mins) reinterpret_cast<uint16_t*>(out.super_mins.mutable_data_ptr())[at] = decoded[lane].super_min;
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
+pack_ggml(const at::Tensor& blocks, std::string_view qtype) {
+  const GgmlFormat& f = ggml_format(qtype);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(1) % f.bytes == 0,
+              "glasslm_kernels: ", qtype, " blocks must be (rows, n_blocks * ", f.bytes, ") uint8");
   const at::Tensor rows = blocks.contiguous();
-  const int64_t d_out = rows.size(0), row_bytes = rows.size(1), count = row_bytes / size;
-  const int64_t panels = (d_out + kPanel - 1) / kPanel, step = kPanel * kBlock * bits / 8;
-  at::Tensor levels = at::empty({panels, count, step}, rows.options());
-  at::Tensor scales = at::zeros({panels, count, kPanel}, rows.options().dtype(at::kHalf));
-  at::Tensor mins = at::zeros({panels, count, kPanel}, rows.options().dtype(at::kHalf));
+  const int64_t d_out = rows.size(0), row_bytes = rows.size(1), file_blocks = row_bytes / f.bytes;
+  const int64_t d_in = file_blocks * f.inputs, panels = (d_out + kPanel - 1) / kPanel;
+  PackedGgml out = empty_packed(f, panels, d_in, rows.options());
   const uint8_t* in = rows.const_data_ptr<uint8_t>();
-  uint8_t* dst = levels.mutable_data_ptr<uint8_t>();
-  uint16_t* d = reinterpret_cast<uint16_t*>(scales.mutable_data_ptr());
-  uint16_t* m = reinterpret_cast<uint16_t*>(mins.mutable_data_ptr());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t lanes = std::min<int64_t>(kPanel, d_out - p * kPanel);
-      for (int64_t b = 0; b < count; ++b) {
-        auto block_of = [&](int64_t lane) { return in + (p * kPanel + lane) * row_bytes + b * size; };
-        for (int64_t lane = 0; lane < lanes; ++lane) {
-          std::memcpy(d + (p * count + b) * kPanel + lane, block_of(lane), 2);
-          if (q41) std::memcpy(m + (p * count + b) * kPanel + lane, block_of(lane) + 2, 2);
-        }
-        auto level_of = [&](int64_t lane, int i) {
-          const uint8_t* q = block_of(lane) + header;
-          if (q8) return static_cast<int>(q[i] ^ 0x80);  // int8 q -> q + 128
-          return static_cast<int>(i < 16 ? q[i] & 0x0F : q[i - 16] >> 4);
-        };
-        pack_panel_block(static_cast<int>(bits), lanes, level_of, dst + (p * count + b) * step);
-      }
+      for (int64_t fb = 0; fb < file_blocks; ++fb) pack_file_block(f, in, row_bytes, p, lanes, fb, d_in, out);
     }
   });
-  return {levels, scales, q41 ? std::optional<at::Tensor>(mins) : std::nullopt};
+  auto maybe = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
+  return {out.levels, out.scales, maybe(out.mins), maybe(out.supers), maybe(out.super_mins)};
 }
 
 TORCH_LIBRARY(glasslm_kernels, m) {
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
-  m.def("qmatmul(Tensor q, Tensor d, Tensor sums, int passes, Tensor levels, Tensor scales, Tensor? mins, int bits, int offset, "
-        "int group_blocks, int d_out, Tensor? row_scale, Tensor? bias) -> Tensor");
-  m.def("qlinear(Tensor x, Tensor levels, Tensor scales, Tensor? mins, int bits, int offset, int group_blocks, "
-        "int d_out, Tensor? row_scale, Tensor? bias) -> Tensor");
+  m.def("qmatmul(Tensor q, Tensor d, Tensor sums, int passes, Tensor levels, Tensor scales, Tensor? mins, "
+        "Tensor? super_scales, Tensor? super_mins, int bits, int offset, int group_size, int super_groups, int d_out, "
+        "Tensor? row_scale, Tensor? bias) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor levels, Tensor scales, Tensor? mins, Tensor? super_scales, Tensor? super_mins, "
+        "int bits, int offset, int group_size, int super_groups, int d_out, Tensor? row_scale, Tensor? bias) -> Tensor");
   m.def("pack_levels(Tensor levels, int bits) -> Tensor");
-  m.def("pack_ggml(Tensor blocks, str qtype) -> (Tensor, Tensor, Tensor?)");
+  m.def("pack_ggml(Tensor blocks, str qtype) -> (Tensor, Tensor, Tensor?, Tensor?, Tensor?)");
   m.def("select_isa(int level) -> int", &select_isa);
   m.def("supported_isa() -> int", &supported_isa);
   m.def("current_isa() -> int", &current_isa);

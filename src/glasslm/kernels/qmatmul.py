@@ -19,15 +19,23 @@ dx / 256 * (256 * xq + xq2), a 16-bit integer kept as two bytes, good to 1/256 o
 ~0.005), for twice the integer products but not one more byte of weights, which is what decoding
 waits for (`quantize_rows_reference` gives the two int8 rows of each row).
 
-Weights. A `QuantizedMatrix` holds unsigned levels u (0..15, or 0..255 for 8-bit weights stored
-as w + 128), a scale per group of inputs (fp16 or bf16, one group being one or more blocks) and
-optionally a minimum, and stands for
+Weights. A `QuantizedMatrix` holds unsigned levels u of 4, 5, 6 or 8 bits (0..15, 0..31, 0..63,
+or 0..255 for 8-bit weights stored as w + 128), a scale per group of inputs (one group being one or
+more blocks, or half a block) and optionally a minimum, and stands for
 
     W[o, i] = ((u[o, i] - offset) * scale[o, g] + min[o, g]) * row_scale[o]        g = i // group_size
 
-which covers every format glasslm runs: llama.cpp's Q4_0 (offset 8), Q4_1 (offset 0, min m), Q8_0
-(offset 128) with fp16 block scales, glasslm's int4 (offset 8, min = its bf16 zero, groups of 64)
-and int8 (offset 128, scale 1, its float32 per-row scale as row_scale).
+A group's scale and minimum are fp16 or bf16 numbers, or, in llama.cpp's K-quants, small integers
+times an fp16 scale shared by a super-block of 256 inputs (`super_scales`, `super_mins`):
+
+    scale[o, g] = sub_scale[o, g] * super_scale[o, i // 256]        (exact in float32)
+
+That covers every format glasslm runs: llama.cpp's Q4_0 (offset 8), Q4_1 (offset 0, min m), Q5_0
+(5 bits, offset 16), Q5_1 (5 bits, min m), Q8_0 (offset 128) with fp16 block scales; its K-quants
+Q4_K and Q5_K (4 or 5 bits, 6-bit sub-scales and sub-minimums per 32 inputs, the minimums' super
+scale -dmin) and Q6_K (6 bits, offset 32, int8 sub-scales per 16 inputs: two groups a block);
+glasslm's int4 (offset 8, min = its bf16 zero, groups of 64) and int8 (offset 128, scale 1, its
+float32 per-row scale as row_scale).
 
 Product. Within a block both operands are integers, so
 
@@ -43,8 +51,10 @@ Packed layout (`pack`). The kernels read 16 output rows at once: a panel. For ea
 the 16 x 32 levels are stored as eight chunks k = 0..7 of 64 bytes, byte 4 * row + t of chunk k
 holding input 4k + t of that row, so one 32-bit lane is four inputs of one row and one broadcast of
 four activations meets all 16 rows. 4-bit levels put chunks k and k + 4 in the low and high nibbles
-of the same 64 bytes (256 bytes per panel and block, as many as the GGUF file's nibbles); scales
-and minimums become (panels, groups, 16). Rows past d_out are zero.
+of the same 64 bytes (256 bytes per panel and block, as many as the GGUF file's nibbles). 5- and
+6-bit levels keep their low four bits so and add one 64-byte plane per higher bit, bit k of its byte
+4 * row + t being that bit of chunk k's byte (320 or 384 bytes: again the file's own count). Scales,
+minimums and super-scales become (panels, groups, 16). Rows past d_out are zero.
 
 Example:
     >>> import torch
@@ -72,6 +82,7 @@ from torch import Tensor
 from glasslm.kernels import build
 
 BLOCK = 32  # inputs per block
+SUPER_BLOCK = 256  # inputs per super-block (llama.cpp's K-quants)
 PANEL = 16  # output rows per panel
 PASSES = 2  # int8 rows per activation row: its rounding, and the rounding of what that left over
 SECOND_STEP = 1 / 256  # the second row's scale, relative to the first's
@@ -132,21 +143,35 @@ def activation_rows(q: Int[Tensor, "passes_rows d_in"], d: Float[Tensor, "passes
 class QuantizedMatrix:
     """W = ((levels - offset) * scale + min) * row_scale, per group of `group_size` inputs (readable form)."""
 
-    levels: UInt8[Tensor, "d_out d_in"]        # unsigned: 0..15 (bits 4) or 0..255 (bits 8)
-    scales: Tensor                             # (d_out, d_in / group_size), float16 or bfloat16
+    levels: UInt8[Tensor, "d_out d_in"]        # unsigned: below 2**bits
+    scales: Tensor                             # (d_out, d_in / group_size): fp16 or bf16, or integer sub-scales
     mins: Tensor | None                        # like scales, or None (0)
-    bits: int
+    bits: int                                  # 4, 5, 6 or 8
     offset: int
-    group_size: int = BLOCK
+    group_size: int = BLOCK                    # 16, or a multiple of 32
     row_scale: Float[Tensor, "d_out"] | None = None
+    super_scales: Tensor | None = None         # (d_out, d_in / super_size) fp16: scales are int8/uint8 multiples of these
+    super_mins: Tensor | None = None           # the same for mins
+    super_size: int = SUPER_BLOCK
+
+    def group_values(self) -> tuple[Float[Tensor, "d_out groups"], Float[Tensor, "d_out groups"] | None]:
+        """(scale, min) of every group as float32: a sub-scale times its super-scale is exact (an 8-bit
+        integer times an fp16 number needs at most 19 of float32's 24 bits)."""
+        def value(sub: Tensor | None, per_super: Tensor | None) -> Tensor | None:
+            if sub is None or per_super is None:
+                return None if sub is None else sub.float()
+            return sub.float() * per_super.float().repeat_interleave(self.super_size // self.group_size, dim=1)
+
+        return value(self.scales, self.super_scales), value(self.mins, self.super_mins)
 
     def weight(self) -> Float[Tensor, "d_out d_in"]:
         """The float32 matrix: every product and sum below is exact in float32 but the last rounding."""
         d_out, d_in = self.levels.shape
+        scales, mins = self.group_values()
         q = (self.levels.float() - self.offset).reshape(d_out, -1, self.group_size)   # (d_out, groups, size)
-        weight = q * self.scales.float()[..., None]
-        if self.mins is not None:
-            weight = weight + self.mins.float()[..., None]
+        weight = q * scales[..., None]
+        if mins is not None:
+            weight = weight + mins[..., None]
         weight = weight.reshape(d_out, d_in)
         return weight if self.row_scale is None else weight * self.row_scale.float()[:, None]
 
@@ -154,10 +179,11 @@ class QuantizedMatrix:
         """|levels - offset| * |scale| + |min| (times |row_scale|): a bound on every term the
         kernels add for one weight, which can exceed |W| where scale and min nearly cancel."""
         d_out, d_in = self.levels.shape
+        scales, mins = self.group_values()
         q = (self.levels.float() - self.offset).abs().reshape(d_out, -1, self.group_size)
-        size = q * self.scales.float().abs()[..., None]
-        if self.mins is not None:
-            size = size + self.mins.float().abs()[..., None]
+        size = q * scales.abs()[..., None]
+        if mins is not None:
+            size = size + mins.abs()[..., None]
         size = size.reshape(d_out, d_in)
         return size if self.row_scale is None else size * self.row_scale.float().abs()[:, None]
 
@@ -220,13 +246,26 @@ class PackedMatrix:
     mins: Tensor | None
     bits: int
     offset: int
-    group_blocks: int
+    group_size: int               # inputs per group: 16 or a multiple of 32
     d_out: int
     row_scale: Float[Tensor, "d_out"] | None
+    super_scales: Tensor | None = None  # (panels, supers, 16) fp16, or None
+    super_mins: Tensor | None = None
+    super_groups: int = 0         # groups per super-scale (0: none)
 
     @property
     def device(self) -> torch.device:
         return self.levels.device
+
+    def operands(self) -> tuple:
+        """The weight operands in the order the C++ ops take them (after x, or q, d, sums, passes)."""
+        return (self.levels, self.scales, self.mins, self.super_scales, self.super_mins, self.bits, self.offset,
+                self.group_size, self.super_groups, self.d_out, self.row_scale)
+
+
+def panel_block_bytes(bits: int) -> int:
+    """Bytes of one panel's block: 16 rows x 32 levels, high bits in planes of their own."""
+    return PANEL * BLOCK * bits // 8 if bits in (4, 8) else PANEL * BLOCK * 4 // 8 + 64 * (bits - 4)
 
 
 def _pad_rows(t: Tensor) -> Tensor:
@@ -242,15 +281,25 @@ def pack_levels(levels: UInt8[Tensor, "d_out d_in"], bits: int) -> UInt8[Tensor,
     chunks = u.reshape(panels, PANEL, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(panels, blocks, 8, 4 * PANEL)
     if bits == 8:
         return chunks.reshape(panels, blocks, 8 * 4 * PANEL).contiguous()
-    return (chunks[:, :, :4] | (chunks[:, :, 4:] << 4)).reshape(panels, blocks, 4 * 4 * PANEL).contiguous()
+    low = chunks & 0x0F
+    nibbles = (low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(panels, blocks, 4 * 4 * PANEL)
+    shifts = torch.arange(8, dtype=torch.uint8)[:, None]  # bit k of a plane's byte is chunk k's
+    planes = [(((chunks >> bit) & 1) << shifts).sum(dim=2, dtype=torch.uint8) for bit in range(4, bits)]
+    return torch.cat([nibbles, *planes], dim=-1).contiguous()
 
 
 def unpack_levels(packed: UInt8[Tensor, "panels blocks chunk"], bits: int, d_out: int) -> UInt8[Tensor, "d_out d_in"]:
     """The inverse of `pack_levels`."""
     panels, blocks, _ = packed.shape
-    chunks = packed.reshape(panels, blocks, -1, 4 * PANEL)
-    if bits == 4:
-        chunks = torch.cat((chunks & 0x0F, chunks >> 4), dim=2)   # chunks 0..3 low, 4..7 high
+    if bits == 8:
+        chunks = packed.reshape(panels, blocks, 8, 4 * PANEL)
+    else:
+        nibbles = packed[..., :256].reshape(panels, blocks, 4, 4 * PANEL)
+        chunks = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=2)   # chunks 0..3 low, 4..7 high
+        shifts = torch.arange(8, dtype=torch.uint8)[:, None]
+        for bit in range(4, bits):
+            plane = packed[..., 256 + 64 * (bit - 4):256 + 64 * (bit - 3)][:, :, None]  # (panels, blocks, 1, 64)
+            chunks = chunks | (((plane >> shifts) & 1) << bit)
     u = chunks.reshape(panels, blocks, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(panels * PANEL, blocks * BLOCK)
     return u[:d_out]
 
@@ -261,21 +310,34 @@ def _pack_scales(scales: Tensor) -> Tensor:
     return padded.reshape(-1, PANEL, padded.shape[1]).transpose(1, 2).contiguous()
 
 
+def _check_packable(matrix: QuantizedMatrix) -> None:
+    d_out, d_in = matrix.levels.shape
+    if matrix.bits not in (4, 5, 6, 8):
+        raise ValueError(f"the kernels take levels of 4, 5, 6 or 8 bits, not {matrix.bits}")
+    whole = matrix.group_size == BLOCK // 2 or matrix.group_size % BLOCK == 0
+    if d_in % BLOCK or not whole or d_in % matrix.group_size:
+        raise ValueError(f"the kernels take rows of whole blocks of {BLOCK} and groups of whole blocks (or half "
+                         f"blocks); got d_in {d_in}, groups of {matrix.group_size}")
+    if matrix.super_scales is None:
+        if matrix.scales.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the kernels read fp16 or bf16 scales, not {matrix.scales.dtype}")
+    elif (matrix.scales.dtype not in (torch.int8, torch.uint8) or matrix.super_scales.dtype != torch.float16
+          or matrix.super_size % BLOCK or matrix.super_size % matrix.group_size or d_in % matrix.super_size):
+        raise ValueError("sub-scales are int8 or uint8 multiples of fp16 super-scales, each over whole blocks")
+
+
 def pack(matrix: QuantizedMatrix) -> PackedMatrix:
     """The kernels' operands for `matrix`, made once, at load (the levels' interleaving by the C++
     `pack_levels` where the kernels are built: the same bytes as `pack_levels` here, ~50x sooner)."""
-    d_out, d_in = matrix.levels.shape
-    if d_in % BLOCK or matrix.group_size % BLOCK or d_in % matrix.group_size:
-        raise ValueError(f"the kernels take rows of whole blocks of {BLOCK} and groups of whole blocks; got "
-                         f"d_in {d_in}, groups of {matrix.group_size}")
-    if matrix.scales.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"the kernels read fp16 or bf16 scales, not {matrix.scales.dtype}")
+    _check_packable(matrix)
     row_scale = None if matrix.row_scale is None else matrix.row_scale.float().contiguous()
     ops = kernel_ops() if matrix.levels.device.type == "cpu" else None
     levels = pack_levels(matrix.levels, matrix.bits) if ops is None else ops.pack_levels(matrix.levels, matrix.bits)
-    return PackedMatrix(levels, _pack_scales(matrix.scales),
-                        None if matrix.mins is None else _pack_scales(matrix.mins.to(matrix.scales.dtype)),
-                        matrix.bits, matrix.offset, matrix.group_size // BLOCK, d_out, row_scale)
+    mins = None if matrix.mins is None else _pack_scales(matrix.mins.to(matrix.scales.dtype))
+    supers = [None if t is None else _pack_scales(t) for t in (matrix.super_scales, matrix.super_mins)]
+    super_groups = 0 if matrix.super_scales is None else matrix.super_size // matrix.group_size
+    return PackedMatrix(levels, _pack_scales(matrix.scales), mins, matrix.bits, matrix.offset, matrix.group_size,
+                        matrix.levels.shape[0], row_scale, *supers, super_groups)
 
 
 # --- the calls ----------------------------------------------------------------------------------
@@ -292,11 +354,13 @@ def kernel_ops() -> Any | None:
 def _register_fakes() -> None:
     """Output shapes without computing, so `torch.compile` keeps each call as one node of one graph."""
     @torch.library.register_fake("glasslm_kernels::qlinear")
-    def _qlinear(x, levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias):
+    def _qlinear(x, levels, scales, mins, super_scales, super_mins, bits, offset, group_size, super_groups, d_out,
+                 row_scale, bias):
         return x.new_empty((*x.shape[:-1], d_out))
 
     @torch.library.register_fake("glasslm_kernels::qmatmul")
-    def _qmatmul(q, d, sums, passes, levels, scales, mins, bits, offset, group_blocks, d_out, row_scale, bias):
+    def _qmatmul(q, d, sums, passes, levels, scales, mins, super_scales, super_mins, bits, offset, group_size,
+                 super_groups, d_out, row_scale, bias):
         return q.new_empty((q.shape[0] // passes, d_out), dtype=torch.float32)
 
     @torch.library.register_fake("glasslm_kernels::quantize_rows")
@@ -323,8 +387,7 @@ def qlinear(x: Float[Tensor, "... d_in"], packed: PackedMatrix, bias: Tensor | N
     rows = x if x.dtype == torch.float32 else x.float()
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
-    y = op(rows, packed.levels, packed.scales, packed.mins, packed.bits, packed.offset, packed.group_blocks,
-           packed.d_out, packed.row_scale, bias)
+    y = op(rows, *packed.operands(), bias)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
@@ -335,5 +398,4 @@ def qmatmul(q: Tensor, d: Tensor, sums: Tensor, packed: PackedMatrix, bias: Tens
     ops = kernel_ops()
     if ops is None:
         raise RuntimeError("the C++ kernels are not loaded (see glasslm.kernels.build)")
-    return ops.qmatmul(q, d, sums, passes, packed.levels, packed.scales, packed.mins, packed.bits, packed.offset,
-                       packed.group_blocks, packed.d_out, packed.row_scale, bias)
+    return ops.qmatmul(q, d, sums, passes, *packed.operands(), bias)

@@ -1,4 +1,4 @@
-"""Model transforms: named in-place changes to a model (int8, int4, llama.cpp's q4_0/q4_1/q8_0 blocks, LoRA adapters)
+"""Model transforms: named in-place changes to a model (int8, int4, llama.cpp's blocks, LoRA adapters)
 that checkpoints record.
 
 `apply_transform(model, name)` applies one and records it on the model; `save_checkpoint` writes the
@@ -12,12 +12,13 @@ Example:
     >>> model = TransformerLM(get_preset("llama-tiny"))
     >>> apply_transform(model, "int8")
     >>> applied_transforms(model), transform_names()
-    ([{'name': 'int8'}], ('int8', 'int4', 'q4_0', 'q4_1', 'q8_0', 'lora'))
+    ([{'name': 'int8'}], ('int8', 'int4', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q4_k', 'q5_k', 'q6_k', 'lora', 'row_split'))
 """
 
-from glasslm.transforms.ggml import Q4_0, Q4_1, Q8_0
+from glasslm.transforms.ggml import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from glasslm.transforms.lora import LORA
 from glasslm.transforms.quantize import INT4, INT8
+from glasslm.transforms.split import ROW_SPLIT
 from glasslm.transforms.registry import (TRANSFORMS, Transform, applied_transforms, apply_transform, get_transform,
                                          rebuild_transforms, register_transform, transform_names)
 
@@ -25,8 +26,14 @@ register_transform(INT8)
 register_transform(INT4)
 register_transform(Q4_0)
 register_transform(Q4_1)
+register_transform(Q5_0)
+register_transform(Q5_1)
 register_transform(Q8_0)
+register_transform(Q4_K)
+register_transform(Q5_K)
+register_transform(Q6_K)
 register_transform(LORA)
+register_transform(ROW_SPLIT)
 
 
 

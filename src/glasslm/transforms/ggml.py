@@ -1,29 +1,41 @@
-"""llama.cpp's block formats (Q4_0, Q4_1, Q8_0) as glasslm layers: a GGUF file's weights kept as it holds them.
+"""llama.cpp's block formats as glasslm layers: a GGUF file's weights kept as it holds them.
 
-ggml quantizes each row of a weight in blocks of 32 consecutive inputs. A block is a small header
-and the 32 levels q:
+ggml quantizes each row of a weight in blocks of consecutive inputs. A block is a small header and
+the levels q; the K-quants group eight or sixteen smaller groups into a super-block of 256 inputs,
+whose groups' scales are 6- or 8-bit integers times the super-block's fp16 scale d:
 
-    q4_0:  d (fp16) | 16 bytes of nibbles              W = (q - 8) * d       q in 0..15
-    q4_1:  d (fp16) | m (fp16) | 16 bytes of nibbles   W = q * d + m         q in 0..15
-    q8_0:  d (fp16) | 32 bytes, int8                   W = q * d             q in -127..127
+    q4_0:  d | 16 bytes of nibbles                         W = (q - 8) * d             q in 0..15
+    q4_1:  d | m | 16 bytes of nibbles                     W = q * d + m               q in 0..15
+    q5_0:  d | 4 bytes of 5th bits | 16 bytes of nibbles   W = (q - 16) * d            q in 0..31
+    q5_1:  d | m | 4 bytes of 5th bits | nibbles           W = q * d + m               q in 0..31
+    q8_0:  d | 32 bytes, int8                              W = q * d                   q in -127..127
+    q4_k:  d | dmin | 12 bytes: 8 x (6-bit sc, 6-bit m) | 128 bytes of nibbles
+                                          per 32 inputs:   W = q * (d * sc) - dmin * m     q in 0..15
+    q5_k:  as q4_k, with 32 bytes of 5th bits                                          q in 0..31
+    q6_k:  128 bytes of low nibbles | 64 bytes of 2-bit highs | 16 x int8 sc | d
+                                          per 16 inputs:   W = (q - 32) * (d * sc)     q in 0..63
 
-In a 4-bit block, byte j holds input j in its low nibble and input j + 16 in its high one.
-`dequantize_blocks` is the readable reference: bit for bit what ggml's `dequantize_row_*` (and the
-gguf package's numpy copy of it) gives, since every product q * d is exact in float32 and each
-weight is rounded at most once (the + m of q4_1).
+(d, m, dmin fp16.) In a small 4- or 5-bit block, byte j holds input j in its low nibble and input
+j + 16 in its high one, and bit j of the 32-bit 5th-bit word input j's fifth bit; the K-quants
+spread their nibbles and high bits over a super-block in their own orders (`_k_levels`, `_q6_k_levels`).
+`block_matrix` reads any of them as the kernels' `QuantizedMatrix` (levels, per-group scales and
+minimums, the K-quants' super-scales), and `dequantize_blocks` is the readable reference: bit for bit
+what ggml's `dequantize_row_*` (and the gguf package's numpy copy of it) gives, since every product
+of levels and scales is exact in float32 and each weight is rounded at most once (adding m).
 
 `BlockLinear` holds a weight as those bytes, (d_out, n_blocks * block_bytes) uint8, so a model read
 from a GGUF file computes with the file's own numbers: no second rounding on the way in (as
 dequantizing and re-quantizing with `int4` would be), the same bytes on the way out. Its readable
 path dequantizes and multiplies. Its fast path (CPU) is glasslm's own kernel (glasslm.kernels.qmatmul),
 which does what llama.cpp does with these blocks: the activations rounded to int8 in blocks of 32,
-integer dot products with the file's levels, one float multiply-add per block; the same levels and
-fp16 scales, re-laid in panels of 16 rows when the layer is loaded. Its outputs differ from the
+integer dot products with the file's levels, one float multiply-add per group; the same levels and
+scales, re-laid in panels of 16 rows when the layer is loaded. Its outputs differ from the
 readable path's by the activations' rounding (`glasslm.kernels.qmatmul.activation_error_bound`,
-which the tests hold it to). Where the kernels cannot be built, 4-bit layers run PyTorch's int4
-kernel (bf16 activations, scale d and zero m + 8d) and q8_0 layers a float copy of the weight.
-Quantizing a float weight (`BlockLinear.from_weight`, the `q4_0`, `q4_1` and `q8_0` transforms) uses
-the gguf package's quantizers, which give llama.cpp's reference bytes.
+which the tests hold it to). Where the kernels cannot be built, 4-bit small blocks run PyTorch's int4
+kernel (bf16 activations, scale d and zero m + 8d) and the rest a float copy of the weight.
+Quantizing a float weight (`BlockLinear.from_weight`, the `q4_0`, `q4_1`, `q5_0`, `q5_1` and `q8_0`
+transforms) uses the gguf package's quantizers, which give llama.cpp's reference bytes; the
+K-quants come from llama.cpp's quantizer and are read as they are.
 
 Example:
     >>> import torch
@@ -52,62 +64,142 @@ from glasslm.transforms.quantize import (
 )
 from glasslm.transforms.registry import Transform
 
-BLOCK_SIZE = 32  # inputs per block, in every format here
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}  # header + levels
-LAYER_FORMATS = ("q4_0", "q4_1", "q8_0")  # the formats a BlockLinear holds
-OFFSETS = {"q4_0": 8, "q4_1": 0, "q8_0": 128}  # the level that stands for 0 (see block_matrix)
+BLOCK_SIZE = 32  # inputs per block of activations (and of weights, but for the K-quants' super-blocks)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One of llama.cpp's formats: a file block's inputs and bytes, and its levels' bits and offset."""
+
+    inputs: int       # per block of the file: 32, or a K-quant's super-block of 256
+    bytes: int
+    bits: int
+    offset: int       # the level that stands for 0 (before any minimum)
+    group_size: int   # inputs sharing a scale (and minimum)
+
+
+FORMATS = {
+    "q4_0": BlockFormat(32, 18, 4, 8, 32), "q4_1": BlockFormat(32, 20, 4, 0, 32),
+    "q5_0": BlockFormat(32, 22, 5, 16, 32), "q5_1": BlockFormat(32, 24, 5, 0, 32),
+    "q8_0": BlockFormat(32, 34, 8, 128, 32),
+    "q4_k": BlockFormat(256, 144, 4, 0, 32), "q5_k": BlockFormat(256, 176, 5, 0, 32),
+    "q6_k": BlockFormat(256, 210, 6, 32, 16),
+}
+LAYER_FORMATS = tuple(FORMATS)  # the formats a BlockLinear holds
+QUANTIZABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")  # those glasslm can also write (the gguf package's quantizers)
 UNEMBED = "unembed"  # the layer name that, in BlockOptions.layers, means a tied unembedding of its own
 
 
 def _fp16_field(blocks: Tensor, start: int) -> Tensor:
-    """The fp16 header field at byte `start` of every block, as float32: (rows, n_blocks)."""
-    return blocks[..., start:start + 2].contiguous().view(torch.float16)[..., 0].float()
+    """The fp16 header field at byte `start` of every block, as fp16: (rows, n_blocks)."""
+    return blocks[..., start:start + 2].contiguous().view(torch.float16)[..., 0]
+
+
+def _nibbles(bytes_: Tensor) -> Tensor:
+    """16 bytes -> 32 levels: the low nibbles are inputs 0..15, the high ones 16..31."""
+    return torch.cat((bytes_ & 0x0F, bytes_ >> 4), dim=-1)
+
+
+def _bits(words: Tensor, count: int) -> Tensor:
+    """Bit i of each little-endian word (its bytes along the last dimension), for i < count: (..., count)."""
+    value = sum(words[..., j].long() << (8 * j) for j in range(words.shape[-1]))
+    return (value[..., None] >> torch.arange(count)) & 1
+
+
+def _small_fields(blocks: Tensor, qtype: str) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(levels (rows, n_blocks, 32), d, m or None) of q4_0 / q4_1 / q5_0 / q5_1 / q8_0 blocks."""
+    d = _fp16_field(blocks, 0)
+    if qtype == "q8_0":
+        return blocks[..., 2:] ^ 0x80, d, None   # int8 q as q + 128
+    m = _fp16_field(blocks, 2) if qtype in ("q4_1", "q5_1") else None
+    start = 2 if m is None else 4
+    if qtype in ("q4_0", "q4_1"):
+        return _nibbles(blocks[..., start:]), d, m
+    fifth = _bits(blocks[..., start:start + 4], 32).to(torch.uint8)   # (rows, n_blocks, 32)
+    return _nibbles(blocks[..., start + 4:]) | (fifth << 4), d, m
+
+
+def _k_scales(packed: Tensor) -> tuple[Tensor, Tensor]:
+    """The 8 six-bit sub-scales and sub-minimums of a Q4_K / Q5_K super-block from its 12 bytes:
+    groups 0..3 in the low six bits of bytes 0..3 (scales) and 4..7 (minimums), groups 4..7 in the
+    nibbles of bytes 8..11 with their top two bits in the spare bits of bytes 0..7."""
+    q = packed.long()
+    low_scales, low_mins = q[..., 0:4] & 63, q[..., 4:8] & 63
+    high_scales = (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)
+    high_mins = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    return torch.cat((low_scales, high_scales), -1).to(torch.uint8), torch.cat((low_mins, high_mins), -1).to(torch.uint8)
+
+
+def _k_levels(qs: Tensor, fifth: Tensor | None) -> Tensor:
+    """Q4_K / Q5_K levels of a super-block (..., 256): group 2p reads the low nibbles of bytes
+    32p..32p+31, group 2p + 1 their high nibbles; with Q5_K, bit j of byte l of the 32 high-bit bytes
+    is the fifth bit of input l of group j."""
+    pairs = qs.unflatten(-1, (4, 32))                                    # (..., 4, 32)
+    levels = torch.stack((pairs & 0x0F, pairs >> 4), dim=-2).flatten(-3)  # (..., 256): groups 0..7
+    if fifth is not None:
+        bit = (fifth[..., None, :].long() >> torch.arange(8)[:, None]) & 1  # (..., 8 groups, 32)
+        levels = levels | (bit.flatten(-2) << 4).to(torch.uint8)
+    return levels
+
+
+def _q6_k_levels(ql: Tensor, qh: Tensor) -> Tensor:
+    """Q6_K levels of a super-block (..., 256). Each half of 128 inputs reads 64 bytes of nibbles and
+    32 bytes of 2-bit highs: input 32j + l takes the low (j = 0, 1) or high (j = 2, 3) nibble of byte
+    l (j even) or l + 32 (j odd) and bits 2j, 2j + 1 of high byte l."""
+    halves = []
+    for n in range(2):
+        low, high = ql[..., 64 * n:64 * n + 64].long(), qh[..., 32 * n:32 * n + 32].long()
+        nibble = [low[..., :32] & 0xF, low[..., 32:] & 0xF, low[..., :32] >> 4, low[..., 32:] >> 4]
+        halves += [nibble[j] | (((high >> (2 * j)) & 3) << 4) for j in range(4)]
+    return torch.cat(halves, dim=-1).to(torch.uint8)
+
+
+def _super_fields(blocks: Tensor, qtype: str) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
+    """(levels (rows, n_supers, 256), sub-scales, sub-minimums or None, d, -dmin or None) of K-quant blocks."""
+    if qtype == "q6_k":
+        levels = _q6_k_levels(blocks[..., :128], blocks[..., 128:192])
+        return levels, blocks[..., 192:208].contiguous().view(torch.int8), None, _fp16_field(blocks, 208), None
+    scales, mins = _k_scales(blocks[..., 4:16])
+    fifth = blocks[..., 16:48] if qtype == "q5_k" else None
+    levels = _k_levels(blocks[..., 48:] if fifth is not None else blocks[..., 16:], fifth)
+    return levels, scales, mins, _fp16_field(blocks, 0), -_fp16_field(blocks, 2)
+
+
+def block_matrix(weight_blocks: UInt8[Tensor, "rows row_bytes"], qtype: str) -> QuantizedMatrix:
+    """The blocks as the kernels' readable `QuantizedMatrix`: unsigned levels (q8_0's int8 as q + 128),
+    the fp16 scales d and minimums m, or the K-quants' integer sub-scales with d (and -dmin) as
+    super-scales, exactly as stored."""
+    if qtype not in FORMATS:
+        raise ValueError(f"unknown block format {qtype!r}; glasslm reads {', '.join(FORMATS)}")
+    fmt = FORMATS[qtype]
+    rows, row_bytes = weight_blocks.shape
+    if row_bytes % fmt.bytes:
+        raise ValueError(f"a {qtype} row has a multiple of {fmt.bytes} bytes, got {row_bytes}")
+    blocks = weight_blocks.reshape(rows, row_bytes // fmt.bytes, fmt.bytes)   # (rows, n_blocks, block_bytes)
+    if fmt.inputs == BLOCK_SIZE:
+        levels, d, m = _small_fields(blocks, qtype)
+        return QuantizedMatrix(levels.reshape(rows, -1), d, m, fmt.bits, fmt.offset)
+    levels, scales, mins, d, neg_dmin = _super_fields(blocks, qtype)
+    return QuantizedMatrix(levels.reshape(rows, -1), scales.reshape(rows, -1),
+                           None if mins is None else mins.reshape(rows, -1), fmt.bits, fmt.offset, fmt.group_size,
+                           super_scales=d, super_mins=neg_dmin)
 
 
 def block_fields(
     weight_blocks: UInt8[Tensor, "rows row_bytes"], qtype: str
 ) -> tuple[Tensor, Float[Tensor, "rows n_blocks"], Float[Tensor, "rows n_blocks"] | None]:
-    """(levels q (rows, n_blocks * 32), d, m or None) of a block-quantized matrix.
-
-    q is uint8 0..15 for the 4-bit formats (in input order), int8 for q8_0.
-    """
-    if qtype not in BLOCK_BYTES:
-        raise ValueError(f"unknown block format {qtype!r}; glasslm reads {', '.join(BLOCK_BYTES)}")
-    rows, row_bytes = weight_blocks.shape
-    size = BLOCK_BYTES[qtype]
-    if row_bytes % size:
-        raise ValueError(f"a {qtype} row has a multiple of {size} bytes, got {row_bytes}")
-    blocks = weight_blocks.reshape(rows, row_bytes // size, size)   # (rows, n_blocks, block_bytes)
-    d = _fp16_field(blocks, 0)
-    if qtype == "q8_0":
-        return blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1), d, None
-    header = 4 if qtype == "q4_1" else 2
-    nibbles = blocks[..., header:]                                   # (rows, n_blocks, 16)
-    levels = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1)       # low nibbles are inputs 0..15
-    m = _fp16_field(blocks, 2) if qtype == "q4_1" else None
-    return levels.reshape(rows, -1), d, m
+    """(levels q (rows, n_blocks * 32), d, m or None) of a small-block matrix (q4_0, q4_1, q5_0, q5_1, q8_0):
+    q unsigned 0..15 or 0..31 (in input order) for the 4- and 5-bit formats, int8 for q8_0."""
+    if FORMATS.get(qtype, FORMATS["q4_k"]).inputs != BLOCK_SIZE:
+        raise ValueError(f"block_fields reads {', '.join(QUANTIZABLE)}, not {qtype!r}")
+    matrix = block_matrix(weight_blocks, qtype)
+    levels = (matrix.levels ^ 0x80).view(torch.int8) if qtype == "q8_0" else matrix.levels
+    return levels, matrix.scales.float(), None if matrix.mins is None else matrix.mins.float()
 
 
 def dequantize_blocks(weight_blocks: UInt8[Tensor, "rows row_bytes"], qtype: str) -> Float[Tensor, "rows d_in"]:
     """The float32 matrix a block-quantized one stands for, exactly as ggml computes it."""
-    levels, d, m = block_fields(weight_blocks, qtype)
-    rows = levels.shape[0]
-    q = levels.float().reshape(rows, -1, BLOCK_SIZE)                  # (rows, n_blocks, 32)
-    if qtype == "q4_0":
-        q = q - 8
-    weight = q * d[..., None]
-    if m is not None:
-        weight = weight + m[..., None]
-    return weight.reshape(rows, -1)
-
-
-def block_matrix(weight_blocks: UInt8[Tensor, "rows row_bytes"], qtype: str) -> QuantizedMatrix:
-    """The blocks as the kernels' `QuantizedMatrix`: unsigned levels (q8_0's int8 as q + 128, offset
-    128; q4_0's offset 8), the fp16 scales d and q4_1's minimums m, exactly as stored."""
-    levels, d, m = block_fields(weight_blocks, qtype)
-    if qtype == "q8_0":
-        levels = levels.view(torch.uint8) ^ 0x80  # two's complement q -> q + 128
-    return QuantizedMatrix(levels, d.half(), None if m is None else m.half(), 8 if qtype == "q8_0" else 4, OFFSETS[qtype])
+    return block_matrix(weight_blocks, qtype).weight()
 
 
 def quantize_blocks(weight: Float[Tensor, "rows d_in"], qtype: str) -> UInt8[Tensor, "rows row_bytes"]:
@@ -124,16 +216,17 @@ def quantize_blocks(weight: Float[Tensor, "rows d_in"], qtype: str) -> UInt8[Ten
 
 
 class BlockLinear(nn.Module):
-    """A Linear whose weight is llama.cpp blocks (q4_0, q4_1 or q8_0), used as they are."""
+    """A Linear whose weight is llama.cpp blocks (any of FORMATS), used as they are."""
 
     def __init__(self, d_in: int, d_out: int, qtype: str, bias: bool = True, impl: str = "fast"):
         super().__init__()
-        if qtype not in LAYER_FORMATS:
-            raise ValueError(f"a BlockLinear holds {' or '.join(LAYER_FORMATS)}, not {qtype!r}")
-        if d_in % BLOCK_SIZE:
-            raise ValueError(f"{qtype} quantizes rows in blocks of {BLOCK_SIZE}; d_in {d_in} does not divide")
+        if qtype not in FORMATS:
+            raise ValueError(f"a BlockLinear holds {', '.join(FORMATS)}, not {qtype!r}")
+        inputs = FORMATS[qtype].inputs
+        if d_in % inputs:
+            raise ValueError(f"{qtype} quantizes rows in blocks of {inputs}; d_in {d_in} does not divide")
         self.d_in, self.d_out, self.qtype, self.impl = d_in, d_out, qtype, impl
-        row_bytes = d_in // BLOCK_SIZE * BLOCK_BYTES[qtype]
+        row_bytes = d_in // inputs * FORMATS[qtype].bytes
         self.register_buffer("weight_blocks", torch.zeros(d_out, row_bytes, dtype=torch.uint8))
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
         # The kernels' layout of the weight (or, without the C++ kernels, PyTorch's int4 kernel's
@@ -147,7 +240,7 @@ class BlockLinear(nn.Module):
     @classmethod
     def from_blocks(cls, weight_blocks: Tensor, bias: Tensor | None, qtype: str, impl: str = "fast") -> "BlockLinear":
         d_out, row_bytes = weight_blocks.shape
-        layer = cls(row_bytes // BLOCK_BYTES[qtype] * BLOCK_SIZE, d_out, qtype, bias=False, impl=impl)
+        layer = cls(row_bytes // FORMATS[qtype].bytes * FORMATS[qtype].inputs, d_out, qtype, bias=False, impl=impl)
         layer.weight_blocks = weight_blocks.to(torch.uint8)
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -184,28 +277,29 @@ class BlockLinear(nn.Module):
         kernel = self._kernel_operands()
         if isinstance(kernel, PackedMatrix):
             return qlinear(x, kernel, self.bias)
-        if isinstance(kernel, Tensor):  # q8_0 without the C++ kernels: its float weight
+        if isinstance(kernel, Tensor):  # all but q4_0 / q4_1 without the C++ kernels: the float weight
             return F.linear(x, kernel.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return int4_kernel_linear(x, kernel, BLOCK_SIZE, self.d_out, self.bias)
 
     def _kernel_operands(self) -> PackedMatrix | tuple[Tensor, Tensor] | Tensor:
         """What the fast path multiplies with, made once per set of weights: the C++ kernels' packed
-        matrix, else PyTorch's int4 kernel's operands (scale d and zero, the value of level 8, m + 8d),
-        else (q8_0) the float weight."""
+        matrix, else PyTorch's int4 kernel's operands for q4_0 / q4_1 (scale d and zero, the value of
+        level 8, m + 8d), else the float weight."""
         kernel = self._kernel
         device = None if kernel is None else (kernel.device if not isinstance(kernel, tuple) else kernel[0].device)
         if kernel is None or device != self.weight_blocks.device:
             ops = kernel_ops()
+            fmt = FORMATS[self.qtype]
             if ops is not None and self.weight_blocks.device.type == "cpu":
                 # The C++ packer reads the blocks directly: pack(self.quantized_matrix()), byte for byte.
-                levels, scales, mins = ops.pack_ggml(self.weight_blocks, self.qtype)
-                kernel = PackedMatrix(levels, scales, mins, 8 if self.qtype == "q8_0" else 4,
-                                      OFFSETS[self.qtype], 1, self.d_out, None)
-            elif self.qtype == "q8_0":
-                kernel = self.dequantized_weight()
-            else:
+                levels, scales, mins, supers, super_mins = ops.pack_ggml(self.weight_blocks, self.qtype)
+                kernel = PackedMatrix(levels, scales, mins, fmt.bits, fmt.offset, fmt.group_size, self.d_out, None,
+                                      supers, super_mins, 0 if supers is None else 256 // fmt.group_size)
+            elif self.qtype in ("q4_0", "q4_1"):
                 levels, d, m = block_fields(self.weight_blocks, self.qtype)
                 kernel = int4_kernel_operands(levels, d, torch.zeros_like(d) if m is None else m + 8 * d)
+            else:
+                kernel = self.dequantized_weight()
             self._kernel = kernel
         return kernel
 
@@ -241,11 +335,12 @@ class BlockOptions:
     layers: list[str] | None = None
 
 
-def _block_targets(model: nn.Module, options: BlockOptions) -> list[str]:
-    """The names of the float Linear layers to replace (every one named must be one)."""
+def _block_targets(model: nn.Module, options: BlockOptions, inputs: int) -> list[str]:
+    """The names of the float Linear layers to replace (every one named must be one; without names,
+    those whose rows divide into the format's blocks of `inputs`)."""
     linears = {name for name, m in model.named_modules() if isinstance(m, Linear)}
     if options.layers is None:
-        return sorted(name for name in linears if model.get_submodule(name).weight.shape[1] % BLOCK_SIZE == 0)
+        return sorted(name for name in linears if model.get_submodule(name).weight.shape[1] % inputs == 0)
     quantized = {name for name, m in model.named_modules() if isinstance(m, (Int8Linear, Int4Linear, BlockLinear))}
     if _tied(model):
         linears.add(UNEMBED)
@@ -264,9 +359,13 @@ def _tied(model: nn.Module) -> bool:
 def _apply(qtype: str, model: nn.Module, options: BlockOptions, quantize: bool) -> None:
     """Replace the chosen Linears by `qtype` BlockLinears: quantized from their weights, or (on
     rebuild, for a checkpoint's weights to be assigned) empty."""
+    if quantize and qtype not in QUANTIZABLE:
+        raise ValueError(f"glasslm reads {qtype} blocks but cannot write them: llama.cpp's quantizer makes them "
+                         f"(llama-quantize); glasslm quantizes to {', '.join(QUANTIZABLE)}")
     impl = getattr(getattr(model, "config", None), "impl", "fast")
     tied = _tied(model) and (options.layers is None or UNEMBED in options.layers)
-    for name in _block_targets(model, options):
+    inputs = FORMATS[qtype].inputs
+    for name in _block_targets(model, options, inputs):
         if name == UNEMBED and tied:
             continue  # made from the embedding below
         parent_name, _, child_name = name.rpartition(".")
@@ -275,7 +374,7 @@ def _apply(qtype: str, model: nn.Module, options: BlockOptions, quantize: bool) 
         layer = (BlockLinear.from_weight(child.weight, child.bias, qtype, impl) if quantize
                  else BlockLinear(d_in, d_out, qtype, child.bias is not None, impl).to(child.weight.device))
         setattr(model.get_submodule(parent_name) if parent_name else model, child_name, layer)
-    if tied and model.embed.weight.shape[1] % BLOCK_SIZE == 0:
+    if tied and model.embed.weight.shape[1] % inputs == 0:
         embed = model.embed.weight
         model.unembed = (BlockLinear.from_weight(embed, None, qtype, impl) if quantize
                          else BlockLinear(embed.shape[1], embed.shape[0], qtype, False, impl).to(embed.device))
@@ -289,4 +388,9 @@ def _block_transform(qtype: str, summary: str) -> Transform:
 
 Q4_0 = _block_transform("q4_0", "llama.cpp's Q4_0 blocks: 32 weights share an fp16 scale (4.5 bits per weight)")
 Q4_1 = _block_transform("q4_1", "llama.cpp's Q4_1 blocks: 32 weights share an fp16 scale and minimum (5 bits per weight)")
+Q5_0 = _block_transform("q5_0", "llama.cpp's Q5_0 blocks: 32 five-bit weights share an fp16 scale (5.5 bits per weight)")
+Q5_1 = _block_transform("q5_1", "llama.cpp's Q5_1 blocks: 32 five-bit weights share an fp16 scale and minimum (6 bits per weight)")
 Q8_0 = _block_transform("q8_0", "llama.cpp's Q8_0 blocks: 32 int8 weights share an fp16 scale (8.5 bits per weight)")
+Q4_K = _block_transform("q4_k", "llama.cpp's Q4_K super-blocks of 256 (4.5 bits per weight; read from GGUF files, not written)")
+Q5_K = _block_transform("q5_k", "llama.cpp's Q5_K super-blocks of 256 (5.5 bits per weight; read from GGUF files, not written)")
+Q6_K = _block_transform("q6_k", "llama.cpp's Q6_K super-blocks of 256 (6.56 bits per weight; read from GGUF files, not written)")

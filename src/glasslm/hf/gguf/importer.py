@@ -4,11 +4,13 @@ The file's architecture picks the family (`family_reading_gguf`), whose GGUF for
 metadata into a config.json and whose weight table — the same one Hugging Face directories are
 read with — turns the tensors into ours, after the form has undone llama.cpp's tensor changes.
 
-Tensors in a block format glasslm runs (Q4_0, Q4_1, Q8_0) stay in their blocks when they are
-Linear weights and nothing between the file and the model does more than reorder their rows:
-we find that out by sending each source row's number through the same steps (a column of row
-numbers must come out as a permutation of them; a transpose or any arithmetic shows up). Those
-layers become `BlockLinear`s, recorded as the `q4_0` / `q4_1` / `q8_0` transforms. A file without
+Tensors in a block format glasslm runs (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stay in
+their blocks when they are Linear weights and nothing between the file and the model does more than
+reorder their rows: we find that out by sending each source row's number through the same steps (a
+column of row numbers must come out as a permutation of them; a transpose or any arithmetic shows
+up). Those layers become `BlockLinear`s, recorded as the `q4_0` ... `q6_k` transforms. Where a fused
+layer's sources come in different formats (a mixed Q4_K_M file's attn_q, attn_k and attn_v), the
+layer is first split into parts by source (`row_split`) and each part keeps its own. A file without
 an output matrix unembeds with its token embedding, as llama.cpp does: where that embedding is in
 one of these formats, the model's unembedding is a `BlockLinear` of the embedding's own blocks
 (`unembed` in the transform's layers), while the lookup table is dequantized. Every other tensor
@@ -30,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -167,35 +170,81 @@ class _Reading:
         return order.long() if torch.equal(order.sort().values, torch.arange(start, dtype=torch.float64)) else None
 
 
+@dataclasses.dataclass
+class _Plan:
+    """What to load: our name -> tensor maker, the block layers per format, the split layers, and
+    which tensors were kept in their blocks or dequantized (per format, for the summary)."""
+
+    tensors: dict[str, Callable[[], Tensor]] = dataclasses.field(default_factory=dict)
+    layers: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    splits: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    kept: Counter = dataclasses.field(default_factory=Counter)
+    dequantized: Counter = dataclasses.field(default_factory=Counter)
+
+    def keep(self, layer: str, qtype: str, make: Callable[[], Tensor], count: int = 1) -> None:
+        self.tensors[layer + ".weight_blocks"] = make
+        self.layers.setdefault(qtype, []).append(layer)
+        self.kept.update({qtype: count})
+
+    def records(self) -> list[dict[str, Any]]:
+        """The transforms that give an empty model this structure: splits first, then each format."""
+        split = [{"name": "row_split", "layers": self.splits}] if self.splits else []
+        return split + [{"name": qtype, "layers": sorted(names)} for qtype, names in sorted(self.layers.items())]
+
+
+def _keep_blocks(reading: _Reading, plan: _Plan, layer: str, hf_names: tuple[str, ...],
+                 to_ours: Callable[..., Tensor]) -> bool:
+    """Plans `layer` kept in its file's blocks, if its rows are the sources' rows reordered: as one
+    block layer where the sources share a format, else (llama.cpp's mixed files: attn_q / attn_k in
+    one format, attn_v in another) as a row split whose parts each keep their source's format,
+    provided each source's rows stay within its own part. False: the layer must be dequantized."""
+    sources = [reading.names[n] for n in hf_names]
+    qtypes = [reading.file.qtype(g) for g in sources]
+    order = reading.row_order(hf_names, to_ours) if set(qtypes) <= set(LAYER_FORMATS) else None
+    if order is None:
+        return False
+    file = reading.file
+    if len(set(qtypes)) == 1:
+        plan.keep(layer, qtypes[0], lambda: torch.cat([file.blocks(g) for g in sources])[order], len(sources))
+        return True
+    # One part per run of sources in the same format (q and k together, v apart).
+    runs = [list(group) for _, group in itertools.groupby(zip(sources, qtypes), key=lambda pair: pair[1])]
+    sizes = [sum(file.shape(g)[0] for g, _ in run) for run in runs]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    if any(not torch.equal(order[s:s + n].sort().values, torch.arange(s, s + n)) for s, n in zip(starts, sizes)):
+        return False  # rows move between parts: no split keeps them
+    plan.splits[layer] = sizes
+    for i, (run, start, rows) in enumerate(zip(runs, starts, sizes)):
+        names, within = [g for g, _ in run], order[start:start + rows] - start
+        plan.keep(f"{layer}.parts.{i}", run[0][1],
+                  lambda names=names, within=within: torch.cat([file.blocks(g) for g in names])[within], len(names))
+    return True
+
+
+def _split_biases(plan: _Plan) -> None:
+    """A split layer's bias becomes its parts' biases (the same numbers, cut at the parts' rows)."""
+    for layer, sizes in plan.splits.items():
+        make = plan.tensors.pop(layer + ".bias", None)
+        if make is None:
+            continue
+        for i, start in enumerate(sum(sizes[:i]) for i in range(len(sizes))):
+            plan.tensors[f"{layer}.parts.{i}.bias"] = lambda start=start, rows=sizes[i]: make()[start:start + rows]
+
+
 def _plan_tensors(reading: _Reading, table: WeightTable, linears: set[str], keep_blocks: bool):
     """(our name -> tensor maker, transform records, kept Counter, dequantized Counter)."""
-    tensors: dict[str, Callable[[], Tensor]] = {}
-    layers: dict[str, list[str]] = {}
-    kept, dequantized = Counter(), Counter()
+    plan = _Plan()
     for ours, (hf_names, to_ours, _) in table.entries.items():
-        qtypes = {reading.file.qtype(reading.names[n]) for n in hf_names}
         layer = ours.removesuffix(".weight")
-        order = None
-        if keep_blocks and layer in linears and len(qtypes) == 1 and qtypes <= set(LAYER_FORMATS):
-            order = reading.row_order(hf_names, to_ours)
-        if order is not None:
-            qtype = qtypes.pop()
-            sources = [reading.names[n] for n in hf_names]
-            tensors[layer + ".weight_blocks"] = (
-                lambda sources=sources, order=order: torch.cat([reading.file.blocks(g) for g in sources])[order])
-            layers.setdefault(qtype, []).append(layer)
-            kept.update({qtype: len(hf_names)})
-        else:
-            tensors[ours] = lambda hf_names=hf_names, to_ours=to_ours: to_ours(*map(reading.hf_tensor, hf_names))
-            dequantized.update(reading.file.qtype(reading.names[n]) for n in hf_names)
+        if keep_blocks and layer in linears and _keep_blocks(reading, plan, layer, hf_names, to_ours):
+            continue
+        plan.tensors[ours] = lambda hf_names=hf_names, to_ours=to_ours: to_ours(*map(reading.hf_tensor, hf_names))
+        plan.dequantized.update(reading.file.qtype(reading.names[n]) for n in hf_names)
+    _split_biases(plan)
     tied = _tied_unembedding(reading, table, keep_blocks)
     if tied is not None:
-        qtype, make = tied
-        tensors[UNEMBED + ".weight_blocks"] = make
-        layers.setdefault(qtype, []).append(UNEMBED)
-        kept.update({qtype: 1})
-    records = [{"name": qtype, "layers": sorted(names)} for qtype, names in sorted(layers.items())]
-    return tensors, records, kept, dequantized
+        plan.keep(UNEMBED, *tied)
+    return plan.tensors, plan.records(), plan.kept, plan.dequantized
 
 
 def _tied_unembedding(reading: _Reading, table: WeightTable, keep_blocks: bool) -> tuple[str, Callable[[], Tensor]] | None:
