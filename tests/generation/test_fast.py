@@ -112,7 +112,7 @@ def window_logits(model: TransformerLM, fast: FastDecoder, rows: list[list[int]]
     return torch.stack(logits)
 
 
-@pytest.mark.parametrize("transform", ["int8", "int4", "q8_0", "q4_1", "q5_0", "q5_1"])
+@pytest.mark.parametrize("transform", ["int8", "int4", "q8_0", "q4_1", "q5_0", "q5_1", "f16", "bf16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_native_blocks_step_as_the_python_step(family, transform):
     """kernels/block.cpp runs a whole block in C++: every family's quantized blocks, ragged rows included,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from glasslm.kernels import build
 from glasslm.kernels.qmatmul import (
     QuantizedMatrix, activation_error_bound, activation_rows, dequantize_rows, float_error_bound, kernel_ops, pack,
-    panel_block_bytes, qlinear, qmatmul, qmatmul_reference, quantize_block_rows, quantize_rows_reference,
+    pack_half, panel_block_bytes, qlinear, qmatmul, qmatmul_reference, quantize_block_rows, quantize_rows_reference,
     summation_error_bound, unpack_levels,
 )
 from glasslm.transforms.ggml import FORMATS, block_matrix, quantize_blocks
@@ -142,6 +142,25 @@ def test_every_path_gives_each_row_what_it_alone_gets(kind):
     reference = qmatmul_reference(*quantize_rows_reference(x), matrix)
     for out in outs.values():
         assert torch.all((out - reference).abs() <= float_error_bound(x, matrix))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_16_bit_weights_multiply_float_rows_to_float_rounding(isa, dtype, rows):
+    """fp16 / bf16 weights (GGUF F16, BF16) against float32 rows: the float product of the weights'
+    exact values, within float32 summation rounding, not the product of rows rounded to 16 bits."""
+    g = torch.Generator().manual_seed(2)
+    weight = (torch.randn(70, 512, generator=g) * torch.logspace(-3, 0, 70)[:, None]).to(dtype)
+    x, bias = activations(rows), torch.randn(70, generator=g)
+    packed = pack_half(weight)
+    assert packed.levels.shape == (5, 16, 512) and packed.levels[0, 1, 16 * 3 + 2] == weight[2, 32 + 3]
+    got = qlinear(x, packed, bias)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    bound = 2 * (512 + 8) * 2**-24 * (x.double().abs() @ weight.double().abs().T + bias.double().abs())
+    assert torch.all((got.double() - exact).abs() <= bound)
+    # Rows rounded to 16 bits first would be ~100x (fp16) to ~1000x (bf16) further off.
+    rounded_rows = F.linear(x.to(dtype).double(), weight.double(), bias.double())
+    assert (got.double() - exact).abs().max() < 0.05 * (rounded_rows - exact).abs().max()
 
 
 # --- llama.cpp's own code, through the libraries llama-cpp-python ships ------------------------

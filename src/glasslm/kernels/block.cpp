@@ -37,7 +37,7 @@ namespace glasslm_kernels {
 
 // qmatmul.cpp and decode.cpp
 struct Weights;
-std::shared_ptr<const Weights> checked_weights(const at::Tensor& levels, const at::Tensor& scales,
+std::shared_ptr<const Weights> checked_weights(const at::Tensor& levels, const std::optional<at::Tensor>& scales,
                                                const std::optional<at::Tensor>& mins,
                                                const std::optional<at::Tensor>& super_scales,
                                                const std::optional<at::Tensor>& super_mins, int64_t bits, int64_t offset,
@@ -126,14 +126,15 @@ struct Block : torch::CustomClassHolder {
   }
 
   // Adds a part to product `which` (a row split's next rows; the first call for a plain matrix).
-  void add_matrix(int64_t which, const at::Tensor& levels, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+  void add_matrix(int64_t which, const at::Tensor& levels, const std::optional<at::Tensor>& scales,
+                  const std::optional<at::Tensor>& mins,
                   const std::optional<at::Tensor>& super_scales, const std::optional<at::Tensor>& super_mins, int64_t bits,
                   int64_t offset, int64_t group_size, int64_t super_groups, int64_t d_out,
                   const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& bias) {
     TORCH_CHECK(which >= kQkv && which <= kDown, "Block.add_matrix: bad slot");
     Matrix& matrix = products[which];
-    matrix.operands.insert(matrix.operands.end(), {levels, scales});
-    for (const auto* optional : {&mins, &super_scales, &super_mins, &row_scale, &bias}) {
+    matrix.operands.push_back(levels);
+    for (const auto* optional : {&scales, &mins, &super_scales, &super_mins, &row_scale, &bias}) {
       if (*optional) matrix.operands.push_back(**optional);
     }
     matrix.parts.push_back(checked_weights(levels, scales, mins, super_scales, super_mins, bits, offset, group_size,

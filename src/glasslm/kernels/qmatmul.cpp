@@ -122,8 +122,11 @@ struct Weights {
   const float* row_scale;  // (d_out) or null
   const float* bias;       // (d_out) or null
 
-  // 16 rows x 32 levels: the low four bits as nibbles (or whole bytes at 8 bits), a 64-byte plane per higher bit.
-  int64_t panel_block_bytes() const { return bits == 8 ? kPanel * kBlock : kPanel * kBlock / 2 + 64 * (bits - 4); }
+  // 16 rows x 32 levels: the low four bits as nibbles (or whole bytes at 8 bits), a 64-byte plane per
+  // higher bit; 16-bit weights (fp16 or bf16 as scale_kind says, no scales) as they are.
+  int64_t panel_block_bytes() const {
+    return bits >= 8 ? kPanel * kBlock * bits / 8 : kPanel * kBlock / 2 + 64 * (bits - 4);
+  }
   bool halves() const { return group_size == kBlock / 2; }
   int64_t group_blocks() const { return halves() ? 1 : group_size / kBlock; }
   int64_t supers() const { return super_groups > 0 ? groups / super_groups : 0; }
@@ -140,6 +143,7 @@ struct Rows {
   const float* d;        // (2 * count, blocks)
   const int32_t* sums;   // (2 * count, blocks)
   int64_t count, blocks;
+  const float* x = nullptr;  // (count, blocks * 32): the rows themselves, for 16-bit weights
 
   const int8_t* levels(int64_t row, int pass, int64_t block) const {
     return q + ((kPasses * row + pass) * blocks + block) * kBlock;
@@ -186,7 +190,29 @@ int32_t level_sum(const int8_t* xq, int begin, int end) {
   return total;
 }
 
+// 16-bit weights, packed (panels, blocks, 32 inputs x 16 rows): input i's 16 rows side by side.
+void tile16_scalar(const Weights& w, const Rows& x, int64_t panel, int64_t row0, int rows, float* y, int64_t ld_y) {
+  const int64_t width = w.blocks * kBlock;
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(w.levels) + panel * width * kPanel;
+  for (int64_t row = row0; row < row0 + rows; ++row) {
+    float acc[kPanel] = {};
+    for (int64_t i = 0; i < width; ++i) {
+      const float xi = x.x[row * width + i];
+      for (int lane = 0; lane < kPanel; ++lane) {
+        const uint16_t bits = p[i * kPanel + lane];
+        const float value = w.scale_kind == kBf16 ? static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()))
+                                                  : half_value(bits);
+        acc[lane] += xi * value;
+      }
+    }
+    for (int lane = 0; lane < kPanel && panel * kPanel + lane < w.d_out; ++lane) {
+      y[row * ld_y + panel * kPanel + lane] = w.bias != nullptr ? acc[lane] + w.bias[panel * kPanel + lane] : acc[lane];
+    }
+  }
+}
+
 void tile_scalar(const Weights& w, const Rows& x, int64_t panel, int64_t row0, int rows, float* y, int64_t ld_y) {
+  if (w.bits == 16) return tile16_scalar(w, x, panel, row0, rows, y, ld_y);
   const int64_t step = w.panel_block_bytes();
   const int parts = w.halves() ? 2 : 1, width = kBlock / parts;  // a half-block group is its own part
   for (int64_t row = row0; row < row0 + rows; ++row) {
@@ -378,6 +404,39 @@ GLASSLM_AVX512 void tile_halves_avx512(const Weights& w, const Rows& x, int64_t 
   store_tile512<ROWS>(w, acc, panel, row0, y, ld_y);
 }
 
+// 16 rows' fp16 or bf16 weights of one input, as float32.
+template <bool BF16>
+GLASSLM_AVX512 inline __m512 weights16_512(const uint16_t* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return _mm512_cvtph_ps(bits);
+}
+
+// 16-bit weights against float32 rows: one multiply-add per input for all 16 rows, four chains of
+// inputs (i mod 4) so consecutive multiply-adds do not wait on each other.
+template <bool BF16, int ROWS>
+GLASSLM_AVX512 void tile16_avx512(const Weights& w, const Rows& x, int64_t panel, int64_t row0, float* y, int64_t ld_y) {
+  const int64_t width = w.blocks * kBlock;
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(w.levels) + panel * width * kPanel;
+  __m512 acc[ROWS][4];
+  for (int r = 0; r < ROWS; ++r) {
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < width; i += 4, p += 4 * kPanel) {
+    _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + 64, _MM_HINT_T1);
+    __m512 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = weights16_512<BF16>(p + j * kPanel);
+    for (int r = 0; r < ROWS; ++r) {
+      const float* xr = x.x + (row0 + r) * width + i;
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xr[j]), v[j], acc[r][j]);
+    }
+  }
+  __m512 sums[ROWS];
+  for (int r = 0; r < ROWS; ++r) sums[r] = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
+  store_tile512<ROWS>(w, sums, panel, row0, y, ld_y);
+}
+
 // ----------------------------------------------------------------------------------------------
 // AVX2: each panel as two halves of 8 rows (the first and last 32 bytes of every 64-byte chunk);
 // vpmaddubsw multiplies unsigned by signed bytes into int16 pairs, vpmaddwd sums those into int32.
@@ -526,6 +585,38 @@ GLASSLM_AVX2 void tile_avx2(const Weights& w, const Rows& x, int64_t panel, int6
   }
 }
 
+template <bool BF16>
+GLASSLM_AVX2 inline __m256 weights16_256(const uint16_t* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  return _mm256_cvtph_ps(bits);
+}
+
+// 16-bit weights, 8 rows at a time (F16C converts fp16; bf16 is a shift).
+template <bool BF16, int ROWS>
+GLASSLM_AVX2 void tile16_avx2(const Weights& w, const Rows& x, int64_t panel, int64_t row0, float* y, int64_t ld_y) {
+  const int64_t width = w.blocks * kBlock;
+  for (int half = 0; half < 2; ++half) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(w.levels) + panel * width * kPanel + 8 * half;
+    __m256 acc[ROWS][4];
+    for (int r = 0; r < ROWS; ++r) {
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+    }
+    for (int64_t i = 0; i < width; i += 4, p += 4 * kPanel) {
+      if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T1);
+      __m256 v[4];
+      for (int j = 0; j < 4; ++j) v[j] = weights16_256<BF16>(p + j * kPanel);
+      for (int r = 0; r < ROWS; ++r) {
+        const float* xr = x.x + (row0 + r) * width + i;
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(xr[j]), v[j], acc[r][j]);
+      }
+    }
+    __m256 sums[ROWS];
+    for (int r = 0; r < ROWS; ++r) sums[r] = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3]));
+    store_half_tile256<ROWS>(w, sums, panel, half, row0, y, ld_y);
+  }
+}
+
 #endif  // GLASSLM_X86
 
 // ----------------------------------------------------------------------------------------------
@@ -550,6 +641,7 @@ template <template <int, int, bool, bool, int> class Pick>
 TileFn pick_tile(const Weights& w, int rows) {
   const bool mins = w.mins != nullptr;
   const int kind = w.scale_kind;
+  if (w.bits == 16) return kind == kBf16 ? pick_rows<Pick, 16, kBf16, false, false>(rows) : pick_rows<Pick, 16, kHalf, false, false>(rows);
   if (w.halves()) {
     return w.bits == 6 && kind == kSubI8 && !mins ? pick_rows<Pick, 6, kSubI8, false, true>(rows) : nullptr;
   }
@@ -568,7 +660,9 @@ TileFn pick_tile(const Weights& w, int rows) {
 template <int BITS, int SCALE, bool MINS, bool HALVES, int ROWS>
 struct Avx512Tile {
   static constexpr TileFn pick() {
-    if constexpr (HALVES) {
+    if constexpr (BITS == 16) {
+      return tile16_avx512<SCALE == kBf16, ROWS>;
+    } else if constexpr (HALVES) {
       return tile_halves_avx512<BITS, SCALE, MINS, ROWS>;
     } else {
       return tile_avx512<BITS, SCALE, MINS, ROWS>;
@@ -578,7 +672,14 @@ struct Avx512Tile {
 };
 template <int BITS, int SCALE, bool MINS, bool HALVES, int ROWS>
 struct Avx2Tile {
-  static constexpr TileFn fn = tile_avx2<BITS, SCALE, MINS, HALVES, ROWS>;
+  static constexpr TileFn pick() {
+    if constexpr (BITS == 16) {
+      return tile16_avx2<SCALE == kBf16, ROWS>;
+    } else {
+      return tile_avx2<BITS, SCALE, MINS, HALVES, ROWS>;
+    }
+  }
+  static constexpr TileFn fn = pick();
 };
 #endif
 
@@ -721,7 +822,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
 // A matrix's operands as the ops take them (qmatmul.py's PackedMatrix.operands()).
 struct Operands {
   const at::Tensor& levels;
-  const at::Tensor& scales;
+  const std::optional<at::Tensor>& scales;
   const std::optional<at::Tensor>& mins;
   const std::optional<at::Tensor>& super_scales;
   const std::optional<at::Tensor>& super_mins;
@@ -731,7 +832,8 @@ struct Operands {
 };
 
 int scale_kind_of(const Operands& m) {
-  const at::ScalarType type = m.scales.scalar_type();
+  TORCH_CHECK(m.scales, "glasslm_kernels: quantized weights need their scales");
+  const at::ScalarType type = m.scales->scalar_type();
   if (m.super_scales) {
     TORCH_CHECK(type == at::kByte || type == at::kChar, "glasslm_kernels: sub-scales must be uint8 or int8, got ", type);
     return type == at::kByte ? kSubU8 : kSubI8;
@@ -745,9 +847,40 @@ void check_laid_out(const at::Tensor& t, at::ScalarType type, at::IntArrayRef si
               " must be contiguous ", type, " ", sizes, ", got ", t.scalar_type(), " ", t.sizes());
 }
 
+void check_vectors(const Operands& m) {
+  for (const auto* vector : {&m.row_scale, &m.bias}) {
+    if (*vector) {
+      TORCH_CHECK((*vector)->scalar_type() == at::kFloat && (*vector)->is_contiguous() && (*vector)->numel() == m.d_out,
+                  "glasslm_kernels: row scales and bias must be contiguous float32 of d_out values");
+    }
+  }
+}
+
+// 16-bit weights: (panels, blocks, 32 x 16) fp16 or bf16 (qmatmul.py's pack_half), no scales.
+Weights weights16_of(const Operands& m) {
+  const at::ScalarType type = m.levels.scalar_type();
+  TORCH_CHECK((type == at::kHalf || type == at::kBFloat16) && m.levels.dim() == 3 && m.levels.is_contiguous() &&
+                  m.levels.size(2) == kBlock * kPanel,
+              "glasslm_kernels: 16-bit weights must be contiguous fp16 or bf16 (panels, blocks, 512), got ", type, " ",
+              m.levels.sizes());
+  TORCH_CHECK(!m.scales && !m.mins && !m.super_scales && !m.super_mins, "glasslm_kernels: 16-bit weights take no scales");
+  const int64_t panels = m.levels.size(0);
+  TORCH_CHECK(m.d_out > (panels - 1) * kPanel && m.d_out <= panels * kPanel, "glasslm_kernels: d_out ", m.d_out,
+              " does not fit ", panels, " panels of 16 rows");
+  check_vectors(m);
+  Weights w{};
+  w.levels = static_cast<const uint8_t*>(m.levels.const_data_ptr());
+  w.bits = 16, w.scale_kind = type == at::kHalf ? kHalf : kBf16;
+  w.blocks = m.levels.size(1), w.panels = panels, w.d_out = m.d_out, w.group_size = w.blocks * kBlock;
+  w.row_scale = m.row_scale ? m.row_scale->const_data_ptr<float>() : nullptr;
+  w.bias = m.bias ? m.bias->const_data_ptr<float>() : nullptr;
+  return w;
+}
+
 Weights weights_of(const Operands& m) {
   const int64_t bits = m.bits;
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "glasslm_kernels: weights have 4, 5, 6 or 8 bits, got ", bits);
+  if (bits == 16) return weights16_of(m);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "glasslm_kernels: weights have 4, 5, 6, 8 or 16 bits, got ", bits);
   Weights w{};
   w.bits = static_cast<int>(bits);
   TORCH_CHECK(m.levels.scalar_type() == at::kByte && m.levels.dim() == 3 && m.levels.is_contiguous() &&
@@ -760,8 +893,8 @@ Weights weights_of(const Operands& m) {
   w.group_size = m.group_size;
   const int64_t groups = m.group_size == kBlock / 2 ? 2 * blocks : (blocks + w.group_blocks() - 1) / w.group_blocks();
   w.scale_kind = scale_kind_of(m);
-  check_laid_out(m.scales, m.scales.scalar_type(), {panels, groups, kPanel}, "scales");
-  if (m.mins) check_laid_out(*m.mins, m.scales.scalar_type(), {panels, groups, kPanel}, "mins (as the scales)");
+  check_laid_out(*m.scales, m.scales->scalar_type(), {panels, groups, kPanel}, "scales");
+  if (m.mins) check_laid_out(*m.mins, m.scales->scalar_type(), {panels, groups, kPanel}, "mins (as the scales)");
   if (m.super_scales) {
     TORCH_CHECK(m.super_groups > 0 && groups % m.super_groups == 0 && (m.super_groups * m.group_size) % kBlock == 0,
                 "glasslm_kernels: ", groups, " groups do not make whole super-blocks of ", m.super_groups);
@@ -771,14 +904,9 @@ Weights weights_of(const Operands& m) {
   }
   TORCH_CHECK(m.d_out > (panels - 1) * kPanel && m.d_out <= panels * kPanel, "glasslm_kernels: d_out ", m.d_out,
               " does not fit ", panels, " panels of 16 rows");
-  for (const auto* vector : {&m.row_scale, &m.bias}) {
-    if (*vector) {
-      TORCH_CHECK((*vector)->scalar_type() == at::kFloat && (*vector)->is_contiguous() && (*vector)->numel() == m.d_out,
-                  "glasslm_kernels: row scales and bias must be contiguous float32 of d_out values");
-    }
-  }
+  check_vectors(m);
   w.levels = m.levels.const_data_ptr<uint8_t>();
-  w.scales = m.scales.const_data_ptr();
+  w.scales = m.scales->const_data_ptr();
   w.mins = m.mins ? m.mins->const_data_ptr() : nullptr;
   w.super_scales = m.super_scales ? reinterpret_cast<const uint16_t*>(m.super_scales->const_data_ptr()) : nullptr;
   w.super_mins = m.super_mins && m.mins ? reinterpret_cast<const uint16_t*>(m.super_mins->const_data_ptr()) : nullptr;
@@ -811,12 +939,13 @@ Activations given_rows(const at::Tensor& q, const at::Tensor& d, const at::Tenso
 }
 
 at::Tensor qmatmul(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums, int64_t passes,
-                   const at::Tensor& levels, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                   const at::Tensor& levels, const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& mins,
                    const std::optional<at::Tensor>& super_scales, const std::optional<at::Tensor>& super_mins, int64_t bits,
                    int64_t offset, int64_t group_size, int64_t super_groups, int64_t d_out,
                    const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& bias) {
   const Weights w = weights_of({levels, scales, mins, super_scales, super_mins, bits, offset, group_size, super_groups, d_out,
                                 row_scale, bias});
+  TORCH_CHECK(w.bits != 16, "glasslm_kernels: qmatmul takes quantized weights; 16-bit ones take float rows (qlinear)");
   const Activations a = given_rows(q, d, sums, passes, w.blocks);
   const Rows x = a.rows();
   at::Tensor y = at::empty({x.count, d_out}, q.options().dtype(at::kFloat));
@@ -839,6 +968,7 @@ at::Tensor qlinear_parts(const at::Tensor& x, const std::vector<const Weights*>&
   }
   const at::Tensor rows = x.contiguous();
   const int64_t width = x.size(-1), count = rows.numel() / width;
+  const bool quantized = std::any_of(parts.begin(), parts.end(), [](const Weights* w) { return w->bits != 16; });
   // Kept between calls for decoding's few rows; a long prefill's rows get their own tensors, freed after
   // (and never zeroed: quantize_into writes every byte).
   thread_local std::vector<int8_t> kept_q;
@@ -848,7 +978,9 @@ at::Tensor qlinear_parts(const at::Tensor& x, const std::vector<const Weights*>&
   int8_t* q;
   float* d;
   int32_t* sums;
-  if (count * width <= kKeptScratch) {
+  if (!quantized) {
+    q = nullptr, d = nullptr, sums = nullptr;  // 16-bit weights read the float rows
+  } else if (count * width <= kKeptScratch) {
     kept_q.resize(kPasses * count * width);
     kept_d.resize(kPasses * count * first.blocks);
     kept_sums.resize(kPasses * count * first.blocks);
@@ -859,13 +991,14 @@ at::Tensor qlinear_parts(const at::Tensor& x, const std::vector<const Weights*>&
                       at::empty({kPasses * count, first.blocks}, rows.options().dtype(at::kInt))};
     q = own.q.mutable_data_ptr<int8_t>(), d = own.d.mutable_data_ptr<float>(), sums = own.sums.mutable_data_ptr<int32_t>();
   }
-  quantize_into(rows.const_data_ptr<float>(), count, width, q, d, sums);
+  if (quantized) quantize_into(rows.const_data_ptr<float>(), count, width, q, d, sums);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = d_out;
   at::Tensor y = at::empty(shape, x.options());
   int64_t column = 0;
   for (const Weights* w : parts) {
-    matmul_rows(*w, Rows{q, d, sums, count, w->blocks}, y.mutable_data_ptr<float>() + column, d_out);
+    matmul_rows(*w, Rows{q, d, sums, count, w->blocks, rows.const_data_ptr<float>()}, y.mutable_data_ptr<float>() + column,
+                d_out);
     column += w->d_out;
   }
   return y;
@@ -874,7 +1007,7 @@ at::Tensor qlinear_parts(const at::Tensor& x, const std::vector<const Weights*>&
 at::Tensor qlinear_checked(const at::Tensor& x, const Weights& w) { return qlinear_parts(x, {&w}); }
 
 // The checked operands of one matrix, kept by block.cpp (which holds the tensors they point into).
-std::shared_ptr<const Weights> checked_weights(const at::Tensor& levels, const at::Tensor& scales,
+std::shared_ptr<const Weights> checked_weights(const at::Tensor& levels, const std::optional<at::Tensor>& scales,
                                                const std::optional<at::Tensor>& mins,
                                                const std::optional<at::Tensor>& super_scales,
                                                const std::optional<at::Tensor>& super_mins, int64_t bits, int64_t offset,
@@ -886,7 +1019,7 @@ std::shared_ptr<const Weights> checked_weights(const at::Tensor& levels, const a
 }
 
 // quantize_rows then qmatmul, in one call: (..., d_in) float32 -> (..., d_out) float32.
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& levels, const at::Tensor& scales,
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& levels, const std::optional<at::Tensor>& scales,
                    const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& super_scales,
                    const std::optional<at::Tensor>& super_mins, int64_t bits, int64_t offset, int64_t group_size,
                    int64_t super_groups, int64_t d_out, const std::optional<at::Tensor>& row_scale,
@@ -1104,10 +1237,10 @@ pack_ggml(const at::Tensor& blocks, std::string_view qtype) {
 
 TORCH_LIBRARY(glasslm_kernels, m) {
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
-  m.def("qmatmul(Tensor q, Tensor d, Tensor sums, int passes, Tensor levels, Tensor scales, Tensor? mins, "
+  m.def("qmatmul(Tensor q, Tensor d, Tensor sums, int passes, Tensor levels, Tensor? scales, Tensor? mins, "
         "Tensor? super_scales, Tensor? super_mins, int bits, int offset, int group_size, int super_groups, int d_out, "
         "Tensor? row_scale, Tensor? bias) -> Tensor");
-  m.def("qlinear(Tensor x, Tensor levels, Tensor scales, Tensor? mins, Tensor? super_scales, Tensor? super_mins, "
+  m.def("qlinear(Tensor x, Tensor levels, Tensor? scales, Tensor? mins, Tensor? super_scales, Tensor? super_mins, "
         "int bits, int offset, int group_size, int super_groups, int d_out, Tensor? row_scale, Tensor? bias) -> Tensor");
   m.def("pack_levels(Tensor levels, int bits) -> Tensor");
   m.def("pack_ggml(Tensor blocks, str qtype) -> (Tensor, Tensor, Tensor?, Tensor?, Tensor?)");

@@ -47,6 +47,10 @@ matmul of the dequantized operands; the kernels differ from it only in the order
 happen (`float_error_bound`), and from the float product x @ W.T by the activations' rounding,
 at most half a step per input (`activation_error_bound`).
 
+16-bit weights (fp16 or bf16: a GGUF file's F16 and BF16 tensors) take the same kernels' panels
+of 16 rows without levels or scales (`pack_half`): the float32 rows are multiplied by the weights
+converted to float32 in registers, so the product is the float one, to the order of float additions.
+
 Packed layout (`pack`). The kernels read 16 output rows at once: a panel. For each panel and block,
 the 16 x 32 levels are stored as eight chunks k = 0..7 of 64 bytes, byte 4 * row + t of chunk k
 holding input 4k + t of that row, so one 32-bit lane is four inputs of one row and one broadcast of
@@ -241,8 +245,8 @@ def activation_error_bound(x: Float[Tensor, "... d_in"], matrix: QuantizedMatrix
 class PackedMatrix:
     """A `QuantizedMatrix` in the kernels' layout (see the module docstring), plus its shape facts."""
 
-    levels: UInt8[Tensor, "panels blocks chunk"]
-    scales: Tensor                # (panels, groups, 16)
+    levels: Tensor                # uint8 (panels, blocks, chunk); fp16 or bf16 at 16 bits (pack_half)
+    scales: Tensor | None         # (panels, groups, 16); None at 16 bits
     mins: Tensor | None
     bits: int
     offset: int
@@ -338,6 +342,21 @@ def pack(matrix: QuantizedMatrix) -> PackedMatrix:
     super_groups = 0 if matrix.super_scales is None else matrix.super_size // matrix.group_size
     return PackedMatrix(levels, _pack_scales(matrix.scales), mins, matrix.bits, matrix.offset, matrix.group_size,
                         matrix.levels.shape[0], row_scale, *supers, super_groups)
+
+
+def pack_half(weight: Tensor) -> PackedMatrix:
+    """16-bit weights (fp16 or bf16, (d_out, d_in)) as the kernels read them: panels of 16 rows,
+    (panels, d_in / 32, 32 x 16), each input's 16 rows side by side, so one load and one conversion
+    to float32 in registers meet all 16 rows; no scales. The kernels multiply float32 rows by the
+    weights' exact float32 values: the readable definition is F.linear(x, weight.float())."""
+    d_out, d_in = weight.shape
+    if weight.dtype not in (torch.float16, torch.bfloat16) or d_in % BLOCK:
+        raise ValueError(f"the kernels take fp16 or bf16 weights in rows of whole blocks of {BLOCK}; got "
+                         f"{weight.dtype} rows of {d_in}")
+    padded = _pad_rows(weight)
+    panels = padded.shape[0] // PANEL
+    levels = padded.reshape(panels, PANEL, d_in).transpose(1, 2).reshape(panels, d_in // BLOCK, BLOCK * PANEL)
+    return PackedMatrix(levels.contiguous(), None, None, 16, 0, d_in, d_out, None)
 
 
 # --- the calls ----------------------------------------------------------------------------------

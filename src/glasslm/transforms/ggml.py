@@ -58,7 +58,7 @@ from jaxtyping import Float, UInt8
 from torch import Tensor, nn
 
 from glasslm.core.layers import Linear
-from glasslm.kernels.qmatmul import PackedMatrix, QuantizedMatrix, kernel_ops, qlinear
+from glasslm.kernels.qmatmul import PackedMatrix, QuantizedMatrix, kernel_ops, pack_half, qlinear
 from glasslm.transforms.quantize import (
     Int4Linear, Int8Linear, KernelWithInputGradient, int4_kernel_linear, int4_kernel_operands,
 )
@@ -84,9 +84,12 @@ FORMATS = {
     "q8_0": BlockFormat(32, 34, 8, 128, 32),
     "q4_k": BlockFormat(256, 144, 4, 0, 32), "q5_k": BlockFormat(256, 176, 5, 0, 32),
     "q6_k": BlockFormat(256, 210, 6, 32, 16),
+    # 16-bit floats: each weight its own two bytes (fp16, or bf16: float32's top half).
+    "f16": BlockFormat(1, 2, 16, 0, 1), "bf16": BlockFormat(1, 2, 16, 0, 1),
 }
 LAYER_FORMATS = tuple(FORMATS)  # the formats a BlockLinear holds
-QUANTIZABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")  # those glasslm can also write (the gguf package's quantizers)
+HALF_TYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
+QUANTIZABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16")  # those glasslm can also write
 UNEMBED = "unembed"  # the layer name that, in BlockOptions.layers, means a tied unembedding of its own
 
 
@@ -169,8 +172,8 @@ def block_matrix(weight_blocks: UInt8[Tensor, "rows row_bytes"], qtype: str) -> 
     """The blocks as the kernels' readable `QuantizedMatrix`: unsigned levels (q8_0's int8 as q + 128),
     the fp16 scales d and minimums m, or the K-quants' integer sub-scales with d (and -dmin) as
     super-scales, exactly as stored."""
-    if qtype not in FORMATS:
-        raise ValueError(f"unknown block format {qtype!r}; glasslm reads {', '.join(FORMATS)}")
+    if qtype not in FORMATS or qtype in HALF_TYPES:
+        raise ValueError(f"{qtype!r} is not a block format; glasslm reads {', '.join(set(FORMATS) - set(HALF_TYPES))}")
     fmt = FORMATS[qtype]
     rows, row_bytes = weight_blocks.shape
     if row_bytes % fmt.bytes:
@@ -198,8 +201,15 @@ def block_fields(
 
 
 def dequantize_blocks(weight_blocks: UInt8[Tensor, "rows row_bytes"], qtype: str) -> Float[Tensor, "rows d_in"]:
-    """The float32 matrix a block-quantized one stands for, exactly as ggml computes it."""
+    """The float32 matrix a block-quantized (or 16-bit) one stands for, exactly as ggml computes it."""
+    if qtype in HALF_TYPES:
+        return half_weight(weight_blocks, qtype).float()
     return block_matrix(weight_blocks, qtype).weight()
+
+
+def half_weight(weight_blocks: UInt8[Tensor, "rows row_bytes"], qtype: str) -> Tensor:
+    """An f16 or bf16 tensor's bytes as the (rows, d_in) fp16 or bf16 matrix they are."""
+    return weight_blocks.contiguous().view(HALF_TYPES[qtype])
 
 
 def quantize_blocks(weight: Float[Tensor, "rows d_in"], qtype: str) -> UInt8[Tensor, "rows row_bytes"]:
@@ -208,6 +218,11 @@ def quantize_blocks(weight: Float[Tensor, "rows d_in"], qtype: str) -> UInt8[Ten
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
+    if qtype in HALF_TYPES:  # rounded to nearest (even), as llama.cpp's converter writes them
+        return weight.detach().cpu().to(HALF_TYPES[qtype]).contiguous().view(torch.uint8)
+    if qtype not in QUANTIZABLE:
+        raise ValueError(f"glasslm cannot write {qtype} blocks (llama.cpp's quantizer makes them); it writes "
+                         f"{', '.join(QUANTIZABLE)}")
     if weight.shape[-1] % BLOCK_SIZE:
         raise ValueError(f"block formats quantize rows in blocks of {BLOCK_SIZE}; a row of {weight.shape[-1]} "
                          "inputs does not divide")
@@ -290,7 +305,11 @@ class BlockLinear(nn.Module):
         if kernel is None or device != self.weight_blocks.device:
             ops = kernel_ops()
             fmt = FORMATS[self.qtype]
-            if ops is not None and self.weight_blocks.device.type == "cpu":
+            on_cpu = ops is not None and self.weight_blocks.device.type == "cpu"
+            if self.qtype in HALF_TYPES:  # 16-bit weights: the kernels' panels, else the float weight
+                kernel = (pack_half(half_weight(self.weight_blocks, self.qtype)) if on_cpu and self.d_in % BLOCK_SIZE == 0
+                          else self.dequantized_weight())
+            elif on_cpu:
                 # The C++ packer reads the blocks directly: pack(self.quantized_matrix()), byte for byte.
                 levels, scales, mins, supers, super_mins = ops.pack_ggml(self.weight_blocks, self.qtype)
                 kernel = PackedMatrix(levels, scales, mins, fmt.bits, fmt.offset, fmt.group_size, self.d_out, None,
@@ -394,3 +413,5 @@ Q8_0 = _block_transform("q8_0", "llama.cpp's Q8_0 blocks: 32 int8 weights share 
 Q4_K = _block_transform("q4_k", "llama.cpp's Q4_K super-blocks of 256 (4.5 bits per weight; read from GGUF files, not written)")
 Q5_K = _block_transform("q5_k", "llama.cpp's Q5_K super-blocks of 256 (5.5 bits per weight; read from GGUF files, not written)")
 Q6_K = _block_transform("q6_k", "llama.cpp's Q6_K super-blocks of 256 (6.56 bits per weight; read from GGUF files, not written)")
+F16 = _block_transform("f16", "fp16 weights, float32 activations: the weights converted in registers (16 bits per weight)")
+BF16 = _block_transform("bf16", "bf16 weights, float32 activations: the weights converted in registers (16 bits per weight)")
