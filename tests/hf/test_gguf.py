@@ -128,10 +128,11 @@ def test_a_q8_0_file_reads_as_llama_cpps_values(tmp_path):
     model = perturbed(get_preset("llama-tiny", vocab_size=256))
     export_gguf(model, tmp_path / "m.gguf", None, "q8_0")
     file, loaded = GGUFFile.open(tmp_path / "m.gguf"), import_gguf(tmp_path / "m.gguf")
-    # Every Q8_0 matrix is kept (llama-tiny's down projection, 344 inputs, was written as f16) but the
-    # token embedding, a lookup table: dequantized.
+    # Every Q8_0 matrix is kept (llama-tiny's down projection, 344 inputs, was written as f16, and kept
+    # so) but the token embedding, a lookup table: dequantized.
     q8_0 = [name for name in file.tensor_names() if file.qtype(name) == "q8_0"]
-    assert loaded.kept == {"q8_0": len(q8_0) - 1} and loaded.dequantized["q8_0"] == 1
+    f16 = [name for name in file.tensor_names() if file.qtype(name) == "f16"]
+    assert loaded.kept == {"q8_0": len(q8_0) - 1, "f16": len(f16)} and loaded.dequantized["q8_0"] == 1
     assert isinstance(loaded.model.unembed, BlockLinear) and loaded.model.unembed.qtype == "q8_0"
     raw = file.blocks("blk.1.ffn_gate.weight").numpy()
     expected = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q8_0))
