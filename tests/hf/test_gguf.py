@@ -22,7 +22,7 @@ from glasslm.hf.gguf.reader import GGUFFile
 from glasslm.presets import get_preset
 from glasslm.tokenizers import HFTokenizer, gpt2_tokenizer, train_tokenizer_from_text
 from glasslm.tokenizers.gguf import UnsupportedTokenizerError, matching_pre_tokenizer, tokenizer_from_gguf
-from glasslm.transforms.ggml import BlockLinear
+from glasslm.transforms.ggml import BlockEmbedding, BlockLinear
 
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}" \
            "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -94,13 +94,15 @@ def test_blocks_are_kept_and_written_back_byte_for_byte(qtype, tmp_path):
     first = export_gguf(model, tmp_path / "a.gguf", None, qtype)
     loaded = import_gguf(first)
     # GPT-2's Conv1D weights are transposed twice on the way (llama.cpp stores them (d_out, d_in)):
-    # a row order, so its blocks stay blocks too; the embedding is a lookup, so it is dequantized,
-    # and (the file has no output matrix) its blocks are also the unembedding's, as in llama.cpp.
+    # a row order, so its blocks stay blocks too; the file has no output matrix, so the token table's
+    # blocks are the unembedding's, as in llama.cpp, and the embedding looks its rows up in them.
     layers = [m for m in loaded.model.modules() if isinstance(m, BlockLinear)]
     assert len(layers) == 9 and all(m.qtype == qtype for m in layers)
-    assert loaded.kept == {qtype: 9} and loaded.dequantized[qtype] == 1
-    assert torch.equal(loaded.model.unembed.weight_blocks, GGUFFile.open(first).blocks("token_embd.weight"))
-    assert torch.equal(loaded.model.unembed.dequantized_weight(), loaded.model.embed.weight)
+    assert loaded.kept == {qtype: 9} and not loaded.dequantized[qtype]
+    assert isinstance(loaded.model.embed, BlockEmbedding) and loaded.model.embed.rows() is loaded.model.unembed
+    assert torch.equal(loaded.model.unembed.blocks(), GGUFFile.open(first).blocks("token_embd.weight"))
+    ids = torch.tensor([[0, 255, 17, 17]])
+    assert torch.equal(loaded.model.embed(ids)[0], loaded.model.unembed.dequantized_weight()[ids[0]])
     second = export_gguf(loaded.model, tmp_path / "b.gguf", None, qtype)
     a, b = GGUFFile.open(first), GGUFFile.open(second)
     assert a.tensor_names() == b.tensor_names()
@@ -129,16 +131,19 @@ def test_a_q8_0_file_reads_as_llama_cpps_values(tmp_path):
     export_gguf(model, tmp_path / "m.gguf", None, "q8_0")
     file, loaded = GGUFFile.open(tmp_path / "m.gguf"), import_gguf(tmp_path / "m.gguf")
     # Every Q8_0 matrix is kept (llama-tiny's down projection, 344 inputs, was written as f16, and kept
-    # so) but the token embedding, a lookup table: dequantized.
+    # so), the token table too: a lookup into its own blocks (this model has an output matrix of its own).
     q8_0 = [name for name in file.tensor_names() if file.qtype(name) == "q8_0"]
     f16 = [name for name in file.tensor_names() if file.qtype(name) == "f16"]
-    assert loaded.kept == {"q8_0": len(q8_0) - 1, "f16": len(f16)} and loaded.dequantized["q8_0"] == 1
+    assert loaded.kept == {"q8_0": len(q8_0), "f16": len(f16)} and not loaded.dequantized["q8_0"]
     assert isinstance(loaded.model.unembed, BlockLinear) and loaded.model.unembed.qtype == "q8_0"
+    assert isinstance(loaded.model.embed, BlockEmbedding) and not loaded.model.embed.tied
     raw = file.blocks("blk.1.ffn_gate.weight").numpy()
     expected = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q8_0))
     assert torch.equal(loaded.model.blocks[1].mlp.gate.dequantized_weight(), expected)
     embedding = torch.from_numpy(quants.dequantize(file.blocks("token_embd.weight").numpy(), GGMLQuantizationType.Q8_0))
     assert torch.equal(loaded.model.embed.weight, embedding)
+    ids = torch.tensor([[3, 0, 255, 3]])
+    assert torch.equal(loaded.model.embed(ids)[0], embedding[ids[0]])  # each row looked up exactly
 
 
 def test_tokenizers_from_gguf_encode_as_the_originals(data_dir, shakespeare_text, tmp_path):

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
+from glasslm.core.layers import Linear
 from glasslm.core.model import TransformerLM
 from glasslm.io.checkpoint import load_checkpoint, save_checkpoint
 from glasslm.kernels.qmatmul import activation_error_bound, kernel_ops
@@ -89,7 +90,7 @@ def test_the_kernel_path_matches_the_readable_path_within_its_bound(qtype):
     layer = BlockLinear.from_weight(weight, bias, qtype)
     assert torch.equal(layer.quantized_matrix().weight(), layer.dequantized_weight())  # the kernels' weights
     x = torch.randn(3, 5, 256)
-    exact = F.linear(x, dequantize_blocks(layer.weight_blocks, qtype), bias)
+    exact = F.linear(x, dequantize_blocks(layer.blocks(), qtype), bias)
     layer.impl = "readable"
     assert torch.allclose(layer(x), exact, atol=1e-5)
     layer.impl = "fast"
@@ -158,3 +159,31 @@ def test_lora_on_block_layers_gets_gradients_through_the_frozen_blocks():
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
     # The first layer's adapters are reached only through every later (frozen, quantized) layer.
     assert any(name.startswith("blocks.0.") for name in grads)
+
+
+@pytest.mark.skipif(not KERNELS, reason="without the kernels --dtype bfloat16 runs the whole model in bf16")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_decoding_with_16_bit_weights_keeps_float32_activations(dtype):
+    """`--dtype bfloat16|float16` when decoding on a CPU: the Linears' weights kept 16-bit (the bf16 / f16
+    transforms), activations float32: the float model with its weights rounded to 16 bits, not a model
+    whose every activation is rounded too."""
+    import copy
+
+    from glasslm.cli.common import RuntimeOptions, prepare_model
+
+    model = trained_like_model()
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in rounded.modules():
+            if isinstance(module, Linear):
+                module.weight.copy_(module.weight.to(getattr(torch, dtype)).float())
+    whole = copy.deepcopy(model).to(getattr(torch, dtype))
+    prepared = prepare_model(model, RuntimeOptions(dtype=dtype), decoding=True)
+    layers = [m for m in prepared.modules() if isinstance(m, BlockLinear)]
+    assert layers and all(m.qtype == {"bfloat16": "bf16", "float16": "f16"}[dtype] for m in layers)
+    assert not any(isinstance(m, Linear) for m in prepared.modules()) and prepared.embed.dtype == torch.float32
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        ours, expected, everything16 = prepared(ids), rounded(ids), whole(ids).float()
+    gap = (ours - expected).abs().max()
+    assert gap < 1e-4 * expected.abs().max() and gap < 0.05 * (everything16 - expected).abs().max()

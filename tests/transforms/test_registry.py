@@ -164,7 +164,7 @@ def test_a_checkpoint_without_transforms_records_none(tmp_path):
 def test_the_cli_quantize_choices_come_from_the_registry():
     register_transform(Transform("test-int2", add_gains, kind="quantization"))
     try:
-        assert transform_names("quantization") == ("int8", "int4", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "f16", "bf16",
+        assert transform_names("quantization") == ("int8", "int4", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16",
                                                      "test-int2")
         args = build_parser().parse_args(["quantize", "--checkpoint", "a", "--out", "b", "--method", "test-int2"])
         assert vars(args)["QuantizeConfig.method"] == "test-int2"

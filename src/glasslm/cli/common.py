@@ -58,10 +58,12 @@ class DeviceOptions:
 class RuntimeOptions(DeviceOptions):
     """how the model runs"""
 
-    # weights' dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units
-    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    # weights' dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units. Decoding on a CPU keeps 16-bit
+    # weights as they are and float32 activations (glasslm's kernels convert the weights in registers)
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     # weight-only int8 (a quarter of fp32's bytes), int4 (an eighth, in groups of 64 inputs with
-    # their own scale), or llama.cpp's q4_0 / q4_1 blocks of 32, for the Linear layers
+    # their own scale), llama.cpp's q4_0 / q4_1 / q5_0 / q5_1 / q8_0 blocks of 32, or f16 / bf16
+    # weights with float32 activations, for the Linear layers
     quantize: str = field(default="none", metadata={"choices": quantization_choices})
 
 
@@ -91,6 +93,9 @@ def prepare_model(model: Any, runtime: DeviceOptions, decoding: bool = False) ->
     if not isinstance(runtime, RuntimeOptions):
         return model.eval()
     dtype = default_dtype(device) if runtime.dtype == "auto" else runtime.dtype
+    if _sixteen_bit_weights(model, device, dtype, runtime.quantize, decoding):
+        apply_transform(model, {"bfloat16": "bf16", "float16": "f16"}[dtype])
+        return model.eval()
     warn_if_slow_dtype(dtype, device)
     model = model.to(getattr(torch, dtype)).eval()
     if runtime.quantize != "none":
@@ -100,6 +105,17 @@ def prepare_model(model: Any, runtime: DeviceOptions, decoding: bool = False) ->
 
         optimize_for_decoding(model)
     return model
+
+
+def _sixteen_bit_weights(model: Any, device: str, dtype: str, quantize: str, decoding: bool) -> bool:
+    """Whether `--dtype bfloat16/float16` is best served by keeping the float Linears' weights 16-bit with
+    float32 activations (the `bf16` / `f16` transforms: decoding on a CPU with glasslm's kernels), rather
+    than by running the whole model in that dtype (PyTorch's 16-bit CPU matmuls, slow without bf16 units)."""
+    from glasslm.core.layers import Linear
+    from glasslm.kernels.qmatmul import kernel_ops
+
+    return (decoding and device == "cpu" and dtype in ("bfloat16", "float16") and quantize == "none"
+            and kernel_ops() is not None and any(isinstance(m, Linear) for m in model.modules()))
 
 
 def set_threads(requested: int, decoding_parameters: int | None = None) -> int | None:

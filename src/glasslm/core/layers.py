@@ -125,6 +125,16 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
         nn.init.normal_(self.weight, std=0.02)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the rows it gives are (decoding puts its tokens and cache there)."""
+        return self.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The rows' dtype (every embedding glasslm has answers `device` and `dtype` without its table)."""
+        return self.weight.dtype
+
     def forward(self, tokens: Int[Tensor, "batch seq"]) -> Float[Tensor, "batch seq d_model"]:
         # The same rows as weight[tokens], but that indexing's backward (an accumulating index_put
         # on CPU) sums repeated tokens' gradients in an order that changes with thread timing, so

@@ -218,14 +218,14 @@ class TransformerLM(nn.Module):
                      device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> KVCache:
         """Empty key/value buffers for generating up to max_length (default: the context length)."""
         c = self.config
-        ref = self.embed.weight
+        ref = self.embed  # (its device and dtype: what the activations will be)
         return KVCache(c.n_layers, batch, c.n_kv_heads, max_length or c.context_length, c.d_head,
                        device=device or ref.device, dtype=dtype or ref.dtype)
 
     def new_static_kv_cache(self, batch: int, max_length: int | None = None,
                             device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> StaticKVCache:
         """Position-addressed buffers for compiled decoding (see `attention.StaticKVCache`)."""
-        c, ref = self.config, self.embed.weight
+        c, ref = self.config, self.embed
         return StaticKVCache(c.n_layers, batch, c.n_kv_heads, max_length or c.context_length, c.d_head,
                              device=device or ref.device, dtype=dtype or ref.dtype)
 

@@ -68,7 +68,7 @@ def evaluate_tokens(
     `progress` shows a tqdm bar on stderr (plain lines when it is not a terminal), counted in scored tokens.
     """
     model.eval()
-    device = model.embed.weight.device
+    device = model.embed.device
     tokens = torch.as_tensor(tokens, dtype=torch.long).flatten()
     if len(tokens) < 2:
         raise ValueError("need at least 2 tokens: the first is only context")

@@ -160,10 +160,10 @@ class StaticDecodeWindow:
 
     def __init__(self, model: TransformerLM, batch: int, max_length: int):
         self.model = model
-        self.device = model.embed.weight.device
+        self.device = model.embed.device
         slots = min(model.config.context_length, -(-max_length // SLOT_MULTIPLE) * SLOT_MULTIPLE)
         # bf16 weights on a CPU: float32 keys and values, and one-row steps off oneDNN (generation.cpu).
-        low_precision = low_precision_cpu(model.embed.weight)
+        low_precision = low_precision_cpu(model.embed)
         self.cache = model.new_static_kv_cache(batch, slots, dtype=torch.float32 if low_precision else None)
         self.native_gemv = low_precision and batch == 1
         self.step = compiled_step(model)

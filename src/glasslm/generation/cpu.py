@@ -20,11 +20,12 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
-def low_precision_cpu(weight: Tensor) -> bool:
-    """True for bf16/fp16 weights on a CPU: their KV cache is kept float32, their one-row steps skip oneDNN."""
+def low_precision_cpu(weight: Tensor | nn.Module) -> bool:
+    """True for bf16/fp16 weights (or an embedding that gives rows of them) on a CPU: their KV cache is
+    kept float32, their one-row steps skip oneDNN."""
     return weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
 
 

@@ -73,8 +73,8 @@ class DecodeWindow:
 
     def __init__(self, model: TransformerLM, batch: int, max_length: int, pad_token: int = 0):
         self.model, self.pad_token = model, pad_token
-        self.device = model.embed.weight.device
-        self._low_precision_cpu = low_precision_cpu(model.embed.weight)  # float32 keys and values (generation.cpu)
+        self.device = model.embed.device
+        self._low_precision_cpu = low_precision_cpu(model.embed)  # float32 keys and values (generation.cpu)
         self.cache = model.new_kv_cache(batch, max_length, dtype=torch.float32 if self._low_precision_cpu else None)
         self.key_is_real: Bool[Tensor, "batch max_length"] | None = None  # None: no padding anywhere
         self.next_position: Int[Tensor, "batch"] = torch.zeros(batch, dtype=torch.long, device=self.device)
@@ -265,7 +265,7 @@ def decode_steps(
     rows = _checked_rows(prompts, model.config.vocab_size)
     keep = _window_keep(model, config)
     context = model.config.context_length
-    device = model.embed.weight.device
+    device = model.embed.device
     vocab = model.config.vocab_size
     batch = len(prompts)
     generator = torch.Generator(device=device).manual_seed(config.seed) if config.seed is not None else None

@@ -56,8 +56,7 @@ from glasslm.transforms.split import RowSplitLinear
 def unsupported(model: TransformerLM) -> str | None:
     """Why the fast step cannot run `model` (None: it can)."""
     c = model.config
-    weight = getattr(model.embed, "weight", None)
-    if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    if model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
         return "the fast step runs float32 activations on a CPU"
     if c.norm_placement != "pre":
         return "post-norm blocks run the readable step"

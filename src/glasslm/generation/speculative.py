@@ -87,7 +87,7 @@ def speculative_tokens(
     """
     total = _cache_slots(target, draft, prompt, max_new_tokens, lookahead)
     stats = stats if stats is not None else SpeculativeStats()
-    device = target.embed.weight.device
+    device = target.embed.device
     target_cache = target.new_kv_cache(1, total, device=device)
     draft_cache = draft.new_kv_cache(1, total, device=device)
 

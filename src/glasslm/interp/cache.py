@@ -306,7 +306,7 @@ class ActivationCache(dict):
     def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
         """The sum of the out biases written to the stream before `layer` (and layer's attention's with
         `mlp_input`): (d_model,), or per position (*batch, seq, d_model) where post-norms rescale them."""
-        total = torch.zeros(self.model.config.d_model, device=self.model.embed.weight.device)
+        total = torch.zeros(self.model.config.d_model, device=self.model.embed.device)
         for index in range(layer + (1 if mlp_input else 0)):
             block = self.model.blocks[index]
             total = total + self._written_bias(index, "attn", block.attn.out.bias)
@@ -318,7 +318,7 @@ class ActivationCache(dict):
         """A sublayer's out bias as the stream gets it: through its post-norm (whose own shift it adds)."""
         block = self.model.blocks[layer]
         norm = getattr(block, "ln1_post" if sublayer == "attn" else "ln2_post", None)
-        bias = torch.zeros(self.model.config.d_model, device=self.model.embed.weight.device) if bias is None else bias
+        bias = torch.zeros(self.model.config.d_model, device=self.model.embed.device) if bias is None else bias
         if norm is None:
             return bias
         written = self.through_post_norm(layer, sublayer, bias[None, :].detach())[..., 0, :]  # (*batch, seq, d_model)

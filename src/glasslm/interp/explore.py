@@ -60,7 +60,7 @@ def _tensor(model: TransformerLM, ids: Sequence[int], limit: int | None = None) 
         raise ValueError("the text encodes to no tokens")
     if limit is None and len(ids) > model.config.context_length:
         raise ValueError(f"{len(ids)} tokens is more than the context length {model.config.context_length}")
-    return torch.tensor([list(ids)], dtype=torch.long, device=model.embed.weight.device)
+    return torch.tensor([list(ids)], dtype=torch.long, device=model.embed.device)
 
 
 def adjusted_probs(

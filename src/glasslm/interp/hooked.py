@@ -85,7 +85,7 @@ class HookedModel:
     def to_tokens(self, text: str | Sequence[str], prepend_bos: bool | None = None,
                   truncate: bool = True) -> Int[Tensor, "batch seq"]:
         context = self.model.config.context_length if truncate else None
-        return to_tokens(self._tokenizer(), text, prepend_bos, context).to(self.model.embed.weight.device)
+        return to_tokens(self._tokenizer(), text, prepend_bos, context).to(self.model.embed.device)
 
     def to_str_tokens(self, tokens: str | Sequence[str] | Tensor, prepend_bos: bool | None = None) -> list:
         return to_str_tokens(self._tokenizer(), tokens, prepend_bos)

@@ -108,7 +108,7 @@ def _as_tokens(model: nn.Module, tokens: Tensor | str | Sequence[str], tokenizer
         raise ValueError("a text input needs the model's tokenizer: pass tokenizer=..., or set model.tokenizer "
                          "once (glasslm.interp.hooked.HookedModel(model, tokenizer) carries it)")
     ids = to_tokens(tokenizer, tokens, prepend_bos, model.config.context_length)
-    return ids.to(model.embed.weight.device)
+    return ids.to(model.embed.device)
 
 
 def _stop_hook(model: nn.Module, stop_at_layer: int) -> tuple[str, HookFn] | None:

@@ -158,7 +158,7 @@ def draw_attention(model: TransformerLM, tokenizer: Any, prompt: str, layer: int
                    out: str | os.PathLike) -> Path:
     """Encode `prompt`, take `layer`'s pattern for `head`, and save the picture to `out`."""
     tokens, labels = encode_prompt(tokenizer, prompt, model.config.context_length)
-    patterns = attention_pattern(model, tokens.to(model.embed.weight.device), layer)
+    patterns = attention_pattern(model, tokens.to(model.embed.device), layer)
     if not 0 <= head < patterns.shape[0]:
         raise ValueError(f"head {head} does not exist; layer {layer} has heads 0..{patterns.shape[0] - 1}")
     return plot_attention(patterns[head].cpu(), labels, out, title=f"attention pattern, layer {layer}, head {head}")
@@ -167,7 +167,7 @@ def draw_attention(model: TransformerLM, tokenizer: Any, prompt: str, layer: int
 def draw_logit_lens(model: TransformerLM, tokenizer: Any, prompt: str, out: str | os.PathLike) -> Path:
     """Encode `prompt`, run the logit lens, and save the grid picture to `out`."""
     tokens, labels = encode_prompt(tokenizer, prompt, model.config.context_length)
-    top_ids, top_probs = logit_lens_top(model, tokens.to(model.embed.weight.device))
+    top_ids, top_probs = logit_lens_top(model, tokens.to(model.embed.device))
     top_tokens = [[tokenizer.decode([int(i)]) for i in row] for row in top_ids.cpu()]
     return plot_logit_lens(top_tokens, top_probs.cpu(), labels, out,
                            title=LOGIT_LENS_TITLE)

@@ -1006,6 +1006,54 @@ at::Tensor qlinear_parts(const at::Tensor& x, const std::vector<const Weights*>&
 
 at::Tensor qlinear_checked(const at::Tensor& x, const Weights& w) { return qlinear_parts(x, {&w}); }
 
+// Row `row` of the matrix the weights stand for, as float32 (exactly ggml's dequantized values: every
+// product of a level and a scale is exact, so (level - offset) * scale + min rounds once, at the add).
+void row_values(const Weights& w, int64_t row, float* out) {
+  const int64_t panel = row / kPanel, width = w.blocks * kBlock;
+  const int lane = static_cast<int>(row % kPanel);
+  if (w.bits == 16) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(w.levels) + panel * width * kPanel + lane;
+    for (int64_t i = 0; i < width; ++i) {
+      const uint16_t bits = p[i * kPanel];
+      out[i] = w.scale_kind == kBf16 ? static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits())) : half_value(bits);
+    }
+  } else {
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      const uint8_t* block = w.levels + (panel * w.blocks + b) * w.panel_block_bytes();
+      for (int i = 0; i < kBlock; ++i) {
+        const int64_t group = w.halves() ? 2 * b + i / (kBlock / 2) : b / w.group_blocks();
+        const float q = static_cast<float>(level_at(block, w.bits, i / 4, lane, i % 4) - w.offset);
+        const float value = q * w.group_value(panel, group, lane, false);
+        out[b * kBlock + i] = w.mins != nullptr ? value + w.group_value(panel, group, lane, true) : value;
+      }
+    }
+  }
+  if (w.row_scale != nullptr) {
+    for (int64_t i = 0; i < width; ++i) out[i] *= w.row_scale[row];
+  }
+}
+
+// Rows `ids` of the matrix (an embedding table looked up in its packed form): (len(ids), d_in) float32.
+at::Tensor lookup_rows(const at::Tensor& ids, const at::Tensor& levels, const std::optional<at::Tensor>& scales,
+                           const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& super_scales,
+                           const std::optional<at::Tensor>& super_mins, int64_t bits, int64_t offset, int64_t group_size,
+                           int64_t super_groups, int64_t d_out, const std::optional<at::Tensor>& row_scale) {
+  const Weights w = weights_of({levels, scales, mins, super_scales, super_mins, bits, offset, group_size, super_groups,
+                                d_out, row_scale, std::nullopt});
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "glasslm_kernels: row ids must be a 1-D int64 tensor");
+  const at::Tensor rows = ids.contiguous();
+  const int64_t* id = rows.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < d_out, "glasslm_kernels: row id ", id[i], " is outside the matrix's ", d_out, " rows");
+  }
+  at::Tensor out = at::empty({rows.numel(), w.blocks * kBlock}, levels.options().dtype(at::kFloat));
+  float* dst = out.mutable_data_ptr<float>();
+  at::parallel_for(0, rows.numel(), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) row_values(w, id[i], dst + i * w.blocks * kBlock);
+  });
+  return out;
+}
+
 // The checked operands of one matrix, kept by block.cpp (which holds the tensors they point into).
 std::shared_ptr<const Weights> checked_weights(const at::Tensor& levels, const std::optional<at::Tensor>& scales,
                                                const std::optional<at::Tensor>& mins,
@@ -1242,6 +1290,8 @@ TORCH_LIBRARY(glasslm_kernels, m) {
         "Tensor? row_scale, Tensor? bias) -> Tensor");
   m.def("qlinear(Tensor x, Tensor levels, Tensor? scales, Tensor? mins, Tensor? super_scales, Tensor? super_mins, "
         "int bits, int offset, int group_size, int super_groups, int d_out, Tensor? row_scale, Tensor? bias) -> Tensor");
+  m.def("lookup_rows(Tensor ids, Tensor levels, Tensor? scales, Tensor? mins, Tensor? super_scales, "
+        "Tensor? super_mins, int bits, int offset, int group_size, int super_groups, int d_out, Tensor? row_scale) -> Tensor");
   m.def("pack_levels(Tensor levels, int bits) -> Tensor");
   m.def("pack_ggml(Tensor blocks, str qtype) -> (Tensor, Tensor, Tensor?, Tensor?, Tensor?)");
   m.def("select_isa(int level) -> int", &select_isa);
@@ -1253,6 +1303,7 @@ TORCH_LIBRARY_IMPL(glasslm_kernels, CPU, m) {
   m.impl("quantize_rows", &quantize_rows);
   m.impl("qmatmul", &qmatmul);
   m.impl("qlinear", &qlinear);
+  m.impl("lookup_rows", &lookup_rows);
   m.impl("pack_levels", &pack_levels);
   m.impl("pack_ggml", &pack_ggml);
 }

@@ -74,6 +74,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -344,6 +345,43 @@ def pack(matrix: QuantizedMatrix) -> PackedMatrix:
                         matrix.levels.shape[0], row_scale, *supers, super_groups)
 
 
+def _unpack_scales(packed: Tensor, d_out: int) -> Tensor:
+    """(panels, groups, 16) -> (d_out, groups): the inverse of `_pack_scales`."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:d_out].contiguous()
+
+
+def unpack(packed: PackedMatrix) -> QuantizedMatrix | Tensor:
+    """The matrix `pack` (or `pack_half`) was given, from the kernels' layout alone: a layer that keeps
+    only its packed copy writes its weights back out this way (save, export), bit for bit."""
+    if packed.bits == 16:
+        panels, blocks, _ = packed.levels.shape
+        rows = packed.levels.reshape(panels, blocks * BLOCK, PANEL).transpose(1, 2).reshape(panels * PANEL, -1)
+        return rows[:packed.d_out].contiguous()
+    supers = [None if t is None else _unpack_scales(t, packed.d_out) for t in (packed.super_scales, packed.super_mins)]
+    return QuantizedMatrix(unpack_levels(packed.levels, packed.bits, packed.d_out),
+                           _unpack_scales(packed.scales, packed.d_out),
+                           None if packed.mins is None else _unpack_scales(packed.mins, packed.d_out),
+                           packed.bits, packed.offset, packed.group_size, packed.row_scale, *supers,
+                           packed.super_groups * packed.group_size or SUPER_BLOCK)
+
+
+def packed_rows(packed: PackedMatrix, ids: Int[Tensor, "n"]) -> Float[Tensor, "n d_in"]:
+    """Rows `ids` of the matrix a packed one stands for, as float32, exactly (an embedding table kept
+    packed): the readable lookup unpacks just the panels holding them; the kernels' `lookup_rows`
+    reads the same values in place."""
+    panels = (ids.reshape(-1) // PANEL).long()
+    wanted = panels.unique()                                          # sorted panel numbers
+    def panel_rows(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[wanted]
+    row_scale = None if packed.row_scale is None else _pad_rows(packed.row_scale[:, None]).reshape(-1, PANEL)[wanted].reshape(-1)
+    sub = dataclasses.replace(packed, levels=packed.levels[wanted], scales=panel_rows(packed.scales),
+                              mins=panel_rows(packed.mins), super_scales=panel_rows(packed.super_scales),
+                              super_mins=panel_rows(packed.super_mins), d_out=len(wanted) * PANEL, row_scale=row_scale)
+    matrix = unpack(sub)
+    table = matrix.float() if isinstance(matrix, Tensor) else matrix.weight()  # (len(wanted) * 16, d_in)
+    return table[torch.searchsorted(wanted, panels) * PANEL + ids.reshape(-1) % PANEL]
+
+
 def pack_half(weight: Tensor) -> PackedMatrix:
     """16-bit weights (fp16 or bf16, (d_out, d_in)) as the kernels read them: panels of 16 rows,
     (panels, d_in / 32, 32 x 16), each input's 16 rows side by side, so one load and one conversion
@@ -382,6 +420,11 @@ def _register_fakes() -> None:
                  super_groups, d_out, row_scale, bias):
         return q.new_empty((q.shape[0] // passes, d_out), dtype=torch.float32)
 
+    @torch.library.register_fake("glasslm_kernels::lookup_rows")
+    def _lookup_rows(ids, levels, scales, mins, super_scales, super_mins, bits, offset, group_size, super_groups,
+                         d_out, row_scale):
+        return levels.new_empty((ids.shape[0], levels.shape[1] * BLOCK), dtype=torch.float32)
+
     @torch.library.register_fake("glasslm_kernels::quantize_rows")
     def _quantize_rows(x):
         rows, width = x.numel() // x.shape[-1] * PASSES, x.shape[-1]
@@ -408,6 +451,13 @@ def qlinear(x: Float[Tensor, "... d_in"], packed: PackedMatrix, bias: Tensor | N
         bias = bias.float()
     y = op(rows, *packed.operands(), bias)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def lookup_rows(packed: PackedMatrix, ids: Int[Tensor, "n"]) -> Float[Tensor, "n d_in"]:
+    """`packed_rows` through the kernels (row by row in place, no panel unpacked)."""
+    if kernel_ops() is None:
+        raise RuntimeError("the C++ kernels are not loaded (see glasslm.kernels.build)")
+    return torch.ops.glasslm_kernels.lookup_rows.default(ids.reshape(-1).long(), *packed.operands())
 
 
 def qmatmul(q: Tensor, d: Tensor, sums: Tensor, packed: PackedMatrix, bias: Tensor | None = None,

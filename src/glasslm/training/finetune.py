@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from glasslm.core.layers import Linear
+from glasslm.core.layers import Embedding, Linear
 from glasslm.core.model import TransformerLM
 from glasslm.data.sft import load_sft_examples, split_examples
 from glasslm.io.checkpoint import ADAPTER_BASE_KEY, weights_sha256
@@ -40,7 +40,8 @@ from glasslm.data.preferences import load_preference_pairs
 from glasslm.training.batches import BatchSource, PreferenceBatches, SFTBatches
 from glasslm.transforms import applied_transforms, apply_transform, transform_names
 from glasslm.transforms.lora import SITES, LoRAConfig, lora_layers, remove_lora
-from glasslm.transforms.ggml import BlockLinear
+from glasslm.transforms.ggml import BlockEmbedding, BlockLinear
+from glasslm.transforms.split import RowSplitLinear
 from glasslm.transforms.quantize import Int4Linear, Int8Linear
 
 FINETUNE_KEY = "finetune"  # meta.json: how the run was set up (base, method, data), for --resume
@@ -222,20 +223,26 @@ def chat_batches(data: str | os.PathLike, tokenizer: Any, template: str, context
 
 @torch.no_grad()
 def dequantize(model: nn.Module) -> int:
-    """Replace every int8/int4/block layer by a float `Linear` holding its dequantized weight, in place;
-    returns how many were replaced. The model then computes what it computed quantized, but for a tied
-    model's quantized unembedding, a copy of the embedding, which goes: the model unembeds with the
-    float embedding again (for a GGUF file's blocks, exactly their values)."""
+    """Replace every int8/int4/block layer by a float `Linear` holding its dequantized weight (a row
+    split's parts joined into one, a block embedding by a float table), in place; returns how many
+    were replaced. The model then computes what it computed quantized, but for a tied model's
+    quantized unembedding, a copy of the embedding, which goes: the model unembeds with the float
+    embedding again (for a GGUF file's blocks, exactly their values)."""
     replaced = 0
     tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
+    if isinstance(getattr(model, "embed", None), BlockEmbedding):
+        table = model.embed.weight                                                   # (vocab, d_model)
+        model.embed = Embedding(*table.shape).to(table.device)
+        model.embed.weight.copy_(table)
+        replaced += 1
     for name, module in list(model.named_modules()):
-        if not isinstance(module, (Int8Linear, Int4Linear, BlockLinear)):
+        if not isinstance(module, (Int8Linear, Int4Linear, BlockLinear, RowSplitLinear)) or ".parts." in name:
             continue
         if tied and name == "unembed":
             model.unembed = None
             replaced += 1
             continue
-        weight = module.dequantized_weight(torch.float32)                            # (d_out, d_in)
+        weight = module.weight if isinstance(module, RowSplitLinear) else module.dequantized_weight(torch.float32)
         linear = Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None).to(weight.device)
         linear.weight.copy_(weight)
         if module.bias is not None:

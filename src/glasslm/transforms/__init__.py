@@ -15,6 +15,7 @@ Example:
     ([{'name': 'int8'}], ('int8', 'int4', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q4_k', 'q5_k', 'q6_k', 'f16', 'bf16', 'lora', 'row_split'))
 """
 
+from glasslm.core.layers import Embedding
 from glasslm.transforms.ggml import BF16, F16, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from glasslm.transforms.lora import LORA
 from glasslm.transforms.quantize import INT4, INT8
@@ -52,8 +53,11 @@ def parameter_count(model) -> int:
     >>> model.num_parameters() < before, parameter_count(model) == before
     (True, True)
     """
-    # A tied model's quantized unembedding is a second copy of the embedding, which is counted already.
-    copy = model.unembed if getattr(getattr(model, "config", None), "tie_embeddings", False) else None
+    # A tied model's quantized unembedding is a second copy of the embedding, which is counted already
+    # (unless the embedding is itself a lookup into those blocks: then they are the only copy).
+    tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
+    own_table = isinstance(getattr(model, "embed", None), Embedding)
+    copy = model.unembed if tied and own_table else None
     quantized = [m for m in model.modules() if hasattr(m, "dequantized_weight") and hasattr(m, "d_in") and m is not copy]
     return model.num_parameters() + sum(m.d_in * m.d_out for m in quantized)
 

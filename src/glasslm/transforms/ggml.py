@@ -54,11 +54,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float, UInt8
+from jaxtyping import Float, Int, UInt8
 from torch import Tensor, nn
 
 from glasslm.core.layers import Linear
-from glasslm.kernels.qmatmul import PackedMatrix, QuantizedMatrix, kernel_ops, pack_half, qlinear
+from glasslm.kernels.qmatmul import (
+    PackedMatrix, QuantizedMatrix, kernel_ops, lookup_rows, pack_half, packed_rows, qlinear, unpack,
+)
 from glasslm.transforms.quantize import (
     Int4Linear, Int8Linear, KernelWithInputGradient, int4_kernel_linear, int4_kernel_operands,
 )
@@ -91,6 +93,7 @@ LAYER_FORMATS = tuple(FORMATS)  # the formats a BlockLinear holds
 HALF_TYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 QUANTIZABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16")  # those glasslm can also write
 UNEMBED = "unembed"  # the layer name that, in BlockOptions.layers, means a tied unembedding of its own
+EMBED = "embed"  # ... and the token table kept in the format too (a BlockEmbedding)
 
 
 def _fp16_field(blocks: Tensor, start: int) -> Tensor:
@@ -188,6 +191,72 @@ def block_matrix(weight_blocks: UInt8[Tensor, "rows row_bytes"], qtype: str) -> 
                            super_scales=d, super_mins=neg_dmin)
 
 
+# --- writing blocks back (the exact inverse of block_matrix) -------------------------------------
+
+def _fp16_bytes(values: Tensor) -> Tensor:
+    """fp16 numbers as their two little-endian bytes each: (..., 2)."""
+    return values.to(torch.float16).reshape(-1).view(torch.uint8).reshape(*values.shape, 2)
+
+
+def _join_nibbles(levels: Tensor) -> Tensor:
+    """32 levels -> 16 bytes: input j in the low nibble of byte j, input j + 16 in its high one."""
+    return (levels[..., :16] & 0x0F) | ((levels[..., 16:] & 0x0F) << 4)
+
+
+def _bit_bytes(bits: Tensor) -> Tensor:
+    """(..., 8k) bits -> (..., k) bytes, bit i of byte j being bits[8j + i]."""
+    weights = 2 ** torch.arange(8, dtype=torch.int64)
+    return (bits.long().unflatten(-1, (-1, 8)) * weights).sum(-1).to(torch.uint8)
+
+
+def _small_bytes(matrix: QuantizedMatrix, qtype: str, rows: int) -> Tensor:
+    levels = matrix.levels.reshape(rows, -1, BLOCK_SIZE)                       # (rows, n_blocks, 32)
+    header = [_fp16_bytes(matrix.scales)] + ([] if matrix.mins is None else [_fp16_bytes(matrix.mins)])
+    if qtype == "q8_0":
+        body = [levels ^ 0x80]
+    elif qtype in ("q4_0", "q4_1"):
+        body = [_join_nibbles(levels)]
+    else:  # q5_0, q5_1: the fifth bits as a little-endian 32-bit word, then the nibbles
+        body = [_bit_bytes(levels >> 4), _join_nibbles(levels)]
+    return torch.cat(header + body, dim=-1)
+
+
+def _k_scale_bytes(scales: Tensor, mins: Tensor) -> Tensor:
+    """The 12 bytes of 8 six-bit sub-scales and sub-minimums (the inverse of _k_scales)."""
+    sc, m = scales.long(), mins.long()
+    low = torch.cat(((sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6), (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)), -1)
+    high = (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)
+    return torch.cat((low, high), -1).to(torch.uint8)
+
+
+def _super_bytes(matrix: QuantizedMatrix, qtype: str, rows: int) -> Tensor:
+    levels = matrix.levels.reshape(rows, -1, 256)                              # (rows, n_supers, 256)
+    scales = matrix.scales.reshape(rows, levels.shape[1], -1)
+    if qtype == "q6_k":  # the inverse of _q6_k_levels: each half's four quarters of 32 inputs
+        quarters = levels.unflatten(-1, (2, 4, 32)).long()                      # (rows, n, half, quarter j, 32)
+        low = quarters & 0x0F
+        ql = torch.cat((low[..., 0, :] | (low[..., 2, :] << 4), low[..., 1, :] | (low[..., 3, :] << 4)), -1)
+        qh = sum((quarters[..., j, :] >> 4) << (2 * j) for j in range(4))
+        return torch.cat((ql.flatten(-2).to(torch.uint8), qh.flatten(-2).to(torch.uint8), scales.view(torch.uint8),
+                          _fp16_bytes(matrix.super_scales)), -1)
+    groups = levels.unflatten(-1, (4, 2, 32))                                 # (rows, n, pair p, 2, 32)
+    qs = ((groups[..., 0, :] & 0x0F) | ((groups[..., 1, :] & 0x0F) << 4)).flatten(-2)
+    mins = matrix.mins.reshape(rows, levels.shape[1], -1)
+    head = [_fp16_bytes(matrix.super_scales), _fp16_bytes(-matrix.super_mins), _k_scale_bytes(scales, mins)]
+    if qtype == "q5_k":  # bit j of byte l: the fifth bit of input l of group j
+        fifth = (levels.unflatten(-1, (8, 32)).long() >> 4) << torch.arange(8)[:, None]
+        head.append(fifth.sum(-2).to(torch.uint8))
+    return torch.cat(head + [qs], dim=-1)
+
+
+def encode_blocks(matrix: QuantizedMatrix, qtype: str) -> UInt8[Tensor, "rows row_bytes"]:
+    """The file's bytes for a matrix of `qtype` (the inverse of `block_matrix`: every bit comes back)."""
+    rows = matrix.levels.shape[0]
+    fmt = FORMATS[qtype]
+    blocks = _small_bytes(matrix, qtype, rows) if fmt.inputs == BLOCK_SIZE else _super_bytes(matrix, qtype, rows)
+    return blocks.reshape(rows, -1).contiguous()
+
+
 def block_fields(
     weight_blocks: UInt8[Tensor, "rows row_bytes"], qtype: str
 ) -> tuple[Tensor, Float[Tensor, "rows n_blocks"], Float[Tensor, "rows n_blocks"] | None]:
@@ -231,7 +300,12 @@ def quantize_blocks(weight: Float[Tensor, "rows d_in"], qtype: str) -> UInt8[Ten
 
 
 class BlockLinear(nn.Module):
-    """A Linear whose weight is llama.cpp blocks (any of FORMATS), used as they are."""
+    """A Linear whose weight is llama.cpp blocks (any of FORMATS), used as they are.
+
+    On a CPU with the kernels built, the layer keeps one copy of its weight: the kernels' packed
+    layout, made when the bytes arrive. `weight_blocks` (the file's bytes) is then written back from
+    it when asked for (`blocks()`: saving, export, the readable path), bit for bit; without the
+    kernels, or on another device, the bytes are kept as they came."""
 
     def __init__(self, d_in: int, d_out: int, qtype: str, bias: bool = True, impl: str = "fast"):
         super().__init__()
@@ -241,11 +315,11 @@ class BlockLinear(nn.Module):
         if d_in % inputs:
             raise ValueError(f"{qtype} quantizes rows in blocks of {inputs}; d_in {d_in} does not divide")
         self.d_in, self.d_out, self.qtype, self.impl = d_in, d_out, qtype, impl
-        row_bytes = d_in // inputs * FORMATS[qtype].bytes
-        self.register_buffer("weight_blocks", torch.zeros(d_out, row_bytes, dtype=torch.uint8))
+        self.row_bytes = d_in // inputs * FORMATS[qtype].bytes
+        self.register_buffer("weight_blocks", torch.zeros(d_out, self.row_bytes, dtype=torch.uint8))
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
         # The kernels' layout of the weight (or, without the C++ kernels, PyTorch's int4 kernel's
-        # operands, or q8_0's float weight): made when weights arrive, never saved.
+        # operands, or the float weight): made when weights arrive; the packed one stands for the bytes.
         self._kernel: PackedMatrix | tuple[Tensor, Tensor] | Tensor | None = None
 
     @classmethod
@@ -262,8 +336,16 @@ class BlockLinear(nn.Module):
         layer.prepare_for_compile()  # (only for the fast path on a CPU)
         return layer
 
+    def blocks(self) -> UInt8[Tensor, "d_out row_bytes"]:
+        """The weight as the file's bytes: kept, or written back from the packed copy (exactly)."""
+        kept = self._buffers.get("weight_blocks")
+        if kept is not None:
+            return kept
+        packed = unpack(self._kernel)
+        return packed.view(torch.uint8) if self.qtype in HALF_TYPES else encode_blocks(packed, self.qtype)
+
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Float[Tensor, "d_out d_in"]:
-        return dequantize_blocks(self.weight_blocks, self.qtype).to(dtype)
+        return dequantize_blocks(self.blocks(), self.qtype).to(dtype)
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
         kernel = self._kernel
@@ -279,14 +361,18 @@ class BlockLinear(nn.Module):
 
     def kernel_matrix(self) -> PackedMatrix | None:
         """The packed matrix `forward` multiplies a float32 CPU row by (None: it takes another path)."""
-        if self.impl != "fast" or self.weight_blocks.device.type != "cpu":
+        if self.impl != "fast" or self._device().type != "cpu":
             return None
         kernel = self._kernel_operands()
         return kernel if isinstance(kernel, PackedMatrix) else None
 
     def quantized_matrix(self) -> QuantizedMatrix:
         """The blocks as the kernels' readable `QuantizedMatrix` (`block_matrix`)."""
-        return block_matrix(self.weight_blocks, self.qtype)
+        return block_matrix(self.blocks(), self.qtype)
+
+    def _device(self) -> torch.device:
+        kept = self._buffers.get("weight_blocks")
+        return kept.device if kept is not None else self._kernel.device
 
     def _kernel_forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
         kernel = self._kernel_operands()
@@ -298,43 +384,69 @@ class BlockLinear(nn.Module):
 
     def _kernel_operands(self) -> PackedMatrix | tuple[Tensor, Tensor] | Tensor:
         """What the fast path multiplies with, made once per set of weights: the C++ kernels' packed
-        matrix, else PyTorch's int4 kernel's operands for q4_0 / q4_1 (scale d and zero, the value of
-        level 8, m + 8d), else the float weight."""
+        matrix (after which the bytes are dropped: the packed copy stands for them), else PyTorch's int4
+        kernel's operands for q4_0 / q4_1 (scale d and zero, the value of level 8, m + 8d), else the
+        float weight."""
         kernel = self._kernel
-        device = None if kernel is None else (kernel.device if not isinstance(kernel, tuple) else kernel[0].device)
-        if kernel is None or device != self.weight_blocks.device:
-            ops = kernel_ops()
-            fmt = FORMATS[self.qtype]
-            on_cpu = ops is not None and self.weight_blocks.device.type == "cpu"
-            if self.qtype in HALF_TYPES:  # 16-bit weights: the kernels' panels, else the float weight
-                kernel = (pack_half(half_weight(self.weight_blocks, self.qtype)) if on_cpu and self.d_in % BLOCK_SIZE == 0
-                          else self.dequantized_weight())
-            elif on_cpu:
-                # The C++ packer reads the blocks directly: pack(self.quantized_matrix()), byte for byte.
-                levels, scales, mins, supers, super_mins = ops.pack_ggml(self.weight_blocks, self.qtype)
-                kernel = PackedMatrix(levels, scales, mins, fmt.bits, fmt.offset, fmt.group_size, self.d_out, None,
-                                      supers, super_mins, 0 if supers is None else 256 // fmt.group_size)
-            elif self.qtype in ("q4_0", "q4_1"):
-                levels, d, m = block_fields(self.weight_blocks, self.qtype)
-                kernel = int4_kernel_operands(levels, d, torch.zeros_like(d) if m is None else m + 8 * d)
-            else:
-                kernel = self.dequantized_weight()
-            self._kernel = kernel
+        if kernel is not None:
+            return kernel
+        ops, blocks = kernel_ops(), self.weight_blocks
+        fmt = FORMATS[self.qtype]
+        on_cpu = ops is not None and blocks.device.type == "cpu"
+        if self.qtype in HALF_TYPES:  # 16-bit weights: the kernels' panels, else the float weight
+            kernel = (pack_half(half_weight(blocks, self.qtype)) if on_cpu and self.d_in % BLOCK_SIZE == 0
+                      else self.dequantized_weight())
+        elif on_cpu:
+            # The C++ packer reads the blocks directly: pack(self.quantized_matrix()), byte for byte.
+            levels, scales, mins, supers, super_mins = ops.pack_ggml(blocks, self.qtype)
+            kernel = PackedMatrix(levels, scales, mins, fmt.bits, fmt.offset, fmt.group_size, self.d_out, None,
+                                  supers, super_mins, 0 if supers is None else 256 // fmt.group_size)
+        elif self.qtype in ("q4_0", "q4_1"):
+            levels, d, m = block_fields(blocks, self.qtype)
+            kernel = int4_kernel_operands(levels, d, torch.zeros_like(d) if m is None else m + 8 * d)
+        else:
+            kernel = self.dequantized_weight()
+        self._kernel = kernel
+        if isinstance(kernel, PackedMatrix):
+            self._buffers["weight_blocks"] = None  # one copy of the weight: the packed one
         return kernel
 
     def prepare_for_compile(self) -> None:
         """Lay the weight out for the kernel now (at load, so the first token does not wait for it,
         and outside a compiled graph, which reads the packed copy and never makes it)."""
-        if self.impl == "fast" and self.weight_blocks.device.type == "cpu" and not self.weight_blocks.is_meta:
+        if self.impl == "fast" and self._device().type == "cpu":
             self._kernel_operands()
 
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+    def _restore_blocks(self) -> None:
+        """Gives the bytes a buffer again (before they move or are replaced), dropping the packed copy."""
+        if self._buffers.get("weight_blocks") is None:
+            self._buffers["weight_blocks"] = self.blocks()
+        self._kernel = None
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._buffers.get("weight_blocks") is None:
+            destination[prefix + "weight_blocks"] = self.blocks()
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, *args: Any, **kwargs: Any) -> None:
+        if prefix + "weight_blocks" not in state_dict:  # (a load of other tensors passing through)
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+        if self._buffers.get("weight_blocks") is None:  # a place for the new bytes (replaced when assigning)
+            device = "meta" if local_metadata.get("assign_to_params_buffers") else self._kernel.device
+            self._buffers["weight_blocks"] = torch.empty(self.d_out, self.row_bytes, dtype=torch.uint8, device=device)
         self._kernel = None  # new weights: re-pack them for the kernel
-        super()._load_from_state_dict(*args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
         self.prepare_for_compile()
 
     def _apply(self, fn: Any, recurse: bool = True) -> "BlockLinear":
-        had_copy, self._kernel = self._kernel is not None, None  # .to(device) makes new buffers: re-pack them
+        kernel = self._kernel
+        if isinstance(kernel, PackedMatrix) and self._buffers.get("weight_blocks") is None:
+            # A dtype change (model.to(torch.float32), .double()) passes integer bytes by: if it would
+            # leave them where they are, the packed copy stands (only the bias follows it).
+            if fn(torch.empty(0, dtype=torch.uint8, device=kernel.device)).device == kernel.device:
+                return super()._apply(fn, recurse)
+        had_copy = kernel is not None
+        self._restore_blocks()  # .to(device) makes new buffers: re-pack them
         super()._apply(fn, recurse)
         if had_copy:
             self.prepare_for_compile()
@@ -344,12 +456,62 @@ class BlockLinear(nn.Module):
         return f"d_in={self.d_in}, d_out={self.d_out}, qtype={self.qtype}, bias={self.bias is not None}, impl={self.impl}"
 
 
+class BlockEmbedding(nn.Module):
+    """Token id -> a row of a table kept in a block format (or 16 bits), dequantized exactly when it is
+    looked up: a GGUF file's token_embd as the file holds it (SmolLM2's: 30 MB of q8_0 rather than
+    113 MB of float32; Llama 3.2 1B's: 1 GB less). `table` is a BlockLinear of (vocab, d_model) rows;
+    `tied`: it is the model's own unembedding, kept out of this module's state (one copy serves both)."""
+
+    def __init__(self, table: BlockLinear, tied: bool = False):
+        super().__init__()
+        self.tied = tied
+        if tied:
+            object.__setattr__(self, "_tied_table", table)  # (not a submodule: model.unembed owns it)
+        else:
+            self.table = table
+
+    def rows(self) -> BlockLinear:
+        return self._tied_table if self.tied else self.table
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows()._device()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def weight(self) -> Float[Tensor, "vocab d_model"]:
+        """The whole table as float32, for code that reads all of it (export, analysis); a lookup reads
+        only its rows."""
+        return self.rows().dequantized_weight()
+
+    def forward(self, tokens: Int[Tensor, "..."]) -> Float[Tensor, "... d_model"]:
+        table = self.rows()
+        kernel = table.kernel_matrix()
+        ids = tokens.reshape(-1)
+        if kernel is not None:
+            rows = lookup_rows(kernel, ids)                # the kernels read the rows in place
+        elif isinstance(table._kernel, PackedMatrix):
+            rows = packed_rows(table._kernel, ids)         # readable: just their panels unpacked
+        else:
+            rows = dequantize_blocks(table.blocks()[ids], table.qtype)
+        return rows.reshape(*tokens.shape, -1)
+
+    def extra_repr(self) -> str:
+        table = self.rows()
+        return f"vocab={table.d_out}, d_model={table.d_in}, qtype={table.qtype}, tied={self.tied}"
+
+
 @dataclass(frozen=True)
 class BlockOptions:
     """Which Linear layers take the block format: `layers` names them (as `model.named_modules()`
     does; a GGUF import lists the ones its file holds in this format; "unembed" in a model whose
-    unembedding is the embedding's transpose means a quantized copy of it), None means every Linear
-    whose input width divides into blocks of 32, and a tied unembedding too."""
+    unembedding is the embedding's transpose means a quantized copy of it; "embed" means the token
+    table too, a `BlockEmbedding`: the unembedding's own blocks where both are listed and the model is
+    tied), None means every Linear whose input width divides into blocks of 32, and a tied
+    unembedding too (the embedding stays float)."""
 
     layers: list[str] | None = None
 
@@ -360,6 +522,8 @@ def _block_targets(model: nn.Module, options: BlockOptions, inputs: int) -> list
     linears = {name for name, m in model.named_modules() if isinstance(m, Linear)}
     if options.layers is None:
         return sorted(name for name in linears if model.get_submodule(name).weight.shape[1] % inputs == 0)
+    if EMBED in options.layers:
+        linears.add(EMBED)  # (made by _apply_to_embedding)
     quantized = {name for name, m in model.named_modules() if isinstance(m, (Int8Linear, Int4Linear, BlockLinear))}
     if _tied(model):
         linears.add(UNEMBED)
@@ -385,7 +549,7 @@ def _apply(qtype: str, model: nn.Module, options: BlockOptions, quantize: bool) 
     tied = _tied(model) and (options.layers is None or UNEMBED in options.layers)
     inputs = FORMATS[qtype].inputs
     for name in _block_targets(model, options, inputs):
-        if name == UNEMBED and tied:
+        if name == EMBED or (name == UNEMBED and tied):
             continue  # made from the embedding below
         parent_name, _, child_name = name.rpartition(".")
         child = model.get_submodule(name)
@@ -397,12 +561,29 @@ def _apply(qtype: str, model: nn.Module, options: BlockOptions, quantize: bool) 
         embed = model.embed.weight
         model.unembed = (BlockLinear.from_weight(embed, None, qtype, impl) if quantize
                          else BlockLinear(embed.shape[1], embed.shape[0], qtype, False, impl).to(embed.device))
+    if options.layers is not None and EMBED in options.layers:
+        if _tied(model):
+            raise ValueError("a tied model's token table takes a block format with its unembedding: list 'unembed' too")
+        _apply_to_embedding(qtype, model, shared=tied, quantize=quantize, impl=impl)
+
+
+def _apply_to_embedding(qtype: str, model: nn.Module, shared: bool, quantize: bool, impl: str) -> None:
+    """The token table as a BlockEmbedding: of the unembedding's blocks (`shared`), or of its own."""
+    if shared:
+        model.embed = BlockEmbedding(model.unembed, tied=True)
+        return
+    weight = model.embed.weight
+    table = (BlockLinear.from_weight(weight, None, qtype, impl) if quantize
+             else BlockLinear(weight.shape[1], weight.shape[0], qtype, False, impl).to(weight.device))
+    model.embed = BlockEmbedding(table)
 
 
 def _block_transform(qtype: str, summary: str) -> Transform:
+    # The K-quants are read from files, not made: not among the quantizations a command offers.
+    kind = "quantization" if qtype in QUANTIZABLE else "read-only quantization"
     return Transform(qtype, lambda model, options: _apply(qtype, model, options, quantize=True), options=BlockOptions,
                      rebuild=lambda model, options: _apply(qtype, model, options, quantize=False),
-                     kind="quantization", summary=summary)
+                     kind=kind, summary=summary)
 
 
 Q4_0 = _block_transform("q4_0", "llama.cpp's Q4_0 blocks: 32 weights share an fp16 scale (4.5 bits per weight)")

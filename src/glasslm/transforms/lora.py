@@ -278,6 +278,14 @@ class LoRAEmbedding(_Adapter):
     def weight(self) -> Float[Tensor, "vocab d_model"]:
         return self.base.weight
 
+    @property
+    def device(self) -> torch.device:
+        return self.base.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.dtype
+
     def forward(self, tokens: Int[Tensor, "batch seq"]) -> Float[Tensor, "batch seq d_model"]:
         y = self.base(tokens)
         if self.merged or self.disabled:

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from glasslm.core.model import TransformerLM
 from glasslm.hf.errors import UnsupportedModelError
 from glasslm.hf.families import HFFamily, family_for
-from glasslm.transforms.ggml import BLOCK_SIZE, BlockLinear
+from glasslm.transforms.ggml import BLOCK_SIZE, BlockEmbedding, BlockLinear
+from glasslm.transforms.split import RowSplitLinear
 
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 _FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1"}
@@ -81,13 +82,23 @@ def _tied_copy(model: TransformerLM) -> bool:
 
 
 def _float_state_dict(model: TransformerLM) -> dict[str, Tensor]:
-    """The model's tensors with every block-quantized weight dequantized under its Linear name (a tied
+    """The model's tensors as a float model names them: every block-quantized weight dequantized under
+    its Linear's name, a row split's parts joined again, a block embedding as its float table (a tied
     unembedding's blocks left out: the file's token embedding is that matrix)."""
-    state = {name: t.detach() for name, t in model.state_dict().items()}
-    for name, layer in _block_layers(model).items():
-        del state[name + ".weight_blocks"]
-        if not (name == "unembed" and _tied_copy(model)):
-            state[name + ".weight"] = layer.dequantized_weight()
+    state = {name: t.detach() for name, t in model.state_dict().items() if not name.endswith(".weight_blocks")}
+    whole: dict[str, nn.Module] = {}  # layers written as one float weight (their parts' entries dropped)
+    for name, module in model.named_modules():
+        if isinstance(module, (RowSplitLinear, BlockEmbedding)) or (
+                isinstance(module, BlockLinear) and not any(name.startswith(w + ".") for w in whole)):
+            whole[name] = module
+    for name, module in whole.items():
+        for key in [k for k in state if k.startswith(name + ".parts.") or k.startswith(name + ".table.")]:
+            del state[key]
+        if name == "unembed" and _tied_copy(model):
+            continue
+        state[name + ".weight"] = (module.dequantized_weight() if isinstance(module, BlockLinear) else module.weight).detach()
+        if isinstance(module, RowSplitLinear) and module.bias is not None:
+            state[name + ".bias"] = module.bias.detach()
     return state
 
 
@@ -97,6 +108,8 @@ def _kept_blocks(model: TransformerLM, family: HFFamily, hf: dict[str, Any], qty
     layers = {name: layer for name, layer in _block_layers(model).items() if layer.qtype == qtype}
     if _tied_copy(model) and model.unembed.qtype == qtype:
         layers["embed"] = layers.pop("unembed")  # the token embedding's own blocks, as the file held them
+    elif isinstance(model.embed, BlockEmbedding) and model.embed.rows().qtype == qtype:
+        layers["embed"] = layers.pop("embed.table")
     table = family.weight_table(model.config, None)
     name_map = _name_map(model, family)
     kept: dict[str, Tensor] = {}
@@ -108,7 +121,7 @@ def _kept_blocks(model: TransformerLM, family: HFFamily, hf: dict[str, Any], qty
         outs = [family.gguf.to_gguf(n, t, hf) for n, t in zip(hf_names, to_hf(probe))]
         if all(t.dim() == 2 and t.shape[1] == 1 for t in outs):
             for hf_name, rows in zip(hf_names, outs):
-                kept[name_map(hf_name)] = layer.weight_blocks[rows[:, 0].long()]
+                kept[name_map(hf_name)] = layer.blocks()[rows[:, 0].long()]
     return kept
 
 

@@ -50,7 +50,7 @@ from glasslm.hf.gguf.reader import GGUFFile
 from glasslm.hf.plan import WeightTable
 from glasslm.io.build import empty_model, model_from_state_dict
 from glasslm.transforms import parameter_count
-from glasslm.transforms.ggml import LAYER_FORMATS, UNEMBED
+from glasslm.transforms.ggml import EMBED, LAYER_FORMATS, UNEMBED
 
 EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
 
@@ -238,26 +238,30 @@ def _plan_tensors(reading: _Reading, table: WeightTable, linears: set[str], keep
         layer = ours.removesuffix(".weight")
         if keep_blocks and layer in linears and _keep_blocks(reading, plan, layer, hf_names, to_ours):
             continue
+        if keep_blocks and ours == "embed.weight" and _keep_embedding(reading, plan, hf_names, to_ours):
+            continue
         plan.tensors[ours] = lambda hf_names=hf_names, to_ours=to_ours: to_ours(*map(reading.hf_tensor, hf_names))
         plan.dequantized.update(reading.file.qtype(reading.names[n]) for n in hf_names)
     _split_biases(plan)
-    tied = _tied_unembedding(reading, table, keep_blocks)
-    if tied is not None:
-        plan.keep(UNEMBED, *tied)
     return plan.tensors, plan.records(), plan.kept, plan.dequantized
 
 
-def _tied_unembedding(reading: _Reading, table: WeightTable, keep_blocks: bool) -> tuple[str, Callable[[], Tensor]] | None:
-    """(format, block maker) of the token embedding as the unembedding's own blocks, where the model
-    unembeds with its embedding and the file holds that in a format the layers run."""
-    if not (keep_blocks and reading.hf.get("tie_word_embeddings")):
-        return None
-    hf_names, to_ours, _ = table.entries["embed.weight"]
+def _keep_embedding(reading: _Reading, plan: _Plan, hf_names: tuple[str, ...], to_ours: Callable[..., Tensor]) -> bool:
+    """Plans the token table kept in its file's blocks (a BlockEmbedding, looked up a row at a time),
+    where the file holds it in a format the layers run: a model that unembeds with it (no output
+    matrix) gets one copy for both, as llama.cpp uses it. False: it is dequantized."""
     qtype = reading.file.qtype(reading.names[hf_names[0]])
     order = reading.row_order(hf_names, to_ours) if len(hf_names) == 1 and qtype in LAYER_FORMATS else None
     if order is None:
-        return None
-    return qtype, lambda: reading.file.blocks(reading.names[hf_names[0]])[order]
+        return False
+    make = lambda: reading.file.blocks(reading.names[hf_names[0]])[order]  # noqa: E731
+    if reading.hf.get("tie_word_embeddings"):
+        plan.keep(UNEMBED, qtype, make)
+    else:
+        plan.keep(EMBED + ".table", qtype, make)
+        plan.layers[qtype].remove(EMBED + ".table")
+    plan.layers[qtype].append(EMBED)
+    return True
 
 
 def import_gguf(

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -203,7 +204,9 @@ class GGUFFile:
         each row's blocks, one after another)."""
         entry = self._tensor(name)
         raw = self._data[entry.offset:entry.offset + entry.n_bytes]
-        return torch.from_numpy(np.array(raw, dtype=np.uint8)).reshape(entry.shape[0] if len(entry.shape) > 1 else 1, -1)
+        blocks = torch.from_numpy(np.array(raw, dtype=np.uint8)).reshape(entry.shape[0] if len(entry.shape) > 1 else 1, -1)
+        self._release(entry)
+        return blocks
 
     def dequantized(self, name: str) -> Tensor:
         """The tensor as float32, whatever its type, in PyTorch's shape."""
@@ -217,7 +220,18 @@ class GGUFFile:
         except NotImplementedError as err:
             raise ValueError(f"{self.path}: tensor {name} is {entry.qtype.name}, which the gguf package "
                              f"cannot dequantize ({err})") from None
-        return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(entry.shape)
+        tensor = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(entry.shape)
+        self._release(entry)
+        return tensor
+
+    def _release(self, entry: _TensorEntry) -> None:
+        """Drops a tensor's pages of the mapped file from this process's memory once it has its own copy
+        (the pages stay in the OS's cache): a loaded model would otherwise count the file twice."""
+        mapped = getattr(self._data, "_mmap", None)
+        if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = entry.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        mapped.madvise(mmap.MADV_DONTNEED, start, entry.offset + entry.n_bytes - start)
 
     @staticmethod
     def _rows(entry: _TensorEntry) -> int:
