@@ -20,3 +20,18 @@ def random_blocks(qtype: str, d_out: int, d_in: int, seed: int = 0) -> torch.Ten
         values = (torch.randn(d_out, d_in // fmt.inputs, generator=g) * scale).half()
         blocks[..., start:start + 2] = values.view(torch.uint8).reshape(d_out, -1, 2)
     return blocks.reshape(d_out, -1)
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """The bytes of every weight tensor a model holds, each storage once: parameters, saved buffers and
+    the kernels' packed copies of quantized layers (what its weights cost in memory, whatever their
+    layout; not the tables computed from the config, such as rotary angles)."""
+    tensors = list(model.parameters())
+    for module in model.modules():
+        tensors += [b for name, b in module.named_buffers(recurse=False)
+                    if b is not None and name not in module._non_persistent_buffers_set]
+        packed = getattr(module, "_kernel", None)
+        if packed is not None and hasattr(packed, "operands"):
+            tensors += [t for t in packed.operands() if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
+    return sum(storages.values())

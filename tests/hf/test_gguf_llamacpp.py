@@ -14,6 +14,7 @@ from glasslm.hf.gguf.exporter import export_gguf  # noqa: E402
 from glasslm.hf.gguf.reader import GGUFFile  # noqa: E402
 from glasslm.tokenizers.gguf import tokenizer_from_gguf  # noqa: E402
 from tests.hf.test_gguf import FAMILY_CONFIGS, bpe, perturbed  # noqa: E402,F401 (bpe: the shared fixture)
+from tests.ggml_blocks import held_bytes  # noqa: E402
 from tests.llamacpp import llama_cpp_quantize, quiet_llama  # noqa: E402
 
 
@@ -79,6 +80,9 @@ def test_files_llama_cpps_quantizer_wrote_read_as_llama_cpp_runs_them(ftype, bpe
     # Every matrix kept in the file's own blocks (a mixed file's fused q|k|v split by format), the token
     # table too (looked up a row at a time); only the norms (f32) are read as float32.
     assert set(loaded.kept) == types - {"f32"} and set(loaded.dequantized) == {"f32"}
+    # ... and held once: the kernels' layout is as many bytes as the file's blocks (a little more for
+    # the K-quants' sub-scales, a byte each instead of 6 bits), the lookup table the unembedding's.
+    assert held_bytes(loaded.model) <= 1.05 * (tmp_path / f"{ftype}.gguf").stat().st_size
     linears = [loaded.model.blocks[0].attn.qkv, loaded.model.blocks[0].mlp.up, loaded.model.blocks[1].mlp.down]
     parts = [p for m in linears for p in (m.parts if isinstance(m, RowSplitLinear) else [m])]
     assert all(isinstance(p, BlockLinear) for p in parts)

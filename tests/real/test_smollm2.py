@@ -25,6 +25,7 @@ from glasslm.hf import load_model
 from glasslm.hf.gguf.importer import import_gguf
 from glasslm.tokenizers.chat import render_chat
 from glasslm.transforms.ggml import BlockLinear
+from tests.ggml_blocks import held_bytes
 
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTIONS = ["What is the capital of France?", "Name three colors of the rainbow.",
@@ -70,6 +71,7 @@ def test_the_file_reads_as_smollm2_with_its_blocks_kept(gguf, capsys):
     # The Q8_0 token table is kept once: the tied unembedding's own blocks, which the embedding looks rows up in.
     assert "kept in their blocks: 210 q4_1, 1 q8_0; dequantized to float32: 61 f32" in model.gguf_summary
     assert sum(isinstance(m, BlockLinear) for m in model.modules()) == 30 * 5 + 1  # qkv, out, gate, up, down
+    assert held_bytes(model) <= 1.02 * gguf.stat().st_size  # the file's weights, held once
     assert model.unembed.qtype == "q8_0" and torch.equal(model.unembed.dequantized_weight(), model.embed.weight)
     c = model.config
     assert (c.n_layers, c.d_model, c.d_mlp, c.n_heads, c.n_kv_heads, c.vocab_size) == (30, 576, 1536, 9, 3, 49152)

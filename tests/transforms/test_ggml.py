@@ -187,3 +187,24 @@ def test_decoding_with_16_bit_weights_keeps_float32_activations(dtype):
         ours, expected, everything16 = prepared(ids), rounded(ids), whole(ids).float()
     gap = (ours - expected).abs().max()
     assert gap < 1e-4 * expected.abs().max() and gap < 0.05 * (everything16 - expected).abs().max()
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "f16", "bf16"])
+def test_a_packed_layer_keeps_one_copy_and_writes_the_files_bytes_back_exactly(qtype, tmp_path):
+    """With the kernels, a layer holds only their layout of its weight; the file's bytes come back
+    from it bit for bit (the K-quants' packed 6-bit scales, the fifth and sixth bits included), through
+    a checkpoint and a move to another dtype alike."""
+    torch.manual_seed(0)
+    blocks = (random_blocks(qtype, 40, 512, seed=5) if qtype not in ("f16", "bf16")
+              else quantize_blocks(torch.randn(40, 512), qtype))
+    layer = BlockLinear.from_blocks(blocks, torch.randn(40), qtype)
+    if KERNELS:
+        assert layer._buffers["weight_blocks"] is None and layer.kernel_matrix() is not None
+    assert torch.equal(layer.blocks(), blocks) and torch.equal(layer.state_dict()["weight_blocks"], blocks)
+    x = torch.randn(3, 512)
+    before = layer(x)
+    layer.double()  # the bias follows; the bytes stand as they are
+    assert torch.equal(layer.blocks(), blocks) and layer.bias.dtype == torch.float64
+    back = BlockLinear(512, 40, qtype)
+    back.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in layer.state_dict().items()})
+    assert torch.equal(back.blocks(), blocks) and torch.equal(back(x), before)
