@@ -15,7 +15,7 @@ import pytest
 from glasslm.cli import main
 from glasslm.hf.gguf.exporter import export_gguf
 from glasslm.presets import get_preset
-from tests.hf.gguf_bytes import FLOAT32, UINT32, UINT64, parse
+from tests.hf.gguf_bytes import FLOAT32, STRING, UINT32, UINT64, parse
 from tests.hf.test_gguf import TEMPLATE, bpe, perturbed  # noqa: F401 (bpe: the shared fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,10 +23,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def base_file(bpe, tmp_path_factory):
-    """A small valid GGUF: a Llama with grouped heads, q8_0 matrices and f32 norms, a BPE vocabulary
-    and a chat template (118 KB)."""
+    """A small valid GGUF: a Llama with grouped heads, Llama 3's rope scaling (rope_freqs), q8_0
+    matrices and f32 norms, a BPE vocabulary and a chat template (118 KB)."""
     model = perturbed(get_preset("llama-tiny", vocab_size=bpe.vocab_size, n_layers=2, d_model=64, n_heads=4,
-                                 n_kv_heads=2, d_mlp=96, context_length=64))
+                                 n_kv_heads=2, d_mlp=96, context_length=64, rope_scaling="llama3",
+                                 rope_original_context=16))
     return export_gguf(model, tmp_path_factory.mktemp("base") / "base.gguf", bpe, "q8_0", chat_template=TEMPLATE)
 
 
@@ -45,7 +46,7 @@ CASES = {
                      "llama.block_count is 2147483648; it must be a whole number from 1 to 4,096"),
     "blocks as a float": (lambda raw: raw.set("llama.block_count", FLOAT32, 2.0), "llama.block_count is 2.0"),
     "more blocks than tensors": (lambda raw: raw.set("llama.block_count", UINT32, 4000),
-                                 "llama.block_count is 4,000, but the file holds 21 tensors"),
+                                 "llama.block_count is 4,000, but the file holds 22 tensors"),
     # (2**32, 2**32) f32 elements: 2**66 bytes, 0 in 64-bit arithmetic, which passed the bounds check.
     "byte count wraps": (lambda raw: setattr(raw.tensor("blk.0.ffn_up.weight"), "dims", [2 ** 32, 2 ** 32]),
                          "tensor blk.0.ffn_up.weight (19,599,665,578,316,398,592 bytes at"),
@@ -56,6 +57,11 @@ CASES = {
                                "token_embd.weight (320, 64)"),
     "tokens without types": (lambda raw: raw.set("tokenizer.ggml.token_type", 9, (5, [1, 1])),
                              "tokenizer.ggml.token_type has 2 entries for 320 tokens"),
+    # (glasslm's exporter wrote this before issue 46; llama.cpp stops at an unknown type: refused by name)
+    "a rope scaling llama.cpp lacks": (lambda raw: raw.set("llama.rope.scaling.type", STRING, "llama3"),
+                                       "rope.scaling.type 'llama3' is not supported"),
+    "linear scaling without a factor": (lambda raw: raw.set("llama.rope.scaling.type", STRING, "linear"),
+                                        "rope.scaling.type is 'linear' but the file states no rope.scaling.factor"),
     "unknown ggml type": (lambda raw: setattr(raw.tensor("blk.0.ffn_up.weight"), "ggml_type", 33),
                           "tensor blk.0.ffn_up.weight has ggml type 33, which the gguf package does not know"),
 }

@@ -47,13 +47,14 @@ from glasslm.core.model import TransformerLM
 from glasslm.hf.errors import UnsupportedModelError
 from glasslm.hf.families import FAMILIES, HFFamily, family_reading_gguf
 from glasslm.hf.gguf.reader import GGUFFile
+from glasslm.hf.gguf.rope_factors import llama3_from_factors
 from glasslm.hf.gguf.values import checked_values, rotary_table_problem
 from glasslm.hf.plan import WeightTable
 from glasslm.io.build import empty_model, model_from_state_dict
 from glasslm.transforms import parameter_count
 from glasslm.transforms.ggml import LAYER_FORMATS, UNEMBED
 
-EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
+EMBEDDING, OUTPUT, ROPE_FREQS = "token_embd.weight", "output.weight", "rope_freqs.weight"
 
 
 @dataclasses.dataclass
@@ -99,9 +100,38 @@ def gguf_hf_config(file: GGUFFile, family: HFFamily, context_given: bool = False
     names = file.tensor_names()
     values = checked_values(file.arch, values, len(names), context_given)
     hf = {"model_type": family.name, **family.gguf.hf_config(values, names)}
+    if ROPE_FREQS in names and _reads_rope_freqs(file.arch):
+        hf = _with_rope_factors(file, hf, values)
     hf["vocab_size"] = file.shape(EMBEDDING)[0]  # the tensor's rows are the truth (the key is optional)
     hf["tie_word_embeddings"] = _tied(file)
     return hf
+
+
+def _reads_rope_freqs(arch: str) -> bool:
+    """Whether llama.cpp's `arch` reads per-pair RoPE divisors (rope_freqs), by the gguf package's list."""
+    import gguf
+
+    kind = {name: kind for kind, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    return gguf.MODEL_TENSOR.ROPE_FREQS in gguf.MODEL_TENSORS.get(kind, ())
+
+
+def _with_rope_factors(file: GGUFFile, hf: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """config.json with the Llama 3 rope scaling whose divisors the file's rope_freqs tensor holds
+    (`rope_factors.llama3_from_factors`), checked against the frequencies its metadata states."""
+    stated = hf.get("rope_scaling", {}).get("rope_type")
+    if stated:
+        raise UnsupportedModelError(f"rope_freqs together with rope.scaling.type {stated!r} (llama.cpp applies both) "
+                                    "is not supported")
+    heads = values["attention.head_count"]
+    head_dim = values.get("attention.key_length") or values["embedding_length"] // heads
+    rotated = values.get("rope.dimension_count") or head_dim
+    if file.shape(ROPE_FREQS) != (rotated // 2,):
+        raise ValueError(f"rope_freqs.weight has shape {file.shape(ROPE_FREQS)}; {rotated} rotated dims need "
+                         f"({rotated // 2},)")
+    theta = float(values.get("rope.freq_base", 10000.0))
+    params = llama3_from_factors(file.dequantized(ROPE_FREQS), theta,
+                                 values.get("rope.scaling.original_context_length"))
+    return {**hf, "rope_scaling": {**hf.get("rope_scaling", {}), **params}} if params else hf
 
 
 def gguf_config(file: GGUFFile, context_length: int | None = None) -> tuple[ModelConfig, HFFamily, dict[str, Any]]:
@@ -164,10 +194,8 @@ def gguf_tensor_names(file: GGUFFile, family: HFFamily, config: ModelConfig, tab
         raise UnsupportedModelError(f"the gguf package has no GGUF name for {unmapped[:4]} ({family.name})")
     have = file.tensor_names()
     missing = sorted(set(names.values()) - have)
-    unexpected = sorted(have - set(names.values()) - ({OUTPUT} if config.tie_embeddings else set()))
-    if "rope_freqs.weight" in unexpected:
-        raise UnsupportedModelError(f"{file.path}: per-frequency RoPE factors (rope_freqs, Llama 3.1-style rope "
-                                    "scaling) are not supported for GGUF files yet; import the Hugging Face model")
+    read_apart = ({OUTPUT} if config.tie_embeddings else set()) | ({ROPE_FREQS} if _reads_rope_freqs(file.arch) else set())
+    unexpected = sorted(have - set(names.values()) - read_apart)
     if missing or unexpected:
         raise ValueError(f"{file.path} does not match a {family.name} model with its metadata: missing tensors "
                          f"{missing[:8]}, unexpected tensors {unexpected[:8]}")
