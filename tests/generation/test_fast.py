@@ -35,6 +35,9 @@ FAMILIES = {
     "neox": dict(preset="pythia-160m", d_mlp=128),
     "gemma": dict(preset="gemma3-270m", n_kv_heads=2, d_mlp=96, d_head=16, sliding_window=5,
               global_layers=(1,)),
+    # Gemma 2's logit soft-cap (the fast step caps the logits it makes; its attention cap is below).
+    "gemma-capped-logits": dict(preset="gemma3-270m", n_kv_heads=2, d_mlp=96, d_head=16, sliding_window=5,
+                                global_layers=(1,), qk_norm=False, logit_softcap=3.0),
 }
 
 
@@ -271,3 +274,25 @@ def test_kernels_off_gives_the_readable_forward():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "GLASSLM_KERNELS": "off"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "None"
+
+
+def test_soft_capped_attention_falls_back_to_the_readable_step():
+    """kernels/decode.cpp's attention has no score cap: a model with one (Gemma 2) is refused by the fast
+    step, by name, and decodes through the readable forward, ragged rows included, as it computes."""
+    model = family_model("gemma-capped-logits", attn_softcap=2.0)
+    assert unsupported(model) == "soft-capped attention scores (Gemma 2) run the readable step"
+    assert FastDecoder.for_model(model) is None
+    rows = [[5, 9, 3, 7, 1, 2, 8], [4, 6]]
+    window = DecodeWindow(model, 2, 20)
+    with torch.inference_mode():
+        window.prefill(rows)
+        window.decode(torch.tensor([1, 2]))
+    assert window.fast is None
+    tokens, logits = greedy_logits(model, rows, 12, fast=False)
+    ref_tokens, ref_logits = greedy_logits(copy.deepcopy(model).double(), rows, 12, fast=False)
+    assert tokens == ref_tokens
+    assert_float_close(logits, ref_logits)
+    uncapped = copy.deepcopy(model)
+    for block in uncapped.blocks:
+        block.attn.cap = None
+    assert (greedy_logits(uncapped, rows, 12, fast=False)[1] - logits).abs().max() > 0.1  # the cap matters here

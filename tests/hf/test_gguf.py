@@ -4,6 +4,7 @@ and clear refusals. (llama.cpp itself reads these files in test_gguf_llamacpp.py
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import numpy as np
@@ -49,6 +50,8 @@ FAMILY_CONFIGS = {
                                    d_head=256, sliding_window=8, global_layers=(5,)),
     "gpt2": lambda v: get_preset("gpt2-small", vocab_size=v, **{**SMALL, "d_mlp": 256, "context_length": 1024}),
     "gpt_neox": lambda v: get_preset("pythia-160m", vocab_size=v, **SMALL),
+    # Llama 3's rope scaling, over an original context of 16 so that all three regimes occur (rope_freqs).
+    "llama:rope-llama3": lambda v: get_preset("llama-tiny", vocab_size=v, rope_scaling="llama3", rope_original_context=16),
 }
 TRANSFORMERS_READS = ("llama", "qwen2", "qwen3", "gemma3_text", "gpt2")  # (its GGUF loader has no GPT-NeoX)
 
@@ -63,12 +66,13 @@ def test_every_family_goes_to_gguf_and_back_unchanged(family, bpe, shakespeare_t
     model = perturbed(FAMILY_CONFIGS[family](bpe.vocab_size))
     from glasslm.hf import family_of
 
-    assert family_of(model.config) == family
+    family_name = family.split(":")[0]  # ("llama:rope-llama3": a Llama of another shape)
+    assert family_of(model.config) == family_name
     path = export_gguf(model, tmp_path / "m.gguf", bpe, "f32", chat_template=TEMPLATE)
     loaded = import_gguf(path)
     # The same model: every config field that changes what it computes agrees (rotary_dims=16 and None
     # are one thing when a head is 16 wide).
-    assert loaded.family == family and computed_fields(loaded.model.config) == computed_fields(model.config)
+    assert loaded.family == family_name and computed_fields(loaded.model.config) == computed_fields(model.config)
     ids = torch.tensor([bpe.encode(shakespeare_text[:400])[:48]])
     assert torch.equal(loaded.model(ids), model(ids))
     assert loaded.tokenizer.encode(shakespeare_text[:2000]) == bpe.encode(shakespeare_text[:2000])
@@ -208,10 +212,79 @@ def test_missing_and_extra_tensors_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"missing tensors \['blk.1.ffn_up.weight'\]"):
         import_gguf(tmp_path / "missing.gguf")
     tensors["blk.1.ffn_up.weight"] = file.dequantized("blk.1.ffn_up.weight").numpy()
-    tensors["rope_freqs.weight"] = np.ones(8, np.float32)
+    tensors["rope_freqs.weight"] = np.linspace(1, 3, 8, dtype=np.float32)[::-1].copy()  # no Llama 3 shape
     write_gguf(tmp_path / "rope.gguf", "llama", tensors, **values)
-    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
+    with pytest.raises(ValueError, match="rope_freqs.weight's 8 divisors are not Llama 3's rope scaling"):
         import_gguf(tmp_path / "rope.gguf")
+    tensors["rope_freqs.weight"] = np.ones(7, np.float32)
+    write_gguf(tmp_path / "rope.gguf", "llama", tensors, **values)
+    with pytest.raises(ValueError, match=r"rope_freqs.weight has shape \(7,\); 16 rotated dims need \(8,\)"):
+        import_gguf(tmp_path / "rope.gguf")
+
+
+def converter_rope_freqs(theta, dims, factor, low, high, original):
+    """rope_freqs.weight as llama.cpp's convert_hf_to_gguf.py computes it for a Llama 3.1+ config:
+    float32 frequencies, each pair's divisor by its wavelength (written here from its description)."""
+    freqs = 1.0 / theta ** (torch.arange(0, dims, 2, dtype=torch.float32) / dims)
+    out = []
+    for freq in freqs.tolist():
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            out.append(1.0)
+        elif wavelength > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("theta, dims, factor", [(500000.0, 128, 8.0), (500000.0, 64, 32.0)])  # Llama 3.1 8B, 3.2 1B
+def test_llama_3_rope_freqs_read_back_to_the_numbers_config_json_says(theta, dims, factor):
+    from glasslm.hf.gguf.rope_factors import llama3_factors, llama3_from_factors
+
+    divisors = converter_rope_freqs(theta, dims, factor, 1.0, 4.0, 8192)
+    params = llama3_from_factors(divisors, theta)  # (such files state no original context: Llama 3's 8192)
+    assert params["factor"] == factor and params["original_max_position_embeddings"] == 8192
+    assert abs(params["low_freq_factor"] - 1.0) < 1e-4 and abs(params["high_freq_factor"] - 4.0) < 1e-4
+    again = llama3_factors(theta, dims, factor, params["low_freq_factor"], params["high_freq_factor"], 8192)
+    torch.testing.assert_close(again.float(), divisors, rtol=2e-6, atol=0)
+
+
+def test_a_llama_3_file_with_rope_freqs_is_the_model_transformers_runs(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from glasslm.core.positions import RotaryPositions
+    from glasslm.hf import import_hf
+    from tests.hf.test_hf_families import ATOL, FAMILIES, VOCAB, random_model
+    from tests.hf.gguf_bytes import parse
+
+    hf_model = random_model(FAMILIES["llama3-rope-scaling"]())  # all three regimes among 6 pairs
+    hf_model.save_pretrained(tmp_path / "hf")
+    path = export_gguf(import_hf(tmp_path / "hf"), tmp_path / "m.gguf", None, "f32")
+    file = GGUFFile.open(path)
+    # As llama.cpp's converter writes Llama 3: the divisors as a tensor, no rope.scaling.type (which
+    # llama.cpp would also apply); glasslm adds the original context, which llama.cpp reads for YaRN only.
+    assert file.shape("rope_freqs.weight") == (6,) and "llama.rope.scaling.type" not in file.metadata
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+        loaded = import_gguf(path).model
+        torch.testing.assert_close(loaded(tokens), expected, atol=ATOL["llama3-rope-scaling"], rtol=0)
+    params = hf_model.config.rope_parameters
+    c = loaded.config
+    assert (c.rope_scaling, c.rope_factor, c.rope_original_context) == ("llama3", params["factor"], 16)
+    assert abs(c.rope_low_freq_factor - 1.0) < 1e-4 and abs(c.rope_high_freq_factor - 4.0) < 1e-4
+    # Without the original context (a file from llama.cpp's converter), other numbers give the same frequencies.
+    raw = parse(path.read_bytes())
+    raw.drop("llama.rope.scaling.original_context_length")
+    (tmp_path / "converter.gguf").write_bytes(raw.to_bytes())
+    config = import_gguf(tmp_path / "converter.gguf").model.config
+    assert config.rope_original_context == 8192
+    hf_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_model.config, "cpu")
+    ours = RotaryPositions.from_config(config)
+    torch.testing.assert_close(torch.atan2(ours.sin[1], ours.cos[1]), hf_freq.float(), rtol=2e-6, atol=0)
 
 
 def test_the_cli_converts_both_ways_and_every_command_takes_a_gguf(bpe, shakespeare_text, tmp_path, capsys):
@@ -257,4 +330,7 @@ def test_models_llama_cpp_cannot_run_exactly_are_refused(tmp_path):
     gemma = perturbed(FAMILY_CONFIGS["gemma3_text"](256).replace(attn_scale=0.5))
     with pytest.raises(UnsupportedModelError, match="query_pre_attn_scalar"):
         export_gguf(gemma, tmp_path / "g.gguf", None)
+    dynamic = perturbed(get_preset("llama-tiny", vocab_size=256, rope_scaling="dynamic", rope_factor=2.0))
+    with pytest.raises(UnsupportedModelError, match="llama.cpp has no 'dynamic' rope scaling"):
+        export_gguf(dynamic, tmp_path / "d.gguf", None)
     assert not list(tmp_path.iterdir())  # nothing half-written

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
-from glasslm.core.layers import HookPoint, Linear, dropout, upcast
+from glasslm.core.layers import HookPoint, Linear, dropout, softcap, upcast
 from glasslm.core.positions import RotaryPositions
 
 
@@ -61,14 +61,18 @@ def scaled_dot_product_attention(
     scores_hook: HookPoint | None = None,
     pattern_hook: HookPoint | None = None,
     scale: float | None = None,
+    cap: float | None = None,
 ) -> Float[Tensor, "batch heads q_seq d_head"]:
     """softmax(q k^T * scale, masked) v — the readable reference for the fused kernel.
 
-    `scale` defaults to 1/sqrt(d_head); some models divide by sqrt(d_model) instead.
+    `scale` defaults to 1/sqrt(d_head); some models divide by sqrt(d_model) instead. With `cap`, the
+    scores are soft-capped, cap * tanh(scores / cap), before the mask (Gemma 2).
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     scores = q @ k.transpose(-2, -1) * scale  # (batch, heads, q_seq, k_seq)
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)  # within (-cap, cap), nearly unchanged where small
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     if scores_hook is not None:
@@ -79,6 +83,35 @@ def scaled_dot_product_attention(
         pattern = pattern_hook(pattern)
     pattern = dropout(pattern, dropout_p, training)
     return pattern @ v
+
+
+def softcapped_attention(
+    q: Float[Tensor, "batch heads q_seq d_head"], k: Float[Tensor, "batch kv_heads k_seq d_head"],
+    v: Float[Tensor, "batch kv_heads k_seq d_head"], mask: Bool[Tensor, "... q_seq k_seq"] | None, scale: float,
+    cap: float, dropout_p: float = 0.0, training: bool = False,
+) -> Float[Tensor, "batch heads q_seq d_head"]:
+    """`scaled_dot_product_attention` with soft-capped scores, the fast way (PyTorch's fused kernel has
+    no cap): the query heads that share a key/value head are one batch of rows against it, so keys and
+    values are never repeated per head, and in inference the cap is computed in place.
+
+    >>> q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    >>> mask = causal_mask(3, 3)
+    >>> reference = scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), mask,
+    ...                                          scale=0.3, cap=5.0)
+    >>> torch.allclose(softcapped_attention(q, k, v, mask, 0.3, 5.0), reference, atol=1e-6)
+    True
+    """
+    batch, heads, q_seq, d_head = q.shape
+    kv_heads, k_seq = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    rows = q.reshape(batch, kv_heads, groups * q_seq, d_head)  # each kv head's query heads, one after another
+    scores = (rows @ k.transpose(-2, -1)).mul_(scale).view(batch, kv_heads, groups, q_seq, k_seq)
+    scores = softcap(scores, cap, "fast")
+    if mask is not None:  # (q_seq, k_seq), or (batch, 1, q_seq, k_seq) with a group axis added
+        scores = scores.masked_fill(~(mask.unsqueeze(2) if mask.dim() == 4 else mask), float("-inf"))
+    pattern = dropout(softmax(upcast(scores), dim=-1).to(q.dtype), dropout_p, training)
+    out = pattern.view(batch, kv_heads, groups * q_seq, k_seq) @ v  # (batch, kv_heads, groups q_seq, d_head)
+    return out.view(batch, heads, q_seq, d_head)
 
 
 class KVCache:
@@ -158,11 +191,12 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout_p: float,
                  impl: str, rotary: RotaryPositions | None = None, *, d_head: int | None = None,
                  qkv_bias: bool | None = None, sliding_window: int | None = None, scale: float | None = None,
-                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
+                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, cap: float | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_head or d_model // n_heads
         self.dropout_p, self.impl, self.sliding_window = dropout_p, impl, sliding_window
         self.scale = 1.0 / math.sqrt(self.d_head) if scale is None else scale
+        self.cap = cap  # soft cap of the attention scores (Gemma 2); None: none
         # One projection makes q, k and v together: one matmul instead of three.
         self.qkv = Linear(d_model, (n_heads + 2 * n_kv_heads) * self.d_head, bias=bias if qkv_bias is None else qkv_bias)
         self.out = Linear(n_heads * self.d_head, d_model, bias=bias)
@@ -283,6 +317,10 @@ class CausalSelfAttention(nn.Module):
         """The fused kernel, or the readable path when asked for, when a hook needs the pattern, or `not fused`."""
         p = self.dropout_p if self.training else 0.0
         needs_pattern = self.hook_attn_scores.active or self.hook_pattern.active
+        if self.impl == "fast" and fused and not needs_pattern and self.cap is not None:
+            if plain_causal:
+                mask = causal_mask(q.shape[2], k.shape[2], device=q.device)
+            return softcapped_attention(q, k, v, mask, self.scale, self.cap, p, self.training)
         if self.impl == "fast" and fused and not needs_pattern:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p, is_causal=plain_causal,
@@ -294,5 +332,5 @@ class CausalSelfAttention(nn.Module):
         if plain_causal:
             mask = causal_mask(q.shape[2], q.shape[2], device=q.device)
         return scaled_dot_product_attention(
-            q, k, v, mask, p, self.training, self.hook_attn_scores, self.hook_pattern, self.scale
+            q, k, v, mask, p, self.training, self.hook_attn_scores, self.hook_pattern, self.scale, self.cap
         )

@@ -107,6 +107,8 @@ class ModelConfig:
     post_norms: bool = False  # a norm on each sublayer's output too, before the residual add (Gemma 3's sandwich)
     qk_norm: bool = False  # RMSNorm over each head's queries and keys before the rotary (Qwen3, Gemma 3)
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), its weights starting at 0 (Gemma)
+    attn_softcap: float | None = None  # attention scores become cap * tanh(scores / cap) before the mask (Gemma 2: 50)
+    logit_softcap: float | None = None  # logits become cap * tanh(logits / cap) (Gemma 2: 30); None: no cap
 
     def __post_init__(self) -> None:
         if self.d_head is None:
@@ -175,6 +177,10 @@ class ModelConfig:
             raise ValueError("parallel_residual and post_norms need norm_placement='pre'")
         if self.rope_scaling == "yarn" and not (self.rope_beta_fast > self.rope_beta_slow > 0):
             raise ValueError("yarn rope scaling needs rope_beta_fast > rope_beta_slow > 0")
+        for name in ("attn_softcap", "logit_softcap"):
+            cap = getattr(self, name)
+            if cap is not None and not (isinstance(cap, (int, float)) and 0 < cap < math.inf):
+                raise ValueError(f"{name} must be a positive number or None, got {cap!r}")
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer` (None: it sees the whole context).

@@ -60,6 +60,19 @@ def any_hooked(*points: HookPoint) -> bool:
     return bool(_has_any_global_hook())
 
 
+def softcap(x: Float[Tensor, "*any"], cap: float, impl: str = "readable") -> Float[Tensor, "*any"]:
+    """cap * tanh(x / cap): x unchanged near 0, squashed smoothly into (-cap, cap) (Gemma 2's attention
+    scores and logits). `impl="fast"` writes into x where nothing needs it kept for a backward pass
+    (inference: a logits tensor of batch x seq x vocab is not allocated twice more).
+
+    >>> [round(v, 4) for v in softcap(torch.tensor([0.1, 100.0]), 30.0).tolist()]  # 0.1 kept, 100 capped under 30
+    [0.1, 29.9237]
+    """
+    if impl == "fast" and not (x.requires_grad and torch.is_grad_enabled()):
+        return x.div_(cap).tanh_().mul_(cap)
+    return cap * torch.tanh(x / cap)
+
+
 class Linear(nn.Module):
     """y = x @ weight.T + bias, with weight stored (d_out, d_in) like torch and HF."""
 

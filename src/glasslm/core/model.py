@@ -19,7 +19,9 @@ from torch import Tensor, nn
 
 from glasslm.core.attention import CausalSelfAttention, KVCache, StaticKVCache
 from glasslm.core.config import ModelConfig
-from glasslm.core.layers import MLP, Embedding, HookPoint, Linear, RMSNorm, SwiGLU, dropout, linear, norm_for
+from glasslm.core.layers import (
+    MLP, Embedding, HookPoint, Linear, RMSNorm, SwiGLU, dropout, linear, norm_for, softcap,
+)
 from glasslm.core.positions import LearnedPositions, RotaryPositions, SinusoidalPositions
 
 
@@ -45,7 +47,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(
             c.d_model, c.n_heads, c.n_kv_heads, c.site_bias("out"), c.site_dropout("attn"), impl, rotary,
             d_head=c.d_head, qkv_bias=c.site_bias("qkv"), sliding_window=c.layer_window(layer),
-            scale=c.attn_score_scale, **qk_norms)
+            scale=c.attn_score_scale, cap=c.attn_softcap, **qk_norms)
         self.ln1_post = norm_for(c) if c.post_norms else None
         self.ln2: nn.Module | None = None
         self.ln2_post: nn.Module | None = None
@@ -195,7 +197,11 @@ class TransformerLM(nn.Module):
             logits = linear(x, self.embed.weight)
         else:
             logits = self.unembed(x)  # a Linear, or an Int8Linear once quantized
-        return self.hook_unembed(logits if self.unembed_bias is None else logits + self.unembed_bias)
+        if self.unembed_bias is not None:
+            logits = logits + self.unembed_bias
+        if self.config.logit_softcap is not None:  # Gemma 2: every logit within (-cap, cap)
+            logits = softcap(logits, self.config.logit_softcap, self.config.impl)
+        return self.hook_unembed(logits)
 
     def check_tokens(self, tokens: Tensor) -> None:
         if not isinstance(tokens, Tensor) or tokens.dim() != 2:

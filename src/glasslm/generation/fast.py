@@ -44,7 +44,7 @@ from torch.utils.hooks import RemovableHandle
 
 from glasslm.core.attention import KVCache
 from glasslm.core.layers import (
-    FAST_ACTIVATIONS, READABLE_ACTIVATIONS, LayerNorm, RMSNorm, SwiGLU, _has_any_global_hook, linear,
+    FAST_ACTIVATIONS, READABLE_ACTIVATIONS, LayerNorm, RMSNorm, SwiGLU, _has_any_global_hook, linear, softcap,
 )
 from glasslm.core.model import Block, TransformerLM
 from glasslm.kernels.decode import (
@@ -64,6 +64,8 @@ def unsupported(model: TransformerLM) -> str | None:
         rotary = block.attn.rotary
         if rotary is not None and (rotary.dynamic is not None or rotary.cos.dtype != torch.float32):
             return "dynamic NTK rotary scaling runs the readable step"
+        if block.attn.cap is not None:  # (decode_attention has no cap: kernels/decode.cpp)
+            return "soft-capped attention scores (Gemma 2) run the readable step"
     return None
 
 
@@ -147,7 +149,10 @@ class FastDecoder:
         elif pending is not None:
             x = x.add_(pending)
         logits = linear(x, model.embed.weight) if model.unembed is None else model.unembed(x)
-        return logits if model.unembed_bias is None else logits + model.unembed_bias
+        if model.unembed_bias is not None:
+            logits = logits + model.unembed_bias
+        cap = model.config.logit_softcap
+        return logits if cap is None else softcap(logits, cap, "fast")  # (as TransformerLM.logits: Gemma 2)
 
 
 @dataclass

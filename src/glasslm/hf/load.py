@@ -48,10 +48,11 @@ def hf_tokenizer(directory: str | os.PathLike) -> Any | None:
 
 def gguf_path(path: str | os.PathLike) -> Path | None:
     """The GGUF file `path` stands for: a GGUF file itself, or a directory (a downloaded hub snapshot)
-    holding exactly one `.gguf` file and no config.json; None for anything else."""
+    holding exactly one `.gguf` file and no config.json; None for anything else. A file named `.gguf`
+    is one even when it does not hold GGUF's bytes: opening it then says why it is not."""
     path = Path(path)
     if path.is_file():
-        return path if is_gguf_file(path) else None
+        return path if is_gguf_file(path) or path.suffix.lower() == GGUF_SUFFIX else None
     if not path.is_dir() or (path / "config.json").exists():
         return None
     found = sorted(path.glob(f"*{GGUF_SUFFIX}"))
@@ -293,12 +294,10 @@ def checkpoint_config(path: str | os.PathLike) -> tuple[ModelConfig, Any | None,
     path = resolve_model_path(path)
     gguf = gguf_path(path)
     if gguf is not None:
-        from glasslm.hf.gguf.importer import gguf_config
-        from glasslm.tokenizers.gguf import tokenizer_from_gguf
+        from glasslm.hf.gguf.importer import gguf_config, gguf_tokenizer
 
         file = GGUFFile.open(gguf)
-        tokenizer = tokenizer_from_gguf(file.metadata) if "tokenizer.ggml.tokens" in file.metadata else None
-        return gguf_config(file)[0], tokenizer, {}
+        return gguf_config(file)[0], gguf_tokenizer(file), {}
     if is_hf_directory(path):
         return config_from_hf(read_hf_config(path))[0], hf_tokenizer(path), checkpoint_summary(path)
     if is_peft_directory(path):  # its base's config, and the tokenizer saved beside the adapter if any

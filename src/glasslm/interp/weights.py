@@ -161,7 +161,11 @@ def center_writing_weights(model: nn.Module) -> None:
 
 @torch.no_grad()
 def center_unembed(model: nn.Module) -> None:
-    """Subtract the mean logit direction: W_U -= mean over vocab, b_U -= mean(b_U)."""
+    """Subtract the mean logit direction: W_U -= mean over vocab, b_U -= mean(b_U). (Exact because softmax
+    ignores a shift of every logit; a logit soft-cap does not, so a model with one is refused.)"""
+    if getattr(getattr(model, "config", None), "logit_softcap", None) is not None:
+        raise ValueError("center_unembed would change this model's predictions: its logits are soft-capped "
+                         "(logit_softcap), and a cap does not ignore a shift as softmax does")
     untie_unembedding(model)
     model.unembed.weight -= model.unembed.weight.mean(dim=0, keepdim=True)
     model.unembed_bias -= model.unembed_bias.mean()
@@ -189,12 +193,13 @@ def fold_value_biases(model: nn.Module) -> None:
 def process_weights(model: nn.Module, fold: bool = True, center_writing: bool = True,
                     center_logits: bool = True, fold_values: bool = True) -> None:
     """TransformerLens's default processing; centring the writing weights only where every norm is a LayerNorm
-    (on RMSNorm models that step is skipped, as TransformerLens skips it)."""
+    (on RMSNorm models that step is skipped, as TransformerLens skips it), and the logits only where they
+    are not soft-capped (Gemma 2; TransformerLens skips it there too)."""
     if fold:
         fold_ln(model)
     if center_writing and _writing_centred_is_exact(model):
         center_writing_weights(model)
-    if center_logits:
+    if center_logits and getattr(getattr(model, "config", None), "logit_softcap", None) is None:
         center_unembed(model)
     if fold_values:
         fold_value_biases(model)

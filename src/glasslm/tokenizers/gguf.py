@@ -131,9 +131,13 @@ def spm_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[i
     [['a', 'b'], ['ab', 'b']]
     """
     ids = {t: i for i, t in enumerate(tokens) if types[i] in (NORMAL, USER_DEFINED)}
+    # Both halves of a split are other tokens, so neither is longer than the second-longest token:
+    # only the cuts that leave that much on each side are tried (one hostile 100,000-character token
+    # would otherwise take 10**10 steps).
+    longest = sorted(map(len, ids))[-2] if len(ids) > 1 else 0
     found = []
     for piece, piece_id in ids.items():
-        for cut in range(1, len(piece)):
+        for cut in range(max(1, len(piece) - longest), min(len(piece), longest + 1)):
             left, right = piece[:cut], piece[cut:]
             if left in ids and right in ids:
                 found.append((-scores[piece_id], piece_id, ids[left], ids[right], left, right))
@@ -181,6 +185,26 @@ def _tokenizer_config(metadata: Mapping[str, Any], tokens: Sequence[str]) -> dic
     return config
 
 
+def _check_lists(metadata: Mapping[str, Any], tokens: Any, types: Any) -> None:
+    """The vocabulary's lists are what their keys say (a file is untrusted input): ValueError naming
+    the key otherwise."""
+    def listed(name: str, value: Any, kinds: tuple[type, ...], length: int | None = None) -> None:
+        if not isinstance(value, list) or not all(isinstance(x, kinds) and not isinstance(x, bool) for x in value):
+            raise ValueError(f"tokenizer.ggml.{name} is not a list of {' or '.join(k.__name__ for k in kinds)}s")
+        if length is not None and len(value) != length:
+            raise ValueError(f"tokenizer.ggml.{name} has {len(value):,} entries for {length:,} tokens")
+
+    listed("tokens", tokens, (str,))
+    listed("token_type", types, (int,), len(tokens))
+    if _key(metadata, "merges") is not None:
+        listed("merges", _key(metadata, "merges"), (str,))
+    if _key(metadata, "scores") is not None:
+        listed("scores", _key(metadata, "scores"), (int, float), len(tokens))
+    for name in ("model", "pre"):
+        if _key(metadata, name) is not None and not isinstance(_key(metadata, name), str):
+            raise ValueError(f"tokenizer.ggml.{name} is {_key(metadata, name)!r}, not a name")
+
+
 def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> HFTokenizer:
     """The tokenizer a GGUF file's `tokenizer.ggml.*` keys describe, as an `HFTokenizer`.
 
@@ -190,7 +214,8 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> HFTokenizer:
     tokens = _key(metadata, "tokens")
     if not tokens:
         raise ValueError("this GGUF file holds no vocabulary (tokenizer.ggml.tokens)")
-    types = _key(metadata, "token_type") or [NORMAL] * len(tokens)
+    types = _key(metadata, "token_type") or ([NORMAL] * len(tokens) if isinstance(tokens, list) else None)
+    _check_lists(metadata, tokens, types)
     kind = _key(metadata, "model")
     if kind == "gpt2":
         data = _bpe_json(metadata, tokens, types)

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from glasslm.core.model import TransformerLM
 from glasslm.hf.errors import UnsupportedModelError
 from glasslm.hf.families import HFFamily, family_for
+from glasslm.hf.gguf.rope_factors import llama3_factors
 from glasslm.transforms.ggml import BLOCK_SIZE, BlockEmbedding, BlockLinear
 from glasslm.transforms.split import RowSplitLinear
 
@@ -164,7 +165,22 @@ def gguf_tensors(model: TransformerLM, qtype: str = "f32") -> dict[str, tuple[An
         else:
             tensor = family.gguf.to_gguf(hf_name, tensor, hf)
             out[gguf_name] = _encode(tensor, _tensor_type(gguf_name, tensor, qtype))
+    if model.config.positional == "rope" and model.config.rope_scaling == "llama3":
+        out["rope_freqs.weight"] = _encode(_llama3_divisors(model.config, family), "f32")
     return out
+
+
+def _llama3_divisors(config: Any, family: HFFamily) -> Tensor:
+    """Llama 3's rope scaling as llama.cpp reads it: one divisor per rotated pair (rope_freqs.weight)."""
+    import gguf
+
+    arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}[family.gguf.arch]
+    if gguf.MODEL_TENSOR.ROPE_FREQS not in gguf.MODEL_TENSORS[arch]:
+        raise UnsupportedModelError(f"llama.cpp's {family.gguf.arch} reads no rope_freqs, which Llama 3's rope "
+                                    "scaling needs")
+    c = config
+    return llama3_factors(c.rope_theta, c.rotary_dims or c.d_head, c.rope_factor, c.rope_low_freq_factor,
+                          c.rope_high_freq_factor, c.rope_original_context)
 
 
 def _write_value(writer: Any, key: str, value: Any) -> None:

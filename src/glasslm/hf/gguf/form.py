@@ -31,6 +31,8 @@ from typing import Any
 
 from torch import Tensor
 
+from glasslm.hf.errors import UnsupportedModelError
+
 # The metadata every Llama-shaped family writes (after "{arch}."), and the config.json key each is.
 ROTARY_KEYS: dict[str, str] = {
     "context_length": "max_position_embeddings", "embedding_length": "hidden_size",
@@ -112,22 +114,39 @@ class GGUFForm:
         return tensor
 
 
+# The rope_scaling types llama.cpp runs from metadata alone, as glasslm computes them. (Llama 3's
+# scaling travels as a tensor, rope_freqs: `rope_factors`; longrope needs per-pair tensors too.)
+_GGUF_ROPE_SCALINGS = ("linear", "yarn")
+
+
 def rope_scaling_from_gguf(values: Mapping[str, Any]) -> dict[str, Any]:
     """HF `rope_scaling` from GGUF's rope scaling keys ({} where the file has none, or "none")."""
     kind = values.get("rope.scaling.type", "none")
     if kind in (None, "none"):
         return {}
+    if kind not in _GGUF_ROPE_SCALINGS:
+        raise UnsupportedModelError(f"rope.scaling.type {kind!r} is not supported (glasslm reads "
+                                    f"{', '.join(_GGUF_ROPE_SCALINGS)} and Llama 3's rope_freqs)")
+    if "rope.scaling.factor" not in values:
+        raise ValueError(f"rope.scaling.type is {kind!r} but the file states no rope.scaling.factor")
     scaling = {"rope_type": kind}
     scaling.update({hf_key: values[key] for key, hf_key in _ROPE_SCALING_KEYS.items() if key in values})
     return scaling
 
 
 def rope_scaling_to_gguf(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """GGUF's rope scaling keys for an HF config's (global) rope parameters ({} for plain rotary)."""
+    """GGUF's rope scaling keys for an HF config's (global) rope parameters ({} for plain rotary).
+    Llama 3's scaling is the exporter's rope_freqs tensor; only its original context is said here
+    (llama.cpp reads it for YaRN alone), so that the divisors read back to the same four numbers."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in ("default", None):
         return {}
+    if kind == "llama3":
+        return {"rope.scaling.original_context_length": params["original_max_position_embeddings"]}
+    if kind not in _GGUF_ROPE_SCALINGS:
+        raise UnsupportedModelError(f"llama.cpp has no {kind!r} rope scaling (it runs {', '.join(_GGUF_ROPE_SCALINGS)} "
+                                    "and Llama 3's)")
     values: dict[str, Any] = {"rope.scaling.type": kind}
     values.update({key: params[hf_key] for key, hf_key in _ROPE_SCALING_KEYS.items() if params.get(hf_key) is not None})
     return values

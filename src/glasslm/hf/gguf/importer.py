@@ -47,12 +47,14 @@ from glasslm.core.model import TransformerLM
 from glasslm.hf.errors import UnsupportedModelError
 from glasslm.hf.families import FAMILIES, HFFamily, family_reading_gguf
 from glasslm.hf.gguf.reader import GGUFFile
+from glasslm.hf.gguf.rope_factors import llama3_from_factors
+from glasslm.hf.gguf.values import checked_values, rotary_table_problem
 from glasslm.hf.plan import WeightTable
 from glasslm.io.build import empty_model, model_from_state_dict
 from glasslm.transforms import parameter_count
 from glasslm.transforms.ggml import EMBED, LAYER_FORMATS, UNEMBED
 
-EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
+EMBEDDING, OUTPUT, ROPE_FREQS = "token_embd.weight", "output.weight", "rope_freqs.weight"
 
 
 @dataclasses.dataclass
@@ -90,22 +92,83 @@ def gguf_family(file: GGUFFile) -> HFFamily:
     return family
 
 
-def gguf_hf_config(file: GGUFFile, family: HFFamily) -> dict[str, Any]:
-    """The config.json the file's metadata and tensors describe."""
+def gguf_hf_config(file: GGUFFile, family: HFFamily, context_given: bool = False) -> dict[str, Any]:
+    """The config.json the file's metadata and tensors describe (its metadata checked first:
+    `values.checked_values`; `context_given`: the caller replaces the file's context length)."""
     prefix = file.arch + "."
     values = {key[len(prefix):]: value for key, value in file.metadata.items() if key.startswith(prefix)}
     names = file.tensor_names()
+    values = checked_values(file.arch, values, len(names), context_given)
     hf = {"model_type": family.name, **family.gguf.hf_config(values, names)}
+    if ROPE_FREQS in names and _reads_rope_freqs(file.arch):
+        hf = _with_rope_factors(file, hf, values)
     hf["vocab_size"] = file.shape(EMBEDDING)[0]  # the tensor's rows are the truth (the key is optional)
     hf["tie_word_embeddings"] = _tied(file)
     return hf
 
 
+def _reads_rope_freqs(arch: str) -> bool:
+    """Whether llama.cpp's `arch` reads per-pair RoPE divisors (rope_freqs), by the gguf package's list."""
+    import gguf
+
+    kind = {name: kind for kind, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    return gguf.MODEL_TENSOR.ROPE_FREQS in gguf.MODEL_TENSORS.get(kind, ())
+
+
+def _with_rope_factors(file: GGUFFile, hf: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """config.json with the Llama 3 rope scaling whose divisors the file's rope_freqs tensor holds
+    (`rope_factors.llama3_from_factors`), checked against the frequencies its metadata states."""
+    stated = hf.get("rope_scaling", {}).get("rope_type")
+    if stated:
+        raise UnsupportedModelError(f"rope_freqs together with rope.scaling.type {stated!r} (llama.cpp applies both) "
+                                    "is not supported")
+    heads = values["attention.head_count"]
+    head_dim = values.get("attention.key_length") or values["embedding_length"] // heads
+    rotated = values.get("rope.dimension_count") or head_dim
+    if file.shape(ROPE_FREQS) != (rotated // 2,):
+        raise ValueError(f"rope_freqs.weight has shape {file.shape(ROPE_FREQS)}; {rotated} rotated dims need "
+                         f"({rotated // 2},)")
+    theta = float(values.get("rope.freq_base", 10000.0))
+    params = llama3_from_factors(file.dequantized(ROPE_FREQS), theta,
+                                 values.get("rope.scaling.original_context_length"))
+    return {**hf, "rope_scaling": {**hf.get("rope_scaling", {}), **params}} if params else hf
+
+
 def gguf_config(file: GGUFFile, context_length: int | None = None) -> tuple[ModelConfig, HFFamily, dict[str, Any]]:
-    """(config, family, config.json as a dict) of a GGUF file, without reading its weights."""
+    """(config, family, config.json as a dict) of a GGUF file, without reading its weights; the
+    metadata checked for type and range, and the tensors' shapes against what it describes. Anything
+    wrong is a ValueError naming the file and the key or tensor."""
     family = gguf_family(file)
-    hf = gguf_hf_config(file, family)
-    return family.config_from_hf(hf, context_length), family, hf
+    try:
+        hf = gguf_hf_config(file, family, context_length is not None)
+        config = family.config_from_hf(hf, context_length)
+        problem = rotary_table_problem(config.context_length, config.rotary_dims or config.d_head)
+        if config.positional == "rope" and problem is not None:
+            raise ValueError(problem)
+    except ValueError as err:
+        raise type(err)(f"{file.path}: {err}") from None
+    check_tensor_shapes(file, family, config, hf)
+    return config, family, hf
+
+
+def check_tensor_shapes(file: GGUFFile, family: HFFamily, config: ModelConfig, hf: dict[str, Any]) -> None:
+    """Every tensor the model reads has the shape the metadata describes, found without reading a
+    byte of them: the file's shapes go through the same steps as the tensors will, on PyTorch's meta
+    device. ValueError naming the tensor and both shapes (a file whose metadata and tensors disagree
+    is refused before anything is allocated)."""
+    table = family.weight_table(config, None)
+    names = gguf_tensor_names(file, family, config, table)
+    expected = {name: t.shape for name, t in empty_model(config).state_dict().items()}
+    for ours, (hf_names, to_ours, _) in table.entries.items():
+        sources = [family.gguf.to_hf(n, torch.empty(file.shape(names[n]), device="meta"), hf) for n in hf_names]
+        try:
+            shape = to_ours(*sources).shape
+        except RuntimeError:  # the steps themselves do not fit these shapes
+            shape = None
+        if shape != expected[ours]:
+            found = ", ".join(f"{names[n]} {tuple(file.shape(names[n]))}" for n in hf_names)
+            raise ValueError(f"{file.path}: the metadata describes a model whose {ours} is {tuple(expected[ours])}, "
+                             f"but the file holds {found}")
 
 
 def _tied(file: GGUFFile) -> bool:
@@ -131,10 +194,8 @@ def gguf_tensor_names(file: GGUFFile, family: HFFamily, config: ModelConfig, tab
         raise UnsupportedModelError(f"the gguf package has no GGUF name for {unmapped[:4]} ({family.name})")
     have = file.tensor_names()
     missing = sorted(set(names.values()) - have)
-    unexpected = sorted(have - set(names.values()) - ({OUTPUT} if config.tie_embeddings else set()))
-    if "rope_freqs.weight" in unexpected:
-        raise UnsupportedModelError(f"{file.path}: per-frequency RoPE factors (rope_freqs, Llama 3.1-style rope "
-                                    "scaling) are not supported for GGUF files yet; import the Hugging Face model")
+    read_apart = ({OUTPUT} if config.tie_embeddings else set()) | ({ROPE_FREQS} if _reads_rope_freqs(file.arch) else set())
+    unexpected = sorted(have - set(names.values()) - read_apart)
     if missing or unexpected:
         raise ValueError(f"{file.path} does not match a {family.name} model with its metadata: missing tensors "
                          f"{missing[:8]}, unexpected tensors {unexpected[:8]}")
@@ -264,6 +325,19 @@ def _keep_embedding(reading: _Reading, plan: _Plan, hf_names: tuple[str, ...], t
     return True
 
 
+def gguf_tokenizer(file: GGUFFile) -> Any | None:
+    """The tokenizer the file's `tokenizer.ggml.*` keys describe (None: it has none); a vocabulary
+    glasslm cannot run, or one whose lists are malformed, is a ValueError naming the file."""
+    from glasslm.tokenizers.gguf import tokenizer_from_gguf
+
+    if "tokenizer.ggml.tokens" not in file.metadata:
+        return None
+    try:
+        return tokenizer_from_gguf(file.metadata)
+    except ValueError as err:
+        raise type(err)(f"{file.path}: {err}") from None
+
+
 def import_gguf(
     path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
     context_length: int | None = None, keep_blocks: bool = True,
@@ -274,7 +348,6 @@ def import_gguf(
     `dtype` converts the float weights; `context_length` overrides a rotary model's.
     """
     from glasslm.tokenizers import eos_token_ids
-    from glasslm.tokenizers.gguf import tokenizer_from_gguf
 
     file = GGUFFile.open(path)
     config, family, hf = gguf_config(file, context_length)
@@ -283,7 +356,7 @@ def import_gguf(
     linears = {name for name, m in empty_model(config).named_modules() if isinstance(m, Linear)}
     tensors, records, kept, dequantized = _plan_tensors(reading, table, linears, keep_blocks)
     model = model_from_state_dict(config, tensors, device, dtype, str(path), transforms=records)
-    tokenizer = tokenizer_from_gguf(file.metadata) if "tokenizer.ggml.tokens" in file.metadata else None
+    tokenizer = gguf_tokenizer(file)
     ends = [file.metadata.get(f"tokenizer.ggml.{role}_token_id") for role in ("eos", "eot", "eom")]
     model.eos_token_ids = eos_token_ids(tokenizer, {"eos_token_id": [i for i in ends if isinstance(i, int)] or None})
     return GGUFImport(model, tokenizer, family.name, kept, dequantized)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import mmap
 import os
 import struct
@@ -80,34 +81,46 @@ def _plain(value: Any) -> Any:
 
 
 class _Cursor:
-    """Reads GGUF's little-endian values one after another from a buffer."""
+    """Reads GGUF's little-endian values one after another from a buffer, never past its end: every
+    count and length is checked against the bytes left before anything is made from it."""
 
     def __init__(self, buffer: memoryview, offset: int = 0):
         self.buffer, self.offset = buffer, offset
 
+    def left(self) -> int:
+        return len(self.buffer) - self.offset
+
     def take(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        if size > self.left():
+            raise ValueError(f"the header runs past the end of the file (at byte {self.offset:,})")
         (value,) = struct.unpack_from(fmt, self.buffer, self.offset)
-        self.offset += struct.calcsize(fmt)
+        self.offset += size
         return value
 
+    def count(self, what: str, least_bytes: int) -> int:
+        """A u64 count of items of at least `least_bytes` each, which must fit in the bytes left."""
+        n = self.take("<Q")
+        if n * least_bytes > self.left():
+            raise ValueError(f"{what} count {n:,} needs more bytes than the file has left ({self.left():,})")
+        return n
+
     def string(self) -> str:
-        length = self.take("<Q")
+        length = self.count("a string's byte", 1)
         start, self.offset = self.offset, self.offset + length
-        if self.offset > len(self.buffer):
-            raise ValueError("a string runs past the end of the file")
         return bytes(self.buffer[start:self.offset]).decode("utf-8", errors="replace")
 
     def value(self, kind: int) -> Any:
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
-            item_kind, count = self.take("<I"), self.take("<Q")
+            item_kind = self.take("<I")
             if item_kind == _STRING:
-                return [self.string() for _ in range(count)]
+                return [self.string() for _ in range(self.count("an array's item", 8))]
             if item_kind not in _SCALARS:
-                raise ValueError(f"an array of value type {item_kind}")
+                raise ValueError(f"an array of value type {item_kind} (arrays of arrays are not read)")
             dtype = np.dtype(_SCALARS[item_kind][1]).newbyteorder("<")
-            values = np.frombuffer(self.buffer, dtype, count, self.offset)
+            values = np.frombuffer(self.buffer, dtype, self.count("an array's item", dtype.itemsize), self.offset)
             self.offset += values.nbytes
             return values.tolist()
         if kind not in _SCALARS:
@@ -121,6 +134,20 @@ class _TensorEntry:
     shape: tuple[int, ...]  # PyTorch's order, outermost first
     offset: int  # from the start of the file
     n_bytes: int
+
+
+_MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+# The smallest key-value (key length, an empty key, value type, a one-byte value) and tensor info
+# (name length, dims count, one dim, type, offset), for bounding their counts by the file's length.
+_LEAST_VALUE_BYTES, _LEAST_TENSOR_BYTES = 8 + 4 + 1, 8 + 4 + 8 + 4 + 8
+
+
+def _alignment(metadata: dict[str, Any]) -> int:
+    """`general.alignment`: a power of two (llama.cpp's rule), 32 where the file says none."""
+    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment is {alignment!r}; it must be a power of two")
+    return alignment
 
 
 class GGUFFile:
@@ -139,27 +166,46 @@ class GGUFFile:
         if version not in _VERSIONS:
             raise ValueError(f"GGUF version {version} (a big-endian file, or one newer than glasslm reads: "
                              f"{', '.join(map(str, _VERSIONS))})")
-        n_tensors, n_values = cursor.take("<Q"), cursor.take("<Q")
-        for _ in range(n_values):
+        n_tensors = cursor.count("the tensor", _LEAST_TENSOR_BYTES)
+        for _ in range(cursor.count("the key-value", _LEAST_VALUE_BYTES)):
             key = cursor.string()
+            if key in self.metadata:
+                raise ValueError(f"the key {key!r} appears twice")
             self.metadata[key] = cursor.value(cursor.take("<I"))
         infos = [self._tensor_info(cursor) for _ in range(n_tensors)]
-        alignment = int(self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
-        start = -(-cursor.offset // alignment) * alignment
+        alignment = _alignment(self.metadata)
+        start = -(-cursor.offset // alignment) * alignment  # the data section, after the padding
         for name, entry in infos:
+            if name in self._tensors:
+                raise ValueError(f"tensor {name} appears twice")
+            if entry.offset % alignment:
+                raise ValueError(f"tensor {name}'s offset {entry.offset:,} is not a multiple of the alignment {alignment}")
             entry = dataclasses.replace(entry, offset=start + entry.offset)
-            if entry.offset + entry.n_bytes > len(buffer):
-                raise ValueError(f"tensor {name} runs past the end of the file")
+            if entry.offset + entry.n_bytes > len(buffer):  # (Python integers: no wrapping)
+                raise ValueError(f"tensor {name} ({entry.n_bytes:,} bytes at {entry.offset:,}) runs past the end of "
+                                 f"the file ({len(buffer):,} bytes)")
             self._tensors[name] = entry
 
     @staticmethod
     def _tensor_info(cursor: _Cursor) -> tuple[str, _TensorEntry]:
         gguf = _gguf_lib()
         name = cursor.string()
-        dims = [cursor.take("<Q") for _ in range(cursor.take("<I"))]
-        qtype = gguf.GGMLQuantizationType(cursor.take("<I"))
-        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        n_bytes = int(np.prod(dims, dtype=np.int64)) // block * block_bytes
+        n_dims = cursor.take("<I")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise ValueError(f"tensor {name} has {n_dims} dimensions (ggml's tensors have 1 to {_MAX_DIMS})")
+        dims = [cursor.take("<Q") for _ in range(n_dims)]
+        if 0 in dims:
+            raise ValueError(f"tensor {name} has a dimension of 0")
+        kind = cursor.take("<I")
+        try:
+            qtype = gguf.GGMLQuantizationType(kind)
+            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise ValueError(f"tensor {name} has ggml type {kind}, which the gguf package does not know") from None
+        if dims[0] % block:
+            raise ValueError(f"tensor {name}'s rows of {dims[0]:,} do not divide into {qtype.name}'s blocks of {block}")
+        # The byte count in Python integers, exact however large the dimensions (a 64-bit product wraps).
+        n_bytes = math.prod(dims) // block * block_bytes
         return name, _TensorEntry(qtype, tuple(int(d) for d in reversed(dims)), cursor.take("<Q"), n_bytes)
 
     @classmethod
@@ -173,7 +219,8 @@ class GGUFFile:
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
         if not is_gguf_file(path):
-            raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+            what = "it is empty" if path.stat().st_size == 0 else "it does not start with the bytes 'GGUF'"
+            raise ValueError(f"{path} is not a GGUF file ({what})")
         stat = path.stat()
         return _open_file(path, stat.st_mtime_ns, stat.st_size)
 
@@ -239,7 +286,7 @@ class GGUFFile:
 
     def _tensor(self, name: str) -> _TensorEntry:
         if name not in self._tensors:
-            raise KeyError(f"{self.path} has no tensor {name!r}")
+            raise ValueError(f"{self.path} has no tensor {name!r}")
         return self._tensors[name]
 
 
@@ -247,5 +294,5 @@ class GGUFFile:
 def _open_file(path: Path, mtime_ns: int, size: int) -> GGUFFile:
     try:
         return GGUFFile(path)
-    except (ValueError, IndexError, KeyError, OSError, struct.error, UnicodeDecodeError) as err:
+    except (ValueError, OSError) as err:  # (the parser raises ValueError for anything wrong in the file)
         raise ValueError(f"{path} is not a readable GGUF file ({err}); truncated or corrupt?") from None
