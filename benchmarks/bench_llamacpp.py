@@ -60,7 +60,7 @@ GGUF_PAIRS = [("gguf", "file"), ("gguf fp32", "file")]  # --gguf: the file as lo
 def pairs(args) -> list[tuple[str, str]]:
     """The (glasslm, llama.cpp) rows to time: PAIRS (GGUF_PAIRS with --gguf), and with --compile each
     glasslm model compiled too (with --smoke, only the first: compiling takes most of a smoke run)."""
-    base = GGUF_PAIRS if args.gguf else PAIRS
+    base = (GGUF_PAIRS if getattr(args, "dequantized_row", True) else GGUF_PAIRS[:1]) if args.gguf else PAIRS
     compiled = [(ours + COMPILED, theirs) for ours, theirs in base][:1 if args.smoke else None]
     return base + compiled if args.compile else base
 
@@ -494,7 +494,9 @@ def run_file(path: Path, args, bandwidth: dict) -> None:
     start = time.perf_counter()
     kept, _ = load_model(path)
     print(f"glasslm load_model({path.name}): {time.perf_counter() - start:.1f} s; {kept.gguf_summary}")
-    ours = {"gguf": kept, "gguf fp32": import_gguf(path, keep_blocks=False).model}
+    ours = {"gguf": kept}
+    if any(name == "gguf fp32" for name, _ in pairs(args)):
+        ours["gguf fp32"] = import_gguf(path, keep_blocks=False).model
     for model in ours.values():
         optimize_for_decoding(model)  # what `glasslm generate` does before decoding
     bytes_ours = {name: glasslm_bytes_per_token(model) for name, model in ours.items()}

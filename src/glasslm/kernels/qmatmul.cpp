@@ -1085,15 +1085,21 @@ template <typename LevelOf>
 void pack_panel_block(int bits, int64_t lanes, LevelOf level_of, uint8_t* out) {
   std::memset(out, 0, bits == 8 ? kPanel * kBlock : kPanel * kBlock / 2 + 64 * (bits - 4));
   for (int64_t lane = 0; lane < lanes; ++lane) {
-    for (int k = 0; k < 8; ++k) {
+    uint8_t level[kBlock];
+    for (int i = 0; i < kBlock; ++i) level[i] = static_cast<uint8_t>(level_of(lane, i));
+    uint8_t* row = out + 4 * lane;  // byte t of this row's quad in each 64-byte chunk
+    if (bits == 8) {
+      for (int k = 0; k < 8; ++k) std::memcpy(row + 64 * k, level + 4 * k, 4);
+      continue;
+    }
+    for (int k = 0; k < 4; ++k) {
+      for (int t = 0; t < 4; ++t) row[64 * k + t] = (level[4 * k + t] & 0x0F) | ((level[4 * k + 16 + t] & 0x0F) << 4);
+    }
+    for (int bit = 4; bit < bits; ++bit) {
       for (int t = 0; t < 4; ++t) {
-        const int level = level_of(lane, 4 * k + t), byte = static_cast<int>(4 * lane + t);
-        if (bits == 8) {
-          out[64 * k + byte] = static_cast<uint8_t>(level);
-          continue;
-        }
-        out[64 * (k & 3) + byte] |= static_cast<uint8_t>((level & 0x0F) << (k < 4 ? 0 : 4));
-        for (int bit = 4; bit < bits; ++bit) out[256 + 64 * (bit - 4) + byte] |= static_cast<uint8_t>(((level >> bit) & 1) << k);
+        int byte = 0;
+        for (int k = 0; k < 8; ++k) byte |= ((level[4 * k + t] >> bit) & 1) << k;
+        row[256 + 64 * (bit - 4) + t] = static_cast<uint8_t>(byte);
       }
     }
   }
@@ -1216,9 +1222,20 @@ const GgmlFormat& ggml_format(std::string_view qtype) {
   TORCH_CHECK(false, "glasslm_kernels: pack_ggml takes q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k or q6_k, not ", qtype);
 }
 
-// The packed operands of a file's rows of blocks: (levels, scales, mins?, super_scales?, super_mins?).
+// The packed operands of a file's rows of blocks: (levels, scales, mins?, super_scales?, super_mins?),
+// and where each one's bytes are (looked up once: a tensor's accessors cost more than the bytes they guard).
 struct PackedGgml {
   at::Tensor levels, scales, mins, supers, super_mins;
+  uint8_t *level_bytes = nullptr, *scale_bytes = nullptr, *min_bytes = nullptr;
+  uint16_t *super_values = nullptr, *super_min_values = nullptr;
+
+  void find_bytes() {
+    level_bytes = levels.mutable_data_ptr<uint8_t>();
+    scale_bytes = static_cast<uint8_t*>(scales.mutable_data_ptr());
+    if (mins.defined()) min_bytes = static_cast<uint8_t*>(mins.mutable_data_ptr());
+    if (supers.defined()) super_values = static_cast<uint16_t*>(supers.mutable_data_ptr());
+    if (super_mins.defined()) super_min_values = static_cast<uint16_t*>(super_mins.mutable_data_ptr());
+  }
 };
 
 PackedGgml empty_packed(const GgmlFormat& f, int64_t panels, int64_t d_in, const at::TensorOptions& bytes) {
@@ -1229,6 +1246,7 @@ PackedGgml empty_packed(const GgmlFormat& f, int64_t panels, int64_t d_in, const
   if (f.mins) out.mins = at::zeros({panels, groups, kPanel}, bytes.dtype(scale_type));
   if (f.supers) out.supers = at::zeros({panels, supers, kPanel}, bytes.dtype(at::kHalf));
   if (f.supers && f.mins) out.super_mins = at::zeros({panels, supers, kPanel}, bytes.dtype(at::kHalf));
+  out.find_bytes();
   return out;
 }
 
@@ -1244,21 +1262,19 @@ void pack_file_block(const GgmlFormat& f, const uint8_t* in, int64_t row_bytes, 
   const int64_t per_block = f.inputs / kBlock, per_groups = f.inputs / f.group_size;
   for (int64_t b = 0; b < per_block; ++b) {
     auto level_of = [&](int64_t lane, int i) { return static_cast<int>(decoded[lane].levels[b * kBlock + i]); };
-    pack_panel_block(f.bits, lanes, level_of, out.levels.mutable_data_ptr<uint8_t>() + (p * blocks + fb * per_block + b) * step);
+    pack_panel_block(f.bits, lanes, level_of, out.level_bytes + (p * blocks + fb * per_block + b) * step);
   }
   const int64_t size = f.scale_kind == kHalf ? 2 : 1;
-  auto store = [&](at::Tensor& t, int64_t index, int64_t lane, uint16_t value) {
-    std::memcpy(static_cast<uint8_t*>(t.mutable_data_ptr()) + ((index) * kPanel + lane) * size, &value, size);
-  };
   for (int64_t lane = 0; lane < lanes; ++lane) {
     for (int64_t g = 0; g < per_groups; ++g) {
-      store(out.scales, p * groups + fb * per_groups + g, lane, decoded[lane].scales[g]);
-      if (f.mins) store(out.mins, p * groups + fb * per_groups + g, lane, decoded[lane].mins[g]);
+      const int64_t at = ((p * groups + fb * per_groups + g) * kPanel + lane) * size;
+      std::memcpy(out.scale_bytes + at, &decoded[lane].scales[g], size);  // (little-endian: a byte is its low half)
+      if (f.mins) std::memcpy(out.min_bytes + at, &decoded[lane].mins[g], size);
     }
     if (f.supers) {
-      const int64_t at = ((p * (d_in / 256) + fb) * kPanel + lane);
-      reinterpret_cast<uint16_t*>(out.supers.mutable_data_ptr())[at] = decoded[lane].super_scale;
-      if (f.mins) reinterpret_cast<uint16_t*>(out.super_mins.mutable_data_ptr())[at] = decoded[lane].super_min;
+      const int64_t at = (p * (d_in / 256) + fb) * kPanel + lane;
+      out.super_values[at] = decoded[lane].super_scale;
+      if (f.mins) out.super_min_values[at] = decoded[lane].super_min;
     }
   }
 }

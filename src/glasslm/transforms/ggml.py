@@ -554,13 +554,17 @@ def _apply(qtype: str, model: nn.Module, options: BlockOptions, quantize: bool) 
         parent_name, _, child_name = name.rpartition(".")
         child = model.get_submodule(name)
         d_out, d_in = child.weight.shape
-        layer = (BlockLinear.from_weight(child.weight, child.bias, qtype, impl) if quantize
-                 else BlockLinear(d_in, d_out, qtype, child.bias is not None, impl).to(child.weight.device))
+        if quantize:
+            layer = BlockLinear.from_weight(child.weight, child.bias, qtype, impl)
+        else:
+            with torch.device(child.weight.device):  # (a checkpoint's empty model: meta, no bytes zeroed)
+                layer = BlockLinear(d_in, d_out, qtype, child.bias is not None, impl)
         setattr(model.get_submodule(parent_name) if parent_name else model, child_name, layer)
     if tied and model.embed.weight.shape[1] % inputs == 0:
         embed = model.embed.weight
-        model.unembed = (BlockLinear.from_weight(embed, None, qtype, impl) if quantize
-                         else BlockLinear(embed.shape[1], embed.shape[0], qtype, False, impl).to(embed.device))
+        with torch.device(embed.device):
+            model.unembed = (BlockLinear.from_weight(embed, None, qtype, impl) if quantize
+                             else BlockLinear(embed.shape[1], embed.shape[0], qtype, False, impl))
     if options.layers is not None and EMBED in options.layers:
         if _tied(model):
             raise ValueError("a tied model's token table takes a block format with its unembedding: list 'unembed' too")
@@ -573,8 +577,9 @@ def _apply_to_embedding(qtype: str, model: nn.Module, shared: bool, quantize: bo
         model.embed = BlockEmbedding(model.unembed, tied=True)
         return
     weight = model.embed.weight
-    table = (BlockLinear.from_weight(weight, None, qtype, impl) if quantize
-             else BlockLinear(weight.shape[1], weight.shape[0], qtype, False, impl).to(weight.device))
+    with torch.device(weight.device):
+        table = (BlockLinear.from_weight(weight, None, qtype, impl) if quantize
+                 else BlockLinear(weight.shape[1], weight.shape[0], qtype, False, impl))
     model.embed = BlockEmbedding(table)
 
 

@@ -46,7 +46,8 @@ class RowSplitLinear(nn.Module):
         d_out, d_in = linear.weight.shape
         if sum(sizes) != d_out:
             raise ValueError(f"parts of {sizes} rows do not add up to the layer's {d_out}")
-        split = cls(d_in, sizes, bias=linear.bias is not None).to(linear.weight.device, linear.weight.dtype)
+        with torch.device(linear.weight.device):  # (a checkpoint's empty model: meta, nothing initialised)
+            split = cls(d_in, sizes, bias=linear.bias is not None).to(linear.weight.dtype)
         with torch.no_grad():
             for part, weight in zip(split.parts, linear.weight.split(sizes)):
                 part.weight.copy_(weight)

@@ -266,7 +266,7 @@ def _keep_blocks(reading: _Reading, plan: _Plan, layer: str, hf_names: tuple[str
         return False
     file = reading.file
     if len(set(qtypes)) == 1:
-        plan.keep(layer, qtypes[0], lambda: torch.cat([file.blocks(g) for g in sources])[order], len(sources))
+        plan.keep(layer, qtypes[0], lambda: _rows(file, sources, order), len(sources))
         return True
     # One part per run of sources in the same format (q and k together, v apart).
     runs = [list(group) for _, group in itertools.groupby(zip(sources, qtypes), key=lambda pair: pair[1])]
@@ -277,9 +277,15 @@ def _keep_blocks(reading: _Reading, plan: _Plan, layer: str, hf_names: tuple[str
     plan.splits[layer] = sizes
     for i, (run, start, rows) in enumerate(zip(runs, starts, sizes)):
         names, within = [g for g, _ in run], order[start:start + rows] - start
-        plan.keep(f"{layer}.parts.{i}", run[0][1],
-                  lambda names=names, within=within: torch.cat([file.blocks(g) for g in names])[within], len(names))
+        plan.keep(f"{layer}.parts.{i}", run[0][1], lambda names=names, within=within: _rows(file, names, within), len(names))
     return True
+
+
+def _rows(file: GGUFFile, sources: list[str], order: Tensor) -> Tensor:
+    """The sources' blocks, one after another, in `order`: copied once (not at all beyond the read
+    where the order is the file's own)."""
+    blocks = file.blocks(sources[0]) if len(sources) == 1 else torch.cat([file.blocks(g) for g in sources])
+    return blocks if torch.equal(order, torch.arange(len(order))) else blocks[order]
 
 
 def _split_biases(plan: _Plan) -> None:
@@ -315,7 +321,7 @@ def _keep_embedding(reading: _Reading, plan: _Plan, hf_names: tuple[str, ...], t
     order = reading.row_order(hf_names, to_ours) if len(hf_names) == 1 and qtype in LAYER_FORMATS else None
     if order is None:
         return False
-    make = lambda: reading.file.blocks(reading.names[hf_names[0]])[order]  # noqa: E731
+    make = lambda: _rows(reading.file, [reading.names[hf_names[0]]], order)  # noqa: E731
     if reading.hf.get("tie_word_embeddings"):
         plan.keep(UNEMBED, qtype, make)
     else:
