@@ -316,7 +316,8 @@ class BlockLinear(nn.Module):
             raise ValueError(f"{qtype} quantizes rows in blocks of {inputs}; d_in {d_in} does not divide")
         self.d_in, self.d_out, self.qtype, self.impl = d_in, d_out, qtype, impl
         self.row_bytes = d_in // inputs * FORMATS[qtype].bytes
-        self.register_buffer("weight_blocks", torch.zeros(d_out, self.row_bytes, dtype=torch.uint8))
+        # A buffer (saved, moved with the module) read through the `weight_blocks` property below.
+        self._buffers["weight_blocks"] = torch.zeros(d_out, self.row_bytes, dtype=torch.uint8)
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
         # The kernels' layout of the weight (or, without the C++ kernels, PyTorch's int4 kernel's
         # operands, or the float weight): made when weights arrive; the packed one stands for the bytes.
@@ -335,6 +336,11 @@ class BlockLinear(nn.Module):
             layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
         layer.prepare_for_compile()  # (only for the fast path on a CPU)
         return layer
+
+    @property
+    def weight_blocks(self) -> UInt8[Tensor, "d_out row_bytes"]:
+        """The weight as the file's bytes (`blocks()`)."""
+        return self.blocks()
 
     def blocks(self) -> UInt8[Tensor, "d_out row_bytes"]:
         """The weight as the file's bytes: kept, or written back from the packed copy (exactly)."""

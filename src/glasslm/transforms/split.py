@@ -14,7 +14,7 @@ Example:
     >>> fused = Linear(8, 6)
     >>> split = RowSplitLinear.from_linear(fused, [4, 2])
     >>> x = torch.randn(3, 8)
-    >>> torch.equal(split(x), torch.cat([fused(x)[:, :4], fused(x)[:, 4:]], -1))
+    >>> torch.allclose(split(x), fused(x), atol=1e-6)  # (two products may add in another order than one)
     True
 """
 
