@@ -166,3 +166,18 @@ def test_a_reader_that_stops_early_ends_the_command_quietly():
     proc.stdout.close()  # before glasslm writes a line: its first write meets a closed pipe
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and err == ""  # 128 + SIGPIPE, as `head`'s writers end
+
+
+def test_prepare_without_the_data_extra_prints_only_the_message(tmp_path, monkeypatch, capsys):
+    """Issue 47: a missing optional package is one line naming what to install, not a traceback."""
+    import sys
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.jsonl").write_text('{"text": "hello"}\n')
+    for name in ("pyarrow", "pyarrow.json", "pyarrow.parquet"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import pyarrow` now raises ImportError
+    assert main(["prepare", str(tmp_path / "corpus" / "*.jsonl"), "--tokenizer", "char", "--out",
+                 str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("glasslm prepare: error: reading JSONL needs pyarrow") and "pip install -e '.[data]'" in err

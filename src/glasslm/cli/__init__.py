@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a reader that went away shows here, while the handler below can see it
     except BrokenPipeError:
         return _reader_gone()
-    except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError, OSError) as err:
+    except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError, OSError, ImportError) as err:
+        # ImportError: an optional package is missing (prepare's pyarrow, eval's lm-eval); its message
+        # names what to install, which is all the user needs
         print(f"glasslm {args.command}: error: {_describe(err)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:
