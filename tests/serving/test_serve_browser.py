@@ -409,3 +409,25 @@ def test_a_model_from_no_run_says_so_in_the_training_run_panel(page_and_server):
     page.wait_for_selector("#run-panel[data-steps='0']")
     assert "not in a training run directory" in page.inner_text("#run-status")
     assert page.locator("#run-charts svg").count() == 0
+
+
+def test_the_run_charts_axis_labels_are_whole_negative_numbers_included(browser, tmp_path):
+    """Issue 47: a negative axis label ("-0.01179") is drawn whole inside its chart, minus sign and all."""
+    rows = [{"step": s, "train_loss": 0.69 - 0.01 * s, "rewards/chosen": -0.05 * s, "rewards/rejected": -0.03821 * s,
+             "rewards/margins": -0.01179 * s, "rewards/accuracies": 1.0} for s in (1, 2, 3)]
+    metrics = tmp_path / "dpo-run" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = CharTokenizer(list(CHARS))
+    model = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=tok.vocab_size, n_layers=1, d_model=32,
+                                     n_heads=4, context_length=64)).eval()
+    with serving_in_thread(create_app(model, tok, ServeConfig(name="dpo"), metrics_file=metrics)) as url:
+        page, outside = open_page(browser, url)
+        page.wait_for_selector("#run-panel[data-steps='3']")
+        labels = page.locator("#run-charts svg text").evaluate_all(
+            "ts => ts.map(t => [t.closest('svg').dataset.key, t.textContent, t.getBBox().x])")
+        assert any(text in ("-0.03537", "\u22120.03537") for _, text, _ in labels), labels  # 3 x -0.01179
+        clipped = [(key, text, x) for key, text, x in labels if x < 0]
+        assert clipped == []
+        assert outside == []
+        page.close()

@@ -478,13 +478,17 @@ let runShown = "";  // what the charts show (record count and last record): redr
 // A small SVG line chart. Each series: { name, points: [[step, value], ...], band: [[step, low, high], ...]
 // (a shaded area, optional), dots: true for sparse series (validation), dashed: true }.
 function lineChart(title, series, key) {
-  const width = 320, height = 170, left = 48, right = 8, top = 30, bottom = 24;
+  const width = 320, height = 170, right = 8, top = 30, bottom = 24;
   const ys = series.flatMap((s) => s.points.map((p) => p[1]).concat((s.band || []).flatMap((b) => [b[1], b[2]])));
   const xs = series.flatMap((s) => s.points.map((p) => p[0]));
   let [x0, x1] = [xs.reduce((a, b) => Math.min(a, b)), xs.reduce((a, b) => Math.max(a, b))];
   let [y0, y1] = [ys.reduce((a, b) => Math.min(a, b)), ys.reduce((a, b) => Math.max(a, b))];
   if (x1 === x0) { x0 -= 1; x1 += 1; }
   if (y1 === y0) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
+  const fmt = (v) => Number(v.toPrecision(4)).toString();
+  // The y labels end at the plot's left edge: leave room for the longest (a 10px digit or sign is ~6px
+  // wide), or a label like "-0.01179" starts left of the chart and loses its minus sign.
+  const left = Math.max(48, 10 + 6 * Math.max(fmt(y0).length, fmt(y1).length));
   const sx = (x) => (left + (x - x0) / (x1 - x0) * (width - left - right)).toFixed(1);
   const sy = (y) => (top + (y1 - y) / (y1 - y0) * (height - top - bottom)).toFixed(1);
   const svg = document.createElementNS(svgNS, "svg");
@@ -497,7 +501,6 @@ function lineChart(title, series, key) {
   };
   add("text", { x: left, y: 12, "font-size": 12 }, title);
   add("rect", { x: left, y: top, width: width - left - right, height: height - top - bottom, fill: "none", stroke: "#ccc" });
-  const fmt = (v) => Number(v.toPrecision(4)).toString();
   add("text", { x: left - 4, y: top + 8, "text-anchor": "end", "font-size": 10 }, fmt(y1));
   add("text", { x: left - 4, y: height - bottom, "text-anchor": "end", "font-size": 10 }, fmt(y0));
   add("text", { x: left, y: height - 8, "font-size": 10 }, `step ${x0}`);
