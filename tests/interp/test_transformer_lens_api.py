@@ -149,3 +149,18 @@ def check_factored_semantics(A: torch.Tensor, B: torch.Tensor, tl_class) -> None
     close((ours @ ours).AB, (theirs @ theirs).AB, "@ FactoredMatrix")
     close((2.5 * ours).AB, (2.5 * theirs).AB, "scalar *")
     close(ours.get_corner(4), theirs.get_corner(4), "get_corner")
+
+
+@pytest.mark.parametrize("shape", ["qwen3", "llama"])
+@torch.no_grad()
+def test_text_is_tokenized_with_the_families_default_bos_as_tl_does(shape, tmp_path):
+    """Issue 47: TransformerLens's Qwen2/Qwen3/GPT-NeoX adapters set default_prepend_bos=False, the others
+    leave it True; HookedModel's text input follows the same default, so the loss of a text is TL's."""
+    model, bridge = build_pair(shape, tmp_path / "hf")
+    hooked = HookedModel(model, reference_tokenizer())
+    assert bridge.cfg.default_prepend_bos is (shape != "qwen3")
+    assert torch.equal(hooked.to_tokens(TEXTS[0]), bridge.to_tokens(TEXTS[0]))
+    assert hooked.to_str_tokens(TEXTS[0]) == bridge.to_str_tokens(TEXTS[0])
+    close(hooked(TEXTS[0], return_type="loss"), bridge(TEXTS[0], return_type="loss"), "loss of a text")
+    close(hooked.run_with_cache(TEXTS[0])[0], bridge.run_with_cache(TEXTS[0])[0], "run_with_cache(text)")
+    assert torch.equal(hooked.to_tokens(TEXTS[0], prepend_bos=True), bridge.to_tokens(TEXTS[0], prepend_bos=True))
