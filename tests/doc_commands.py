@@ -207,7 +207,7 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
         add=SHORT, needs=("runs/shakespeare-char-cpu",), slow=True,
         expect=("compiling took", "--compile will not pay off here", "--max-new-tokens is 8")),
     SERVED_CHAR: Run(needs=("runs/shakespeare-char-cpu",), serve=True, slow=True),
-    "lm_eval --model local-completions --tasks hellaswag --batch_size 8 --model_args model=char,base_url="
+    "lm_eval --model local-completions --tasks hellaswag --batch_size 8 --model_args model=shakespeare-char-cpu,base_url="
     "http://127.0.0.1:8000/v1/completions,tokenizer_backend=remote,max_length=65": LM_EVAL,
     "glasslm convert --from-hf ./my-llama-chat --out runs/llama-chat": Run(
         needs=("my-llama-chat",), creates=("runs/llama-chat/chat_template.jinja",)),
@@ -350,16 +350,18 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
         add=("--temperature", "0", "--max-new-tokens", "30"), needs=("path/to/SmolLM2-135M-Instruct.Q4_1.gguf",),
         stdin="What is the capital of France?\n", expect=("Paris",), slow=True),
     "glasslm info --checkpoint path/to/model.gguf": Run(needs=("path/to/model.gguf",), expect=("GGUF file",)),
+    "glasslm convert --to-hf --checkpoint path/to/model.gguf --out runs/gguf-hf": Run(
+        needs=("path/to/model.gguf",), expect=("dequantized to float32",), creates=("runs/gguf-hf/config.json",)),
     # docs/serving.md
     "pip install -e '.[serve]'": Skip(NETWORK + "installs FastAPI and uvicorn from PyPI (scripts/test.sh's test extra "
                                       "holds them)"),
     "glasslm serve --checkpoint runs/shakespeare-char-cpu": Run(needs=("runs/shakespeare-char-cpu",), serve=True,
                                                                slow=True),
-    "lm_eval --model local-completions --tasks hellaswag,wikitext --batch_size 8 --model_args model=char,base_url="
+    "lm_eval --model local-completions --tasks hellaswag,wikitext --batch_size 8 --model_args model=shakespeare-char-cpu,base_url="
     "http://127.0.0.1:8000/v1/completions,tokenizer_backend=remote,max_length=65": LM_EVAL,
     "glasslm convert --to-hf --checkpoint runs/shakespeare-char-cpu --out runs/shakespeare-char-cpu-hf": Run(
         needs=("runs/shakespeare-char-cpu",), creates=("runs/shakespeare-char-cpu-hf/tokenizer_config.json",)),
-    "lm_eval --model local-completions --tasks hellaswag,wikitext --batch_size 8 --model_args model=char,base_url="
+    "lm_eval --model local-completions --tasks hellaswag,wikitext --batch_size 8 --model_args model=shakespeare-char-cpu,base_url="
     "http://127.0.0.1:8000/v1/completions,tokenizer_backend=huggingface,tokenizer=runs/shakespeare-char-cpu-hf,max_length=65": LM_EVAL,
     "curl -s 127.0.0.1:8000/api/attention -H 'content-type: application/json' -d '{\"text\": \"To be, or not to be\", "
     "\"layer\": 1, \"head\": 2}'": During(SERVED_CHAR),

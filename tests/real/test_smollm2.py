@@ -371,3 +371,42 @@ def test_the_explorer_page_loads_it(gguf, template):
         page.wait_for_selector("#lens td[data-layer]", timeout=120_000)
         assert page.locator("#lens td[data-layer]").count() == 30 * len(tokenizer.encode("The capital of France is"))
         browser.close()
+
+
+@pytest.mark.slow  # writes and reloads a 540 MB float32 directory; lm-eval reads its task definitions
+def test_convert_to_hf_from_the_gguf_file_writes_a_dequantized_directory_with_its_template(gguf, exact, template,
+                                                                                            tmp_path, capsys, monkeypatch):
+    """Issue 47: `convert --to-hf --checkpoint FILE.gguf` writes float32 weights (the file's blocks
+    dequantized) and the file's chat template; transformers loads it and computes the dequantized model's
+    logits, its tokenizer renders the template as glasslm does, and lm-eval's --apply_chat_template uses it."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    assert main(["convert", "--to-hf", "--checkpoint", str(gguf), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "dequantized" in printed and "chat template" in printed
+    model, tokenizer = exact
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids(tokenizer, template, QUESTIONS[3])])
+    with torch.no_grad():
+        assert (hf(ids).logits - model(ids)).abs().max() < 1e-3
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    for question in QUESTIONS:
+        messages = [{"role": "user", "content": question}]
+        assert hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False) == \
+            prompt_ids(tokenizer, template, question)
+    pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from tests.hf.test_chat_templates_travel import _task
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"question": QUESTIONS[0], "answer": "Paris"}) + "\n")
+    (tmp_path / "tiny_chat.yaml").write_text(_task(tmp_path / "docs.jsonl"))
+    results = simple_evaluate(model="hf", model_args=f"pretrained={out},dtype=float32", device="cpu",
+                              tasks=["tiny_chat"], apply_chat_template=True, log_samples=True, batch_size=1,
+                              task_manager=TaskManager(include_path=str(tmp_path)))
+    prompt = results["samples"]["tiny_chat"][0]["arguments"][0][0]
+    assert prompt == hf_tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}], tokenize=False,
+                                                      add_generation_prompt=True)

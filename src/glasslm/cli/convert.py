@@ -178,12 +178,30 @@ def _to_hf(config: ConvertConfig, output: OutputOption) -> None:
         raise ValueError("--to-hf needs --checkpoint")
     check_output_dir(output.out, output.overwrite, inputs=[config.checkpoint], what="export")
     model, tokenizer = load_model(config.checkpoint, base=config.base)
+    dequantized = _dequantize_for_export(model)
     if config.zero_biases:
         _refuse_needless_zero_biases(model.config)
     template = load_chat_template(config.checkpoint, tokenizer)
     export_hf(model, output.out, tokenizer, checkpoint_summary(config.checkpoint), zero_biases=config.zero_biases,
               chat_template=template)
-    print(f"{config.checkpoint} -> {output.out} (Hugging Face format{', with its chat template' if template else ''})")
+    print(f"{config.checkpoint} -> {output.out} (Hugging Face format{', with its chat template' if template else ''}"
+          f"{'; ' + dequantized if dequantized else ''})")
+
+
+def _dequantize_for_export(model) -> str | None:
+    """Hugging Face's layers hold plain weights: a quantized model (a GGUF file's blocks, an int8/int4
+    checkpoint) is written dequantized to float32, the values it computes with; returns what was
+    dequantized, to say so. LoRA adapters are left for export_hf to refuse (glasslm merge writes them)."""
+    from glasslm.training.finetune import dequantize
+    from glasslm.transforms import applied_transforms
+    from glasslm.transforms.lora import lora_layers
+
+    names = [t["name"] for t in applied_transforms(model)]
+    if not names or lora_layers(model):
+        return None
+    dequantize(model)
+    model.applied_transforms = []
+    return f"its {', '.join(dict.fromkeys(names))} weights dequantized to float32"
 
 
 def _refuse_needless_zero_biases(model_config) -> None:

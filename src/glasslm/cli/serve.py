@@ -22,12 +22,22 @@ def serve(source: CheckpointOption, config: ServeConfig, runtime: RuntimeOptions
         raise RuntimeError("serving needs fastapi and uvicorn: pip install fastapi uvicorn") from None
     model, tokenizer = load_for_inference(source.checkpoint, runtime, decoding=True, base=source.base)
     if config.name is None:
-        config = dataclasses.replace(config, name=Path(source.checkpoint).resolve().name)
+        config = dataclasses.replace(config, name=served_name(source.checkpoint))
     if config.api_key is None and os.environ.get("GLASSLM_API_KEY"):  # the environment keeps it out of `ps`
         config = dataclasses.replace(config, api_key=os.environ["GLASSLM_API_KEY"])
     serve_model(model, tokenizer, config, load_chat_template(source.checkpoint, tokenizer, config.chat_template),
                 run_metrics_file(source.checkpoint))
     return 0
+
+
+def served_name(checkpoint: str) -> str:
+    """The model name a server started on `checkpoint` answers to without --name (clients' `model`):
+    the checkpoint's folder or file name.
+
+    >>> served_name("runs/shakespeare-char-cpu")
+    'shakespeare-char-cpu'
+    """
+    return Path(checkpoint).resolve().name
 
 
 COMMAND = Command("serve", serve,
