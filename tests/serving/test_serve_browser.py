@@ -429,5 +429,8 @@ def test_the_run_charts_axis_labels_are_whole_negative_numbers_included(browser,
         assert any(text in ("-0.03537", "\u22120.03537") for _, text, _ in labels), labels  # 3 x -0.01179
         clipped = [(key, text, x) for key, text, x in labels if x < 0]
         assert clipped == []
+        lines = page.locator("#run-charts svg[data-key='rewards/chosen'] polyline").evaluate_all(
+            "ls => ls.map(l => [l.classList[1], Number(l.dataset.points)])")
+        assert sorted(lines) == [["chosen", 3], ["rejected", 3]]  # the chosen and rejected rewards, one chart
         assert outside == []
         page.close()

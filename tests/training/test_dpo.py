@@ -69,6 +69,14 @@ def _trl_step(trainer):
     return examples, loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
 
+@torch.no_grad()
+def _chosen_log_probs(policy, reference, x, y):
+    """Each chosen row's summed answer log-probability under the policy and under the reference."""
+    from glasslm.training.dpo import sequence_log_probs
+
+    return sequence_log_probs(policy(x[0::2]), y[0::2]), sequence_log_probs(reference(x[0::2]), y[0::2])
+
+
 def _our_step(policy, reference, tokenizer, template, tmp_path, beta, objective=None):
     pairs = load_preference_pairs(_write_jsonl(tmp_path / "prefs.jsonl", TRL_RECORDS), tokenizer, template)
     x, y = PreferenceBatches(pairs, 128).eval_batches(len(pairs), 1, torch.Generator()).__next__()[:2]
@@ -95,9 +103,16 @@ def test_the_loss_rewards_and_margins_equal_trls_on_the_same_batch_and_weights(t
             labelled = [t + 1 for t, label in enumerate(ours.labels) if label != -100]
             assert labelled == list(range(len(example["prompt_ids"]), len(ours.ids)))
     assert loss.item() == pytest.approx(trl_loss, rel=1e-5)
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                "logps/rejected"):
         assert stats[key].item() == pytest.approx(trl[key], rel=1e-4, abs=1e-6), key
     assert abs(trl["rewards/margins"]) > 1e-2  # policy and reference differ: the comparison can fail
+    # the chosen answers' change from the reference, per answer token: the rewards over β, over the tokens
+    tokens = torch.tensor([len(example["chosen_ids"]) for example in examples], dtype=torch.float32)
+    chosen_rewards = torch.stack([beta * (p - r) for p, r in zip(*_chosen_log_probs(policy, reference, x, y))])
+    assert chosen_rewards.mean().item() == pytest.approx(trl["rewards/chosen"], rel=1e-4)
+    assert stats["logps/chosen_change_per_token"].item() == pytest.approx((chosen_rewards / beta / tokens).mean().item(),
+                                                                          rel=1e-4)
     log_probs = sequence_log_probs(policy(x), y)
     assert log_probs[0::2].mean().item() == pytest.approx(trl["logps/chosen"], rel=1e-5)
     assert log_probs[1::2].mean().item() == pytest.approx(trl["logps/rejected"], rel=1e-5)
@@ -303,7 +318,7 @@ def test_orpo_learns_the_same_preference_without_a_reference(prefs):
 @pytest.mark.parametrize("extra", [(), ("--quantize", "int4"), ("--full",)], ids=["lora", "qlora", "full"])
 def test_a_dpo_run_raises_the_margin_and_resumes_where_the_uninterrupted_one_ends(prefs, extra):
     """A resumed full run must compare against the base it started from, not the resumed weights."""
-    common = ("--lr", "5e-3", "--lr-decay-steps", "8", "--eval-interval", "4", *extra)
+    common = ("--lr", "5e-3", "--lr-decay-steps", "8", "--eval-interval", "4", "--log-interval", "4", *extra)
     whole = _dpo(prefs, "whole", *common, "--max-steps", "8")
     _dpo(prefs, "halves", *common, "--max-steps", "4")
     assert main(["finetune", "--resume", str(prefs / "halves"), "--max-steps", "8", "--no-progress"]) == 0

@@ -209,18 +209,54 @@ def test_finetune_help_shows_the_training_settings_a_run_uses(base, capsys):
                  "--device", "cpu"]) == 0
     used = json.loads((resolve_checkpoint(base / "ft") / "trainer_state.json").read_text())["train_config"]
     checked = 0
-    for name in ("batch_size", "min_lr", "warmup_steps", "weight_decay", "eval_interval", "optimizer", "seed"):
+    for name in ("batch_size", "weight_decay", "optimizer", "seed"):
         shown = re.search(rf"--{name.replace('_', '-')} [A-Z{{]\S* .*?\(default: ([^)]+)\)", text).group(1)
         assert shown == str(used[name]), name
         checked += 1
-    shown_steps = re.search(r"--max-steps INT .*?\(default: ([^)]+)\)", text).group(1)
-    assert int(shown_steps) == FINETUNE_DEFAULTS["max_steps"] and checked == 7
-    shown_lr = re.search(r"--lr FLOAT .*?\(default: (.+?) \(LoRA\), (.+?) \(--full\)\)", text).groups()
-    assert main(["finetune", "--checkpoint", str(base / "base"), "--data", str(base / "chat.jsonl"), "--chat-template",
-                 str(base / "template.jinja"), "--out", str(base / "full"), "--max-steps", "1", "--no-progress",
-                 "--device", "cpu", "--full"]) == 0
-    full = json.loads((resolve_checkpoint(base / "full") / "trainer_state.json").read_text())["train_config"]
-    assert (float(shown_lr[0]), float(shown_lr[1])) == (used["lr"], full["lr"]) and used["lr"] != full["lr"]
+    assert checked == 4
+    # the settings that follow the data and the base: help states each rule
+    for option, rule in (("--max-steps INT", f"{FINETUNE_DEFAULTS['max_steps']} for sft with conversations held out"),
+                         ("--lr FLOAT", "3e-3 x sqrt(10M / the base's parameters)"),
+                         ("--eval-interval INT", "one pass over the training data"),
+                         ("--early-stop INT", "3 for sft with conversations held out"),
+                         ("--epochs N", "3 passes")):
+        assert rule in text.split(option, 1)[1][:300], option
+
+
+def test_the_default_length_and_learning_rate_follow_the_data_and_the_base(base, capsys):
+    """Issue 47: with no length or rate given, a supervised run stops when its held-out loss stops improving
+    (it ran 1,000 steps at lr 3e-3 before, whatever the data and the base); the learning rate follows the
+    base's size; a DPO run is 3 passes at a third of the rate; --epochs sets the passes."""
+    from glasslm.training.finetune import lora_learning_rate
+
+    data = base / "chat.jsonl"
+    assert main(["finetune", "--checkpoint", str(base / "base"), "--data", str(data), "--chat-template",
+                 str(base / "template.jinja"), "--out", str(base / "ft"), "--no-progress", "--device", "cpu",
+                 "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    used = json.loads((resolve_checkpoint(base / "ft", prefer=("latest",)) / "trainer_state.json").read_text())
+    cfg, step = used["train_config"], used["step"]
+    n_base = _model().num_parameters()
+    assert cfg["lr"] == pytest.approx(lora_learning_rate(n_base)) and cfg["early_stop"] == 3
+    assert cfg["eval_interval"] == 5  # 29 training conversations: 4 steps of 8 a pass, at least 5
+    assert step < cfg["max_steps"] == 1000 and "stopped early" in out and "done: val loss" in out
+    records = [json.loads(line) for line in (base / "ft" / "metrics.jsonl").read_text().splitlines()]
+    held_out = [r["val_loss"] for r in records if "val_loss" in r]
+    best = min(held_out)
+    assert all(loss > best - 1e-3 for loss in held_out[-3:])  # the last three evaluations did not improve
+    pairs = base / "prefs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": m[0]["content"], "chosen": m[1]["content"], "rejected": "h"}) + "\n"
+                             for m in CONVERSATIONS * 3))  # 24 pairs: 22 to train on, 3 steps of 8 a pass
+    for extra, steps in (((), 9), (("--epochs", "2"), 6)):
+        assert main(["finetune", "--checkpoint", str(base / "base"), "--method", "dpo", "--data", str(pairs),
+                     "--chat-template", str(base / "template.jinja"), "--out", str(base / "dpo"), "--overwrite",
+                     "--no-progress", "--device", "cpu", "--threads", "1", *extra]) == 0
+        dpo = json.loads((resolve_checkpoint(base / "dpo", prefer=("latest",)) / "trainer_state.json").read_text())
+        assert dpo["step"] == dpo["train_config"]["max_steps"] == steps
+        assert dpo["train_config"]["lr"] == pytest.approx(lora_learning_rate(n_base) / 3)
+    assert main(["finetune", "--checkpoint", str(base / "base"), "--data", str(data), "--epochs", "2",
+                 "--max-steps", "4", "--out", str(base / "both")]) == 1
+    assert "--epochs" in capsys.readouterr().err
 
 
 def test_converting_an_adapter_checkpoint_to_hf_says_to_merge_it(base, capsys):
@@ -229,18 +265,6 @@ def test_converting_an_adapter_checkpoint_to_hf_says_to_merge_it(base, capsys):
     assert main(["convert", "--to-hf", "--checkpoint", str(base / "ft"), "--out", str(base / "hf")]) == 1
     err = capsys.readouterr().err
     assert "glasslm merge" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
-
-
-def test_a_large_base_hears_that_the_default_lr_was_measured_on_small_models(base, capsys, monkeypatch):
-    import glasslm.cli.finetune as command
-
-    monkeypatch.setattr(command, "LARGE_BASE_PARAMETERS", 1000)  # llama-tiny stands in for a large base
-    _finetune(base, "ft", "--max-steps", "1")  # --lr given: no note
-    assert "note: LoRA's default --lr" not in capsys.readouterr().out
-    assert main(["finetune", "--checkpoint", str(base / "base"), "--data", str(base / "chat.jsonl"), "--chat-template",
-                 str(base / "template.jinja"), "--out", str(base / "ft2"), "--max-steps", "1", "--no-progress",
-                 "--device", "cpu"]) == 0
-    assert f"note: LoRA's default --lr {FINETUNE_DEFAULTS['lr']:g}" in capsys.readouterr().out
 
 
 def test_bad_finetune_options_are_named(base, capsys):

@@ -18,6 +18,7 @@ writes a full model.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -28,21 +29,38 @@ from glasslm.cli.options import Group
 from glasslm.training.config import TrainConfig
 from glasslm.training.finetune import FinetuneConfig
 
-# Fine-tuning's defaults where they differ from pretraining's (TrainConfig's); options win. Help shows
-# these, the values a run uses (tests/training/test_finetune.py parses help and checks it against a run).
-# The LoRA learning rate and steps were measured on the demo model (docs/training.md); a large base
-# gets a note at start-up (LARGE_BASE_PARAMETERS). Every weight moving at LoRA's rate would wreck a
-# model, so --full keeps a full fine-tune's usual rate.
-FINETUNE_DEFAULTS = {"max_steps": 1000, "batch_size": 8, "lr": 3e-3, "min_lr": 2e-5, "warmup_steps": 20,
+# Fine-tuning's defaults where they differ from pretraining's (TrainConfig's); options win. Length,
+# learning rate, warm-up, evaluation and logging intervals then follow the data and the base
+# (`fit_to_data`): a run is so many passes over the training records, or (supervised, with held-out
+# conversations) runs until the held-out loss stops improving, at most max_steps. Help shows these
+# rules (tests/training/test_finetune.py checks them against a run). Every weight moving at LoRA's
+# rate would wreck a model, so --full keeps a full fine-tune's usual rate.
+FINETUNE_DEFAULTS = {"max_steps": 1000, "batch_size": 8, "min_lr": 2e-5, "warmup_steps": 20,
                      "weight_decay": 0.0, "eval_interval": 100, "log_interval": 10}
 FULL_FINETUNE_LR = 2e-4
-# Above this many base parameters the LoRA defaults are untested: start-up says so, and what LoRA
-# at that size usually trains with.
-LARGE_BASE_PARAMETERS = 100_000_000
+DEFAULT_EPOCHS = 3  # passes over the data where no held-out loss decides (TRL's num_train_epochs)
+EARLY_STOP = 3  # supervised runs stop after this many evaluations without improvement
+# Where glasslm's defaults differ from TRL's (SFTTrainer, DPOTrainer, GRPOTrainer 1.16), help says so and why
+# (docs/training.md#where-the-defaults-differ-from-trls).
+TRL_DIFFERS = {
+    "beta2": "0.99; TRL: 0.999. A shorter memory of gradient scale adapts faster to the few hundred steps "
+             "of a fine-tune (nanoGPT's and glasslm train's value)",
+    "warmup_steps": "a tenth of the steps, at most 20, from lr 0; TRL: none. The adapters' first steps "
+                    "start from zero updates at the full rate otherwise",
+    "min_lr": "2e-05, reached by a cosine; TRL: linear decay to 0. A run stopped early or resumed past "
+              "its schedule still learns",
+}
 TRAINING = Group("training (defaults shown: fine-tuning's, where they differ from glasslm train's)",
                  skip=frozenset({"init_from"}),
-                 shown_defaults=lambda: dataclasses.asdict(TrainConfig(**FINETUNE_DEFAULTS))
-                 | {"lr": f"{FINETUNE_DEFAULTS['lr']:g} (LoRA), {FULL_FINETUNE_LR:g} (--full)"})
+                 shown_defaults=lambda: dataclasses.asdict(TrainConfig(**FINETUNE_DEFAULTS)) | TRL_DIFFERS | {
+                     "lr": f"LoRA: 3e-3 x sqrt(10M / the base's parameters), within [1e-4, 3e-3] (1e-3 at "
+                           f"135M), a third of it for dpo/simpo/orpo; --full: {FULL_FINETUNE_LR:g}",
+                     "max_steps": f"{FINETUNE_DEFAULTS['max_steps']} for sft with conversations held out, which "
+                                  f"stops early (--early-stop {EARLY_STOP}); else {DEFAULT_EPOCHS} passes "
+                                  "over the data (--epochs)",
+                     "eval_interval": "one pass over the training data, within [5, 100] steps",
+                     "log_interval": "a tenth of the steps, within [1, 10]",
+                     "early_stop": f"{EARLY_STOP} for sft with conversations held out, else 0"})
 
 
 @dataclass
@@ -57,6 +75,9 @@ class FinetuneRun:
     # with --resume: the base checkpoint where it is now, if it moved (its weights must hash as recorded)
     base: str | None = field(default=None, metadata={"metavar": "PATH"})
     overwrite: bool = False  # replace the run an --out holds
+    # passes over the training records (sets --max-steps); none: sft with held-out conversations runs until
+    # their loss stops improving (at most --max-steps), every other method 3 passes
+    epochs: float | None = field(default=None, metadata={"metavar": "N"})
     # also write the trained adapters as a PEFT adapter directory (LoRA runs)
     export_peft: str | None = field(default=None, metadata={"metavar": "DIR"})
 
@@ -72,23 +93,27 @@ def finetune(run: FinetuneRun, method: Annotated[dict[str, Any], FinetuneConfig]
     model, tokenizer, meta, data, objective = _model_and_data(base, config, train_config,
                                                               run.data if resume is None else None, resume)
     _keep_base(meta, out)
-    if resume is None and not config.full and "lr" not in training:
-        _note_untested_lr(parameter_count(model), train_config.lr)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    fitted = None
+    if resume is None:  # the base's own size: a LoRA model's count holds its adapters
+        base_size = parameter_count(model) - (0 if config.full else n_train)
+        train_config, fitted = fit_to_data(train_config, set(training), config, base_size, len(data[0]),
+                                           data[1] is not None, run.epochs)
     what = {"sft": "conversations", "grpo": "problems"}.get(config.method, "preference pairs")
     print(f"fine-tuning {meta['finetune']['base']} ({'' if config.method == 'sft' else config.method.upper() + ', '}"
           f"{'full' if config.full else 'LoRA'}{', ' + config.quantize + ' base' if config.quantize != 'none' else ''}): "
           f"{n_train:,} trainable of {parameter_count(model):,} parameters; {len(data[0])} training / "
           f"{len(data[1]) if data[1] else 0} held-out {what} -> {out}")
+    if fitted:
+        print(fitted)
     result = train(model, train_config, data[0], data[1], run_dir=out, resume=resume, tokenizer=tokenizer,
                    meta=meta, overwrite=run.overwrite, chat_template=meta["finetune"]["template"],
-                   objective=objective)
+                   objective=objective, warn_longer_than_s=WARN_LONGER_THAN_S)
     if result.stopped_by_signal is not None:
         print(f"interrupted after step {result.step}, saved {result.checkpoint}; continue with: "
               f"glasslm finetune --resume {out}")
         return 128 + result.stopped_by_signal
-    if result.val_losses:
-        print(f"done: val loss {result.val_losses[-1][1]:.4f} after {result.step} steps; checkpoints in {out}")
+    print(done_line(result, out))
     if run.export_peft:
         _export_peft(result.model, run.export_peft, meta["finetune"]["base"], config)
     return 0
@@ -100,6 +125,8 @@ def _plan(run: FinetuneRun, method: dict[str, Any], training: dict[str, Any]) ->
     from glasslm.training.finetune import FINETUNE_KEY
     from glasslm.training.rundir import read_resumed_run
 
+    if run.epochs is not None and ("max_steps" in training or not run.epochs > 0):
+        raise ValueError("--epochs sets the run's length: give it (a positive number) or --max-steps, not both")
     if run.resume is None:
         if not run.checkpoint or not run.data:
             raise ValueError("give --checkpoint BASE and --data JSONL (or --resume a fine-tuning run)")
@@ -110,6 +137,8 @@ def _plan(run: FinetuneRun, method: dict[str, Any], training: dict[str, Any]) ->
         out = Path(run.out or f"runs/finetune-{Path(run.checkpoint).name}")
         defaults = FINETUNE_DEFAULTS | ({"lr": FULL_FINETUNE_LR} if config.full else {})
         return run.checkpoint, config, TrainConfig(**{**defaults, **training}), out, None
+    if run.epochs is not None:
+        raise ValueError("--epochs sets a new run's length; a resumed run continues to --max-steps")
     if run.checkpoint or method:
         raise ValueError("--resume continues the run's base and method; drop --checkpoint and the method options "
                          "(--base PATH points it at its base where that is now)")
@@ -177,12 +206,56 @@ def _keep_base(meta: dict[str, Any], out: Path) -> None:
               "it; keep a copy (and pass it with --base) if you train that run further")
 
 
-def _note_untested_lr(n_parameters: int, lr: float) -> None:
-    """The default learning rate was chosen on the demo model; on a large base say so before training."""
-    if n_parameters > LARGE_BASE_PARAMETERS:
-        print(f"note: LoRA's default --lr {lr:g} was measured on small models (docs/training.md); on a base of "
-              f"{n_parameters / 1e6:,.0f}M parameters LoRA usually trains at 1e-4 to 2e-4: pass --lr 2e-4 if the "
-              "loss jumps or diverges")
+WARN_LONGER_THAN_S = 3600.0  # a fine-tune estimated past an hour says so before its first step
+
+
+def fit_to_data(cfg: TrainConfig, given: set[str], method: FinetuneConfig, n_parameters: int, n_train: int,
+                held_out: bool, epochs: float | None) -> tuple[TrainConfig, str]:
+    """(the run's settings, a line saying what was chosen): the length, learning rate, warm-up and
+    intervals that no option gave, fitted to `n_train` training records and a base of `n_parameters`."""
+    from glasslm.training.finetune import lora_learning_rate
+
+    per_pass = math.ceil(n_train / (cfg.batch_size * cfg.grad_accum_steps))  # steps in one pass over the data
+    what = {"sft": "conversations", "grpo": "problems"}.get(method.method, "preference pairs")
+    early = method.method == "sft" and held_out and epochs is None and "max_steps" not in given
+    changes: dict[str, Any] = {}
+    if epochs is not None:
+        changes["max_steps"] = max(1, math.ceil(epochs * per_pass))
+    elif "max_steps" not in given and not early:
+        changes["max_steps"] = DEFAULT_EPOCHS * per_pass
+    steps = changes.get("max_steps", cfg.max_steps)
+    fitted = {"lr": FULL_FINETUNE_LR if method.full else lora_learning_rate(n_parameters, method.method),
+              "warmup_steps": min(20, steps // 10), "eval_interval": min(100, max(5, per_pass)),
+              "log_interval": min(10, max(1, steps // 10)),
+              "early_stop": EARLY_STOP if method.method == "sft" and held_out else 0}
+    changes |= {name: value for name, value in fitted.items() if name not in given}
+    cfg = dataclasses.replace(cfg, **changes)
+    length = (f"at most {cfg.max_steps:,} steps, stopping once the held-out loss has not fallen by "
+              f"{cfg.early_stop_delta:g} in {cfg.early_stop} evaluations (one every {cfg.eval_interval} steps)"
+              if cfg.early_stop and held_out else f"{cfg.max_steps:,} steps")
+    rate = "" if "lr" in given else (f", lr {cfg.lr:.2g} (" + ("--full" if method.full else
+                                     f"LoRA on {n_parameters / 1e6:,.1f}M parameters") + ")")
+    return cfg, (f"training: {length}{rate}; {n_train} {what} make {per_pass} step{'s' if per_pass != 1 else ''} "
+                 f"of {cfg.batch_size * cfg.grad_accum_steps} a pass")
+
+
+def done_line(result: Any, out: Path) -> str:
+    """What the run ended at: steps, the held-out loss and best, and the last record's rewards (DPO,
+    GRPO), so a run whose loss says nothing (DPO's falls to 0 as the model collapses) shows more."""
+    from glasslm.training.metrics import shown_stats
+
+    steps = f"after {result.step} steps" + (" (stopped early: the held-out loss stopped improving)"
+                                             if result.stopped_early else "")
+    parts = [f"val loss {result.val_losses[-1][1]:.4f} (best {result.best_val_loss:.4f}) {steps}"
+             if result.val_losses else steps]
+    record = result.last_metrics
+    trained = shown_stats(record)
+    if trained:
+        parts.append("training " + ", ".join(f"{name} {value}" for name, value in trained.items()))
+    held = shown_stats({key[4:]: value for key, value in record.items() if key.startswith("val_")})
+    if held:
+        parts.append("held-out " + ", ".join(f"{name} {value}" for name, value in held.items()))
+    return f"done: {'; '.join(parts)}; checkpoints in {out}"
 
 
 def _export_peft(model: Any, directory: str, base: str, config: FinetuneConfig) -> None:

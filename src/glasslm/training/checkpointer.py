@@ -64,6 +64,7 @@ class Checkpointer:
     def save(self, done: int, evaluator: Evaluator, window: MetricsWindow) -> None:
         assert self.run_dir is not None
         point = ResumePoint(step=done, best_val_loss=evaluator.best, elapsed_s=window.elapsed(),
+                            evals_without_improvement=evaluator.without_improvement,
                             log_window_losses=window.losses, train_config=self.cfg.to_dict(),
                             grad_scaler=self.parts.scaler.state_dict() if self.parts.scaler is not None else None)
         meta = {**self.meta, "step": done, "val_loss": evaluator.last}

@@ -45,6 +45,10 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global L2 norm of the gradient; 0 disables clipping
     eval_interval: int = 250  # steps between validation runs; 0: only at the end
     eval_iters: int = 20  # validation batches per evaluation (the same batches every time)
+    # stop once this many evaluations in a row have not lowered the best validation loss by
+    # early_stop_delta (the best checkpoint is kept); 0: run to max_steps
+    early_stop: int = 0
+    early_stop_delta: float = 1e-3  # the least fall of the validation loss (nats) that counts as improving
     log_interval: int = 10  # steps between metrics records (JSONL) and progress-bar updates
     checkpoint_interval: int = 0  # steps between extra checkpoints; 0: only at evaluations and the end
     keep_last: int = 2  # numbered checkpoints kept (plus the best one); 0 keeps all
@@ -67,9 +71,11 @@ class TrainConfig:
         for name in ("max_steps", "batch_size", "eval_iters", "grad_accum_steps", "log_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "keep_last", "threads"):
+        for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "keep_last", "threads", "early_stop"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.early_stop_delta < 0:
+            raise ValueError(f"early_stop_delta must be >= 0, got {self.early_stop_delta}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need 0 <= min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}")
         if self.optimizer not in ("adamw", "muon"):

@@ -25,6 +25,7 @@ from glasslm.core.model import TransformerLM
 from glasslm.training.batches import BatchSource, as_batch_source
 from glasslm.training.config import TrainConfig
 from glasslm.training.distributed import DistributedContext, all_reduce_mean, resolve_device
+from glasslm.training.metrics import shown_stats
 from glasslm.training.result import TrainResult
 from glasslm.training.step import Objective, autocast_context, next_token_loss, rank_slice
 
@@ -77,16 +78,23 @@ def config_of(model: nn.Module) -> ModelConfig:
 
 
 class Evaluator:
-    """Validation loss every `eval_interval` steps and at the end; keeps the best one."""
+    """Validation loss every `eval_interval` steps and at the end; keeps the best one, and counts the
+    evaluations since the loss last fell by `early_stop_delta` (early stopping: `exhausted`)."""
 
     def __init__(self, model: nn.Module, tokens: BatchSource | None, cfg: TrainConfig, ctx: DistributedContext,
                  device: str, tokens_per_step: int, best: float, result: TrainResult,
-                 on_eval: Callable[[int, float, TransformerLM], None] | None, objective: Objective = next_token_loss):
+                 on_eval: Callable[[int, float, TransformerLM], None] | None, objective: Objective = next_token_loss,
+                 without_improvement: int = 0):
         self.model, self.tokens, self.cfg, self.ctx, self.device = model, tokens, cfg, ctx, device
         self.tokens_per_step, self.best, self.result, self.on_eval = tokens_per_step, best, result, on_eval
         self.objective = objective
         self.last: float | None = None  # the latest validation loss
         self.improved_at: int | None = None  # the step whose evaluation set the current best
+        self.without_improvement = without_improvement  # evaluations since the best fell by early_stop_delta
+
+    def exhausted(self) -> bool:
+        """Whether early stopping ends the run: `early_stop` evaluations in a row without improvement."""
+        return self.cfg.early_stop > 0 and self.without_improvement >= self.cfg.early_stop
 
     def due(self, done: int, last: bool) -> bool:
         interval = self.cfg.eval_interval
@@ -102,12 +110,17 @@ class Evaluator:
         self.result.val_losses.append((done, loss))
         if loss < self.best:
             self.improved_at = done
+        improved = loss < self.best - self.cfg.early_stop_delta
+        self.without_improvement = 0 if improved else self.without_improvement + 1
         self.best = self.result.best_val_loss = min(self.best, loss)
         if self.ctx.is_main and self.cfg.progress:
-            bar.write(f"step {done}: train loss {train_loss:.4f}, val loss {loss:.4f}")
+            shown = "".join(f", val {name} {value}" for name, value in shown_stats(stats).items())
+            bar.write(f"step {done}: train loss {train_loss:.4f}, val loss {loss:.4f}{shown}")
         if self.on_eval is not None:
             self.on_eval(done, loss, self.result.model)
         record = {"step": done, "tokens": done * self.tokens_per_step, "val_loss": loss}
         if self.objective is next_token_loss:  # a perplexity only where the loss is a next-token cross-entropy
             record["val_ppl"] = math.exp(min(loss, 50.0))
-        return record | {f"val_{name}": value for name, value in stats.items()}
+        record |= {f"val_{name}": value for name, value in stats.items()}
+        self.result.last_metrics |= record
+        return record

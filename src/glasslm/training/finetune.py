@@ -135,6 +135,28 @@ class FinetuneConfig:
                              f"and {self.grpo_beta}")
 
 
+# LoRA's learning rate by the base's size (`lora_learning_rate`): 3e-3 at 10M parameters and below (measured
+# on the 0.8M demo model), falling with the square root of the size, to 1e-4 (about 1e-3 at SmolLM2's 135M,
+# where 1e-3 learned a new fact in 60 steps, and 1e-4 to 2e-4 for 7B bases, where LoRA usually trains).
+LORA_LR_SMALL, LORA_LR_FLOOR, LORA_LR_SIZE = 3e-3, 1e-4, 10_000_000
+# Preference tuning moves a model further per step than supervised tuning: at LoRA's supervised rate,
+# 12 DPO steps already broke the demo model's chat answers, at a third of it they did not (docs/training.md)
+PREFERENCE_LR_SHARE = 1 / 3
+
+
+def lora_learning_rate(n_parameters: int, method: str = "sft") -> float:
+    """LoRA's default learning rate for a base of `n_parameters`: 3e-3 × √(10M / n), within [1e-4, 3e-3];
+    a third of it for the preference methods (dpo, simpo, orpo).
+
+    >>> lora_learning_rate(788_096), round(lora_learning_rate(134_515_008), 5), round(lora_learning_rate(7e9), 5)
+    (0.003, 0.00082, 0.00011)
+    >>> lora_learning_rate(788_096, "dpo")
+    0.001
+    """
+    rate = min(LORA_LR_SMALL, max(LORA_LR_FLOOR, LORA_LR_SMALL * (LORA_LR_SIZE / max(n_parameters, 1)) ** 0.5))
+    return rate * (PREFERENCE_LR_SHARE if method in ("dpo", "simpo", "orpo") else 1.0)
+
+
 def base_reference(path: str | os.PathLike) -> str:
     """How a checkpoint names its base: the exact checkpoint directory, absolute (a run directory's
     best checkpoint: the run may train on and move `best`), or GGUF file, if local; else the hub name."""

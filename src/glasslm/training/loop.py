@@ -72,6 +72,7 @@ def train(
     loggers: list[MetricsLogger] | None = None,
     overwrite: bool = False,
     refuse_longer_than_s: float | None = None,
+    warn_longer_than_s: float | None = None,
     chat_template: str | None = None,
     objective: Objective = next_token_loss,
 ) -> TrainResult:
@@ -95,11 +96,10 @@ def train(
     guard: a run estimated to take longer raises `TrainingTooLong` before anything is written.
     `glasslm train` sets a day unless --yes; here the default is no limit, since a program calling
     train() has chosen its recipe (and the estimate is skipped under torchrun, where timing one
-    process's micro-batch alone would need every process to agree first).
-
-    `cfg.init_from` only records where a fine-tuned model's weights came from: train() never opens
-    it, so a fresh run from a bare ModelConfig with init_from set is refused rather than silently
-    started from random weights.
+    process's micro-batch alone would need every process to agree first). `warn_longer_than_s` only
+    warns, naming a max_steps that fits. `cfg.init_from` only records where a fine-tuned model's
+    weights came from: train() never opens it, so a fresh run from a bare ModelConfig with init_from
+    set is refused rather than silently started from random weights.
     """
     ctx = dist_ctx or DistributedContext(device=resolve_device(cfg.device))
     resume_dir = resolve_checkpoint(resume, prefer=("latest",)) if resume is not None else None
@@ -116,7 +116,7 @@ def train(
         if refuse_longer_than_s is not None and estimate.seconds > refuse_longer_than_s:
             raise TrainingTooLong(estimate, refuse_longer_than_s)
     with claim_run(run_dir, resume_dir, overwrite, ctx):
-        return _train(parts, estimate, on_eval, run_dir, resume_dir, (tokenizer, meta, chat_template), loggers)
+        return _train(parts, (estimate, warn_longer_than_s), on_eval, run_dir, resume_dir, (tokenizer, meta, chat_template), loggers)
 
 
 @contextmanager
@@ -137,28 +137,29 @@ def claim_run(run_dir: str | os.PathLike | None, resume_dir: str | os.PathLike |
 
 
 def _train(
-    parts: TrainingParts, estimate: TrainingEstimate | None,
+    parts: TrainingParts, estimated: tuple[TrainingEstimate | None, float | None],
     on_eval: Callable[[int, float, TransformerLM], None] | None, run_dir: str | os.PathLike | None,
     resume_dir: Path | None, saved_with: tuple[Any, dict[str, Any] | None, str | None],
     loggers: list[MetricsLogger] | None,
 ) -> TrainResult:
-    """Assemble the duties around the parts, then run the loop over them. `saved_with`: the
-    tokenizer, meta and chat template every checkpoint holds."""
+    """Assemble the duties around the parts, then run the loop over them. `estimated`: the time
+    estimate and the duration past which it warns; `saved_with`: the tokenizer, meta and chat
+    template every checkpoint holds."""
     cfg, point, ctx, device = parts.cfg, parts.point, parts.ctx, parts.device
     run_path = Path(run_dir) if run_dir is not None else None
     result = TrainResult(parts.model, step=point.step, best_val_loss=point.best_val_loss)
     duties = _Duties(
-        window=MetricsWindow(cfg, ctx, parts.tokens_per_step, point, result, parts.scaler is not None),
+        window=MetricsWindow(cfg, ctx, parts.tokens_per_step, point, result, parts.scaler is not None,
+                             getattr(parts.objective, "watch", None)),
         evaluator=Evaluator(parts.eval_model, parts.val_source, cfg, ctx, device, parts.tokens_per_step,
-                            point.best_val_loss, result, on_eval, parts.objective),
+                            point.best_val_loss, result, on_eval, parts.objective, point.evals_without_improvement),
         checkpointer=Checkpointer(run_path, cfg, ctx, parts, *saved_with[:2], result, saved_with[2]),
         loggers=metrics_loggers(run_path, loggers, ctx, point.step if resume_dir else None),
         bar=progress_bar(total=cfg.max_steps, initial=point.step, disable=not (cfg.progress and ctx.is_main),
                          dynamic_ncols=True, desc="train", mininterval=1.0),
     )
-    if estimate is not None and cfg.progress:
-        duties.bar.write(f"estimated training time: {estimate.describe()}")
-        duties.bar.set_postfix(estimate=format_duration(estimate.seconds))  # until the first metrics record
+    if estimated[0] is not None and cfg.progress:
+        _show_estimate(parts, duties.bar, *estimated)
     try:
         with StopRequest() as stop:
             _loop(parts, duties, stop, result)
@@ -167,6 +168,22 @@ def _train(
         for logger in duties.loggers:
             logger.close()
     return result
+
+
+def _show_estimate(parts: TrainingParts, bar: Any, estimate: TrainingEstimate, warn_longer_than_s: float | None) -> None:
+    """The estimate, first; with early stopping it is the most the run takes. Past `warn_longer_than_s`,
+    a warning naming the max_steps that fits it (the run goes on: the caller chose to warn, not refuse)."""
+    cfg = parts.cfg
+    early = cfg.early_stop > 0 and parts.val_source is not None
+    bar.write(f"estimated training time: {'at most ' if early else ''}{estimate.describe()}"
+              + ("; it stops sooner once the held-out loss stops improving" if early else ""))
+    bar.set_postfix(estimate=format_duration(estimate.seconds))  # until the first metrics record
+    if warn_longer_than_s is not None and estimate.seconds > warn_longer_than_s and estimate.steps > 0 and not early:
+        per_step = estimate.seconds / estimate.steps
+        fits = parts.point.step + max(1, int(warn_longer_than_s / per_step))
+        bar.write(f"warning: this run would take {format_duration(estimate.seconds)}, more than "
+                  f"{format_duration(warn_longer_than_s)}; Ctrl-C stops it (saving a checkpoint), and "
+                  f"--max-steps {fits} fits {format_duration(warn_longer_than_s)}")
 
 
 @dataclass
@@ -220,6 +237,12 @@ def _loop(parts: TrainingParts, duties: _Duties, stop: StopRequest,
         if saving:
             with stop.saving():  # a second Ctrl-C now waits for the checkpoint to be complete
                 checkpointer.save(done, evaluator, window)
+        if evaluating and evaluator.exhausted() and not last:
+            result.stopped_early = True
+            if ctx.is_main and cfg.progress:
+                bar.write(f"stopping early after step {done}: the held-out loss has not fallen by "
+                          f"{cfg.early_stop_delta:g} in {cfg.early_stop} evaluations (best {evaluator.best:.4f})")
+            return
         if stop_signal is not None:
             result.stopped_by_signal = stop_signal
             if ctx.is_main and cfg.progress:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -28,13 +28,29 @@ from glasslm.training.result import TrainResult
 from glasslm.training.trainer_state import ResumePoint
 
 
+# The objective's statistics the progress shows beside the loss, under short names (metrics.jsonl keeps
+# the full ones): DPO/SimPO/ORPO's rewards (TRL's names) and GRPO's reward and KL.
+PROGRESS_STATS = {"rewards/chosen": "chosen", "rewards/rejected": "rejected", "rewards/margins": "margin",
+                  "rewards/accuracies": "accuracy", "reward": "reward", "kl": "kl"}
+
+
+def shown_stats(stats: dict[str, float]) -> dict[str, str]:
+    """{short name: value as shown} of the PROGRESS_STATS among `stats`, in PROGRESS_STATS's order.
+
+    >>> shown_stats({"rewards/margins": 0.5, "rewards/chosen": -0.01179, "nll_loss": 2.0})
+    {'chosen': '-0.0118', 'margin': '0.5000'}
+    """
+    return {short: f"{stats[name]:.4f}" for name, short in PROGRESS_STATS.items() if stats.get(name) is not None}
+
+
 class MetricsWindow:
     """Per-step losses between two metrics records: kept on the device until a log, eval or
     checkpoint step needs them (one host sync then), checked for non-finite values, averaged."""
 
     def __init__(self, cfg: TrainConfig, ctx: DistributedContext, tokens_per_step: int, point: ResumePoint,
-                 result: TrainResult, loss_scaling: bool):
+                 result: TrainResult, loss_scaling: bool, watch: Callable[[dict[str, Any]], str | None] | None = None):
         self.cfg, self.ctx, self.tokens_per_step, self.result = cfg, ctx, tokens_per_step, result
+        self.watch = watch  # the objective's look at each record: a warning to print, or None
         self.loss_scaling = loss_scaling  # fp16: an infinite gradient only skips its step
         self.pending: list[tuple[Tensor, Tensor, dict[str, Tensor]]] = []
         self.stats: dict[str, list[float]] = {}  # the objective's statistics, per step of the window
@@ -81,8 +97,12 @@ class MetricsWindow:
         record = {"step": done, "tokens": done * self.tokens_per_step, "train_loss": sum(self.losses) / len(self.losses),
                   "lr": lr, "grad_norm": self.grad_norm, "tokens_per_s": tokens_per_s, "elapsed_s": self.elapsed()}
         record |= {name: sum(values) / len(values) for name, values in self.stats.items()}
-        bar.set_postfix(loss=f"{record['train_loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}",
-                        refresh=False)  # redrawn at tqdm's own pace; the loss is the record's
+        bar.set_postfix(loss=f"{record['train_loss']:.4f}", **shown_stats(record), lr=f"{lr:.2e}",
+                        tok_s=f"{tokens_per_s:,.0f}", refresh=False)  # redrawn at tqdm's own pace; the loss is the record's
+        warning = self.watch(record) if self.watch is not None else None
+        if warning and self.ctx.is_main:
+            bar.write(warning)
+        self.result.last_metrics = dict(record)
         self.losses.clear()
         self.stats.clear()
         self.seconds, self.steps_timed = 0.0, 0

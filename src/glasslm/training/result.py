@@ -26,3 +26,5 @@ class TrainResult:
     best_val_loss: float = math.inf
     checkpoint: Path | None = None  # the last checkpoint written
     stopped_by_signal: int | None = None  # SIGINT/SIGTERM number if the run was interrupted
+    stopped_early: bool = False  # the validation loss stopped improving (TrainConfig.early_stop)
+    last_metrics: dict = field(default_factory=dict)  # the last metrics record, validation fields merged in

@@ -93,6 +93,7 @@ class ResumePoint:
 
     step: int = 0
     best_val_loss: float = math.inf
+    evals_without_improvement: int = 0  # early stopping's count, so a resumed run stops where it would have
     elapsed_s: float = 0.0
     # Losses of the steps since the last metrics record: a checkpoint between two log steps
     # keeps them, so the record closing that window averages the same steps after a resume.
@@ -110,6 +111,7 @@ def load_resume_point(directory: Path, batch_rng: torch.Generator, ctx: Distribu
     restore_rng(state, tensors, batch_rng, ctx)
     return ResumePoint(
         step=state["step"], best_val_loss=state["best_val_loss"], elapsed_s=state["elapsed_s"],
+        evals_without_improvement=state.get("evals_without_improvement", 0),
         log_window_losses=[float(v) for v in state.get("log_window_losses", [])],
         train_config=state.get("train_config"), grad_scaler=state.get("grad_scaler"),
     )
@@ -121,5 +123,6 @@ def trainer_state_files(point: ResumePoint, batch_rng: torch.Generator,
     tensors, rng_fields = capture_rng(batch_rng, ctx)
     state = {"format": 1, "step": point.step, "best_val_loss": point.best_val_loss, "elapsed_s": point.elapsed_s,
              "train_config": point.train_config, **rng_fields, "grad_scaler": point.grad_scaler,
-             "log_window_losses": list(point.log_window_losses)}  # JSON floats round-trip exactly
+             "log_window_losses": list(point.log_window_losses),  # JSON floats round-trip exactly
+             "evals_without_improvement": point.evals_without_improvement}
     return tensors, state

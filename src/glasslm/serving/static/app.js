@@ -472,7 +472,7 @@ function applyDefaults(defaults) {
 // --- the training run: the curves `glasslm plot` draws, from /api/run, redrawn while the run trains ---
 
 const RUN_REFRESH_MS = 5000;
-const RUN_COLOURS = { train: "#1a73e8", validation: "#d62728", longest: "#888" };
+const RUN_COLOURS = { train: "#1a73e8", validation: "#d62728", longest: "#888", chosen: "#1a73e8", rejected: "#e8710a" };
 let runShown = "";  // what the charts show (record count and last record): redraw only when it changes
 
 // A small SVG line chart. Each series: { name, points: [[step, value], ...], band: [[step, low, high], ...]
@@ -554,6 +554,11 @@ function drawRun(data) {
     }
     if (key === "completion_length" && train.every((r) => typeof r.completion_length_max === "number")) {
       series.push({ name: "longest", points: runSeries(records, "completion_length_max")[0].points, dashed: true });
+    }
+    if (key === "rewards/chosen" && series.length) {  // both answers' rewards: both falling is a collapse
+      series[0].name = "chosen";
+      const rejected = runSeries(records, "rewards/rejected")[0];
+      if (rejected) series.push({ name: "rejected", points: rejected.points, dashed: true });
     }
     if (series.length) drawn.push(lineChart(title, series, key));
   }
