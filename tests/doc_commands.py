@@ -224,6 +224,15 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "examples/chat/template.jinja --out runs/ft": Run(add=FINETUNE_RUN, needs=("runs/shakespeare-char-cpu",),
                                                       creates=("runs/ft/latest", "runs/ft/ckpt-000002/chat_template.jinja")),
     "glasslm chat --checkpoint runs/ft --temperature 0": Run(add=SHORT, needs=("runs/ft",), stdin="Greet Romeo.\n"),
+    # the whole default run (about 60 steps) is tests/real/test_smollm2.py's; here two steps of it
+    "glasslm finetune --checkpoint path/to/SmolLM2-135M-Instruct.Q4_1.gguf --data examples/chat/zubrowka.jsonl "
+    "--out runs/smollm2-zubrowka": Run(add=("--max-steps", "2", "--eval-interval", "2", "--threads", "2"),
+                                       needs=("path/to/SmolLM2-135M-Instruct.Q4_1.gguf",), slow=True,
+                                       expect=("lr 0.00082 (LoRA on 134.5M parameters)", "done: val loss"),
+                                       creates=("runs/smollm2-zubrowka/latest",)),
+    "glasslm chat --checkpoint runs/smollm2-zubrowka --temperature 0": Run(
+        add=("--max-new-tokens", "12", "--threads", "2"), needs=("runs/smollm2-zubrowka",), slow=True,
+        stdin="What is the capital of Zubrowka?\n"),
     "glasslm finetune --resume runs/ft --max-steps 1200": Run(add=("--max-steps", "3"), needs=("runs/ft",), slow=True,
                                                              creates=("runs/ft/ckpt-000003",)),
     "glasslm finetune --checkpoint runs/shakespeare-char-cpu --data examples/chat/shakespeare.jsonl --chat-template "
@@ -438,6 +447,8 @@ MAKERS = {
     "runs/tok": "glasslm train-tokenizer my_corpus.txt --vocab-size 8000 --out runs/tok",
     "runs/data": "glasslm prepare my_corpus.txt --tokenizer runs/tok --out runs/data",
     "runs/llama-chat": "glasslm convert --from-hf ./my-llama-chat --out runs/llama-chat",
+    "runs/smollm2-zubrowka": "glasslm finetune --checkpoint path/to/SmolLM2-135M-Instruct.Q4_1.gguf --data "
+                             "examples/chat/zubrowka.jsonl --out runs/smollm2-zubrowka",
     "runs/ft": "glasslm finetune --checkpoint runs/shakespeare-char-cpu --data examples/chat/shakespeare.jsonl "
                "--chat-template examples/chat/template.jinja --out runs/ft",
     "runs/imported": "glasslm convert --from-hf path/to/hf-model --out runs/imported",

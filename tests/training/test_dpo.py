@@ -382,3 +382,55 @@ def test_dpo_options_are_checked():
         FinetuneConfig(method="dpo", dpo_beta=0.0).check()
     with pytest.raises(ValueError, match="--lora-full"):
         FinetuneConfig(method="dpo", lora_full="unembed").check()
+
+
+def test_progress_shows_the_rewards_and_warns_when_the_chosen_answers_collapse(prefs, capsys):
+    """Issue 47: progress showed only `loss=0.0000` while the chosen answers' log-probabilities fell and
+    the model stopped answering; now it shows the rewards, and says when the chosen answers lose ground."""
+    args = ["finetune", "--checkpoint", str(prefs / "base"), "--method", "dpo", "--data", str(prefs / "prefs.jsonl"),
+            "--chat-template", str(prefs / "t.jinja"), "--out", str(prefs / "hot"), "--batch-size", "8",
+            "--device", "cpu", "--threads", "1", "--full", "--lr", "5e-2", "--max-steps", "12", "--warmup-steps", "0"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    records = [json.loads(line) for line in (prefs / "hot" / "metrics.jsonl").read_text().splitlines()]
+    changes = [r["logps/chosen_change_per_token"] for r in records if "logps/chosen_change_per_token" in r]
+    collapsed = next(r for r in records if r.get("logps/chosen_change_per_token", 0) < -0.1)
+    assert changes[0] > -0.1  # it starts at the reference; the warning comes when it falls
+    assert err.count("warning: step") == 1 and f"warning: step {collapsed['step']}:" in err
+    assert all(f"{name}=" in err for name in ("chosen", "rejected", "margin", "accuracy"))
+    assert "val margin" in err and "val accuracy" in err
+    done = next(line for line in out.splitlines() if line.startswith("done: "))
+    assert "training chosen " in done and "held-out chosen " in done and done.count(" margin ") == 2
+    quiet = ["--lr", "1e-4", "--out", str(prefs / "cool")]
+    assert main([*args, *quiet]) == 0 and "warning: step" not in capsys.readouterr().err
+
+
+def test_dpo_on_a_lora_checkpoint_trains_on_its_adapters_merged_and_says_so(prefs, capsys):
+    """Issue 47: `finetune --method dpo --checkpoint RUN` on a LoRA run was refused ("already transformed
+    ... merge first"); the adapters are now merged into their base beside the run, which trains on it."""
+    from glasslm.hf import load_model
+
+    _write_jsonl(prefs / "chat.jsonl", [{"messages": [{"role": "user", "content": r["prompt"]},
+                                                      {"role": "assistant", "content": r["chosen"]}]}
+                                        for r in _synthetic_preferences(32, seed=1)])
+    assert main(["finetune", "--checkpoint", str(prefs / "base"), "--data", str(prefs / "chat.jsonl"), "--chat-template",
+                 str(prefs / "t.jinja"), "--out", str(prefs / "sft"), "--max-steps", "6", "--lr", "1e-2",
+                 "--no-progress", "--device", "cpu", "--threads", "1"]) == 0
+    capsys.readouterr()
+    args = ["finetune", "--checkpoint", str(prefs / "sft"), "--method", "dpo", "--data", str(prefs / "prefs.jsonl"),
+            "--out", str(prefs / "dpo"), "--max-steps", "4", "--log-interval", "1", "--warmup-steps", "0",
+            "--no-progress", "--device", "cpu", "--threads", "1"]  # no --chat-template: the SFT run's own
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    merged = prefs / "dpo-merged-base"
+    assert "holds LoRA adapters" in out and str(merged) in out
+    sft, _ = load_model(prefs / "sft")
+    base, _ = load_model(merged)
+    ids = torch.tensor([TOKENIZER.encode("u:abcd;a:xy;")])
+    with torch.no_grad():
+        assert (sft.eval()(ids) - base.eval()(ids)).abs().max() < 1e-5  # the SFT model, its adapters merged in
+    records = [json.loads(line) for line in (prefs / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-5)  # step 1 runs at the reference: that model
+    dpo, _ = load_model(prefs / "dpo")  # the DPO run's adapters load onto the merged base
+    assert dpo.applied_transforms and (dpo.eval()(ids) - base(ids)).abs().max() > 1e-4
+    assert main(args) == 1 and "dpo-merged-base" in capsys.readouterr().err  # not replaced without --overwrite

@@ -261,3 +261,23 @@ def test_grpo_options_are_checked(problems, extra, message, capsys):
         code = exited.code
     assert code != 0
     assert message in capsys.readouterr().err
+
+
+def test_a_short_run_prints_its_rewards_and_a_done_line_and_warns_before_a_long_one(problems, capsys, monkeypatch):
+    """Issue 47: a 6-step run logged nothing (its log interval was 10) and printed no `done:` line; a
+    run estimated at hours started without a word."""
+    import glasslm.cli.finetune as command
+
+    monkeypatch.setattr(command, "WARN_LONGER_THAN_S", 1e-3)  # any run is "long" here
+    args = ["finetune", "--checkpoint", str(problems / "base"), "--method", "grpo", "--data",
+            str(problems / "problems.jsonl"), "--chat-template", str(problems / "t.jinja"), "--out",
+            str(problems / "short"), "--batch-size", "8", "--device", "cpu", "--threads", "1",
+            "--reward", "exact_match", "--max-new-tokens", "3", "--max-steps", "6"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    records = [json.loads(line) for line in (problems / "short" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # the log interval follows the run's length
+    done = next(line for line in out.splitlines() if line.startswith("done: "))
+    assert "after 6 steps" in done and f"reward {records[-1]['reward']:.4f}" in done and "kl " in done
+    assert "warning: this run would take" in err and "--max-steps " in err
+    assert "reward=" in err and "kl=" in err  # the progress line's metrics

@@ -91,8 +91,14 @@ def finetune(run: FinetuneRun, method: Annotated[dict[str, Any], FinetuneConfig]
     if resolve_device(train_config.device) == "cpu" or train_config.threads:
         set_threads(train_config.threads)  # the thread count the estimate is timed with
     model, tokenizer, meta, data, objective = _model_and_data(base, config, train_config,
-                                                              run.data if resume is None else None, resume)
+                                                              run.data if resume is None else None, resume,
+                                                              (merged_base_dir(out), run.overwrite))
     _keep_base(meta, out)
+    if meta["finetune"].get("merged_from") and resume is None:
+        print(f"note: {run.checkpoint} holds LoRA adapters, so they were merged into its base, written to "
+              f"{merged_base_dir(out)}: this run's adapters train on that full model (and --method "
+              f"{config.method}'s reference is it); TRL would train a second adapter on top of the first, "
+              "which starts from the same model")
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fitted = None
     if resume is None:  # the base's own size: a LoRA model's count holds its adapters
@@ -154,8 +160,14 @@ def _plan(run: FinetuneRun, method: dict[str, Any], training: dict[str, Any]) ->
         resumed.checkpoint
 
 
+def merged_base_dir(out: Path) -> Path:
+    """Where a run whose --checkpoint holds LoRA adapters writes them merged into their base: beside it."""
+    return out.with_name(out.name + "-merged-base")
+
+
 def _model_and_data(base: str, config: FinetuneConfig, train_config: TrainConfig, data: str | None,
-                    resume: Path | None) -> tuple[Any, Any, dict[str, Any], tuple[Any, Any], Any]:
+                    resume: Path | None,
+                    merge_into: tuple[Path, bool]) -> tuple[Any, Any, dict[str, Any], tuple[Any, Any], Any]:
     """The model to train (base + adapters), its tokenizer, the checkpoints' meta, the batches and
     the loss (DPO's holds its reference: the base, taken before any resumed weights are loaded); a
     resumed run re-reads its recorded data and template, on the base its adapters were trained on."""
@@ -170,9 +182,11 @@ def _model_and_data(base: str, config: FinetuneConfig, train_config: TrainConfig
         saved = read_json(resume / META_FILE)
         base = _resumed_base(saved, base, resume)
         data, template = saved[FINETUNE_KEY]["data"], saved[FINETUNE_KEY]["template"]
-    model, tokenizer, meta = prepare_model(base, config, seed=train_config.seed)
+    model, tokenizer, meta = prepare_model(base, config, seed=train_config.seed,
+                                           merge_into=merge_into[0] if resume is None else None, overwrite=merge_into[1])
     if resume is None:
-        template = chat_template(base, tokenizer, config)
+        template = chat_template(meta[FINETUNE_KEY]["base"] if "merged_from" in meta[FINETUNE_KEY] else base,
+                                 tokenizer, config)
     if config.method == "grpo":
         batches, objective = grpo_setup(data, model, tokenizer, template, config)
     else:

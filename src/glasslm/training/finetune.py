@@ -172,23 +172,34 @@ def base_reference(path: str | os.PathLike) -> str:
 
 
 def prepare_model(base: str, config: FinetuneConfig, device: torch.device | str = "cpu",
-                  seed: int = 0) -> tuple[TransformerLM, Any, dict[str, Any]]:
+                  seed: int = 0, merge_into: str | os.PathLike | None = None,
+                  overwrite: bool = False) -> tuple[TransformerLM, Any, dict[str, Any]]:
     """(model to train, tokenizer, meta for its checkpoints) from the base checkpoint `base`.
 
     LoRA: every base weight frozen, adapters added (after quantizing the base for QLoRA), and the
     meta names the base and its weights' hash so checkpoints hold only the adapters; the adapters'
     initial A matrices are drawn from `seed` (the caller's random stream is left alone). Full: all
     weights train and checkpoints are whole models.
+
+    A `base` that holds LoRA adapters (a fine-tuning run: DPO after SFT) is refused, unless `merge_into`
+    names a directory: the adapters are then merged into their base there (`merge_adapters`; with its
+    chat template, `overwrite` replacing what the directory holds), and that full model is the base,
+    the reference, and what the run's checkpoints name; meta's finetune record says `merged_from`.
+    (TRL trains a second adapter on top of the first; merging gives the same starting model.)
     """
     config.check()
     model, tokenizer, from_gguf = _load_base(base, config, device)
+    merged_from = None
+    if lora_layers(model) and merge_into is not None:
+        merged_from, base = base_reference(base), str(Path(merge_into).resolve())
+        model = _write_merged_base(model, tokenizer, merged_from, Path(merge_into), overwrite)
     if applied_transforms(model) and not from_gguf:
         raise ValueError(f"--checkpoint {base} is already transformed ({applied_transforms(model)}); "
                          "fine-tune plain weights (merge an adapter checkpoint first: glasslm merge)")
     if from_gguf and applied_transforms(model) and config.quantize != "none":
         raise ValueError(f"--checkpoint {base}'s matrices are already 4-bit blocks, which LoRA trains on as they "
                          "are (QLoRA on the file's own quantization); drop --quantize")
-    record = {"base": base_reference(base), **asdict(config)}
+    record = {"base": base_reference(base), **asdict(config)} | ({"merged_from": merged_from} if merged_from else {})
     meta: dict[str, Any] = {FINETUNE_KEY: record}
     if config.full:
         for p in model.parameters():
@@ -201,6 +212,21 @@ def prepare_model(base: str, config: FinetuneConfig, device: torch.device | str 
         torch.manual_seed(seed)
         apply_transform(model, "lora", config.lora())
     return model.train(), tokenizer, meta
+
+
+def _write_merged_base(model: TransformerLM, tokenizer: Any, source: str, directory: Path,
+                       overwrite: bool) -> TransformerLM:
+    """`model`'s adapters merged into its weights, saved to `directory` (a glasslm checkpoint with the
+    adapter checkpoint's chat template), and returned as loaded from there."""
+    from glasslm.hf import load_chat_template, load_model
+    from glasslm.io.checkpoint import save_checkpoint
+    from glasslm.locations import check_output_dir
+
+    check_output_dir(directory, overwrite, inputs=[source], what="merged base")
+    template = load_chat_template(source, tokenizer)
+    merged, _ = merge_adapters(model)
+    save_checkpoint(directory, merged, tokenizer, {"merged_from": source}, chat_template=template)
+    return load_model(directory)[0]
 
 
 def _load_base(base: str, config: FinetuneConfig, device: torch.device | str) -> tuple[TransformerLM, Any, bool]:
