@@ -109,3 +109,26 @@ def test_files_llama_cpps_quantizer_wrote_read_as_llama_cpp_runs_them(ftype, bpe
     for gap, logits in ((theirs_gap, theirs), (fast_gap, fast)):
         decided = top2[:, 1] - top2[:, 0] > 2 * gap
         assert decided.mean() > 0.3 and (logits.argmax(-1) == exact.argmax(-1))[decided].all()
+
+
+def test_the_demo_models_char_vocabulary_loads_in_llama_cpp_and_tokenizes_as_glasslm(shakespeare_text, tmp_path):
+    """Issue 47: the demo model's export (a character tokenizer, written as byte-level BPE) did not load
+    ("cannot find tokenizer merges in model file"); llama.cpp now reads it, cuts text into glasslm's
+    character ids, computes glasslm's logits, and glasslm reads the file back with the same tokenizer."""
+    from glasslm.presets import get_preset
+    from glasslm.tokenizers import CharTokenizer
+
+    tokenizer = CharTokenizer.from_text(shakespeare_text)  # tiny Shakespeare's 65 characters and <|endoftext|>
+    model = perturbed(get_preset("shakespeare-char-cpu", vocab_size=tokenizer.vocab_size))
+    path = export_gguf(model, tmp_path / "demo.gguf", tokenizer, "f32")
+    text = shakespeare_text[1000:1400]
+    ids = tokenizer.encode(text)
+    llm = quiet_llama(path, logits_all=True)
+    assert llm.tokenize(text.encode(), add_bos=False, special=True) == ids
+    assert llm.tokenize(b"<|endoftext|>ROMEO:", add_bos=False, special=True) == tokenizer.encode("<|endoftext|>ROMEO:")
+    theirs = llm.logits(ids[:64])
+    with torch.no_grad():
+        ours = model(torch.tensor([ids[:64]]))[0].numpy()
+    assert np.abs(ours - theirs).max() < 1e-4 * np.abs(theirs).max()
+    back = tokenizer_from_gguf(GGUFFile.open(path).metadata)
+    assert back.encode(text) == ids

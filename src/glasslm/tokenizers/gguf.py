@@ -111,7 +111,10 @@ def _added_tokens(tokens: Sequence[str], types: Sequence[int]) -> list[dict[str,
 
 def _bpe_json(metadata: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int]) -> dict[str, Any]:
     pre = pre_tokenizer(_key(metadata, "pre"))
-    merges = [merge.split(" ", 1) for merge in _key(metadata, "merges", [])]
+    known = set(tokens)
+    # A merge whose result is no token never applies in llama.cpp's BPE (it falls back to the parts), and
+    # Hugging Face's BPE refuses one: such a merge (a char vocabulary's placeholder) is left out.
+    merges = [pair for pair in (merge.split(" ", 1) for merge in _key(metadata, "merges", [])) if "".join(pair) in known]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     return {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": _added_tokens(tokens, types),
@@ -308,8 +311,13 @@ def _tokens_by_id(vocab: Mapping[str, int], size: int) -> list[str]:
 
 
 def _char_vocabulary(tokenizer: CharTokenizer) -> GGUFVocabulary:
-    """A char vocabulary as byte-level BPE without merges: every one-byte character is its own token,
-    which is what llama.cpp's BPE gives a text of those characters."""
+    """A char vocabulary as byte-level BPE: every one-byte character is its own token, which is what
+    llama.cpp's BPE gives a text of those characters when no merge applies.
+
+    llama.cpp refuses a BPE vocabulary without a merges list ("cannot find tokenizer merges"), and GGUF
+    (the gguf package) writes no empty list, so the list holds one merge that never applies: a
+    character that is not whitespace followed by one that is. GPT-2's word-cutting puts whitespace
+    inside a word only at its start, so no word holds that pair (`_placeholder_merge`)."""
     from glasslm.tokenizers.bpe import bytes_to_unicode
 
     wide = [c for c in tokenizer.chars if len(c.encode("utf-8")) != 1]
@@ -320,7 +328,23 @@ def _char_vocabulary(tokenizer: CharTokenizer) -> GGUFVocabulary:
     vocab = {alphabet[c.encode("utf-8")[0]]: i for i, c in enumerate(tokenizer.chars)} | dict(tokenizer.special_tokens)
     tokens = _tokens_by_id(vocab, tokenizer.vocab_size)
     types = [CONTROL if t in tokenizer.special_tokens else NORMAL for t in tokens]
-    return GGUFVocabulary("gpt2", tokens, types, pre="gpt-2", merges=[])
+    merge = _placeholder_merge(tokenizer.chars)
+    return GGUFVocabulary("gpt2", tokens, types, pre="gpt-2",
+                          merges=[" ".join(alphabet[ord(c)] for c in merge)])
+
+
+def _placeholder_merge(chars: Sequence[str]) -> tuple[str, str]:
+    """Two characters of the vocabulary that no GPT-2 word holds side by side: (not whitespace, whitespace).
+
+    >>> _placeholder_merge(["\\n", " ", "A", "a"])
+    ('A', '\\n')
+    """
+    solid = next((c for c in chars if not c.isspace()), None)
+    space = next((c for c in chars if c.isspace()), None)
+    if solid is None or space is None:
+        raise UnsupportedTokenizerError("a char vocabulary exports to GGUF when it holds a whitespace character and "
+                                        "another one (llama.cpp needs a merge that never applies between them)")
+    return solid, space
 
 
 def _is_byte_level(data: Mapping[str, Any]) -> bool:
