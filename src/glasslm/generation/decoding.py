@@ -43,7 +43,7 @@ class Step:
 
     tokens: Int[Tensor, "batch"]  # the token picked for each row
     logits: Float[Tensor, "batch vocab"]  # the model's raw (float32) logits it was picked from
-    logprobs: Float[Tensor, "batch"] | None  # log p(token) under those raw logits, if asked for
+    logprobs: Float[Tensor, "batch"] | None  # log p(token) under those raw logits (over the vocab_limit tokens), if asked for
 
 
 class DecodeWindow:
@@ -285,7 +285,8 @@ def decode_steps(
                                  config.vocab_limit)
             logprobs = None
             if config.logprobs:
-                logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+                # under the distribution sampling draws from (padding rows past vocab_limit masked)
+                logprobs = torch.log_softmax(logits[..., :config.vocab_limit], dim=-1).gather(-1, tokens[:, None])[:, 0]
             yield Step(tokens, logits, logprobs)
             if step == config.max_new_tokens - 1:
                 break  # the next token's logits would never be used

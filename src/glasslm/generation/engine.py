@@ -322,7 +322,8 @@ class Engine:
         """Pick each row's token, send it to its client; return the tokens and the rows that go on."""
         logits = self._logits
         want_logprobs = any(job.sampling.logprobs is not None for job in self.active)
-        log_probs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        # over the tokens sampling draws from: a padded embedding table's extra rows are no alternative
+        log_probs = torch.log_softmax(logits[:, :self.vocab_limit], dim=-1) if want_logprobs else None
         chosen, keep = [], []
         now = time.time()
         for i, job in enumerate(self.active):
