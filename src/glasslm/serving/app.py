@@ -30,10 +30,13 @@ from glasslm.core.model import TransformerLM
 from glasslm.serving.auth import BearerKey
 from glasslm.serving.config import ServeConfig
 from glasslm.serving.context import Served
-from glasslm.serving.errors import add_error_handlers
+from glasslm.serving.errors import add_error_handlers, document_errors
 from glasslm.serving.routes import chat, completions, explorer, health, tokenize, training_run
 
 ROUTERS = (health.router, completions.router, chat.router, tokenize.router, explorer.router, training_run.router)
+# The paths that answer 404 for a `model` other than the one served, and 429 when the queue is full.
+NAMED_MODEL_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/models/{model_id}", "/tokenize", "/detokenize"}
+QUEUED_PATHS = {"/v1/completions", "/v1/chat/completions"}
 
 
 def create_app(model: TransformerLM, tokenizer: Any, config: ServeConfig | None = None,
@@ -65,4 +68,12 @@ def create_app(model: TransformerLM, tokenizer: Any, config: ServeConfig | None 
         app.include_router(router)
     if served.config.api_key:
         app.add_middleware(BearerKey, key=served.config.api_key)
+    described = app.openapi  # FastAPI's own document, with the errors this app answers added once
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = document_errors(described(), NAMED_MODEL_PATHS, QUEUED_PATHS)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

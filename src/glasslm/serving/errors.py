@@ -44,7 +44,38 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     message = str(exc.detail)
     if exc.status_code == 400 and "parsing the body" in message:  # FastAPI's words for bad bytes
         message = "the request body could not be read: it must be JSON encoded as UTF-8"
-    return error_response(exc.status_code, message, kind)
+    response = error_response(exc.status_code, message, kind)
+    response.headers.update(exc.headers or {})  # a 405's Allow: the methods the path takes (RFC 9110)
+    return response
+
+
+# What /openapi.json says each error status means (`document_errors`), in OpenAI's error shape.
+ERROR_SCHEMA = {"title": "Error", "type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
+ERRORS = {400: "a field is missing, of the wrong type or out of range (param names it), or the body is no JSON",
+          404: "the model named is not the one this server serves (param: model)",
+          429: "the queue is full: try again shortly"}
+
+
+def document_errors(schema: dict[str, Any], not_found: set[str], busy: set[str]) -> dict[str, Any]:
+    """`schema` (FastAPI's OpenAPI document) with the errors the app answers: 400 on every operation
+    that takes a body or parameters (validation answers 400, never FastAPI's 422, which goes), 404 on
+    the paths in `not_found`, 429 on those in `busy`; each in the shape of `ERROR_SCHEMA`."""
+    schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
+    schema["components"]["schemas"].pop("HTTPValidationError", None)
+    schema["components"]["schemas"].pop("ValidationError", None)
+    for path, operations in schema.get("paths", {}).items():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            statuses = ({400} if "requestBody" in operation or operation.get("parameters") else set()) \
+                | ({404} if path in not_found else set()) | ({429} if path in busy else set())
+            for status in sorted(statuses):
+                responses[str(status)] = {"description": ERRORS[status], "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    return schema
 
 
 async def _bad_input(request: Request, exc: BadRequest) -> JSONResponse:

@@ -216,7 +216,9 @@ class CompletionRequest(SamplingFields):
 class TextRequest(_Strict):
     """An explorer request about one text: `text`, or `tokens` (ids) to skip encoding."""
 
-    text: str | None = None
+    # The schema says what `ids` asks: exactly one of text (not empty) and tokens, so `{}` does not fit it
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["tokens"]}]})
+    text: str | None = Field(None, json_schema_extra={"minLength": 1})
     tokens: list[int] | None = None
 
     def ids(self, encode: Callable[[Any, str], list[int]]) -> list[int]:
