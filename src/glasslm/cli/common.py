@@ -104,6 +104,10 @@ def prepare_model(model: Any, runtime: DeviceOptions, decoding: bool = False) ->
         from glasslm.generation import optimize_for_decoding
 
         optimize_for_decoding(model)
+    if decoding and device == "cpu":
+        from glasslm.kernels.build import load
+
+        load()  # a first build of the C++ kernels happens (and says so) here, not inside the first answer's time
     return model
 
 

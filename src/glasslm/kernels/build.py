@@ -2,10 +2,15 @@
 
 `load()` compiles `qmatmul.cpp` and `decode.cpp` with `torch.utils.cpp_extension` the first time any process needs
 it (tens of seconds), into `$TORCH_EXTENSIONS_DIR` if set, else `~/.cache/glasslm/kernels`, in a
-folder named after the source's hash, the compiler flags and the torch and Python versions, so
-every later process (and every worktree with the same source) loads the built library in
-milliseconds. Where it cannot be built (no C++ compiler, no ninja, a non-x86 CPU is fine) glasslm
-says so in one line and the quantized layers run PyTorch's own kernels instead.
+folder named after the sources' hash, the compiler flags and the torch and Python versions. A build
+that loaded leaves `built.json` beside the library, and every later process loads that library
+directly, from any checkout or virtual environment with the same sources and torch: ninja's own
+check is not asked, since its build file records the absolute paths of the sources and of torch's
+headers, which differ between checkouts (before issue 47 a second clone rebuilt everything, and the
+other processes waited on its lock). A build, or a wait for another process's, says so in one line
+on stderr with its seconds, apart from any decoding time. Where it cannot be built (no C++
+compiler, no ninja, a non-x86 CPU is fine) glasslm says so in one line and the quantized layers run
+PyTorch's own kernels instead.
 
 Which code path runs is chosen at run time: AVX-512 VNNI where the CPU has it, else AVX2, else
 plain C++. `$GLASSLM_KERNELS` overrides the choice: `avx512`, `avx2`, `scalar` (a lower path than the
@@ -23,8 +28,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,13 +50,46 @@ CFLAGS = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
 
 
+LIBRARY, BUILT = "glasslm_kernels.so", "built.json"  # the library, and the record a build that loaded leaves
+
+
 def cache_dir() -> Path:
-    """Where built kernels live: a folder per source, flags, torch and Python version."""
+    """Where built kernels live: a folder per sources, flags, torch build and Python version (no path:
+    every checkout of the same sources shares it)."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "glasslm" / "kernels")
     code = b"".join(source.read_bytes() for source in SOURCES)
-    key = hashlib.sha256(code + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(code + " ".join(CFLAGS + LDFLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
     tag = f"torch{torch.__version__.split('+')[0]}-py{sys.version_info.major}{sys.version_info.minor}"
-    return root / f"qmatmul-{tag}-{key}"
+    return root / f"kernels-{tag}-{key}"
+
+
+def _load_built(folder: Path) -> bool:
+    """Load the library a finished build left in `folder`; False where there is none (or it fails to load)."""
+    if not (folder / BUILT).is_file() or not (folder / LIBRARY).is_file():
+        return False
+    try:
+        torch.ops.load_library(str(folder / LIBRARY))
+    except (OSError, RuntimeError):
+        return False
+    return True
+
+
+def _build(folder: Path) -> None:
+    """Compile into `folder` (or wait for the process compiling there), then record the build and say
+    what it cost, in one line on stderr."""
+    from torch.utils import cpp_extension
+
+    folder.mkdir(parents=True, exist_ok=True)
+    waiting, started = (folder / "lock").exists(), time.perf_counter()
+    cpp_extension.load("glasslm_kernels", [str(source) for source in SOURCES], extra_cflags=CFLAGS,
+                       extra_ldflags=LDFLAGS, build_directory=str(folder), is_python_module=False, verbose=False)
+    seconds = time.perf_counter() - started
+    staged = folder / f"{BUILT}.{os.getpid()}"
+    staged.write_text(json.dumps({"torch": torch.__version__, "seconds": round(seconds, 1)}))
+    staged.replace(folder / BUILT)
+    what = "waited for another process building" if waiting else "compiled"
+    print(f"glasslm: {what} the C++ kernels in {seconds:.1f} s (once for these sources and this torch; "
+          f"cached in {folder})", file=sys.stderr)
 
 
 @functools.cache
@@ -62,12 +102,9 @@ def load() -> Any | None:
     if wanted and wanted not in ISA_LEVELS:
         raise ValueError(f"${ENV}={wanted!r}: choose one of {', '.join(ISA_LEVELS)} or off")
     try:
-        from torch.utils import cpp_extension
-
         folder = cache_dir()
-        folder.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load("glasslm_kernels", [str(source) for source in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                           build_directory=str(folder), is_python_module=False, verbose=False)
+        if not _load_built(folder):
+            _build(folder)
     except Exception as err:  # noqa: BLE001 - any failure to build means: run without the extension
         lines = str(err).strip().splitlines() or [type(err).__name__]
         reason = next((line for line in lines if "error:" in line), lines[-1])[:200]

@@ -1,0 +1,59 @@
+"""The kernels' build cache (issue 47): every checkout of the same sources loads one build, and a build (or
+a wait for one) is reported on its own line before generation starts, not inside the first answer's time.
+Before, each checkout's absolute paths in the build file made the next process from another clone
+rebuild everything (18-56 s for the first answer of `glasslm chat` on the demo model)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from glasslm.core.model import TransformerLM
+from glasslm.io.checkpoint import save_checkpoint
+from glasslm.kernels import build
+from glasslm.presets import get_preset
+from glasslm.tokenizers import CharTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _generate(source: Path, checkpoint: Path, cache: Path) -> subprocess.CompletedProcess:
+    """`glasslm generate` from the glasslm package under `source` (a checkout's src/), kernels cached in `cache`."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(cache), "PYTHONPATH": str(source)}
+    env.pop(build.ENV, None)
+    return subprocess.run([sys.executable, "-c", "import glasslm, sys; assert glasslm.__file__.startswith(sys.argv[1]); "
+                           "from glasslm.cli import run; sys.argv = sys.argv[1:]; sys.argv[0] = 'glasslm'; run()",
+                           str(source), "generate", "--checkpoint", str(checkpoint), "--prompt", "ab",
+                           "--max-new-tokens", "4", "--temperature", "0", "--threads", "1"],
+                          capture_output=True, text=True, timeout=1200, env=env, cwd=source)
+
+
+@pytest.mark.slow  # compiles the kernels once into an empty cache: a minute or two on 2 cores
+def test_a_second_checkout_loads_the_first_ones_build_and_a_build_is_reported_before_decoding(tmp_path):
+    tok = CharTokenizer.from_text("ab\n")
+    torch.manual_seed(0)
+    checkpoint = save_checkpoint(tmp_path / "tiny", TransformerLM(get_preset("shakespeare-char-cpu",
+                                                                             vocab_size=tok.vocab_size, n_layers=1)),
+                                 tok)
+    first, second = tmp_path / "clone-a" / "src", tmp_path / "clone-b" / "src"
+    for clone in (first, second):  # two checkouts of the same sources, at different paths
+        shutil.copytree(ROOT / "src" / "glasslm", clone / "glasslm", ignore=shutil.ignore_patterns("__pycache__"))
+    cache = tmp_path / "cache"
+    built = _generate(first, checkpoint, cache)
+    assert built.returncode == 0, built.stderr[-2000:]
+    lines = built.stderr.splitlines()
+    compiled = next(i for i, line in enumerate(lines) if line.startswith("glasslm: compiled the C++ kernels in "))
+    assert compiled < next(i for i, line in enumerate(lines) if " tokens in " in line)  # before decoding began
+    [folder] = cache.iterdir()
+    library = folder / build.LIBRARY
+    stamp = library.stat().st_mtime_ns
+    reused = _generate(second, checkpoint, cache)
+    assert reused.returncode == 0, reused.stderr[-2000:]
+    assert "C++ kernels" not in reused.stderr and reused.stdout == built.stdout
+    assert library.stat().st_mtime_ns == stamp and [p.name for p in cache.iterdir()] == [folder.name]
