@@ -224,6 +224,9 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "examples/chat/template.jinja --out runs/ft": Run(add=FINETUNE_RUN, needs=("runs/shakespeare-char-cpu",),
                                                       creates=("runs/ft/latest", "runs/ft/ckpt-000002/chat_template.jinja")),
     "glasslm chat --checkpoint runs/ft --temperature 0": Run(add=SHORT, needs=("runs/ft",), stdin="Greet Romeo.\n"),
+    "glasslm finetune --checkpoint runs/ft --method dpo --data examples/chat/shakespeare-prefs.jsonl --out runs/dpo": Run(
+        add=FINETUNE_RUN, needs=("runs/ft",), expect=("holds LoRA adapters", "done: val loss", "chosen"),
+        creates=("runs/dpo/latest", "runs/dpo-merged-base/model.safetensors")),
     # the whole default run (about 60 steps) is tests/real/test_smollm2.py's; here two steps of it
     "glasslm finetune --checkpoint path/to/SmolLM2-135M-Instruct.Q4_1.gguf --data examples/chat/zubrowka.jsonl "
     "--out runs/smollm2-zubrowka": Run(add=("--max-steps", "2", "--eval-interval", "2", "--threads", "2"),

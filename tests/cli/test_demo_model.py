@@ -5,6 +5,7 @@ settings on the shipped chat example learns its answers and stops after them in 
 from __future__ import annotations
 
 import io
+import json
 import re
 from pathlib import Path
 
@@ -57,18 +58,52 @@ def test_the_quantized_perplexities_the_pages_quote_are_this_versions(demo, caps
     assert measured["int4"] == pytest.approx(int4, rel=0.02)
 
 
-def test_a_default_lora_finetune_of_the_demo_model_answers_and_stops(demo, tmp_path, capsys, monkeypatch):
-    """README: finetune the demo's run on examples/chat with no method or training options, then chat."""
+@pytest.fixture(scope="module")
+def fine_tuned(demo, tmp_path_factory):
+    """README: finetune the demo's run on examples/chat with no method or training options."""
     data, template = EXAMPLES / "shakespeare.jsonl", EXAMPLES / "template.jinja"
+    out = tmp_path_factory.mktemp("ft") / "ft"
     assert main(["finetune", "--checkpoint", str(demo), "--data", str(data), "--chat-template", str(template),
-                 "--out", str(tmp_path / "ft"), "--no-progress", "--threads", "1"]) == 0
-    conversations = read_conversations(data)
+                 "--out", str(out), "--no-progress", "--threads", "1"]) == 0
+    return out
+
+
+def _chat_answers(checkpoint: Path, capsys, monkeypatch) -> tuple[int, int, list]:
+    """(right, asked, pairs) of greedy answers to 12 of finetune's training prompts; each must have ended
+    at the eos (within the default token limit: lines beyond would be a run-on answer's)."""
+    conversations = read_conversations(EXAMPLES / "shakespeare.jsonl")
     trained, _ = split_examples(conversations, 0.1, seed=TrainConfig().seed)  # finetune's own split
     asked = trained[:12]
     monkeypatch.setattr("sys.stdin", io.StringIO("".join(f"{c[0]['content']}\n/reset\n" for c in asked)))
     capsys.readouterr()
-    assert main(["chat", "--checkpoint", str(tmp_path / "ft"), "--temperature", "0"]) == 0
-    answers = capsys.readouterr().out.splitlines()
-    assert len(answers) == len(asked)  # each answer ended (at the eos: no other stop was given)
+    assert main(["chat", "--checkpoint", str(checkpoint), "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    answers = [line for line in out.splitlines() if line != "[conversation reset]"]
+    lengths = [int(n) for n in re.findall(r"^\[(\d+) tokens in", err, re.MULTILINE)]
+    assert len(answers) == len(lengths) == len(asked) and max(lengths) < 100  # each ended at the eos
     right = sum(answer == c[1]["content"] for answer, c in zip(answers, asked))
-    assert right >= 0.75 * len(asked), list(zip(answers, [c[1]["content"] for c in asked]))
+    return right, len(asked), list(zip(answers, [c[1]["content"] for c in asked]))
+
+
+def test_a_default_lora_finetune_of_the_demo_model_answers_and_stops(fine_tuned, capsys, monkeypatch):
+    """README: chat with the fine-tuned model: it answers training prompts and stops after each answer."""
+    right, asked, pairs = _chat_answers(fine_tuned, capsys, monkeypatch)
+    assert right >= 0.75 * asked, pairs
+
+
+def test_a_default_dpo_run_on_the_fine_tuned_demo_model_keeps_it_answering(fine_tuned, tmp_path, capsys, monkeypatch):
+    """Issue 47: DPO with the defaults of then (1,000 steps at lr 3e-3) drove the loss to 0 and the chosen
+    rewards to -8.6 while the progress showed only the loss, and chat answered garbage. README's DPO line
+    now runs 3 passes at a third of LoRA's rate, on the LoRA run's adapters merged into their base: the
+    margin rises, progress shows the rewards, and chat still answers and stops."""
+    assert main(["finetune", "--checkpoint", str(fine_tuned), "--method", "dpo", "--data",
+                 str(EXAMPLES / "shakespeare-prefs.jsonl"), "--out", str(tmp_path / "dpo"), "--threads", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "holds LoRA adapters" in out and "warning: step" not in err
+    assert all(f"{name}=" in err for name in ("chosen", "rejected", "margin", "accuracy"))
+    records = [json.loads(line) for line in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "rewards/margins" in r]
+    assert trained[-1]["rewards/margins"] > 0.1 and trained[-1]["rewards/accuracies"] >= 0.75
+    assert trained[-1]["logps/chosen_change_per_token"] > -0.1  # the chosen answers kept their probability
+    right, asked, pairs = _chat_answers(tmp_path / "dpo", capsys, monkeypatch)
+    assert right >= 0.75 * asked, pairs

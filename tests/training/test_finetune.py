@@ -277,3 +277,21 @@ def test_bad_finetune_options_are_named(base, capsys):
     assert main(["finetune", "--checkpoint", str(base / "base"), "--data", str(base / "chat.jsonl"),
                  "--out", str(base / "x")]) == 1  # the base has no chat template and none was given
     assert "--chat-template" in capsys.readouterr().err
+
+
+def test_help_names_each_default_that_differs_from_trls_with_the_reason(capsys):
+    """Issue 47: AdamW's beta2, the warm-up, the decay to min_lr and GRPO's KL weight differ from TRL's
+    defaults; help and docs/training.md say so, with TRL's value and why."""
+    from pathlib import Path
+
+    with pytest.raises(SystemExit):
+        main(["finetune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option, trl in (("--beta2 FLOAT", "TRL: 0.999"), ("--warmup-steps INT", "TRL: none"),
+                        ("--min-lr FLOAT", "TRL: linear decay to 0"), ("--grpo-beta FLOAT", "TRL 1.16: 0")):
+        entry = text.split(option, 1)[1][:400]
+        assert trl in entry and ("." in entry.split(trl, 1)[1][:200]), option  # TRL's value, then why
+    docs = " ".join((Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text().split())
+    section = docs.split("## Where the defaults differ from TRL's", 1)[1][:3000]
+    for name in ("beta2", "warmup", "min_lr", "grpo_beta"):
+        assert name in section, name

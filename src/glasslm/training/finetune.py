@@ -68,7 +68,9 @@ class FinetuneConfig:
     # GRPO: the sampling temperature; the log-probabilities the loss uses are of the same tempered
     # distribution (TRL's temperature). A small model's answers at 1 are often too noisy to earn a reward
     temperature: float = 1.0
-    grpo_beta: float = 0.04  # GRPO: weight of the KL term to the reference (0: none, no reference kept)
+    # GRPO: weight of the KL term to the reference (0: none, no reference kept). TRL 1.16: 0; 0.04 is the
+    # GRPO paper's (and TRL's before), which holds a small model near its base while rewards are sparse
+    grpo_beta: float = 0.04
     grpo_epsilon: float = 0.2  # GRPO: the probability ratio is clipped to [1 - ε, 1 + ε]
     full: bool = False  # train every weight instead of LoRA adapters
     # LoRA defaults: measured on the demo model (docs/training.md#choosing-the-lora-defaults), where
