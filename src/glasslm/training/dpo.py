@@ -131,8 +131,8 @@ class PairObjective:
 
 # `DPOObjective.watch` warns once the chosen answers' tokens have lost this much log-probability each,
 # on average, against the reference: on the demo model, DPO runs whose chat had broken (answers that
-# lost the name they were asked about, 8 and 2 of 20 right) had -0.14 and -0.21 nats per token; those
-# whose chat still answered 17 and 20 of 20 right, -0.03 and -0.003 (docs/training.md).
+# lost the name they were asked about, 8 and 2 of 20 right) had -0.14 and -0.18 nats per token; those
+# whose chat still answered 17 and 20 of 20 right, -0.026 and -0.001 (docs/training.md).
 CHOSEN_DROP_WARNING = 0.1
 
 
