@@ -45,15 +45,15 @@ EARLY_STOP = 3  # supervised runs stop after this many evaluations without impro
 TRL_DIFFERS = {
     "beta2": "0.99; TRL: 0.999. A shorter memory of gradient scale adapts faster to the few hundred steps "
              "of a fine-tune (nanoGPT's and glasslm train's value)",
-    "warmup_steps": "a tenth of the steps, at most 20, from lr 0; TRL: none. The adapters' first steps "
-                    "start from zero updates at the full rate otherwise",
+    "warmup_steps": "a tenth of the steps, at most 20, from lr 0; TRL: none. A short ramp keeps the first "
+                    "updates, while LoRA's B matrices are still zero, from overshooting",
     "min_lr": "2e-05, reached by a cosine; TRL: linear decay to 0. A run stopped early or resumed past "
               "its schedule still learns",
 }
 TRAINING = Group("training (defaults shown: fine-tuning's, where they differ from glasslm train's)",
                  skip=frozenset({"init_from"}),
                  shown_defaults=lambda: dataclasses.asdict(TrainConfig(**FINETUNE_DEFAULTS)) | TRL_DIFFERS | {
-                     "lr": f"LoRA: 3e-3 x sqrt(10M / the base's parameters), within [1e-4, 3e-3] (1e-3 at "
+                     "lr": f"LoRA: 3e-3 x sqrt(10M / the base's parameters), within [1e-4, 3e-3] (8.2e-4 at "
                            f"135M), a third of it for dpo/simpo/orpo; --full: {FULL_FINETUNE_LR:g}",
                      "max_steps": f"{FINETUNE_DEFAULTS['max_steps']} for sft with conversations held out, which "
                                   f"stops early (--early-stop {EARLY_STOP}); else {DEFAULT_EPOCHS} passes "
