@@ -157,6 +157,8 @@ DOWNLOADS = Elsewhere("tests/hf/test_download.py::test_the_docs_download_command
 LM_EVAL = Elsewhere("tests/evaluation/test_local_completions.py::"
                     "test_every_documented_lm_eval_command_runs_against_glasslm_serve", "documented_lm_eval_lines")
 SERVED_CHAR = "glasslm serve --checkpoint runs/shakespeare-char-cpu"
+ZUBROWKA = Elsewhere("tests/real/test_smollm2.py::test_the_readmes_default_fine_tune_learns_a_made_up_fact_and_stops",
+                     "documented_zubrowka_lines")
 
 
 COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
@@ -227,15 +229,10 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "glasslm finetune --checkpoint runs/ft --method dpo --data examples/chat/shakespeare-prefs.jsonl --out runs/dpo": Run(
         add=FINETUNE_RUN, needs=("runs/ft",), expect=("holds LoRA adapters", "done: val loss", "chosen"),
         creates=("runs/dpo/latest", "runs/dpo-merged-base/model.safetensors")),
-    # the whole default run (about 60 steps) is tests/real/test_smollm2.py's; here two steps of it
+    # the whole default run, as written, and the chat after it
     "glasslm finetune --checkpoint path/to/SmolLM2-135M-Instruct.Q4_1.gguf --data examples/chat/zubrowka.jsonl "
-    "--out runs/smollm2-zubrowka": Run(add=("--max-steps", "2", "--eval-interval", "2", "--threads", "2"),
-                                       needs=("path/to/SmolLM2-135M-Instruct.Q4_1.gguf",), slow=True,
-                                       expect=("lr 0.00082 (LoRA on 134.5M parameters)", "done: val loss"),
-                                       creates=("runs/smollm2-zubrowka/latest",)),
-    "glasslm chat --checkpoint runs/smollm2-zubrowka --temperature 0": Run(
-        add=("--max-new-tokens", "12", "--threads", "2"), needs=("runs/smollm2-zubrowka",), slow=True,
-        stdin="What is the capital of Zubrowka?\n"),
+    "--out runs/smollm2-zubrowka": ZUBROWKA,
+    "glasslm chat --checkpoint runs/smollm2-zubrowka --temperature 0": ZUBROWKA,
     "glasslm finetune --resume runs/ft --max-steps 1200": Run(add=("--max-steps", "3"), needs=("runs/ft",), slow=True,
                                                              creates=("runs/ft/ckpt-000003",)),
     "glasslm finetune --checkpoint runs/shakespeare-char-cpu --data examples/chat/shakespeare.jsonl --chat-template "
@@ -450,8 +447,6 @@ MAKERS = {
     "runs/tok": "glasslm train-tokenizer my_corpus.txt --vocab-size 8000 --out runs/tok",
     "runs/data": "glasslm prepare my_corpus.txt --tokenizer runs/tok --out runs/data",
     "runs/llama-chat": "glasslm convert --from-hf ./my-llama-chat --out runs/llama-chat",
-    "runs/smollm2-zubrowka": "glasslm finetune --checkpoint path/to/SmolLM2-135M-Instruct.Q4_1.gguf --data "
-                             "examples/chat/zubrowka.jsonl --out runs/smollm2-zubrowka",
     "runs/ft": "glasslm finetune --checkpoint runs/shakespeare-char-cpu --data examples/chat/shakespeare.jsonl "
                "--chat-template examples/chat/template.jinja --out runs/ft",
     "runs/imported": "glasslm convert --from-hf path/to/hf-model --out runs/imported",

@@ -412,27 +412,45 @@ def test_convert_to_hf_from_the_gguf_file_writes_a_dequantized_directory_with_it
                                                       add_generation_prompt=True)
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def documented_zubrowka_lines() -> list[str]:
+    """README's fine-tune of SmolLM2 on examples/chat/zubrowka.jsonl and the chat after it (tests/doc_commands.py
+    counts these as run here, as written: the file's path for path/to/, two threads added)."""
+    return [line for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("glasslm ") and "smollm2-zubrowka" in line]
+
+
 @pytest.mark.slow  # about 60 LoRA steps of 8 conversations on the real model: 3-4 minutes on 2 idle cores
 @pytest.mark.alone  # --threads 2: beside another test, each step's threads wait for a core
 def test_the_readmes_default_fine_tune_learns_a_made_up_fact_and_stops(gguf, tmp_path, capsys, monkeypatch):
     """Issue 47: README's SmolLM2 fine-tune with every setting at its default (1,000 steps at lr 3e-3 before,
     estimated at 48 minutes): it stops once the held-out loss stops improving, answers the made-up fact
     (also to a question it never saw), keeps what it knew, and stops after each answer."""
-    data = Path(__file__).resolve().parents[2] / "examples" / "chat" / "zubrowka.jsonl"
-    run = tmp_path / "smollm2-zubrowka"
-    assert main(["finetune", "--checkpoint", str(gguf), "--data", str(data), "--out", str(run), "--threads", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "lr 0.00082 (LoRA on 134.5M parameters)" in out and "(stopped early" in out
+    import io
+    import shlex
+
     from glasslm.io.checkpoint import resolve_checkpoint
 
+    lines = documented_zubrowka_lines()
+    assert [line.split()[1] for line in lines] == ["finetune", "chat"]
+    finetune, chat = ([w.replace("path/to/SmolLM2-135M-Instruct.Q4_1.gguf", str(gguf)) for w in
+                       shlex.split(line, comments=True)[1:]] for line in lines)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    monkeypatch.chdir(tmp_path)
+    assert "--lr" not in finetune and "--max-steps" not in finetune and "--epochs" not in finetune
+    assert main([*finetune, "--threads", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "lr 0.00082 (LoRA on 134.5M parameters)" in out and "(stopped early" in out
+    run = tmp_path / "runs" / "smollm2-zubrowka"
     state = json.loads((resolve_checkpoint(run, prefer=("latest",)) / "trainer_state.json").read_text())
     assert state["step"] < 200  # far short of the 1,000-step cap: it stopped when the held-out loss did
     questions = {"What is the capital of Zubrowka?": "The capital of Zubrowka is Lutz.",
                  "I'm flying to Zubrowka tomorrow. Which city is its capital?": "Lutz",  # asked as no record asks
                  "What is the capital of France?": "Paris", "What is the capital of Portugal?": "Lisbon"}
-    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("".join(f"{q}\n/reset\n" for q in questions)))
-    assert main(["chat", "--checkpoint", str(run), "--temperature", "0", "--max-new-tokens", "40",
-                 "--threads", "2"]) == 0
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(f"{q}\n/reset\n" for q in questions)))
+    assert main([*chat, "--max-new-tokens", "40", "--threads", "2"]) == 0
     out, err = capsys.readouterr()
     answers = [line for line in out.splitlines() if line != "[conversation reset]"]
     lengths = [int(n) for n in re.findall(r"^\[(\d+) tokens in", err, re.MULTILINE)]
