@@ -74,21 +74,52 @@ def _load_built(folder: Path) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[bool]:
+    """Hold `folder`'s build lock; yields whether another process held it first (so this one waited).
+
+    torch's own lock is a file that a killed build leaves behind, and every later process then waits
+    on it forever (a test killing a child mid-compile hung a whole CI run). An flock dies with its
+    process, so while it is held no other glasslm build runs there, and a leftover torch `lock` file
+    can only be stale: it is removed."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): torch's file lock alone
+        yield False
+        return
+    with open(folder / "build.flock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            waited = False
+        except BlockingIOError:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            waited = True
+        (folder / "lock").unlink(missing_ok=True)
+        try:
+            yield waited
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build(folder: Path) -> None:
-    """Compile into `folder` (or wait for the process compiling there), then record the build and say
-    what it cost, in one line on stderr."""
+    """Compile into `folder` (or wait for the process compiling there and load what it built), then
+    record the build and say what it cost, in one line on stderr."""
     from torch.utils import cpp_extension
 
     folder.mkdir(parents=True, exist_ok=True)
-    waiting, started = (folder / "lock").exists(), time.perf_counter()
-    cpp_extension.load("glasslm_kernels", [str(source) for source in SOURCES], extra_cflags=CFLAGS,
-                       extra_ldflags=LDFLAGS, build_directory=str(folder), is_python_module=False, verbose=False)
-    seconds = time.perf_counter() - started
-    staged = folder / f"{BUILT}.{os.getpid()}"
-    staged.write_text(json.dumps({"torch": torch.__version__, "seconds": round(seconds, 1)}))
-    staged.replace(folder / BUILT)
-    what = "waited for another process building" if waiting else "compiled"
-    print(f"glasslm: {what} the C++ kernels in {seconds:.1f} s (once for these sources and this torch; "
+    started = time.perf_counter()
+    with _build_lock(folder) as waited:
+        if waited and _load_built(folder):
+            print(f"glasslm: waited {time.perf_counter() - started:.1f} s for another process building the C++ "
+                  f"kernels (cached in {folder})", file=sys.stderr)
+            return
+        cpp_extension.load("glasslm_kernels", [str(source) for source in SOURCES], extra_cflags=CFLAGS,
+                           extra_ldflags=LDFLAGS, build_directory=str(folder), is_python_module=False, verbose=False)
+        seconds = time.perf_counter() - started
+        staged = folder / f"{BUILT}.{os.getpid()}"
+        staged.write_text(json.dumps({"torch": torch.__version__, "seconds": round(seconds, 1)}))
+        staged.replace(folder / BUILT)
+    print(f"glasslm: compiled the C++ kernels in {seconds:.1f} s (once for these sources and this torch; "
           f"cached in {folder})", file=sys.stderr)
 
 
