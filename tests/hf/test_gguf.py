@@ -50,6 +50,11 @@ FAMILY_CONFIGS = {
                                    d_head=256, sliding_window=8, global_layers=(5,)),
     "gpt2": lambda v: get_preset("gpt2-small", vocab_size=v, **{**SMALL, "d_mlp": 256, "context_length": 1024}),
     "gpt_neox": lambda v: get_preset("pythia-160m", vocab_size=v, **SMALL),
+    # Gemma 2: Gemma 3's sandwich without q/k norms, one RoPE, windows on the even layers, both soft-caps
+    # small enough to bite (llama.cpp without the attention cap is 0.04 off, past the tolerance).
+    "gemma2": lambda v: get_preset("gemma3-270m", vocab_size=v, **{**SMALL, "n_layers": 4, "n_heads": 2}, n_kv_heads=1,
+                                   d_head=256, qk_norm=False, rope_local_theta=None, sliding_window=8,
+                                   global_layers=(1, 3), attn_softcap=1.0, logit_softcap=2.0),
     # Llama 3's rope scaling, over an original context of 16 so that all three regimes occur (rope_freqs).
     "llama:rope-llama3": lambda v: get_preset("llama-tiny", vocab_size=v, rope_scaling="llama3", rope_original_context=16),
 }

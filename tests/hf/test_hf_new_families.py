@@ -10,7 +10,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import Gemma3TextConfig, GPTNeoXConfig, LlamaConfig, Qwen3Config  # noqa: E402
+from transformers import Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, LlamaConfig, Qwen3Config  # noqa: E402
 
 from glasslm.generation import generate_tokens  # noqa: E402
 from glasslm.hf import export_hf, import_hf  # noqa: E402
@@ -39,6 +39,12 @@ FAMILIES = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}, **SPECIAL),
+    # Gemma 2: windows of 6 on the even layers, soft-capped scores and logits (caps small enough to bite
+    # on these random weights). Eager attention: transformers' SDPA path has no cap.
+    "gemma2-shape": lambda: Gemma2Config(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=6, query_pre_attn_scalar=20,
+        attn_logit_softcapping=3.0, final_logit_softcapping=5.0, attn_implementation="eager", **SPECIAL),
     "llama-rope-linear": lambda: LlamaConfig(**_llama(rope_parameters={
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
     # An original context of 16 so that the ramp spans the 6 frequencies of a 12-wide head.
