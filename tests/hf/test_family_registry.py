@@ -37,6 +37,8 @@ HF_CONFIGS = {
                  "num_attention_heads": 4, "intermediate_size": 48, "rotary_pct": 0.25},
     "gemma3_text": {"model_type": "gemma3_text", **_ROTARY, "head_dim": 16, "sliding_window": 8,
                     "layer_types": ["sliding_attention", "full_attention"]},
+    "gemma2": {"model_type": "gemma2", **_ROTARY, "head_dim": 16, "sliding_window": 8},
+    "phi3": {"model_type": "phi3", **_ROTARY, "partial_rotary_factor": 0.5},
 }
 
 

@@ -50,6 +50,13 @@ FAMILY_CONFIGS = {
                                    d_head=256, sliding_window=8, global_layers=(5,)),
     "gpt2": lambda v: get_preset("gpt2-small", vocab_size=v, **{**SMALL, "d_mlp": 256, "context_length": 1024}),
     "gpt_neox": lambda v: get_preset("pythia-160m", vocab_size=v, **SMALL),
+    # Gemma 2: Gemma 3's sandwich without q/k norms, one RoPE, windows on the even layers, both soft-caps
+    # small enough to bite (llama.cpp without the attention cap is 0.04 off, past the tolerance).
+    "gemma2": lambda v: get_preset("gemma3-270m", vocab_size=v, **{**SMALL, "n_layers": 4, "n_heads": 2}, n_kv_heads=1,
+                                   d_head=256, qk_norm=False, rope_local_theta=None, sliding_window=8,
+                                   global_layers=(1, 3), attn_softcap=1.0, logit_softcap=2.0),
+    # Phi-3 / Phi-4-mini: fused q|k|v and gate|up, RoPE on 3/4 of each head (rotary_dims 12 of 16), tied.
+    "phi3": lambda v: get_preset("llama-tiny", vocab_size=v, n_kv_heads=2, rotary_dims=12),
     # Llama 3's rope scaling, over an original context of 16 so that all three regimes occur (rope_freqs).
     "llama:rope-llama3": lambda v: get_preset("llama-tiny", vocab_size=v, rope_scaling="llama3", rope_original_context=16),
 }
@@ -330,7 +337,21 @@ def test_models_llama_cpp_cannot_run_exactly_are_refused(tmp_path):
     gemma = perturbed(FAMILY_CONFIGS["gemma3_text"](256).replace(attn_scale=0.5))
     with pytest.raises(UnsupportedModelError, match="query_pre_attn_scalar"):
         export_gguf(gemma, tmp_path / "g.gguf", None)
+    phi3 = perturbed(get_preset("llama-tiny", vocab_size=256, rotary_dims=8, sliding_window=16))
+    with pytest.raises(UnsupportedModelError, match="llama.cpp runs Phi-3 without its sliding window"):
+        export_gguf(phi3, tmp_path / "p.gguf", None)
     dynamic = perturbed(get_preset("llama-tiny", vocab_size=256, rope_scaling="dynamic", rope_factor=2.0))
     with pytest.raises(UnsupportedModelError, match="llama.cpp has no 'dynamic' rope scaling"):
         export_gguf(dynamic, tmp_path / "d.gguf", None)
     assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_a_phi3_file_with_longrope_factors_is_refused_by_name(tmp_path):
+    model = perturbed(FAMILY_CONFIGS["phi3"](256))
+    file = GGUFFile.open(export_gguf(model, tmp_path / "m.gguf", None, "f32"))
+    values = {k.removeprefix("phi3."): v for k, v in file.metadata.items() if k.startswith("phi3.") and isinstance(v, int)}
+    tensors = {name: file.dequantized(name).numpy() for name in file.tensor_names()}
+    tensors["rope_factors_long.weight"] = np.ones(6, np.float32)
+    write_gguf(tmp_path / "longrope.gguf", "phi3", tensors, **values)
+    with pytest.raises(UnsupportedModelError, match=r"LongRoPE \(rope_factors_long / rope_factors_short"):
+        import_gguf(tmp_path / "longrope.gguf")

@@ -132,3 +132,34 @@ def test_the_demo_models_char_vocabulary_loads_in_llama_cpp_and_tokenizes_as_gla
     assert np.abs(ours - theirs).max() < 1e-4 * np.abs(theirs).max()
     back = tokenizer_from_gguf(GGUFFile.open(path).metadata)
     assert back.encode(text) == ids
+
+
+def test_a_phi3_file_keeps_its_fused_blocks_and_runs_as_llama_cpp_runs_it(bpe, shakespeare_text, tmp_path):
+    """Phi-3's fused tensors from llama.cpp's own quantizer (Q4_K_M): q|k|v one block layer (its q and k
+    rows reordered for glasslm's rotary), ffn_up's gate and up halves each their own block layer of
+    the file's rows; the logits llama.cpp computes from the same file, to its 8-bit activations."""
+    from glasslm.hf.gguf.importer import import_gguf
+    from glasslm.presets import get_preset
+    from glasslm.transforms.ggml import BlockLinear
+
+    model = perturbed(get_preset("llama-tiny", vocab_size=bpe.vocab_size, d_model=256, n_heads=4, n_kv_heads=2,
+                                 d_mlp=512, rotary_dims=48, tie_embeddings=False))
+    export_gguf(model, tmp_path / "f32.gguf", bpe, "f32")
+    llama_cpp_quantize(tmp_path / "f32.gguf", tmp_path / "q.gguf", "q4_k_m")
+    file, loaded = GGUFFile.open(tmp_path / "q.gguf"), import_gguf(tmp_path / "q.gguf")
+    assert loaded.family == "phi3"
+    for i, block in enumerate(loaded.model.blocks):
+        gate, up = block.mlp.gate, block.mlp.up
+        assert all(isinstance(m, BlockLinear) for m in (block.attn.qkv, gate, up, block.mlp.down))
+        fused = file.blocks(f"blk.{i}.ffn_up.weight")  # (2 d_mlp rows: gate's, then up's)
+        assert torch.equal(gate.weight_blocks, fused[:512]) and torch.equal(up.weight_blocks, fused[512:])
+    ids = bpe.encode(shakespeare_text[:300])[:32]
+    theirs = quiet_llama(tmp_path / "q.gguf", logits_all=True).logits(ids)
+    with torch.no_grad():
+        for module in loaded.model.modules():
+            if hasattr(module, "impl"):
+                module.impl = "readable"  # the file's values exactly
+        exact = loaded.model(torch.tensor([ids]))[0].numpy()
+    # (as in the test above: llama.cpp's 8-bit activations move its logits by a few % of the largest)
+    assert np.abs(theirs - exact).max() < 0.05 * np.abs(exact).max()
+    assert (theirs.argmax(-1) == exact.argmax(-1)).mean() > 0.8

@@ -1,6 +1,6 @@
 """A GGUF file is untrusted input: the hostile files issue 46 found (each once a traceback, a hang or
 a 34 GB allocation) give one line naming what is wrong from `glasslm info`, `generate` and `convert
---from-gguf`; and 300 random mutations of a small valid file (tests/hf/gguf_fuzz.py) give no
+--from-gguf`; and 300 random mutations of two small valid files (tests/hf/gguf_fuzz.py) give no
 traceback, no hang and no allocation past a fixed allowance, in a child process that enforces both."""
 
 from __future__ import annotations
@@ -108,14 +108,24 @@ def test_a_file_named_by_its_context_length_loads_with_a_shorter_one(base_file, 
     assert "kept in their blocks" in capsys.readouterr().out
 
 
-@pytest.mark.slow  # ~2 minutes: 300 files, each through info and generate, every fourth through convert
-def test_random_mutations_give_no_traceback_hang_or_oversized_allocation(base_file, tmp_path):
+@pytest.fixture(scope="module")
+def gemma2_file(bpe, tmp_path_factory):
+    """A second shape for the mutations: Gemma 2 (soft-caps, windows on even layers, 1 + w norm gains), f16."""
+    model = perturbed(get_preset("gemma3-270m", vocab_size=bpe.vocab_size, n_layers=2, d_model=32, n_heads=2,
+                                 n_kv_heads=1, d_head=16, d_mlp=64, context_length=64, qk_norm=False,
+                                 rope_local_theta=None, sliding_window=8, global_layers=(1,), attn_softcap=20.0,
+                                 logit_softcap=10.0))
+    return export_gguf(model, tmp_path_factory.mktemp("gemma2") / "gemma2.gguf", bpe, "f16")
+
+
+@pytest.mark.slow  # ~2.5 minutes: 300 files, each through info and generate, every fourth through convert
+def test_random_mutations_give_no_traceback_hang_or_oversized_allocation(base_file, gemma2_file, tmp_path):
     from tests.hf.gguf_fuzz import mutant
 
-    raw = parse(base_file.read_bytes())
+    raws = [parse(base_file.read_bytes()), parse(gemma2_file.read_bytes())]
     files, changes = [], {}
-    for seed in range(300):
-        data, change = mutant(raw, seed)
+    for seed in range(300):  # two of three from the Llama 3 file, one from the Gemma 2 file
+        data, change = mutant(raws[seed % 3 == 2], seed)
         path = tmp_path / f"mutant-{seed:03d}.gguf"
         path.write_bytes(data)
         files.append(str(path))

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import Gemma3TextConfig, GPTNeoXConfig, LlamaConfig, Qwen3Config  # noqa: E402
+from transformers import (  # noqa: E402
+    Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, LlamaConfig, Phi3Config, Qwen3Config,
+)
 
 from glasslm.generation import generate_tokens  # noqa: E402
 from glasslm.hf import export_hf, import_hf  # noqa: E402
@@ -39,6 +41,17 @@ FAMILIES = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}, **SPECIAL),
+    # Gemma 2: windows of 6 on the even layers, soft-capped scores and logits (caps small enough to bite
+    # on these random weights). Eager attention: transformers' SDPA path has no cap.
+    "gemma2-shape": lambda: Gemma2Config(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=6, query_pre_attn_scalar=20,
+        attn_logit_softcapping=3.0, final_logit_softcapping=5.0, attn_implementation="eager", **SPECIAL),
+    # Phi-4-mini's shape: q|k|v and gate|up fused, RoPE on 3/4 of each 16-wide head, tied, grouped heads.
+    "phi4-mini-shape": lambda: Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}, **SPECIAL),
     "llama-rope-linear": lambda: LlamaConfig(**_llama(rope_parameters={
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
     # An original context of 16 so that the ramp spans the 6 frequencies of a 12-wide head.
@@ -176,3 +189,38 @@ def test_dynamic_ntk_scaling_past_the_original_context(tmp_path):
     again = export_hf(import_hf(first, context_length=64), tmp_path / "second")
     for name in ("config.json", "model.safetensors"):
         assert (first / name).read_bytes() == (again / name).read_bytes(), name
+
+
+@torch.no_grad()
+def test_a_full_rotary_phi3_is_read_as_itself_and_written_as_the_mistral_it_computes(tmp_path):
+    """Phi-3-mini's shape (every head feature rotates, a window on every layer): what a Mistral of the
+    same numbers computes, so glasslm writes it as one (a config a Llama-shaped family can say is not
+    claimed by Phi-3: families' recognisers do not overlap)."""
+    hf_model = random_model(Phi3Config(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, sliding_window=6, **SPECIAL))
+    hf_model.save_pretrained(tmp_path / "hf")
+    model = import_hf(tmp_path / "hf")
+    assert (model.config.sliding_window, model.config.rotary_dims) == (6, None)
+    tokens = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    expected = hf_model(tokens).logits
+    torch.testing.assert_close(model(tokens), expected, atol=2 * float32_rounding(hf_model, tokens), rtol=0)
+    prompt = tokens[:1, :4]
+    hf_tokens = hf_model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, 4:].tolist()
+    assert decode(model, prompt, 20, static=False) == hf_tokens
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(export_hf(model, tmp_path / "out")).eval()
+    assert type(reloaded).__name__ == "MistralForCausalLM"
+    torch.testing.assert_close(reloaded(tokens).logits, expected, atol=2 * float32_rounding(hf_model, tokens), rtol=0)
+
+
+def test_longrope_is_refused_by_name(tmp_path):
+    from glasslm.hf import UnsupportedModelError
+
+    config = Phi3Config(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=1, num_attention_heads=4,
+                        max_position_embeddings=64, original_max_position_embeddings=32,
+                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 6,
+                                         "long_factor": [2.0] * 6, "original_max_position_embeddings": 32})
+    config.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="rope scaling 'longrope' is not supported"):
+        import_hf(tmp_path)

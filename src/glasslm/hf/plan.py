@@ -4,6 +4,8 @@ on export, so the two directions can never disagree about a name or a layout.
 A table maps each glasslm tensor name to (the HF tensors it is made of, to_ours(*hf) -> ours,
 to_hf(ours) -> hf tensors). Keeping the HF names explicit lets import report missing and
 unexpected tensors by name. The tables themselves live with their families (`glasslm.hf.families`).
+Several of ours may be cut from one HF tensor (Phi-3's `gate_up_proj` is [gate | up]): each entry
+reads the whole tensor and takes its rows, and export stacks the parts' rows in table order.
 
 Example:
     >>> table = WeightTable({"embed.weight": (("wte.weight",), *SAME)})
@@ -48,9 +50,11 @@ def ours_makers(table: WeightTable, read: Callable[[str], Tensor]) -> dict[str, 
 
 def hf_tensors(table: WeightTable, ours: dict[str, Tensor], zero_biases: bool = False) -> dict[str, Tensor]:
     """Right to left: our tensors under HF names and layouts (zeros for the absent biases if asked)."""
-    out: dict[str, Tensor] = {}
+    parts: dict[str, list[Tensor]] = {}
     for name, (hf_names, _, to_hf) in table.entries.items():
-        out.update(zip(hf_names, to_hf(ours[name])))
+        for hf_name, tensor in zip(hf_names, to_hf(ours[name])):
+            parts.setdefault(hf_name, []).append(tensor)
+    out = {hf_name: rows[0] if len(rows) == 1 else torch.cat(rows) for hf_name, rows in parts.items()}
     for hf_bias in sorted(table.absent_biases) if zero_biases else ():
         # A bias has one entry per output feature: the last axis of its weight (GPT-2's Conv1D is
         # (d_in, d_out)), or the norm's size.

@@ -80,10 +80,11 @@ def rotary_shape_problems(config: ModelConfig, qk_norm: bool = False) -> list[st
 
 def rotary_config_from_hf(
     hf: dict[str, Any], context_length: int | None, family: str, flags: dict[str, bool], sliding_window: int | None,
-    **fields: Any,
+    partial_rotary: bool = False, **fields: Any,
 ) -> ModelConfig:
     """The ModelConfig of a Llama-shaped HF config whose family read its bias `flags` (q/k/v, o,
-    MLP) and window; `fields` are further ModelConfig fields the family read (Qwen3's qk_norm)."""
+    MLP) and window; `partial_rotary`: the family rotates the first partial_rotary_factor of each
+    head (Phi-3), others refuse it; `fields` are further ModelConfig fields the family read (Qwen3's qk_norm)."""
     act = "silu" if "activation" in fields else hf.get("hidden_act", "silu")  # (Gemma reads its own)
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"{family} hidden_act {act!r} is not supported (only silu)")
@@ -93,16 +94,17 @@ def rotary_config_from_hf(
         raise UnsupportedModelError(f"{family} with attention_bias={flags['out']} and "
                                     f"mlp_bias={flags['mlp']} is not supported: {err}") from None
     d_model, n_heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
+    d_head = hf.get("head_dim") or d_model // n_heads
     return ModelConfig(**{**dict(
         vocab_size=hf.get("vocab_size", 32000),
         context_length=context_length or hf.get("max_position_embeddings", 2048),
         d_model=d_model, n_layers=hf.get("num_hidden_layers", 32), n_heads=n_heads,
-        d_head=hf.get("head_dim") or d_model // n_heads,
+        d_head=d_head,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads, d_mlp=hf.get("intermediate_size", 11008),
         positional="rope", norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
         activation="silu", mlp="swiglu", **biases,
         tie_embeddings=hf.get("tie_word_embeddings", False), dropout=0.0,
-        sliding_window=sliding_window), **rope_from_hf(hf), **fields})
+        sliding_window=sliding_window), **rope_from_hf(hf, d_head if partial_rotary else None), **fields})
 
 
 def rotary_config_to_hf(config: ModelConfig) -> dict[str, Any]:

@@ -113,17 +113,18 @@ def _kept_blocks(model: TransformerLM, family: HFFamily, hf: dict[str, Any], qty
         layers["embed"] = layers.pop("embed.table")
     table = family.weight_table(model.config, None)
     name_map = _name_map(model, family)
-    kept: dict[str, Tensor] = {}
+    # HF name -> the blocks of each of our tensors cut from it (Phi-3's gate|up: two), in table order.
+    parts: dict[str, list[Tensor | None]] = {}
     for ours, (hf_names, _, to_hf) in table.entries.items():
         layer = layers.get(ours.removesuffix(".weight"))
-        if layer is None:
-            continue
-        probe = torch.arange(layer.d_out, dtype=torch.float64)[:, None]
-        outs = [family.gguf.to_gguf(n, t, hf) for n, t in zip(hf_names, to_hf(probe))]
-        if all(t.dim() == 2 and t.shape[1] == 1 for t in outs):
-            for hf_name, rows in zip(hf_names, outs):
-                kept[name_map(hf_name)] = layer.blocks()[rows[:, 0].long()]
-    return kept
+        probe = torch.arange(layer.d_out if layer else 1, dtype=torch.float64)[:, None]
+        outs = [family.gguf.to_gguf(n, t, hf) for n, t in zip(hf_names, to_hf(probe))] if layer else []
+        rows_only = layer is not None and all(t.dim() == 2 and t.shape[1] == 1 for t in outs)
+        for i, hf_name in enumerate(hf_names):
+            parts.setdefault(hf_name, []).append(layer.blocks()[outs[i][:, 0].long()] if rows_only else None)
+    # An HF tensor is written from kept blocks only where every part of it is.
+    return {name_map(hf_name): torch.cat(blocks) for hf_name, blocks in parts.items()
+            if all(b is not None for b in blocks)}
 
 
 def _name_map(model: TransformerLM, family: HFFamily) -> Callable[[str], str]:

@@ -217,7 +217,8 @@ class _Reading:
 
     def row_order(self, hf_names: tuple[str, ...], to_ours: Callable[..., Tensor]) -> Tensor | None:
         """Which source row (counting through the sources in order) each row of our tensor is, if our
-        tensor is only the sources' rows reordered; else None."""
+        tensor is only some of the sources' rows, each at most once, reordered (Phi-3's gate is the first
+        half of its fused gate|up tensor); else None."""
         probes, start = [], 0
         for hf_name in hf_names:
             rows = self.file.shape(self.names[hf_name])[0]
@@ -225,10 +226,11 @@ class _Reading:
             probes.append(self.family.gguf.to_hf(hf_name, probe, self.hf))
             start += rows
         out = to_ours(*probes)
-        if out.dim() != 2 or out.shape != (start, 1):
+        if out.dim() != 2 or out.shape[1] != 1 or not 0 < out.shape[0] <= start:
             return None
         order = out[:, 0]
-        return order.long() if torch.equal(order.sort().values, torch.arange(start, dtype=torch.float64)) else None
+        whole = torch.equal(order, order.round()) and bool(((order >= 0) & (order < start)).all())
+        return order.long() if whole and order.unique().numel() == order.numel() else None
 
 
 @dataclasses.dataclass
@@ -255,7 +257,7 @@ class _Plan:
 
 def _keep_blocks(reading: _Reading, plan: _Plan, layer: str, hf_names: tuple[str, ...],
                  to_ours: Callable[..., Tensor]) -> bool:
-    """Plans `layer` kept in its file's blocks, if its rows are the sources' rows reordered: as one
+    """Plans `layer` kept in its file's blocks, if its rows are some of the sources' rows: as one
     block layer where the sources share a format, else (llama.cpp's mixed files: attn_q / attn_k in
     one format, attn_v in another) as a row split whose parts each keep their source's format,
     provided each source's rows stay within its own part. False: the layer must be dequantized."""
@@ -268,6 +270,8 @@ def _keep_blocks(reading: _Reading, plan: _Plan, layer: str, hf_names: tuple[str
     if len(set(qtypes)) == 1:
         plan.keep(layer, qtypes[0], lambda: _rows(file, sources, order), len(sources))
         return True
+    if len(order) != sum(file.shape(g)[0] for g in sources):
+        return False  # (a selection of rows from sources in several formats: not a file glasslm has met)
     # One part per run of sources in the same format (q and k together, v apart).
     runs = [list(group) for _, group in itertools.groupby(zip(sources, qtypes), key=lambda pair: pair[1])]
     sizes = [sum(file.shape(g)[0] for g, _ in run) for run in runs]
