@@ -51,6 +51,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from glasslm.core.model import TransformerLM
+from glasslm.generation.constrained import GrammarError
 from glasslm.generation.decoding import DecodeWindow
 from glasslm.generation.sampling import apply_repetition_penalty, sample_next, vocab_limit
 from glasslm.generation.streaming import TextStreamer
@@ -83,6 +84,8 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (id, value) pairs added to the logits before choosing
     min_tokens: int = 0  # the job's stop tokens cannot be chosen before this many tokens
     include_stop: bool = False  # a stop string that ends the text stays in it
+    # a compiled grammar (`constrained.Grammar`) the text must follow: each choice gets its own matcher
+    grammar: Any = None
 
 
 @dataclass
@@ -108,6 +111,7 @@ class Job:
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.finish_reason: str | None = None
         self.first_token_time: float | None = None
+        self.matcher = None if self.sampling.grammar is None else self.sampling.grammar.matcher()
 
     outbox: list | None = None  # set by the engine: events wait there until the step ends
 
@@ -326,18 +330,21 @@ class Engine:
         chosen, keep = [], []
         now = time.time()
         for i, job in enumerate(self.active):
-            s = job.sampling
             if job.cancelled.is_set():
                 job.finish_reason = "cancelled"
                 self.stats["cancelled"] += 1
                 chosen.append(0)
                 continue
-            scores = self._adjusted(job, logits[i:i + 1])  # (1, vocab)
-            token = int(sample_next(scores, s.temperature, s.top_k, s.top_p, job.generator, s.min_p,
-                                    self.vocab_limit)[0])
+            try:
+                token = self._choose(job, logits[i:i + 1])
+            except GrammarError as err:  # this row's grammar failed: it alone ends, the batch goes on
+                job.emit({"error": f"constrained decoding failed: {err}"})
+                job.finish_reason = "error"
+                chosen.append(0)
+                continue
             chosen.append(token)
             job.first_token_time = job.first_token_time or now
-            if token in job.stop_tokens:
+            if token in job.stop_tokens or (job.matcher is not None and job.matcher.ends(token)):
                 job.finish("stop", job.streamer.finish())
                 self.stats["completed"] += 1
                 continue
@@ -347,8 +354,17 @@ class Engine:
                 self.stats["completed"] += 1
         return chosen, keep
 
+    def _choose(self, job: Job, logits: Float[Tensor, "1 vocab"]) -> int:
+        """The job's next token from its row of logits; a grammar's matcher moves past it."""
+        s = job.sampling
+        scores = self._adjusted(job, logits)  # (1, vocab)
+        token = int(sample_next(scores, s.temperature, s.top_k, s.top_p, job.generator, s.min_p, self.vocab_limit)[0])
+        if job.matcher is not None and not job.matcher.ends(token) and token not in job.stop_tokens:
+            job.matcher.accept(token)
+        return token
+
     def _adjusted(self, job: Job, logits: Float[Tensor, "1 vocab"]) -> Float[Tensor, "1 vocab"]:
-        """One row's logits after the job's repetition penalty, logit bias and min_tokens, in that order."""
+        """One row's logits after the job's repetition penalty, logit bias, grammar and min_tokens, in that order."""
         s = job.sampling
         if s.repetition_penalty != 1.0:
             seen = torch.zeros_like(logits, dtype=torch.bool)
@@ -358,6 +374,8 @@ class Engine:
             ids, values = zip(*s.logit_bias)
             logits = logits.index_add(1, torch.tensor(ids, device=logits.device),
                                       torch.tensor([values], dtype=logits.dtype, device=logits.device))
+        if job.matcher is not None:  # only tokens that keep the text inside the grammar (generation.constrained)
+            logits = job.matcher.constrain(logits)
         if len(job.generated) < s.min_tokens and job.stop_tokens:
             stops = torch.tensor(sorted(t for t in job.stop_tokens if t < logits.shape[-1]), device=logits.device)
             held = logits.index_fill(1, stops, float("-inf"))
@@ -379,6 +397,8 @@ class Engine:
         job.emit(event)
         if job.streamer.stopped:
             job.finish("stop")
+        elif job.matcher is not None and job.matcher.done:  # the grammar's text is complete
+            job.finish("stop", job.streamer.finish())
         elif len(job.generated) >= s.max_tokens:
             job.finish("length", job.streamer.finish())
         else:
