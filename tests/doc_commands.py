@@ -361,6 +361,7 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "http://127.0.0.1:8000/v1/completions,tokenizer_backend=huggingface,tokenizer=runs/shakespeare-char-cpu-hf,max_length=65": LM_EVAL,
     "curl -s 127.0.0.1:8000/api/attention -H 'content-type: application/json' -d '{\"text\": \"To be, or not to be\", "
     "\"layer\": 1, \"head\": 2}'": During(SERVED_CHAR),
+    "curl -s 127.0.0.1:8000/metrics": During(SERVED_CHAR),
     # docs/training.md
     "glasslm train --preset shakespeare-char-cpu --out runs/shakespeare-char-cpu": Run(add=SMALL_RUN,
                                                                             creates=("runs/shakespeare-char-cpu/latest",)),

@@ -40,10 +40,12 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -111,6 +113,7 @@ class Job:
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.finish_reason: str | None = None
         self.first_token_time: float | None = None
+        self.ended: float | None = None  # when the engine was done with it (time.time())
         self.matcher = None if self.sampling.grammar is None else self.sampling.grammar.matcher()
 
     outbox: list | None = None  # set by the engine: events wait there until the step ends
@@ -159,6 +162,11 @@ class Engine:
         # One wake-up of the event loop per step for all rows, not one per row: each wake-up is a
         # GIL hand-over between this thread and the loop's, which costs milliseconds on a busy CPU.
         self._outbox: list[tuple[Job, dict[str, Any]]] = []
+        # Called on the worker thread with each job that ends, however it ends (a server's metrics).
+        self.listeners: list[Callable[[Job], None]] = []
+        self.recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) of recent steps
+        self._tokens_at_last_step = 0
+        self._durations: collections.deque[float] = collections.deque(maxlen=32)  # of the last sequences
 
     # --- the caller's side (event-loop threads) ---
 
@@ -187,6 +195,43 @@ class Engine:
 
     def queued(self) -> int:
         return len(self._pending)
+
+    def tokens_per_second(self, over: float = 10.0) -> float:
+        """Tokens generated per second over the last `over` seconds (all rows together)."""
+        now, recent = time.monotonic(), list(self.recent)
+        return sum(tokens for at, tokens in recent if now - at <= over) / over
+
+    def kv_usage(self) -> dict[str, float]:
+        """The running batch's key/value cache: bytes allocated, tokens held, and held / allocated slots."""
+        window, active = self._window, list(self.active)  # the worker may swap them meanwhile: read once
+        if window is None:
+            return {"bytes": 0, "tokens": 0, "usage": 0.0}
+        cache = window.cache
+        allocated = sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values))
+        tokens = sum(min(len(job.held), self.context) for job in active)
+        slots = window.rows * cache.max_length
+        return {"bytes": allocated, "tokens": tokens, "usage": tokens / slots if slots else 0.0}
+
+    def prefix_cache_stats(self) -> dict[str, tuple[str, str, float]] | None:
+        """The prefix cache's figures for /metrics, {name: (kind, help, value)}; None without one."""
+        return None
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait (HTTP 429's Retry-After): the queue ahead of it, at the
+        recent mean time a sequence takes, worked through `max_batch` at a time; 1 to 60."""
+        durations = list(self._durations) or [1.0]
+        wait = sum(durations) / len(durations) * (len(self._pending) + 1) / self.max_batch
+        return max(1, min(60, math.ceil(wait)))
+
+    def _ended(self, job: Job) -> None:
+        """A job is done (finished, cancelled, aborted or failed): tell the listeners."""
+        job.ended = time.time()
+        self._durations.append(job.ended - job.created)
+        for listener in self.listeners:
+            try:
+                listener(job)
+            except Exception:  # noqa: BLE001 - a listener's bug must not stop the batch
+                log.exception("an engine listener failed")
 
     def begin_shutdown(self, grace: float) -> None:
         """Take no new jobs; running and queued ones get `grace` seconds to finish, then are aborted."""
@@ -240,6 +285,7 @@ class Engine:
                 if job.finish_reason is None:
                     job.emit({"error": f"generation failed: {type(err).__name__}: {err}"})
                     job.finish_reason = "error"
+                    self._ended(job)
             self.active, self._window = [], None
         return True
 
@@ -247,6 +293,7 @@ class Engine:
         for job in [*self.active, *self._pending]:
             job.finish("abort", job.streamer.finish())
             self.stats["aborted"] += 1
+            self._ended(job)
         self.active, self._window = [], None
         self._pending.clear()
 
@@ -256,7 +303,9 @@ class Engine:
         while self._pending and len(self.active) + len(new) < self.max_batch:
             job = self._pending.popleft()
             if job.cancelled.is_set():
+                job.finish_reason = "cancelled"
                 self.stats["cancelled"] += 1
+                self._ended(job)
             else:
                 new.append(job)
         return new
@@ -269,10 +318,21 @@ class Engine:
         chosen, keep = self._sample()
         self.stats["steps"] += 1
         self.stats["rows"] += len(self.active)  # rows / steps: the mean batch actually decoded
+        self._count_step()
         if len(keep) < len(self.active):
+            for i in sorted(set(range(len(self.active))) - set(keep)):
+                self._ended(self.active[i])
             self._remove(keep)
         if self.active:
             self._feed([chosen[i] for i in keep])
+
+    def _count_step(self) -> None:
+        """Keep the last 10 s of (time, tokens generated) for `tokens_per_second`."""
+        now = time.monotonic()
+        self.recent.append((now, self.stats["tokens"] - self._tokens_at_last_step))
+        self._tokens_at_last_step = self.stats["tokens"]
+        while self.recent and now - self.recent[0][0] > 10.0:
+            self.recent.popleft()
 
     def _admission_groups(self, jobs: list[Job]) -> list[list[Job]]:
         """`jobs` in prefill groups: one, unless scoring prompts would need more than
@@ -295,6 +355,7 @@ class Engine:
         those that generate nothing (max_tokens 0) finish there and never join.
         """
         window = DecodeWindow(self.model, len(jobs), self.context)
+        self.stats["prompt_tokens"] += sum(len(job.held) for job in jobs)
         scoring = any(job.sampling.prompt_logprobs is not None for job in jobs)
         logits = window.prefill([job.held for job in jobs], every_position=scoring)
         if scoring:  # logits: (batch, longest, vocab); row r's token j at slot j + pads[r]
@@ -309,6 +370,7 @@ class Engine:
                 if job.sampling.max_tokens <= 0:
                     job.finish("length")
                     self.stats["completed"] += 1
+                    self._ended(job)
             if not going:
                 return
             if len(going) < len(jobs):
@@ -393,6 +455,7 @@ class Engine:
             event["top"] = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
         job.generated.append(token)
         job.held.append(token)
+        self.stats["tokens"] += 1
         event["text"] = job.streamer.push(token)
         job.emit(event)
         if job.streamer.stopped:

@@ -28,7 +28,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from glasslm.generation.constrained import GrammarError
 from glasslm.generation.engine import Job, Overloaded, ShuttingDown
 from glasslm.serving.context import Served, ServedDep
-from glasslm.serving.errors import error_response
+from glasslm.serving.errors import error_response, refused
 from glasslm.serving.events import gather, server_sent
 from glasslm.serving.schemas import BadRequest, SamplingFields, error_event
 from glasslm.serving.structured import ResponseFormat, response_grammar, schema_grammar
@@ -199,10 +199,8 @@ async def chat_completions(body: ChatRequest, request: Request, served: ServedDe
                 id=chat_id, events=events, index=choice) for choice in range(body.n)]
     try:
         served.engine.submit_all(jobs)
-    except Overloaded as err:
-        return error_response(429, str(err), "overloaded")
-    except ShuttingDown as err:
-        return error_response(503, str(err), "unavailable")
+    except (Overloaded, ShuttingDown) as err:
+        return refused(err, served.engine)
 
     def cancel() -> None:
         for job in jobs:
