@@ -362,6 +362,9 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "curl -s 127.0.0.1:8000/api/attention -H 'content-type: application/json' -d '{\"text\": \"To be, or not to be\", "
     "\"layer\": 1, \"head\": 2}'": During(SERVED_CHAR),
     "curl -s 127.0.0.1:8000/metrics": During(SERVED_CHAR),
+    "curl -s 127.0.0.1:8000/api/tags": During(SERVED_CHAR),
+    "curl -s 127.0.0.1:8000/api/generate -d '{\"model\": \"shakespeare-char-cpu\", \"prompt\": \"ROMEO:\", "
+    "\"stream\": false, \"options\": {\"num_predict\": 20}}'": During(SERVED_CHAR),
     # docs/training.md
     "glasslm train --preset shakespeare-char-cpu --out runs/shakespeare-char-cpu": Run(add=SMALL_RUN,
                                                                             creates=("runs/shakespeare-char-cpu/latest",)),

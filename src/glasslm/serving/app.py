@@ -32,10 +32,10 @@ from glasslm.serving.config import ServeConfig
 from glasslm.serving.context import Served
 from glasslm.serving.errors import add_error_handlers
 from glasslm.serving.metrics import CountAnswers, ServerMetrics
-from glasslm.serving.routes import chat, completions, explorer, health, metrics, tokenize, training_run
+from glasslm.serving.routes import chat, completions, explorer, health, metrics, ollama, tokenize, training_run
 
-ROUTERS = (health.router, metrics.router, completions.router, chat.router, tokenize.router, explorer.router,
-           training_run.router)
+ROUTERS = (health.router, metrics.router, completions.router, chat.router, ollama.router, tokenize.router,
+           explorer.router, training_run.router)
 
 
 def create_app(model: TransformerLM, tokenizer: Any, config: ServeConfig | None = None,
@@ -63,6 +63,7 @@ def create_app(model: TransformerLM, tokenizer: Any, config: ServeConfig | None 
     app = FastAPI(title="glasslm", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.served, app.state.engine, app.state.started = served, served.engine, time.time()
     app.state.metrics = ServerMetrics(served.engine)
+    app.add_middleware(ollama.JsonBodies)
     app.add_middleware(CountAnswers, metrics=app.state.metrics)
     add_error_handlers(app)
     for router in ROUTERS:

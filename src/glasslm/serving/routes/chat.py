@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,7 +122,7 @@ NO_TOOLS = ("tools: this model's chat template does not show the model any tools
 
 
 @dataclass
-class _Plan:
+class ChatPlan:
     """What a chat request decodes: the prompt's ids, the grammar it follows (or None), and the tool-call
     format its answer is read with (None: no tools in play)."""
 
@@ -131,20 +131,30 @@ class _Plan:
     tools: ToolFormat | None
 
 
-def _plan(body: ChatRequest, served: Served) -> _Plan:
+@dataclass
+class AnswerFormat:
+    """A JSON format asked of the answer: the field that asked (for its 400s) and how to compile it."""
+
+    field: str
+    grammar: Callable[[], Any]
+
+
+def plan_chat(served: Served, messages: list[dict[str, Any]], tools: list[Tool] | None = None,
+              choice: ToolChoice = "none", parallel: bool = False, answer: AnswerFormat | None = None) -> ChatPlan:
+    """Render `messages` (with `tools` unless `choice` is "none") through the model's chat template; the
+    grammar of a forced tool call or of `answer`'s JSON format. Shared by OpenAI's and Ollama's chat."""
     if served.chat_template is None:
         raise BadRequest(NO_TEMPLATE, "messages")
     chat = ChatFormat.for_tokenizer(served.chat_template, served.tokenizer)
-    choice, variables, tool_format = body.choice(), {}, None
+    variables, tool_format = {}, None
     if choice != "none":
         if not chat.renders_tools:
             raise BadRequest(NO_TOOLS, "tools")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise BadRequest("response_format: give either tools or a JSON response_format, not both",
-                             "response_format")
-        variables["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
+        if answer is not None:
+            raise BadRequest(f"{answer.field}: give either tools or a JSON {answer.field}, not both", answer.field)
+        variables["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
         tool_format = ToolFormat.of(served.chat_template)
-    messages = template_messages(plain_messages(body.messages))
+    messages = template_messages(plain_messages(messages))
     try:
         text = chat.prompt(messages, **variables)
     except ChatTemplateError as err:
@@ -152,29 +162,33 @@ def _plan(body: ChatRequest, served: Served) -> _Plan:
     except (TypeError, ValueError, KeyError, AttributeError) as err:  # a template meeting content it did not expect
         raise BadRequest(f"messages: the chat template could not render these messages ({err})", "messages") from None
     if tool_format is not None:
-        grammar = _tool_grammar(body, served, tool_format)
-    elif body.response_format is not None and body.response_format.type != "text":
-        grammar = response_grammar(body.response_format, served.grammars("response_format"))
+        grammar = _tool_grammar(served, tools, choice, parallel, tool_format)
     else:
-        grammar = None
-    return _Plan(served.encode(text, what="messages"), grammar, tool_format)
+        grammar = None if answer is None else answer.grammar()
+    return ChatPlan(served.encode(text, what="messages"), grammar, tool_format)
 
 
-def _tool_grammar(body: ChatRequest, served: Served, tool_format: ToolFormat) -> Any:
+def _tool_grammar(served: Served, tools: list[Tool], choice: ToolChoice, parallel: bool, tool_format: ToolFormat) -> Any:
     """The grammar of a forced call ("required", or a named function); None for "auto". Each tool's
     `parameters` schema is checked either way, so a malformed one is a 400 naming it."""
     grammars = served.grammars("tools")
-    for i, tool in enumerate(body.tools):
+    for i, tool in enumerate(tools):
         if tool.function.parameters is not None:
             schema_grammar(tool.function.parameters, grammars, f"tools.{i}.function.parameters")
-    choice = body.choice()
     if choice == "auto":
         return None
-    chosen = body.tools if choice == "required" else [t for t in body.tools if t.function.name == choice.function.name]
+    chosen = tools if choice == "required" else [t for t in tools if t.function.name == choice.function.name]
     try:
-        return grammars.lark(tool_format.lark(chosen, several=choice == "required" and bool(body.parallel_tool_calls)))
+        return grammars.lark(tool_format.lark(chosen, several=choice == "required" and parallel))
     except GrammarError as err:
         raise BadRequest(f"tools: {err}", "tools") from None
+
+
+def _plan(body: ChatRequest, served: Served) -> ChatPlan:
+    fmt = body.response_format
+    answer = None if fmt is None or fmt.type == "text" else AnswerFormat(
+        "response_format", lambda: response_grammar(fmt, served.grammars("response_format")))
+    return plan_chat(served, body.messages, body.tools, body.choice(), bool(body.parallel_tool_calls), answer)
 
 
 def _max_tokens(body: ChatRequest, served: Served, prompt_length: int) -> int:
