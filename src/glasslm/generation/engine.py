@@ -55,10 +55,14 @@ from torch import Tensor
 from glasslm.core.model import TransformerLM
 from glasslm.generation.constrained import GrammarError
 from glasslm.generation.decoding import DecodeWindow
+from glasslm.generation.prefix import Prefill, PrefixCache
 from glasslm.generation.sampling import apply_repetition_penalty, sample_next, vocab_limit
 from glasslm.generation.streaming import TextStreamer
 
 log = logging.getLogger("glasslm.generation.engine")
+
+CHUNK = 256  # prompt tokens prefilled per step while other rows decode (all at once when none do)
+ROOM = 256  # cache slots a new window keeps free past its longest row; it doubles when they run out
 
 
 class Overloaded(Exception):
@@ -138,7 +142,8 @@ class Engine:
     Hold `model_lock` to use the model from another thread (the worker holds it during each step).
     """
 
-    def __init__(self, model: TransformerLM, tokenizer: Any, max_batch: int = 32, max_queue: int = 64):
+    def __init__(self, model: TransformerLM, tokenizer: Any, max_batch: int = 32, max_queue: int = 64,
+                 prefix_cache_bytes: int = 0):
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         self.model, self.tokenizer = model, tokenizer
@@ -153,6 +158,9 @@ class Engine:
         self._pending: collections.deque[Job] = collections.deque()
         self.active: list[Job] = []
         self._window: DecodeWindow | None = None  # the active jobs' rows, in the same order
+        self._prefilling: list[Prefill] = []  # prompts going in a chunk at a time (generation.prefix)
+        # Keys and values of recent prompts and answers, reused by requests that begin alike (0: off).
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._logits: Float[Tensor, "batch vocab"] | None = None  # next-token logits of each active row
         self.stats: collections.Counter[str] = collections.Counter()
         self.draining = False
@@ -194,7 +202,8 @@ class Engine:
             self._cond.notify()
 
     def queued(self) -> int:
-        return len(self._pending)
+        """Jobs waiting for their first token: queued, or their prompt still going in."""
+        return len(self._pending) + len(self._prefilling)
 
     def tokens_per_second(self, over: float = 10.0) -> float:
         """Tokens generated per second over the last `over` seconds (all rows together)."""
@@ -206,15 +215,24 @@ class Engine:
         window, active = self._window, list(self.active)  # the worker may swap them meanwhile: read once
         if window is None:
             return {"bytes": 0, "tokens": 0, "usage": 0.0}
-        cache = window.cache
-        allocated = sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values))
         tokens = sum(min(len(job.held), self.context) for job in active)
-        slots = window.rows * cache.max_length
-        return {"bytes": allocated, "tokens": tokens, "usage": tokens / slots if slots else 0.0}
+        slots = window.rows * window.cache.max_length
+        return {"bytes": window.nbytes, "tokens": tokens, "usage": tokens / slots if slots else 0.0}
 
     def prefix_cache_stats(self) -> dict[str, tuple[str, str, float]] | None:
         """The prefix cache's figures for /metrics, {name: (kind, help, value)}; None without one."""
-        return None
+        cache = self.prefix_cache
+        if cache is None:
+            return None
+        return {"bytes": ("gauge", "Bytes of keys and values the prefix cache holds.", cache.bytes),
+                "budget_bytes": ("gauge", "The prefix cache's memory budget.", cache.budget),
+                "blocks": ("gauge", f"Blocks of {cache.block} tokens the prefix cache holds.", len(cache.blocks)),
+                "hit_tokens_total": ("counter", "Prompt tokens found in the prefix cache (not prefilled).",
+                                     cache.stats["hit_tokens"]),
+                "looked_up_tokens_total": ("counter", "Prompt tokens looked up in the prefix cache.",
+                                           cache.stats["looked_up_tokens"]),
+                "evicted_blocks_total": ("counter", "Blocks evicted to stay within the budget.",
+                                         cache.stats["evicted_blocks"])}
 
     def retry_after(self) -> int:
         """Seconds a refused client should wait (HTTP 429's Retry-After): the queue ahead of it, at the
@@ -270,7 +288,7 @@ class Engine:
     def _iterate(self) -> bool:
         """One pass of the worker: admit, step, or abort everything; False once stopped."""
         with self._cond:
-            while not (self.active or self._pending or self._stop):
+            while not (self.active or self._pending or self._prefilling or self._stop):
                 self._cond.wait()
             if self._stop or (self._deadline is not None and time.monotonic() > self._deadline):
                 self._abort_all()
@@ -281,20 +299,20 @@ class Engine:
                 self._step(new)
         except Exception as err:  # never leave a client waiting on a dead worker
             log.exception("decode step failed")
-            for job in [*self.active, *new]:
+            for job in [*self.active, *new, *(p.job for p in self._prefilling)]:
                 if job.finish_reason is None:
                     job.emit({"error": f"generation failed: {type(err).__name__}: {err}"})
                     job.finish_reason = "error"
                     self._ended(job)
-            self.active, self._window = [], None
+            self.active, self._window, self._prefilling = [], None, []
         return True
 
     def _abort_all(self) -> None:
-        for job in [*self.active, *self._pending]:
+        for job in [*self.active, *(p.job for p in self._prefilling), *self._pending]:
             job.finish("abort", job.streamer.finish())
             self.stats["aborted"] += 1
             self._ended(job)
-        self.active, self._window = [], None
+        self.active, self._window, self._prefilling = [], None, []
         self._pending.clear()
 
     def _take_pending(self) -> list[Job]:
@@ -311,8 +329,15 @@ class Engine:
         return new
 
     def _step(self, new: list[Job]) -> None:
-        for group in self._admission_groups(new):
+        scoring = [job for job in new if job.sampling.prompt_logprobs is not None]
+        for group in self._admission_groups(scoring):
             self._admit(group)
+        batched, chunked = self._split([job for job in new if job.sampling.prompt_logprobs is None])
+        if batched:
+            self._admit(batched)
+        capacity = lambda job: self._capacity(len(job.held))  # noqa: E731
+        self._prefilling += [Prefill.start(job, self.model, capacity(job), self.prefix_cache) for job in chunked]
+        self._advance_prefill()
         if not self.active:
             return
         chosen, keep = self._sample()
@@ -322,9 +347,60 @@ class Engine:
         if len(keep) < len(self.active):
             for i in sorted(set(range(len(self.active))) - set(keep)):
                 self._ended(self.active[i])
+                self._keep_prefix(i)
             self._remove(keep)
         if self.active:
             self._feed([chosen[i] for i in keep])
+
+    def _capacity(self, longest: int) -> int:
+        """Slots for a new window: its longest row and room to grow (`ROOM`), within the context."""
+        return min(self.context, longest + ROOM)
+
+    def _split(self, jobs: list[Job]) -> tuple[list[Job], list[Job]]:
+        """(short prompts prefilled now as one padded batch, the rest: prefilled a chunk at a time).
+
+        A prompt goes the chunked way when it is longer than `CHUNK`, when the batch already holds
+        `CHUNK * 4` prompt tokens, or when the prefix cache has its beginning."""
+        batched, chunked, tokens = [], [], 0
+        for job in jobs:
+            cached = self.prefix_cache is not None and self.prefix_cache.cached(job.held) > 0
+            if cached or len(job.held) > CHUNK or tokens + len(job.held) > 4 * CHUNK:
+                chunked.append(job)
+            else:
+                batched.append(job)
+                tokens += len(job.held)
+        return batched, chunked
+
+    def _advance_prefill(self) -> None:
+        """Prefill the first waiting prompt by a chunk (all of it if nothing is decoding); a finished
+        one joins the running batch, its prompt blocks kept in the prefix cache."""
+        while self._prefilling:
+            prefill = self._prefilling[0]
+            if prefill.job.cancelled.is_set():
+                self._prefilling.pop(0)
+                prefill.job.finish_reason = "cancelled"
+                self.stats["cancelled"] += 1
+                self._ended(prefill.job)
+                continue
+            before = prefill.done
+            finished = prefill.advance(CHUNK if self.active else None)
+            self.stats["prompt_tokens"] += prefill.done - before
+            if not finished:
+                return
+            self._prefilling.pop(0)
+            if self.prefix_cache is not None:
+                self.prefix_cache.insert(prefill.job.held, *prefill.window.row_keys_values(0))
+            self._join([prefill.job], prefill.window, prefill.logits)
+            return
+
+    def _keep_prefix(self, row: int) -> None:
+        """Keep a finished row's tokens (its prompt and answer) in the prefix cache: the next turn of a
+        conversation begins with them."""
+        job = self.active[row]
+        if self.prefix_cache is None or job.finish_reason not in ("stop", "length"):
+            return
+        keys, values = self._window.row_keys_values(row)
+        self.prefix_cache.insert(job.held[:keys[0].shape[1]], keys, values)  # the tokens the row holds
 
     def _count_step(self) -> None:
         """Keep the last 10 s of (time, tokens generated) for `tokens_per_second`."""
@@ -354,7 +430,7 @@ class Engine:
         Jobs that score their prompt get its per-token log-probabilities from the same prefill;
         those that generate nothing (max_tokens 0) finish there and never join.
         """
-        window = DecodeWindow(self.model, len(jobs), self.context)
+        window = DecodeWindow(self.model, len(jobs), self._capacity(max(len(job.held) for job in jobs)))
         self.stats["prompt_tokens"] += sum(len(job.held) for job in jobs)
         scoring = any(job.sampling.prompt_logprobs is not None for job in jobs)
         logits = window.prefill([job.held for job in jobs], every_position=scoring)
@@ -376,6 +452,10 @@ class Engine:
             if len(going) < len(jobs):
                 window.keep_rows(going)
                 jobs, logits = [jobs[row] for row in going], logits[going]
+        self._join(jobs, window, logits)
+
+    def _join(self, jobs: list[Job], window: DecodeWindow, logits: Float[Tensor, "rows vocab"]) -> None:
+        """Prefilled rows join the running batch (or become it)."""
         if self._window is None:
             self.active, self._window, self._logits = list(jobs), window, logits
         else:
@@ -479,6 +559,8 @@ class Engine:
     def _feed(self, tokens: list[int]) -> None:
         """Run the chosen tokens through the model: the next step's logits."""
         window = self._window
+        if window.full and window.cache.max_length < self.context:  # room to grow: double, within the context
+            window.grow(min(self.context, 2 * window.cache.max_length))
         if not window.full:
             self._logits = window.decode(torch.tensor(tokens, dtype=torch.long, device=window.device))
             return
@@ -487,7 +569,7 @@ class Engine:
         for job in self.active:
             if len(job.held) > self.context:
                 job.held = job.held[-self.keep:]
-        self._window = DecodeWindow(self.model, len(self.active), self.context)
+        self._window = DecodeWindow(self.model, len(self.active), self._capacity(max(len(j.held) for j in self.active)))
         self._logits = self._window.prefill([job.held for job in self.active])
 
 

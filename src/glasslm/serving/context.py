@@ -82,7 +82,8 @@ class Served:
             raise ValueError("this checkpoint has no tokenizer, so text cannot be encoded")
         config = config or ServeConfig()
         eos = frozenset() if config.ignore_eos else frozenset(eos_ids(model, tokenizer))
-        return cls(model, tokenizer, config, Engine(model, tokenizer, config.max_batch, config.max_queue),
+        engine = Engine(model, tokenizer, config.max_batch, config.max_queue, config.prefix_cache_mb << 20)
+        return cls(model, tokenizer, config, engine,
                    config.name or "glasslm", eos, chat_template, metrics_file)
 
     @property
