@@ -300,6 +300,35 @@ def measure_server(port: int, levels: tuple[int, ...], requests: int, max_tokens
     return out
 
 
+def served_vs_generate(port: int, gguf: Path, threads: int, tokens: int, rounds: int) -> tuple[float, float]:
+    """(served, generate) single-stream decode tokens/s, medians of `rounds` interleaved: one streamed
+    greedy completion from the server, and `generate_tokens` in this process on the same file and
+    threads (the server idle meanwhile), each from its first token to its last."""
+    import statistics
+
+    import torch
+
+    from glasslm.cli.common import RuntimeOptions, load_for_inference
+    from glasslm.generation import generate_tokens
+    from llama_server import distinct_prompts, stream_times
+
+    model, tokenizer = load_for_inference(str(gguf), RuntimeOptions(threads=threads), decoding=True)
+    torch.set_num_threads(threads)
+    prompt = distinct_prompts(1, seed=99)[0]
+    served, local = [], []
+    for _ in range(rounds):
+        times = asyncio.run(stream_times(port, {"prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                                                "ignore_eos": True}))
+        served.append((len(times) - 1) / (times[-1] - times[0]))
+        times = []
+        with torch.inference_mode():
+            for _ in generate_tokens(model, tokenizer.encode(prompt), max_new_tokens=tokens, temperature=0.0,
+                                     ignore_eos=True):
+                times.append(time.perf_counter())
+        local.append((len(times) - 1) / (times[-1] - times[0]))
+    return statistics.median(served), statistics.median(local)
+
+
 def compare_with_llama_server(args: argparse.Namespace) -> None:
     """glasslm serve (default settings) and llama-server, one after the other, same file and threads."""
     from llama_server import llama_server_binary, start_llama_server
@@ -319,8 +348,11 @@ def compare_with_llama_server(args: argparse.Namespace) -> None:
     proc, _, port = start_server(gguf, 32, 64, threads)
     try:
         results["glasslm"] = measure_server(port, levels, requests, max_tokens, turns, answer)
+        served, local = served_vs_generate(port, gguf, threads, max_tokens, 1 if args.smoke else 3)
     finally:
         stop(proc)
+    print(f"one stream on {threads} threads: glasslm serve {served:.1f} tokens/s, glasslm generate {local:.1f} "
+          f"({served / local:.2f}x)", flush=True)
     if binary is None:
         print(f"llama-server half skipped: {note}")
     else:

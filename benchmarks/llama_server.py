@@ -60,7 +60,8 @@ def llama_server_binary(build: bool = True, log=print) -> tuple[Path | None, str
     if binary.is_file():
         return binary, None
     if not build:
-        return None, f"llama-server is not built ({binary} is missing)"
+        return None, (f"llama-server is not built yet ({binary} is missing); a run without --smoke builds it "
+                      "(some minutes on 2 cores, once per CPU kind)")
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing:
         return None, f"llama-server cannot be built here: no {' or '.join(missing)}"
@@ -80,15 +81,23 @@ def llama_server_binary(build: bool = True, log=print) -> tuple[Path | None, str
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         steps = [["cmake", "-S", str(source), "-B", str(build_dir), *generator, "-DCMAKE_BUILD_TYPE=Release",
                   "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                  "-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF"],
+                  "-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON"],
                  ["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(os.cpu_count() or 2)]]
         for step in steps:
             done = subprocess.run(step, capture_output=True, text=True)
             if done.returncode:
                 return None, f"building llama-server failed: {(done.stdout + done.stderr).strip()[-400:]}"
-        folder.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(build_dir / "bin" / "llama-server", binary)
+        keep(build_dir / "bin", folder)
     return binary, None
+
+
+def keep(built: Path, folder: Path) -> None:
+    """Copy a build's bin folder (llama-server and the shared libraries beside it) into the cache;
+    `start_llama_server` points the loader there."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in built.iterdir():
+        if item.is_file() and (item.name == "llama-server" or ".so" in item.name):
+            shutil.copy2(item, folder / item.name, follow_symlinks=True)
 
 
 def start_llama_server(binary: Path, gguf: Path, threads: int, slots: int) -> tuple[subprocess.Popen, int]:
@@ -99,13 +108,16 @@ def start_llama_server(binary: Path, gguf: Path, threads: int, slots: int) -> tu
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    log = tempfile.TemporaryFile()  # its log, read only if it fails (a pipe nobody reads would fill and stall it)
     proc = subprocess.Popen([str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
                              "-c", "32768", "-kvu", "--host", "127.0.0.1", "--port", str(port), "--no-webui",
-                             "--jinja"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             "--jinja"], stdout=log, stderr=log,
+                            env={**os.environ, "LD_LIBRARY_PATH": str(binary.parent)})  # its libllama, libggml
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited: {proc.stderr.read()[-500:]}")
+            log.seek(0)
+            raise RuntimeError(f"llama-server exited: {log.read().decode(errors='replace')[-500:]}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
                 if reply.status == 200:
@@ -151,6 +163,22 @@ async def stream_once(port: int, path: str, body: dict, timeout: float = 600.0) 
     if first is None:
         raise RuntimeError(f"no text came from {path}")
     return first, chunks, "".join(text)
+
+
+async def stream_times(port: int, body: dict, timeout: float = 600.0) -> list[float]:
+    """The arrival time of each text chunk of one streamed completion (tokens, for both servers)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = json.dumps({**body, "stream": True}).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(payload) + payload)
+    times = []
+    try:
+        async for line in _lines(reader, timeout):
+            if line.startswith(b"data: {") and (json.loads(line[6:]).get("choices") or [{}])[0].get("text"):
+                times.append(time.perf_counter())
+    finally:
+        writer.close()
+    return times
 
 
 async def _lines(reader: asyncio.StreamReader, timeout: float):

@@ -282,6 +282,7 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "python benchmarks/bench_serve.py": Run(add=("--smoke",), process=True, slow=True),
     "python benchmarks/bench_posttrain.py --threads 1 --repeats 5": Run(add=("--smoke",), process=True, slow=True),
     "python benchmarks/bench_serve.py --mix": Run(add=("--smoke",), process=True, slow=True),
+    "python benchmarks/bench_serve.py --llama-server": Run(add=("--smoke",), process=True, slow=True),
     # docs/generation.md
     "python benchmarks/bench_compile.py": Run(add=("--smoke",), process=True, slow=True,
                                               expect=("| shakespeare-char-cpu | 0.2M |", "break-even tokens, warm")),
