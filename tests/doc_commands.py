@@ -293,6 +293,7 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "python benchmarks/bench_serve.py": Run(add=("--smoke",), process=True, slow=True),
     "python benchmarks/bench_posttrain.py --threads 1 --repeats 5": Run(add=("--smoke",), process=True, slow=True),
     "python benchmarks/bench_serve.py --mix": Run(add=("--smoke",), process=True, slow=True),
+    "python benchmarks/bench_serve.py --llama-server": Run(add=("--smoke",), process=True, slow=True),
     # docs/generation.md
     "python benchmarks/bench_compile.py": Run(add=("--smoke",), process=True, slow=True,
                                               expect=("| shakespeare-char-cpu | 0.2M |", "break-even tokens, warm")),
@@ -374,6 +375,10 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "http://127.0.0.1:8000/v1/completions,tokenizer_backend=huggingface,tokenizer=runs/shakespeare-char-cpu-hf,max_length=65": LM_EVAL,
     "curl -s 127.0.0.1:8000/api/attention -H 'content-type: application/json' -d '{\"text\": \"To be, or not to be\", "
     "\"layer\": 1, \"head\": 2}'": During(SERVED_CHAR),
+    "curl -s 127.0.0.1:8000/metrics": During(SERVED_CHAR),
+    "curl -s 127.0.0.1:8000/api/tags": During(SERVED_CHAR),
+    "curl -s 127.0.0.1:8000/api/generate -d '{\"model\": \"shakespeare-char-cpu\", \"prompt\": \"ROMEO:\", "
+    "\"stream\": false, \"options\": {\"num_predict\": 20}}'": During(SERVED_CHAR),
     # docs/training.md
     "glasslm train --preset shakespeare-char-cpu --out runs/shakespeare-char-cpu": Run(add=SMALL_RUN,
                                                                             creates=("runs/shakespeare-char-cpu/latest",)),

@@ -50,11 +50,21 @@ def test_rows_that_join_and_leave_decode_as_they_would_alone(model):
     torch.testing.assert_close(logits[1], alone(model, prompts[1] + [14]), atol=1e-4, rtol=1e-4)
 
 
-def test_windows_of_different_sizes_do_not_join(model):
-    with pytest.raises(ValueError, match="cannot be joined"):
-        DecodeWindow(model, 1, 24).extend(DecodeWindow(model, 1, 16))
+def test_windows_of_different_sizes_join_and_grow(model):
+    with torch.inference_mode():
+        small, large = DecodeWindow(model, 1, 8), DecodeWindow(model, 1, 24)
+        small.prefill([[1, 2, 3]]), large.prefill([[4, 5]])
+        small.extend(large)  # the joined window has the larger one's slots
+        assert small.cache.max_length == 24 and small.pads.tolist() == [0, 1]
+        small.grow(32)
+        assert small.cache.max_length == 32 and small.cache.keys[0].shape[2] == 32
+        logits = small.decode(torch.tensor([6, 7]))
+    torch.testing.assert_close(logits[0], alone(model, [1, 2, 3, 6]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1], alone(model, [4, 5, 7]), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="at least one row"):
         DecodeWindow(model, 1, 24).keep_rows([])
+    with pytest.raises(ValueError, match="cannot shrink"):
+        small.grow(2)
 
 
 async def _run(engine: Engine, tok: CharTokenizer, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

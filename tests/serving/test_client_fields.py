@@ -59,7 +59,8 @@ COMPLETIONS = [({"max_tokens": -1}, "max_tokens"), ({"logprobs": 21}, "logprobs"
                ({"echo": 1}, "echo"), ({"best_of": 2}, "best_of"), ({"prompt": [1, True]}, "prompt")]
 CHAT = [({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": 65}, "max_completion_tokens"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"logprobs": "true"}, "logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"), ({"tools": [{"type": "function"}]}, "tools"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+         "response_format"), ({"tools": [{"type": "function"}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"), ({"store": True}, "store"), ({"metadata": {"a": 1}}, "metadata")]
 
 

@@ -168,22 +168,66 @@ class DecodeWindow:
         return logits
 
     def extend(self, other: DecodeWindow) -> None:
-        """Append `other`'s rows (same model and max_length) below this window's, keys and values included.
+        """Append `other`'s rows (same model) below this window's, keys and values included.
 
         Both caches are right-aligned at the longer one's cursor, so a row's real tokens still end
-        there and each row decodes on exactly as it would have alone.
+        there and each row decodes on exactly as it would have alone. The joined window has the
+        larger of the two windows' slot counts.
         """
-        if other.cache.max_length != self.cache.max_length:
-            raise ValueError(f"windows of {self.cache.max_length} and {other.cache.max_length} slots cannot be joined")
+        capacity = max(self.cache.max_length, other.cache.max_length)
         length = max(self.cache.length, other.cache.length)
         shift_ours, shift_theirs = length - self.cache.length, length - other.cache.length
         for ours, theirs in ((self.cache.keys, other.cache.keys), (self.cache.values, other.cache.values)):
             for layer in range(len(ours)):
-                ours[layer] = torch.cat([_shift(ours[layer], shift_ours, self.cache.length),
-                                         _shift(theirs[layer], shift_theirs, other.cache.length)])
-        self.cache.length = length
+                ours[layer] = torch.cat([_shift(ours[layer], shift_ours, self.cache.length, capacity),
+                                         _shift(theirs[layer], shift_theirs, other.cache.length, capacity)])
+        self.cache.length, self.cache.max_length = length, capacity
         self.next_position = torch.cat([self.next_position, other.next_position])
         self._set_pads(torch.cat([self._pads + shift_ours, other.pads + shift_theirs]))
+
+    def grow(self, max_length: int) -> None:
+        """Give every row room for `max_length` slots (keys and values copied, the rest zero): a window
+        sized for what its rows need now grows as they do, instead of holding the whole context from
+        the start (SmolLM2: 377 MB a row at its 8,192 tokens)."""
+        if max_length < self.cache.length:
+            raise ValueError(f"cannot shrink a window holding {self.cache.length} slots to {max_length}")
+        for store in (self.cache.keys, self.cache.values):
+            for layer in range(len(store)):
+                store[layer] = _shift(store[layer], 0, self.cache.length, max_length)
+        self.cache.max_length = max_length
+        self._set_pads(self._pads)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of keys and values allocated (every row, every slot)."""
+        return sum(t.numel() * t.element_size() for t in (*self.cache.keys, *self.cache.values))
+
+    def row_keys_values(self, row: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Row `row`'s keys and values per layer, (kv_heads, tokens it holds, d_head): views, no copy."""
+        pad, end = int(self._pads[row]), self.cache.length
+        return ([k[row, :, pad:end] for k in self.cache.keys], [v[row, :, pad:end] for v in self.cache.values])
+
+    def load_prefix(self, keys: Sequence[Tensor], values: Sequence[Tensor]) -> None:
+        """Start an empty one-row window from the keys and values of a prefix ((kv_heads, n, d_head) per
+        layer, from `row_keys_values` of a window of the same model); `prefill_more` goes on after it."""
+        if self.rows != 1 or self.cache.length:
+            raise ValueError("load_prefix starts an empty one-row window")
+        n = keys[0].shape[1]
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            self.cache.keys[layer][0, :, :n] = k
+            self.cache.values[layer][0, :, :n] = v
+        self.cache.length = n
+        self.next_position = torch.tensor([n], dtype=torch.long, device=self.device)
+
+    def prefill_more(self, tokens: Sequence[int]) -> Float[Tensor, "1 vocab"]:
+        """Run more tokens of a one-row window without padding after those cached (a prompt prefilled a
+        chunk at a time, or after a cached prefix); returns the next-token logits."""
+        if self.rows != 1 or self.key_is_real is not None:
+            raise ValueError("prefill_more continues one row without padding")
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        logits = self.model(ids, kv_cache=self.cache, last_logits_only=True)
+        self.next_position += len(tokens)
+        return logits[:, -1].float()
 
     def keep_rows(self, keep: Sequence[int]) -> None:
         """Keep only rows `keep` (in that order), and drop the left padding no kept row needs."""
@@ -200,12 +244,15 @@ class DecodeWindow:
         self._set_pads(pads - trim)
 
 
-def _shift(t: Float[Tensor, "batch heads slots d"], by: int, length: int) -> Float[Tensor, "batch heads slots d"]:
-    """Move cache slots [0, length) right by `by` (left if negative); vacated slots are zero."""
-    if by == 0:
+def _shift(t: Float[Tensor, "batch heads slots d"], by: int, length: int,
+           slots: int | None = None) -> Float[Tensor, "batch heads slots d"]:
+    """Move cache slots [0, length) right by `by` (left if negative) into a tensor of `slots` slots (default:
+    as many as `t` has); vacated slots are zero."""
+    slots = t.shape[2] if slots is None else slots
+    if by == 0 and slots == t.shape[2]:
         return t
-    out = torch.zeros_like(t)
-    if by > 0:
+    out = t.new_zeros(t.shape[0], t.shape[1], slots, t.shape[3])
+    if by >= 0:
         out[:, :, by:by + length] = t[:, :, :length]
     else:
         out[:, :, :length + by] = t[:, :, -by:length]

@@ -31,9 +31,11 @@ from glasslm.serving.auth import BearerKey
 from glasslm.serving.config import ServeConfig
 from glasslm.serving.context import Served
 from glasslm.serving.errors import add_error_handlers, document_errors
-from glasslm.serving.routes import chat, completions, explorer, health, tokenize, training_run
+from glasslm.serving.metrics import CountAnswers, ServerMetrics
+from glasslm.serving.routes import chat, completions, explorer, health, metrics, ollama, tokenize, training_run
 
-ROUTERS = (health.router, completions.router, chat.router, tokenize.router, explorer.router, training_run.router)
+ROUTERS = (health.router, metrics.router, completions.router, chat.router, ollama.router, tokenize.router,
+           explorer.router, training_run.router)
 # The paths that answer 404 for a `model` other than the one served, and 429 when the queue is full.
 NAMED_MODEL_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/models/{model_id}", "/tokenize", "/detokenize"}
 QUEUED_PATHS = {"/v1/completions", "/v1/chat/completions"}
@@ -63,6 +65,9 @@ def create_app(model: TransformerLM, tokenizer: Any, config: ServeConfig | None 
 
     app = FastAPI(title="glasslm", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.served, app.state.engine, app.state.started = served, served.engine, time.time()
+    app.state.metrics = ServerMetrics(served.engine)
+    app.add_middleware(ollama.JsonBodies)
+    app.add_middleware(CountAnswers, metrics=app.state.metrics)
     add_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

@@ -27,6 +27,9 @@ class ServeConfig:
     log_level: LogLevel = "info"  # server log detail; info logs one line per request
     api_key: str | None = None  # require 'Authorization: Bearer KEY' on every route but /health; default $GLASSLM_API_KEY
     ignore_eos: bool = False  # go on past the model's end-of-sequence tokens (they end a completion by default)
+    # memory for keys and values of recent prompts and answers, reused by requests that begin alike
+    # (a shared system prompt, the earlier turns of a chat); 0 turns the prefix cache off
+    prefix_cache_mb: int = 512
     # a Jinja chat template file for /v1/chat/completions; none: the checkpoint's own (chat_template.jinja or
     # tokenizer_config.json's chat_template)
     chat_template: str | None = None
@@ -36,6 +39,8 @@ class ServeConfig:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {self.max_batch} and {self.max_queue}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0, got {self.prefix_cache_mb}")
         if self.max_tokens_limit < 1 or self.grace < 0:
             raise ValueError("max_tokens_limit must be >= 1 and grace >= 0")
         if self.api_key is not None and not self.api_key.strip():

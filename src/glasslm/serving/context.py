@@ -30,6 +30,7 @@ from fastapi import Depends, Request
 
 from glasslm.core.model import TransformerLM
 from glasslm.generation import encode_prompt, eos_ids
+from glasslm.generation.constrained import Grammars
 from glasslm.generation.engine import Engine
 from glasslm.serving.config import ServeConfig
 from glasslm.serving.schemas import BadRequest, SamplingFields, UnknownModel
@@ -72,6 +73,7 @@ class Served:
     eos: frozenset[int]  # tokens that end a completion: the model's eos ids (`eos_ids`), none with ignore_eos
     chat_template: str | None = None  # the Jinja template /v1/chat/completions renders messages with
     metrics_file: Path | None = None  # the served checkpoint's run's metrics.jsonl (/api/run), if it has one
+    _grammars: Grammars | None = None
 
     @classmethod
     def build(cls, model: TransformerLM, tokenizer: Any, config: ServeConfig | None = None,
@@ -80,7 +82,8 @@ class Served:
             raise ValueError("this checkpoint has no tokenizer, so text cannot be encoded")
         config = config or ServeConfig()
         eos = frozenset() if config.ignore_eos else frozenset(eos_ids(model, tokenizer))
-        return cls(model, tokenizer, config, Engine(model, tokenizer, config.max_batch, config.max_queue),
+        engine = Engine(model, tokenizer, config.max_batch, config.max_queue, config.prefix_cache_mb << 20)
+        return cls(model, tokenizer, config, engine,
                    config.name or "glasslm", eos, chat_template, metrics_file)
 
     @property
@@ -109,6 +112,17 @@ class Served:
         """The model names a request may give: the served name, and tiktoken's "gpt2" where the
         tokenizer gives GPT-2's ids (so lm-eval's tokenizer_backend=tiktoken works under any name)."""
         return frozenset({self.name, TIKTOKEN_GPT2} if has_gpt2_ids(self.tokenizer) else {self.name})
+
+    def grammars(self, field: str) -> Grammars:
+        """The grammar compiler over this model's ids (built at the first structured request and kept),
+        or a 400 naming `field` where the model has no end-of-sequence token to end a finished text."""
+        if self._grammars is None:
+            eos = eos_ids(self.model, self.tokenizer)
+            if not eos:
+                raise BadRequest(f"{field}: this model has no end-of-sequence token, so a constrained answer "
+                                 "could not end", field)
+            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, eos)
+        return self._grammars
 
     def check_model(self, requested: str | None) -> None:
         """`UnknownModel` (a 404) unless `requested` is None or one of `names`."""

@@ -18,15 +18,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from glasslm.generation.engine import ShuttingDown
 from glasslm.serving.schemas import BadRequest, UnknownModel, describe_validation_error
 
 log = logging.getLogger("glasslm.serving")
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
-                   param: str | None = None) -> JSONResponse:
+                   param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
+                        status_code=status, headers=headers)
+
+
+def refused(err: Exception, engine: Any) -> JSONResponse:
+    """The answer when the engine takes no more work: 429 with Retry-After (`Engine.retry_after`)
+    for a full queue, 503 while shutting down."""
+    if isinstance(err, ShuttingDown):
+        return error_response(503, str(err), "unavailable")
+    return error_response(429, str(err), "overloaded", headers={"Retry-After": str(engine.retry_after())})
 
 
 async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -36,25 +35,34 @@ DISCONNECTED = "client disconnected"
 
 async def gather(jobs: list[Job], request: Any) -> list[dict[str, Any]] | str:
     """Every event of `jobs` until each has finished, in arrival order; or why not (a job's error
-    message, or `DISCONNECTED` if the client left first: looked at every quarter second)."""
+    message, or `DISCONNECTED` as soon as the client leaves: the server's disconnect message is awaited
+    beside the events, so a waiting or running job is cancelled at once)."""
     events, received, unfinished = jobs[0].events, [], len(jobs)
-    checked = time.monotonic()
-    while unfinished:
-        try:
-            event = await asyncio.wait_for(events.get(), timeout=0.25)
-        except asyncio.TimeoutError:
-            event = None
-        if time.monotonic() - checked > 0.25:  # tokens may flow without pause: look by the clock
-            checked = time.monotonic()
-            if await request.is_disconnected():
-                return DISCONNECTED
-        if event is None:
-            continue
-        if "error" in event:
-            return event["error"]
-        received.append(event)
-        unfinished -= "finish_reason" in event
-    return received
+    left = asyncio.ensure_future(_disconnected(request))
+    try:
+        while unfinished:
+            if events.empty():  # wait for an event or the client's leaving, whichever comes first
+                getter = asyncio.ensure_future(events.get())
+                await asyncio.wait({getter, left}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    return DISCONNECTED
+                event = getter.result()
+            else:
+                event = events.get_nowait()
+            if "error" in event:
+                return event["error"]
+            received.append(event)
+            unfinished -= "finish_reason" in event
+        return received
+    finally:
+        left.cancel()
+
+
+async def _disconnected(request: Any) -> None:
+    """Returns once the client has gone (the ASGI server's `http.disconnect`; the body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def server_sent(payloads: AsyncIterator[dict[str, Any]],

@@ -149,8 +149,9 @@ class SamplingFields(_Strict):
         return (frozenset() if self.ignore_eos else eos) | frozenset(self.stop_token_ids or ())
 
     def sampling(self, max_tokens: int, choice: int = 0, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None) -> Sampling:
-        """The engine's controls for choice number `choice` (seeded `seed + choice`)."""
+                 prompt_logprobs: int | None = None, grammar: Any = None) -> Sampling:
+        """The engine's controls for choice number `choice` (seeded `seed + choice`), decoding under
+        `grammar` (a `generation.constrained.Grammar`) if one is given."""
         if self.min_tokens > max_tokens:
             raise BadRequest(f"min_tokens: {self.min_tokens} is more than the {max_tokens} tokens a choice may have",
                              "min_tokens")
@@ -160,7 +161,7 @@ class SamplingFields(_Strict):
             seed=None if self.seed is None else self.seed + choice, stop=tuple(self.stop or ()),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, repetition_penalty=self.repetition_penalty,
             logit_bias=tuple(sorted((int(k), v) for k, v in (self.logit_bias or {}).items())),
-            min_tokens=self.min_tokens, include_stop=self.include_stop_str_in_output,
+            min_tokens=self.min_tokens, include_stop=self.include_stop_str_in_output, grammar=grammar,
         )
 
 

@@ -92,6 +92,23 @@ def compile_template(source: str) -> Any:
         raise ChatTemplateError(f"the chat template does not compile: {err} (line {err.lineno})") from None
 
 
+@functools.lru_cache(maxsize=16)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a template reads from outside (`messages`, `tools`, `bos_token`, ...).
+
+    >>> sorted(template_variables("{% for m in messages %}{{ m.content }}{% endfor %}{{ tools | length }}"))
+    ['messages', 'tools']
+    """
+    from jinja2 import meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols", _generation_tag()])
+    try:
+        return frozenset(meta.find_undeclared_variables(env.parse(source)))
+    except Exception as err:  # noqa: BLE001 - jinja2's syntax errors
+        raise ChatTemplateError(f"the chat template does not compile: {err}") from None
+
+
 def check_messages(messages: Any) -> list[dict[str, Any]]:
     """`messages` as plain dicts, or a ChatTemplateError naming the first bad message and field."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
@@ -140,6 +157,12 @@ class ChatFormat:
         """The text of `messages`; `variables` (tools, ...) are visible to the template too."""
         return render_chat(self.template, messages, add_generation_prompt=add_generation_prompt,
                            **{**self.special_tokens, **variables})
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the template shows the model a list of tools (it reads the `tools` variable, as
+        transformers' `apply_chat_template(..., tools=...)` passes them)."""
+        return "tools" in template_variables(self.template)
 
     def prompt(self, messages: Any, **variables: Any) -> str:
         """The prompt that asks the model for the next assistant turn of `messages` (the template

@@ -25,7 +25,7 @@ from fastapi.responses import StreamingResponse
 from glasslm.generation.engine import Job, Overloaded, ShuttingDown
 from glasslm.serving import schemas
 from glasslm.serving.context import Served, ServedDep
-from glasslm.serving.errors import error_response
+from glasslm.serving.errors import error_response, refused
 from glasslm.serving.events import gather, server_sent
 
 log = logging.getLogger("glasslm.serving")
@@ -57,10 +57,8 @@ async def completions(body: schemas.CompletionRequest, request: Request, served:
     started = time.perf_counter()
     try:
         _submit(completion.jobs, served)
-    except Overloaded as err:
-        return error_response(429, str(err), "overloaded")
-    except ShuttingDown as err:
-        return error_response(503, str(err), "unavailable")
+    except (Overloaded, ShuttingDown) as err:
+        return refused(err, served.engine)
     if body.stream:
         return StreamingResponse(server_sent(schemas.stream_chunks(completion), lambda: _done(completion, started)),
                                  media_type="text/event-stream",
