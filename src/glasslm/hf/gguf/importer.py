@@ -4,17 +4,17 @@ The file's architecture picks the family (`family_reading_gguf`), whose GGUF for
 metadata into a config.json and whose weight table — the same one Hugging Face directories are
 read with — turns the tensors into ours, after the form has undone llama.cpp's tensor changes.
 
-Tensors in a block format glasslm runs (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stay in
-their blocks when they are Linear weights and nothing between the file and the model does more than
-reorder their rows: we find that out by sending each source row's number through the same steps (a
-column of row numbers must come out as a permutation of them; a transpose or any arithmetic shows
-up). Those layers become `BlockLinear`s, recorded as the `q4_0` ... `q6_k` transforms. Where a fused
-layer's sources come in different formats (a mixed Q4_K_M file's attn_q, attn_k and attn_v), the
-layer is first split into parts by source (`row_split`) and each part keeps its own. A file without
-an output matrix unembeds with its token embedding, as llama.cpp does: where that embedding is in
-one of these formats, the model's unembedding is a `BlockLinear` of the embedding's own blocks
-(`unembed` in the transform's layers), while the lookup table is dequantized. Every other tensor
-(norms, other formats such as the K-quants, F16) is dequantized to float32 by the gguf package.
+Tensors in a block format glasslm runs (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16) stay
+in their blocks when they are Linear weights and nothing between the file and the model does more than
+reorder their rows or take some of them: we find that out by sending each source row's number through
+the same steps (a column of row numbers must come out as a permutation of them; a transpose or any
+arithmetic shows up). Those layers become `BlockLinear`s, recorded as the `q4_0` ... `bf16` transforms.
+Where a fused layer's sources come in different formats (a mixed Q4_K_M file's attn_q, attn_k and
+attn_v), the layer is first split into parts by source (`row_split`) and each part keeps its own. The
+token table stays in its blocks too (`BlockEmbedding`, a lookup decodes the rows it reads); a file
+without an output matrix unembeds with its token embedding, as llama.cpp does, one copy of the blocks
+serving both. Every other tensor (norms, biases, formats glasslm has no kernel for such as Q2_K, Q3_K
+and the IQ kinds) is dequantized to float32 by the gguf package.
 `GGUFImport.summary()` says which went which way.
 
 Example:
