@@ -113,7 +113,7 @@ def gemma2_file(bpe, tmp_path_factory):
     """A second shape for the mutations: Gemma 2 (soft-caps, windows on even layers, 1 + w norm gains), f16."""
     model = perturbed(get_preset("gemma3-270m", vocab_size=bpe.vocab_size, n_layers=2, d_model=32, n_heads=2,
                                  n_kv_heads=1, d_head=16, d_mlp=64, context_length=64, qk_norm=False,
-                                 rope_local_theta=None, sliding_window=8, global_layers=(1,), attn_softcap=20.0,
+                                 rope_local_theta=None, sliding_window=8, global_layers=(1,), attn_scale=None, attn_softcap=20.0,
                                  logit_softcap=10.0))
     return export_gguf(model, tmp_path_factory.mktemp("gemma2") / "gemma2.gguf", bpe, "f16")
 

@@ -289,7 +289,7 @@ def _rows(file: GGUFFile, sources: list[str], order: Tensor) -> Tensor:
     """The sources' blocks, one after another, in `order`: copied once (not at all beyond the read
     where the order is the file's own)."""
     blocks = file.blocks(sources[0]) if len(sources) == 1 else torch.cat([file.blocks(g) for g in sources])
-    return blocks if torch.equal(order, torch.arange(len(order))) else blocks[order]
+    return blocks if torch.equal(order, torch.arange(len(blocks))) else blocks[order]  # (all rows, as they are)
 
 
 def _split_biases(plan: _Plan) -> None:
