@@ -259,7 +259,7 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
         add=SMALL_RUN, needs=("path/to/hf-model", "my.txt"), slow=True, creates=("runs/ft/latest",)),
     "glasslm info --checkpoint gpt2": Run(needs=("hub:gpt2",)),
     "glasslm convert --from-gguf path/to/model.gguf --out runs/from-gguf": Run(
-        needs=("path/to/model.gguf",), expect=("kept in their blocks: 25 q4_1",),
+        needs=("path/to/model.gguf",), expect=("kept in their blocks: 4 f16, 26 q4_1",),
         creates=("runs/from-gguf/model.safetensors", "runs/from-gguf/tokenizer_config.json")),
     "glasslm convert --to-gguf --checkpoint runs/shakespeare-char-cpu --out runs/shakespeare-char-cpu.gguf --type q8_0": Run(
         needs=("runs/shakespeare-char-cpu",), expect=("q8_0 matrices",), creates=("runs/shakespeare-char-cpu.gguf",)),
