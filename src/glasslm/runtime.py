@@ -117,6 +117,41 @@ def free_cores(cores: int | None = None, load: float | None = None) -> int:
     return max(1, min(cores, math.floor(cores - load + 0.5)))
 
 
+def release_openmp_threads() -> bool:
+    """Let the calling thread's idle OpenMP team go, before another thread takes over the computing.
+
+    GNU OpenMP (torch's on Linux) keeps each thread's team of workers alive after its first parallel
+    region, and once it manages more threads than there are cores it stops spinning between regions
+    and puts workers to sleep instead. So a server that loaded its model on the main thread and
+    decodes on another ran every step through sleeping and waking workers: one SmolLM2 stream on 2
+    threads went at 50 tokens/s served against 264 in `glasslm generate` (issue 42), and a torch
+    matmul on a second thread took 3x as long as on the first. `omp_pause_resource_all` frees the
+    caller's team (OpenMP 5.0; libgomp frees only the caller's), and a later parallel region on this
+    thread builds a new one. True where it was released; False where the runtime is not libgomp
+    (others pause every thread's team, which another thread may be using) or has no such call.
+
+    Example:
+        >>> isinstance(release_openmp_threads(), bool)
+        True
+    """
+    import ctypes
+
+    try:
+        libraries = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                     if "/libgomp" in line}
+    except OSError:
+        return False
+    released = False
+    for library in sorted(libraries):  # torch's, and any other package's own copy (sentencepiece has one)
+        try:
+            pause = ctypes.CDLL(library).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        pause.restype, pause.argtypes = ctypes.c_int, [ctypes.c_int]
+        released |= pause(1) == 0  # omp_pause_soft: the threads end, the runtime stays
+    return released
+
+
 def decode_threads(n_parameters: int, cores: int | None = None, load: float | None = None) -> int:
     """Threads for one-token decoding: 1 for small models; else one per core that is free.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from glasslm import runtime
@@ -81,3 +83,29 @@ def test_threads_asked_for_are_kept_with_a_warning_above_the_free_cores():
     loaded = runtime.choose_threads(2, cores=2, load=5.2, environ={})
     assert loaded.threads == 2 and "--threads 2 on a machine whose load leaves 1 of 2 cores free" in loaded.note
     assert "--threads 1 is likely faster" in loaded.note
+
+
+def test_released_openmp_workers_end_and_a_later_parallel_region_builds_them_again():
+    """Issue 42: a server loads on its main thread and decodes on another; the main thread's idle
+    OpenMP workers made GNU OpenMP stop spinning between parallel regions (more threads than cores),
+    and every served step waited on sleeping workers. The release ends them; the work is unchanged."""
+    import subprocess
+    import sys
+
+    code = """
+import os, time, torch
+from glasslm.runtime import release_openmp_threads
+torch.set_num_threads(2)
+x, w = torch.randn(64, 512), torch.randn(512, 512)
+before = x @ w  # a parallel region: the main thread's team of 2
+count = lambda: len(os.listdir("/proc/self/task"))
+with_team = count()
+released = release_openmp_threads()
+time.sleep(0.2)  # (the released workers end on their own)
+print(released, with_team - count(), torch.equal(x @ w, before))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    released, ended, same = out.stdout.split()
+    assert released == "True" and int(ended) == 1 and same == "True"

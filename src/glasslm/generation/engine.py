@@ -58,6 +58,7 @@ from glasslm.generation.decoding import DecodeWindow
 from glasslm.generation.prefix import Prefill, PrefixCache
 from glasslm.generation.sampling import apply_repetition_penalty, sample_next, vocab_limit
 from glasslm.generation.streaming import TextStreamer
+from glasslm.runtime import release_openmp_threads
 
 log = logging.getLogger("glasslm.generation.engine")
 
@@ -179,6 +180,9 @@ class Engine:
     # --- the caller's side (event-loop threads) ---
 
     def start(self) -> None:
+        """Start decoding on the worker thread, after letting this thread's idle OpenMP workers go
+        (`runtime.release_openmp_threads`: with them alive, the worker's threads sleep between steps)."""
+        release_openmp_threads()
         self._thread.start()
 
     def submit(self, job: Job) -> None:

@@ -1,12 +1,15 @@
 """How many threads a server decodes on: measured on this machine at start-up, not assumed.
 
-A served step shares the CPU with the event loop that streams its tokens. With one decoding thread
-per core, the loop's work preempts a decoding thread, and every step waits at its barrier for it: on
-a 2-core Xeon a single stream of SmolLM2 decoded at 61 tokens/s on two threads and 150 on one, where
-`glasslm generate` alone does 333 on two (issue 42). Which count wins depends on the CPU, the model
-and what else runs, so `fastest_threads` times the real thing: the engine decoding one stream while
-an event loop on another thread takes each token and encodes it as the server would, for each
-candidate count in turn (interleaved rounds, the median of each), and keeps the fastest.
+A served step runs on the engine's thread, not on the main thread that loaded the model, and shares
+the CPU with the event loop that streams its tokens. The first cost 5x: the main thread's idle
+OpenMP workers left GNU OpenMP managing more threads than cores, so it stopped spinning between
+parallel regions and every step waited on sleeping workers (one SmolLM2 stream on 2 threads: 50
+tokens/s served, 264 in `glasslm generate`); `Engine.start` now lets them go
+(`runtime.release_openmp_threads`) and the served stream runs at 250. What is left depends on the
+CPU, the model and what else runs, so `fastest_threads` times the real thing: the engine decoding
+one stream while an event loop on another thread takes each token and encodes it as the server
+would, for each candidate count in turn (interleaved rounds, the median of each), and keeps the
+fastest.
 
 Example:
     >>> from glasslm.presets import get_preset
