@@ -82,11 +82,6 @@ def train(options: TrainOptions, run: Annotated[dict[str, Any], RunConfig, RUN],
     from glasslm.training.rundir import check_run_dir, holds_no_checkpoint
 
     plan = _plan(options, run, training, model)
-    if plan.resumed is not None and plan.resumed.step >= plan.train.max_steps:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"nothing to train: {plan.resumed.checkpoint} is at step {plan.resumed.step} and --max-steps is "
-                  f"{plan.train.max_steps}; a larger --max-steps continues the run")
-        return 0
     # Refused before any data is read: an unavailable device, an --out holding another run.
     device = resolve_device(plan.train.device)
     main_process = os.environ.get("RANK", "0") == "0"  # other torchrun processes may already see rank 0's files
@@ -96,6 +91,11 @@ def train(options: TrainOptions, run: Annotated[dict[str, Any], RunConfig, RUN],
     pointer_lost = resuming_here and read_pointer(plan.out, "latest") is None
     if main_process:
         check_run_dir(plan.out, resuming=resuming_here, overwrite=options.overwrite)
+    if plan.resumed is not None and plan.resumed.step >= plan.train.max_steps:  # (a run in use was refused above)
+        if main_process:
+            print(f"nothing to train: {plan.resumed.checkpoint} is at step {plan.resumed.step} and --max-steps is "
+                  f"{plan.train.max_steps}; a larger --max-steps continues the run")
+        return 0
     if device == "cpu" or plan.train.threads:
         # Thread counts are the command's business, never the library's (train() leaves them alone).
         set_threads(plan.train.threads)
