@@ -518,3 +518,24 @@ def test_a_run_killed_between_a_checkpoint_and_its_pointers_resumes_from_every_c
     copy = tmp_path / "copy"
     assert comparable(read_metrics(copy / "metrics.jsonl")) == comparable(read_metrics(tmp_path / "full" / "metrics.jsonl"))
     assert (copy / "latest").read_text() == (tmp_path / "full" / "latest").read_text()
+
+
+def test_saving_the_same_model_again_writes_the_same_bytes(tmp_path):
+    # safetensors wrote model.safetensors' metadata keys in an order that varied from save to save
+    # (a Rust HashMap), so two saves of one model differed and hashes of bases and caches broke (issue 43).
+    model = TransformerLM(get_preset("shakespeare-char-cpu", **TINY))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # trained-looking values, not the init
+    tokenizer = CharTokenizer.from_text("abcdefghijklmnop")
+    saves = [save_checkpoint(tmp_path / f"save{i}", model, tokenizer, {"step": 3}) for i in range(8)]
+    files = {p.name for p in saves[0].iterdir()}
+    assert "model.safetensors" in files
+    for name in sorted(files):
+        contents = {(save / name).read_bytes() for save in saves}
+        assert len(contents) == 1, f"{name} differs between saves of the same model"
+    header = saves[0].joinpath("model.safetensors").read_bytes()
+    metadata = json.loads(header[8:8 + int.from_bytes(header[:8], "little")])["__metadata__"]
+    assert list(metadata) == sorted(metadata) == ["format", "library"]
+    loaded = load_checkpoint(saves[0])[0].state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())

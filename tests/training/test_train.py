@@ -116,6 +116,22 @@ def test_evaluate_uses_the_same_batches_every_time():
     assert 2.0 < first < 3.5  # about ln(16) for an untrained model
 
 
+def test_the_validation_loss_depends_on_the_global_batch_not_on_its_split():
+    # The validation windows used to be drawn batch_size x processes at a time, so accumulation changed
+    # them: two runs of the same global batch reported different validation losses (issue 43).
+    model = TransformerLM(get_preset("shakespeare-char-cpu", **TINY))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.2)
+    data = torch.arange(4000) % 7 + (torch.arange(4000) // 97) % 9  # windows that differ in how predictable they are
+    whole = evaluate(model, data, cfg(batch_size=12, eval_iters=3))
+    for batch, accum in ((6, 2), (4, 3), (3, 4)):
+        assert evaluate(model, data, cfg(batch_size=batch, grad_accum_steps=accum, eval_iters=3)) == \
+            pytest.approx(whole, rel=1e-6, abs=0), (batch, accum)
+    other_windows = evaluate(model, data, cfg(batch_size=6, eval_iters=3))  # half the global batch: other windows
+    assert abs(other_windows - whole) > 1e-3
+
+
 def test_metrics_log_and_periodic_evaluation(tmp_path):
     result = train(get_preset("shakespeare-char-cpu", **TINY), cfg(max_steps=10, eval_interval=5, log_interval=2),
                    tokens()[:3500], tokens()[3500:], run_dir=tmp_path)

@@ -91,6 +91,11 @@ def train(options: TrainOptions, run: Annotated[dict[str, Any], RunConfig, RUN],
     pointer_lost = resuming_here and read_pointer(plan.out, "latest") is None
     if main_process:
         check_run_dir(plan.out, resuming=resuming_here, overwrite=options.overwrite)
+    if plan.resumed is not None and plan.resumed.step >= plan.train.max_steps:  # (a run in use was refused above)
+        if main_process:
+            print(f"nothing to train: {plan.resumed.checkpoint} is at step {plan.resumed.step} and --max-steps is "
+                  f"{plan.train.max_steps}; a larger --max-steps continues the run")
+        return 0
     if device == "cpu" or plan.train.threads:
         # Thread counts are the command's business, never the library's (train() leaves them alone).
         set_threads(plan.train.threads)
@@ -149,9 +154,10 @@ def _plan(options: TrainOptions, run: dict[str, Any], training: dict[str, Any], 
         raise ValueError(f"--resume continues the checkpoint's model; drop {sorted(model_overrides)}")
     _refuse_guessing_the_run(options.resume, resumed.checkpoint, given)
     meta = resumed.meta
-    run_config = RunConfig(**{"preset": meta.get("preset", "checkpoint"), "data": meta.get("data"),
-                              "val_fraction": meta.get("val_fraction", VAL_FRACTION), "out": str(resumed.checkpoint.parent),
-                              **given})
+    recorded = {"preset": meta.get("preset", "checkpoint"), "data": meta.get("data"),
+                "val_fraction": meta.get("val_fraction", VAL_FRACTION),
+                "sample_tokens": meta.get("sample_tokens", RunConfig.sample_tokens)}  # (older runs did not record it)
+    run_config = RunConfig(**{**recorded, "out": str(resumed.checkpoint.parent), **given})
     train_config = dataclasses.replace(resumed.train_config, **train_overrides)
     if options.extend_schedule:
         if "lr_decay_steps" in train_overrides:
@@ -233,10 +239,28 @@ def _say_start(say: Any, plan: _Plan, data: Any, model_cfg: ModelConfig, label: 
         + (f", {ctx.world_size} processes, device {ctx.device}" if ctx.enabled else f", device {ctx.device}")
         + (f", resuming from {plan.resumed.checkpoint}" if plan.resumed is not None else ""))
     if plan.resumed is not None:
+        changed = _overridden_settings(plan)
+        if changed:
+            say("settings changed from the run's: " + ", ".join(f"{name} {old!r} -> {new!r}"
+                                                                  for name, (old, new) in changed.items()))
         end = schedule_end(plan.train, plan.resumed.saved_train_config)
         if end < plan.train.max_steps:
             say(f"learning rate: the run's schedule ends at step {end}; steps after it train at min_lr "
                 f"{plan.train.min_lr:g} (--extend-schedule stretches the cosine to --max-steps instead)")
+
+
+def _overridden_settings(plan: _Plan) -> dict[str, tuple[Any, Any]]:
+    """{setting: (the run's value, this command's)} for each setting a resume changes: the training
+    settings its checkpoint recorded, and the run's data, validation fraction and sample length."""
+    assert plan.resumed is not None
+    saved, meta = plan.resumed.train_config, plan.resumed.meta
+    changed = {f.name: (getattr(saved, f.name), getattr(plan.train, f.name)) for f in dataclasses.fields(TrainConfig)
+               if getattr(saved, f.name) != getattr(plan.train, f.name)}
+    for name in ("data", "val_fraction", "sample_tokens"):
+        old, new = meta.get(name, getattr(RunConfig, name)), getattr(plan.run, name)
+        if old != new and not (name == "data" and Path(str(old)).resolve() == Path(str(new)).resolve()):
+            changed[name] = (old, new)
+    return changed
 
 
 def _fit(plan: _Plan, model_cfg: ModelConfig, data: Any, label: str, ctx: Any, options: TrainOptions) -> Any:
@@ -247,7 +271,7 @@ def _fit(plan: _Plan, model_cfg: ModelConfig, data: Any, label: str, ctx: Any, o
     from glasslm.training.loop import train as train_model
 
     meta = {"preset": label, "data": data.source, "val_fraction": plan.run.val_fraction,
-            "train_config": plan.train.to_dict()}
+            "sample_tokens": plan.run.sample_tokens, "train_config": plan.train.to_dict()}
     loggers = _optional_loggers(plan.train, plan.out, {"model": model_cfg.to_dict(), "train": plan.train.to_dict()}) \
         if ctx.is_main else []
     model = _fine_tune_model(model_cfg, plan.init_from) if plan.init_from else model_cfg

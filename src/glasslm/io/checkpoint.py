@@ -115,7 +115,7 @@ def save_checkpoint(
         if not sharded:
             weights = state_dict if state_dict is not None else model.state_dict()
             weights = {name: t.detach().contiguous().cpu() for name, t in weights.items()}
-            save_file(weights, staging / WEIGHTS_FILE, metadata={"format": "pt", "library": "glasslm"})
+            save_tensors(weights, staging / WEIGHTS_FILE, metadata={"format": "pt", "library": "glasslm"})
         (staging / CONFIG_FILE).write_text(model.config.to_json())
         if tokenizer is not None:
             tokenizer.save(staging)
@@ -125,7 +125,7 @@ def save_checkpoint(
             (staging / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
         (staging / META_FILE).write_text(json.dumps(meta, indent=2))
         for name, tensors in (extra_tensors or {}).items():
-            save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, staging / name)
+            save_tensors({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, staging / name)
         for name, obj in (extra_json or {}).items():
             (staging / name).write_text(json.dumps(obj, indent=1))
         _fsync_directory(staging)
@@ -137,6 +137,34 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file whose bytes depend only on `tensors` and `metadata`: the same tensors give the
+    same file, so hashes of checkpoints and caches hold. (safetensors writes the header's
+    `__metadata__` from a Rust HashMap, whose key order varies from one save to the next; the
+    tensors' entries are already sorted.) The header is rewritten in place with the keys sorted:
+    the same characters reordered, so its length and every tensor's offset stay as they were.
+
+    >>> import tempfile, torch
+    >>> path = Path(tempfile.mkdtemp()) / "t.safetensors"
+    >>> save_tensors({"w": torch.ones(2)}, path, {"b": "2", "a": "1"})
+    >>> header = path.read_bytes()
+    >>> list(json.loads(header[8:8 + int.from_bytes(header[:8], "little")])["__metadata__"])
+    ['a', 'b']
+    """
+    save_file(tensors, path, metadata=metadata)
+    if not metadata or len(metadata) < 2:
+        return
+    with open(path, "r+b") as file:
+        length = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(length))
+        header = {"__metadata__": dict(sorted(header.pop("__metadata__").items())), **header}
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > length:  # (serde_json and json.dumps escape alike; never seen)
+            raise CheckpointWriteError(f"could not rewrite the header of {path} in place")
+        file.seek(8)
+        file.write(text.ljust(length, b" "))  # safetensors pads its header with spaces too
 
 
 def staging_directory(target: Path) -> Path:

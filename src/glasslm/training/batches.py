@@ -47,12 +47,15 @@ class BatchSource(Protocol):
     def draw(self, rows: int, generator: torch.Generator) -> tuple[Int[Tensor, "rows t"], Int[Tensor, "rows t"]]:
         """One global batch of (inputs, labels)."""
 
-    def eval_batches(self, rows: int, iters: int,
-                     generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor, float]]:
-        """Validation batches (inputs, labels, weight); the validation loss is their weighted mean."""
+    def eval_batches(self, rows: int, iters: int, generator: torch.Generator,
+                     per_draw: int | None = None) -> Iterator[tuple[Tensor, Tensor, float]]:
+        """Validation batches (inputs, labels, weight) of `rows` rows; the validation loss is their
+        weighted mean. A source that draws at random draws `per_draw` rows at a time (a multiple of
+        `rows`: the step's global batch) and splits each draw into batches, so the rows validated
+        depend on the global batch alone, not on how processes and accumulation split it."""
 
-    def eval_batch_count(self, rows: int, iters: int) -> int:
-        """How many batches `eval_batches(rows, iters, ...)` gives (for the training-time estimate)."""
+    def eval_batch_count(self, rows: int, iters: int, per_draw: int | None = None) -> int:
+        """How many batches `eval_batches(rows, iters, ..., per_draw)` gives (for the training-time estimate)."""
 
     def tokens_per_row(self) -> float:
         """Positions per row, on average (for tokens/s)."""
@@ -72,12 +75,15 @@ class WindowBatches:
     def draw(self, rows: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
         return get_batch(self.tokens, rows, self.context_length, generator=generator)  # each (rows, context)
 
-    def eval_batches(self, rows: int, iters: int, generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor, float]]:
+    def eval_batches(self, rows: int, iters: int, generator: torch.Generator,
+                     per_draw: int | None = None) -> Iterator[tuple[Tensor, Tensor, float]]:
         for _ in range(iters):  # every batch holds rows * context positions: equal weights
-            yield *self.draw(rows, generator), 1.0
+            x, y = self.draw(per_draw or rows, generator)  # each (per_draw, context)
+            for start in range(0, len(x), rows):
+                yield x[start:start + rows], y[start:start + rows], 1.0
 
-    def eval_batch_count(self, rows: int, iters: int) -> int:
-        return iters
+    def eval_batch_count(self, rows: int, iters: int, per_draw: int | None = None) -> int:
+        return iters * -(-(per_draw or rows) // rows)
 
     def tokens_per_row(self) -> float:
         return float(self.context_length)
@@ -107,14 +113,15 @@ class SFTBatches:
         chosen = torch.randint(len(self.examples), (rows,), generator=generator).tolist()
         return padded_batch([self.examples[i] for i in chosen], self.context_length, self.pad_id)  # (rows, width)
 
-    def eval_batches(self, rows: int, iters: int, generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor, float]]:
+    def eval_batches(self, rows: int, iters: int, generator: torch.Generator,
+                     per_draw: int | None = None) -> Iterator[tuple[Tensor, Tensor, float]]:
         """Every example once (`iters` and `generator` are not needed), each batch weighted by its
         trained tokens, so the loss is the mean over all held-out assistant tokens."""
         for start in range(0, len(self.examples), rows):
             x, y = padded_batch(self.examples[start:start + rows], self.context_length, self.pad_id)
             yield x, y, float((y != IGNORE_INDEX).sum())
 
-    def eval_batch_count(self, rows: int, iters: int) -> int:
+    def eval_batch_count(self, rows: int, iters: int, per_draw: int | None = None) -> int:
         return -(-len(self.examples) // rows)
 
     def tokens_per_row(self) -> float:
@@ -149,13 +156,14 @@ class PreferenceBatches:
         chosen = torch.randint(len(self.pairs), (rows,), generator=generator).tolist()
         return self._batch([self.pairs[i] for i in chosen])
 
-    def eval_batches(self, rows: int, iters: int, generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor, float]]:
+    def eval_batches(self, rows: int, iters: int, generator: torch.Generator,
+                     per_draw: int | None = None) -> Iterator[tuple[Tensor, Tensor, float]]:
         """Every pair once, each batch weighted by its pairs (the loss is a mean over pairs)."""
         for start in range(0, len(self.pairs), rows):
             batch = self.pairs[start:start + rows]
             yield *self._batch(batch), float(len(batch))
 
-    def eval_batch_count(self, rows: int, iters: int) -> int:
+    def eval_batch_count(self, rows: int, iters: int, per_draw: int | None = None) -> int:
         return -(-len(self.pairs) // rows)
 
     def tokens_per_row(self) -> float:
@@ -191,13 +199,14 @@ class ProblemBatches:
     def draw(self, rows: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
         return self._batch(torch.randint(len(self.problems), (rows,), generator=generator).tolist())
 
-    def eval_batches(self, rows: int, iters: int, generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor, float]]:
+    def eval_batches(self, rows: int, iters: int, generator: torch.Generator,
+                     per_draw: int | None = None) -> Iterator[tuple[Tensor, Tensor, float]]:
         """Every problem once, each batch weighted by its problems."""
         for start in range(0, len(self.problems), rows):
             numbers = list(range(start, min(start + rows, len(self.problems))))
             yield *self._batch(numbers), float(len(numbers))
 
-    def eval_batch_count(self, rows: int, iters: int) -> int:
+    def eval_batch_count(self, rows: int, iters: int, per_draw: int | None = None) -> int:
         return -(-len(self.problems) // rows)
 
     def tokens_per_row(self) -> float:

@@ -120,7 +120,9 @@ def estimate_training(parts: TrainingParts, refuse_above_s: float | None = None)
     # Fine-tuning evaluates every held-out conversation once, however many eval_iters say (a batch
     # source of one's own without the count is taken to give eval_iters batches).
     count = getattr(parts.val_source, "eval_batch_count", None)
-    eval_batches = count(cfg.batch_size, cfg.eval_iters) if count is not None else cfg.eval_iters
+    # (pretraining's windows come in draws of the step's global batch: grad_accum_steps batches each)
+    eval_batches = count(cfg.batch_size, cfg.eval_iters, cfg.batch_size * cfg.grad_accum_steps) \
+        if count is not None else cfg.eval_iters
 
     def estimate(micro_batch_s: float, timed_rows: int | None, optimizer_s: float = 0.0) -> TrainingEstimate:
         return TrainingEstimate(steps, cfg.grad_accum_steps, micro_batch_s, cfg.batch_size,

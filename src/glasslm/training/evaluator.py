@@ -39,7 +39,10 @@ def evaluate(
 
     With no generator the batches come from a fresh generator seeded with seed + 1, i.e. the
     same windows at every evaluation: the curve then shows the model changing, not the sample.
-    Each process takes its slice of each global batch, so the mean matches a single process.
+    Each draw of windows is the step's global batch (batch_size x grad_accum_steps x processes rows),
+    evaluated in batches of batch_size rows per process, so every split of the same global batch
+    (processes, accumulation) validates on the same windows and reports the same loss, to float
+    rounding; each process takes its slice of each batch.
     """
     return evaluate_objective(model, tokens, cfg, generator, ctx, device)[0]
 
@@ -58,7 +61,8 @@ def evaluate_objective(
     model.eval()
     totals: dict[str, Tensor] = {}  # the loss under "", then the statistics
     weights = 0.0
-    for x, y, weight in source.eval_batches(cfg.batch_size * ctx.world_size, cfg.eval_iters, generator):
+    rows = cfg.batch_size * ctx.world_size  # one micro-batch on every process
+    for x, y, weight in source.eval_batches(rows, cfg.eval_iters, generator, per_draw=rows * cfg.grad_accum_steps):
         x, y = rank_slice(x, ctx.rank, ctx.world_size).to(device), rank_slice(y, ctx.rank, ctx.world_size).to(device)
         with autocast_context(cfg, device):
             loss, stats = objective(model, x, y)  # x, y: (rows, seq)

@@ -311,6 +311,7 @@ class ResumedRun:
     model_config: ModelConfig
     train_config: TrainConfig  # the run's settings when the checkpoint was saved
     saved_train_config: dict[str, Any]  # the same as saved (glasslm.training.loop.schedule_end reads it)
+    step: int = 0  # the step the checkpoint was saved after
 
 
 def read_resumed_run(path: str | os.PathLike) -> ResumedRun:
@@ -331,4 +332,4 @@ def read_resumed_run(path: str | os.PathLike) -> ResumedRun:
                          "training checkpoint, so it cannot be resumed")
     saved = TrainConfig.from_dict(state["train_config"], f"{checkpoint / TRAINER_STATE_JSON}")
     return ResumedRun(checkpoint, read_json(checkpoint / META_FILE), load_config(checkpoint / CONFIG_FILE),
-                      saved, state["train_config"])
+                      saved, state["train_config"], int(state["step"]))
