@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import urllib.error
-import urllib.request
 from typing import Literal
 
 import pytest
@@ -27,6 +25,7 @@ from glasslm.serving.config import ServeConfig  # noqa: E402
 from glasslm.serving.server import serving_in_thread  # noqa: E402
 from glasslm.tokenizers import CharTokenizer  # noqa: E402
 from glasslm.tokenizers.chat import render_chat  # noqa: E402
+from tests.serving.test_chat_api import _post as post  # noqa: E402  (status and JSON of a chat request)
 
 # Qwen2.5's tool calling, in small: the tools as JSON in a system turn, calls as <tool_call> JSON lines.
 HERMES = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}<|im_end|>\n"
@@ -135,16 +134,6 @@ def test_required_tool_calls_stream_as_tool_call_deltas(served):
     whole = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required",
                                            max_tokens=200, seed=1)
     assert whole.choices[0].message.tool_calls[0].function.arguments == calls[0].function.arguments
-
-
-def post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def schema_format(schema) -> dict:
