@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from glasslm.kernels import build
 from glasslm.kernels.qmatmul import (
-    QuantizedMatrix, activation_error_bound, activation_rows, dequantize_rows, float_error_bound, kernel_ops, pack,
-    pack_half, panel_block_bytes, qlinear, qmatmul, qmatmul_reference, quantize_block_rows, quantize_rows_reference,
-    summation_error_bound, unpack_levels,
+    QuantizedMatrix, activation_error_bound, activation_rows, dequantize_rows, float_error_bound, kernel_ops,
+    lookup_rows, pack, pack_float_panels, pack_floats, panel_block_bytes, qlinear, qmatmul, qmatmul_reference,
+    quantize_block_rows, quantize_rows_reference, summation_error_bound, unpack, unpack_levels,
 )
 from glasslm.transforms.ggml import FORMATS, block_matrix, quantize_blocks
 
@@ -144,23 +144,28 @@ def test_every_path_gives_each_row_what_it_alone_gets(kind):
         assert torch.all((out - reference).abs() <= float_error_bound(x, matrix))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_16_bit_weights_multiply_float_rows_to_float_rounding(isa, dtype, rows):
-    """fp16 / bf16 weights (GGUF F16, BF16) against float32 rows: the float product of the weights'
-    exact values, within float32 summation rounding, not the product of rows rounded to 16 bits."""
+def test_float_weights_multiply_float_rows_to_float_rounding(isa, dtype, rows):
+    """fp16 / bf16 / float32 weights (GGUF F16, BF16, F32) against float32 rows: the float product of
+    the weights' exact values, within float32 summation rounding, not the product of rows rounded to
+    16 bits."""
     g = torch.Generator().manual_seed(2)
     weight = (torch.randn(70, 512, generator=g) * torch.logspace(-3, 0, 70)[:, None]).to(dtype)
     x, bias = activations(rows), torch.randn(70, generator=g)
-    packed = pack_half(weight)
+    packed = pack_floats(weight)
     assert packed.levels.shape == (5, 16, 512) and packed.levels[0, 1, 16 * 3 + 2] == weight[2, 32 + 3]
+    assert torch.equal(packed.levels, pack_float_panels(weight)) and torch.equal(unpack(packed), weight)
     got = qlinear(x, packed, bias)
     exact = F.linear(x.double(), weight.double(), bias.double())
     bound = 2 * (512 + 8) * 2**-24 * (x.double().abs() @ weight.double().abs().T + bias.double().abs())
     assert torch.all((got.double() - exact).abs() <= bound)
-    # Rows rounded to 16 bits first would be ~100x (fp16) to ~1000x (bf16) further off.
-    rounded_rows = F.linear(x.to(dtype).double(), weight.double(), bias.double())
-    assert (got.double() - exact).abs().max() < 0.05 * (rounded_rows - exact).abs().max()
+    if dtype != torch.float32:  # rows rounded to 16 bits first would be ~100x (fp16) to ~1000x (bf16) further off
+        rounded_rows = F.linear(x.to(dtype).double(), weight.double(), bias.double())
+        assert (got.double() - exact).abs().max() < 0.05 * (rounded_rows - exact).abs().max()
+    # The packed table's rows, looked up in place, are the weights' exact values.
+    ids = torch.tensor([69, 0, 17, 17])
+    assert torch.equal(lookup_rows(packed, ids), weight[ids].float())
 
 
 # --- llama.cpp's own code, through the libraries llama-cpp-python ships ------------------------

@@ -126,7 +126,7 @@ def test_quantizing_a_quantized_model_is_refused():
 
 def test_unknown_names_and_options_are_clear_errors(gain_transform, tmp_path):
     model = small_model()
-    with pytest.raises(ValueError, match=r"unknown transform .int3.; choose from int8, int4, q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, f16, bf16, lora, row_split, test-gain"):
+    with pytest.raises(ValueError, match=r"unknown transform .int3.; choose from int8, int4, q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, f16, bf16, f32, lora, row_split, test-gain"):
         apply_transform(model, "int3")
     with pytest.raises(ValueError, match="'test-gain' has no option rank; its options are initial"):
         apply_transform(model, "test-gain", rank=4)
@@ -165,7 +165,7 @@ def test_the_cli_quantize_choices_come_from_the_registry():
     register_transform(Transform("test-int2", add_gains, kind="quantization"))
     try:
         assert transform_names("quantization") == ("int8", "int4", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16",
-                                                     "test-int2")
+                                                     "f32", "test-int2")
         args = build_parser().parse_args(["quantize", "--checkpoint", "a", "--out", "b", "--method", "test-int2"])
         assert vars(args)["QuantizeConfig.method"] == "test-int2"
         args = build_parser().parse_args(["generate", "--checkpoint", "a", "--prompt", "x", "--quantize", "test-int2"])

@@ -109,7 +109,8 @@ int64_t current_isa() {
 // The operands, as raw pointers.
 
 // How a group's scale and minimum are stored.
-enum ScaleKind : int { kHalf = 0, kBf16 = 1, kSubU8 = 2, kSubI8 = 3 };
+// (kFloat: float32 weights, kept as they are, like the 16-bit ones.)
+enum ScaleKind : int { kHalf = 0, kBf16 = 1, kSubU8 = 2, kSubI8 = 3, kFloat = 4 };
 
 struct Weights {
   const uint8_t* levels;   // (panels, blocks, panel_block_bytes): see pack_levels in qmatmul.py
@@ -123,11 +124,12 @@ struct Weights {
   const float* bias;       // (d_out) or null
 
   // 16 rows x 32 levels: the low four bits as nibbles (or whole bytes at 8 bits), a 64-byte plane per
-  // higher bit; 16-bit weights (fp16 or bf16 as scale_kind says, no scales) as they are.
+  // higher bit; float weights (fp16, bf16 or float32 as scale_kind says, no scales) as they are.
   int64_t panel_block_bytes() const {
     return bits >= 8 ? kPanel * kBlock * bits / 8 : kPanel * kBlock / 2 + 64 * (bits - 4);
   }
   bool halves() const { return group_size == kBlock / 2; }
+  bool floats() const { return bits >= 16; }  // 16- or 32-bit float weights, multiplied by float rows
   int64_t group_blocks() const { return halves() ? 1 : group_size / kBlock; }
   int64_t supers() const { return super_groups > 0 ? groups / super_groups : 0; }
 
@@ -155,6 +157,13 @@ struct Rows {
 };
 
 float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+// Element `at` of float weights (fp16, bf16 or float32 as `kind` says) as float32.
+float float_weight(const uint8_t* values, int kind, int64_t at) {
+  if (kind == kFloat) return reinterpret_cast<const float*>(values)[at];
+  const uint16_t bits = reinterpret_cast<const uint16_t*>(values)[at];
+  return kind == kBf16 ? static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits())) : half_value(bits);
+}
 
 float Weights::group_value(int64_t panel, int64_t g, int lane, bool min) const {
   const void* values = min ? mins : scales;
@@ -190,20 +199,15 @@ int32_t level_sum(const int8_t* xq, int begin, int end) {
   return total;
 }
 
-// 16-bit weights, packed (panels, blocks, 32 inputs x 16 rows): input i's 16 rows side by side.
-void tile16_scalar(const Weights& w, const Rows& x, int64_t panel, int64_t row0, int rows, float* y, int64_t ld_y) {
+// Float weights, packed (panels, blocks, 32 inputs x 16 rows): input i's 16 rows side by side.
+void tile_float_scalar(const Weights& w, const Rows& x, int64_t panel, int64_t row0, int rows, float* y, int64_t ld_y) {
   const int64_t width = w.blocks * kBlock;
-  const uint16_t* p = reinterpret_cast<const uint16_t*>(w.levels) + panel * width * kPanel;
+  const uint8_t* p = w.levels + panel * width * kPanel * (w.bits / 8);
   for (int64_t row = row0; row < row0 + rows; ++row) {
     float acc[kPanel] = {};
     for (int64_t i = 0; i < width; ++i) {
       const float xi = x.x[row * width + i];
-      for (int lane = 0; lane < kPanel; ++lane) {
-        const uint16_t bits = p[i * kPanel + lane];
-        const float value = w.scale_kind == kBf16 ? static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()))
-                                                  : half_value(bits);
-        acc[lane] += xi * value;
-      }
+      for (int lane = 0; lane < kPanel; ++lane) acc[lane] += xi * float_weight(p, w.scale_kind, i * kPanel + lane);
     }
     for (int lane = 0; lane < kPanel && panel * kPanel + lane < w.d_out; ++lane) {
       y[row * ld_y + panel * kPanel + lane] = w.bias != nullptr ? acc[lane] + w.bias[panel * kPanel + lane] : acc[lane];
@@ -212,7 +216,7 @@ void tile16_scalar(const Weights& w, const Rows& x, int64_t panel, int64_t row0,
 }
 
 void tile_scalar(const Weights& w, const Rows& x, int64_t panel, int64_t row0, int rows, float* y, int64_t ld_y) {
-  if (w.bits == 16) return tile16_scalar(w, x, panel, row0, rows, y, ld_y);
+  if (w.floats()) return tile_float_scalar(w, x, panel, row0, rows, y, ld_y);
   const int64_t step = w.panel_block_bytes();
   const int parts = w.halves() ? 2 : 1, width = kBlock / parts;  // a half-block group is its own part
   for (int64_t row = row0; row < row0 + rows; ++row) {
@@ -404,29 +408,32 @@ GLASSLM_AVX512 void tile_halves_avx512(const Weights& w, const Rows& x, int64_t 
   store_tile512<ROWS>(w, acc, panel, row0, y, ld_y);
 }
 
-// 16 rows' fp16 or bf16 weights of one input, as float32.
-template <bool BF16>
-GLASSLM_AVX512 inline __m512 weights16_512(const uint16_t* p) {
+// 16 rows' fp16, bf16 or float32 weights of one input (KIND), as float32.
+template <int KIND>
+GLASSLM_AVX512 inline __m512 weights16_512(const uint8_t* p) {
+  if constexpr (KIND == kFloat) return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  if constexpr (BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  if constexpr (KIND == kBf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
   return _mm512_cvtph_ps(bits);
 }
 
-// 16-bit weights against float32 rows: one multiply-add per input for all 16 rows, four chains of
+// Float weights against float32 rows: one multiply-add per input for all 16 rows, four chains of
 // inputs (i mod 4) so consecutive multiply-adds do not wait on each other.
-template <bool BF16, int ROWS>
-GLASSLM_AVX512 void tile16_avx512(const Weights& w, const Rows& x, int64_t panel, int64_t row0, float* y, int64_t ld_y) {
+template <int KIND, int ROWS>
+GLASSLM_AVX512 void tile_float_avx512(const Weights& w, const Rows& x, int64_t panel, int64_t row0, float* y, int64_t ld_y) {
+  constexpr int64_t kStep = kPanel * (KIND == kFloat ? 4 : 2);  // bytes per input's 16 rows
   const int64_t width = w.blocks * kBlock;
-  const uint16_t* p = reinterpret_cast<const uint16_t*>(w.levels) + panel * width * kPanel;
+  const uint8_t* p = w.levels + panel * width * kStep;
   __m512 acc[ROWS][4];
   for (int r = 0; r < ROWS; ++r) {
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   }
-  for (int64_t i = 0; i < width; i += 4, p += 4 * kPanel) {
-    _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + 64, _MM_HINT_T1);
+  for (int64_t i = 0; i < width; i += 4, p += 4 * kStep) {
+    for (int line = 0; line < 4 * kStep / 64; ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + 64 * line, _MM_HINT_T1);
+    }
     __m512 v[4];
-    for (int j = 0; j < 4; ++j) v[j] = weights16_512<BF16>(p + j * kPanel);
+    for (int j = 0; j < 4; ++j) v[j] = weights16_512<KIND>(p + j * kStep);
     for (int r = 0; r < ROWS; ++r) {
       const float* xr = x.x + (row0 + r) * width + i;
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xr[j]), v[j], acc[r][j]);
@@ -585,27 +592,33 @@ GLASSLM_AVX2 void tile_avx2(const Weights& w, const Rows& x, int64_t panel, int6
   }
 }
 
-template <bool BF16>
-GLASSLM_AVX2 inline __m256 weights16_256(const uint16_t* p) {
+template <int KIND>
+GLASSLM_AVX2 inline __m256 weights16_256(const uint8_t* p) {
+  if constexpr (KIND == kFloat) return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  if constexpr (KIND == kBf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
   return _mm256_cvtph_ps(bits);
 }
 
-// 16-bit weights, 8 rows at a time (F16C converts fp16; bf16 is a shift).
-template <bool BF16, int ROWS>
-GLASSLM_AVX2 void tile16_avx2(const Weights& w, const Rows& x, int64_t panel, int64_t row0, float* y, int64_t ld_y) {
+// Float weights, 8 rows at a time (F16C converts fp16; bf16 is a shift; float32 a load).
+template <int KIND, int ROWS>
+GLASSLM_AVX2 void tile_float_avx2(const Weights& w, const Rows& x, int64_t panel, int64_t row0, float* y, int64_t ld_y) {
+  constexpr int64_t kSize = KIND == kFloat ? 4 : 2, kStep = kPanel * kSize;
   const int64_t width = w.blocks * kBlock;
   for (int half = 0; half < 2; ++half) {
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(w.levels) + panel * width * kPanel + 8 * half;
+    const uint8_t* p = w.levels + panel * width * kStep + 8 * half * kSize;
     __m256 acc[ROWS][4];
     for (int r = 0; r < ROWS; ++r) {
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
     }
-    for (int64_t i = 0; i < width; i += 4, p += 4 * kPanel) {
-      if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T1);
+    for (int64_t i = 0; i < width; i += 4, p += 4 * kStep) {
+      if (half == 0) {
+        for (int line = 0; line < 4 * kStep / 64; ++line) {
+          _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + 64 * line, _MM_HINT_T1);
+        }
+      }
       __m256 v[4];
-      for (int j = 0; j < 4; ++j) v[j] = weights16_256<BF16>(p + j * kPanel);
+      for (int j = 0; j < 4; ++j) v[j] = weights16_256<KIND>(p + j * kStep);
       for (int r = 0; r < ROWS; ++r) {
         const float* xr = x.x + (row0 + r) * width + i;
         for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(xr[j]), v[j], acc[r][j]);
@@ -641,7 +654,10 @@ template <template <int, int, bool, bool, int> class Pick>
 TileFn pick_tile(const Weights& w, int rows) {
   const bool mins = w.mins != nullptr;
   const int kind = w.scale_kind;
-  if (w.bits == 16) return kind == kBf16 ? pick_rows<Pick, 16, kBf16, false, false>(rows) : pick_rows<Pick, 16, kHalf, false, false>(rows);
+  if (w.floats()) {
+    if (kind == kFloat) return pick_rows<Pick, 32, kFloat, false, false>(rows);
+    return kind == kBf16 ? pick_rows<Pick, 16, kBf16, false, false>(rows) : pick_rows<Pick, 16, kHalf, false, false>(rows);
+  }
   if (w.halves()) {
     return w.bits == 6 && kind == kSubI8 && !mins ? pick_rows<Pick, 6, kSubI8, false, true>(rows) : nullptr;
   }
@@ -660,8 +676,8 @@ TileFn pick_tile(const Weights& w, int rows) {
 template <int BITS, int SCALE, bool MINS, bool HALVES, int ROWS>
 struct Avx512Tile {
   static constexpr TileFn pick() {
-    if constexpr (BITS == 16) {
-      return tile16_avx512<SCALE == kBf16, ROWS>;
+    if constexpr (BITS >= 16) {
+      return tile_float_avx512<SCALE, ROWS>;
     } else if constexpr (HALVES) {
       return tile_halves_avx512<BITS, SCALE, MINS, ROWS>;
     } else {
@@ -673,8 +689,8 @@ struct Avx512Tile {
 template <int BITS, int SCALE, bool MINS, bool HALVES, int ROWS>
 struct Avx2Tile {
   static constexpr TileFn pick() {
-    if constexpr (BITS == 16) {
-      return tile16_avx2<SCALE == kBf16, ROWS>;
+    if constexpr (BITS >= 16) {
+      return tile_float_avx2<SCALE, ROWS>;
     } else {
       return tile_avx2<BITS, SCALE, MINS, HALVES, ROWS>;
     }
@@ -856,21 +872,23 @@ void check_vectors(const Operands& m) {
   }
 }
 
-// 16-bit weights: (panels, blocks, 32 x 16) fp16 or bf16 (qmatmul.py's pack_half), no scales.
-Weights weights16_of(const Operands& m) {
+// Float weights: (panels, blocks, 32 x 16) fp16, bf16 (16 bits) or float32 (32 bits) (qmatmul.py's
+// pack_floats), no scales.
+Weights weights_float_of(const Operands& m) {
   const at::ScalarType type = m.levels.scalar_type();
-  TORCH_CHECK((type == at::kHalf || type == at::kBFloat16) && m.levels.dim() == 3 && m.levels.is_contiguous() &&
-                  m.levels.size(2) == kBlock * kPanel,
-              "glasslm_kernels: 16-bit weights must be contiguous fp16 or bf16 (panels, blocks, 512), got ", type, " ",
-              m.levels.sizes());
-  TORCH_CHECK(!m.scales && !m.mins && !m.super_scales && !m.super_mins, "glasslm_kernels: 16-bit weights take no scales");
+  const bool wide = m.bits == 32;
+  TORCH_CHECK((wide ? type == at::kFloat : (type == at::kHalf || type == at::kBFloat16)) && m.levels.dim() == 3 &&
+                  m.levels.is_contiguous() && m.levels.size(2) == kBlock * kPanel,
+              "glasslm_kernels: ", m.bits, "-bit weights must be contiguous ", wide ? "float32" : "fp16 or bf16",
+              " (panels, blocks, 512), got ", type, " ", m.levels.sizes());
+  TORCH_CHECK(!m.scales && !m.mins && !m.super_scales && !m.super_mins, "glasslm_kernels: float weights take no scales");
   const int64_t panels = m.levels.size(0);
   TORCH_CHECK(m.d_out > (panels - 1) * kPanel && m.d_out <= panels * kPanel, "glasslm_kernels: d_out ", m.d_out,
               " does not fit ", panels, " panels of 16 rows");
   check_vectors(m);
   Weights w{};
   w.levels = static_cast<const uint8_t*>(m.levels.const_data_ptr());
-  w.bits = 16, w.scale_kind = type == at::kHalf ? kHalf : kBf16;
+  w.bits = static_cast<int>(m.bits), w.scale_kind = wide ? kFloat : type == at::kHalf ? kHalf : kBf16;
   w.blocks = m.levels.size(1), w.panels = panels, w.d_out = m.d_out, w.group_size = w.blocks * kBlock;
   w.row_scale = m.row_scale ? m.row_scale->const_data_ptr<float>() : nullptr;
   w.bias = m.bias ? m.bias->const_data_ptr<float>() : nullptr;
@@ -879,8 +897,9 @@ Weights weights16_of(const Operands& m) {
 
 Weights weights_of(const Operands& m) {
   const int64_t bits = m.bits;
-  if (bits == 16) return weights16_of(m);
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "glasslm_kernels: weights have 4, 5, 6, 8 or 16 bits, got ", bits);
+  if (bits == 16 || bits == 32) return weights_float_of(m);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "glasslm_kernels: weights have 4, 5, 6, 8, 16 or 32 bits, got ",
+              bits);
   Weights w{};
   w.bits = static_cast<int>(bits);
   TORCH_CHECK(m.levels.scalar_type() == at::kByte && m.levels.dim() == 3 && m.levels.is_contiguous() &&
@@ -945,7 +964,7 @@ at::Tensor qmatmul(const at::Tensor& q, const at::Tensor& d, const at::Tensor& s
                    const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& bias) {
   const Weights w = weights_of({levels, scales, mins, super_scales, super_mins, bits, offset, group_size, super_groups, d_out,
                                 row_scale, bias});
-  TORCH_CHECK(w.bits != 16, "glasslm_kernels: qmatmul takes quantized weights; 16-bit ones take float rows (qlinear)");
+  TORCH_CHECK(!w.floats(), "glasslm_kernels: qmatmul takes quantized weights; float ones take float rows (qlinear)");
   const Activations a = given_rows(q, d, sums, passes, w.blocks);
   const Rows x = a.rows();
   at::Tensor y = at::empty({x.count, d_out}, q.options().dtype(at::kFloat));
@@ -968,7 +987,7 @@ at::Tensor qlinear_parts(const at::Tensor& x, const std::vector<const Weights*>&
   }
   const at::Tensor rows = x.contiguous();
   const int64_t width = x.size(-1), count = rows.numel() / width;
-  const bool quantized = std::any_of(parts.begin(), parts.end(), [](const Weights* w) { return w->bits != 16; });
+  const bool quantized = std::any_of(parts.begin(), parts.end(), [](const Weights* w) { return !w->floats(); });
   // Kept between calls for decoding's few rows; a long prefill's rows get their own tensors, freed after
   // (and never zeroed: quantize_into writes every byte).
   thread_local std::vector<int8_t> kept_q;
@@ -979,7 +998,7 @@ at::Tensor qlinear_parts(const at::Tensor& x, const std::vector<const Weights*>&
   float* d;
   int32_t* sums;
   if (!quantized) {
-    q = nullptr, d = nullptr, sums = nullptr;  // 16-bit weights read the float rows
+    q = nullptr, d = nullptr, sums = nullptr;  // float weights read the float rows
   } else if (count * width <= kKeptScratch) {
     kept_q.resize(kPasses * count * width);
     kept_d.resize(kPasses * count * first.blocks);
@@ -1011,12 +1030,9 @@ at::Tensor qlinear_checked(const at::Tensor& x, const Weights& w) { return qline
 void row_values(const Weights& w, int64_t row, float* out) {
   const int64_t panel = row / kPanel, width = w.blocks * kBlock;
   const int lane = static_cast<int>(row % kPanel);
-  if (w.bits == 16) {
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(w.levels) + panel * width * kPanel + lane;
-    for (int64_t i = 0; i < width; ++i) {
-      const uint16_t bits = p[i * kPanel];
-      out[i] = w.scale_kind == kBf16 ? static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits())) : half_value(bits);
-    }
+  if (w.floats()) {
+    const uint8_t* p = w.levels + panel * width * kPanel * (w.bits / 8);
+    for (int64_t i = 0; i < width; ++i) out[i] = float_weight(p, w.scale_kind, i * kPanel + lane);
   } else {
     for (int64_t b = 0; b < w.blocks; ++b) {
       const uint8_t* block = w.levels + (panel * w.blocks + b) * w.panel_block_bytes();
@@ -1087,20 +1103,21 @@ void pack_panel_block(int bits, int64_t lanes, LevelOf level_of, uint8_t* out) {
   for (int64_t lane = 0; lane < lanes; ++lane) {
     uint8_t level[kBlock];
     for (int i = 0; i < kBlock; ++i) level[i] = static_cast<uint8_t>(level_of(lane, i));
+    uint32_t quad[8];  // quad k: inputs 4k..4k+3, byte t of the word being input 4k + t (little-endian)
+    std::memcpy(quad, level, kBlock);
     uint8_t* row = out + 4 * lane;  // byte t of this row's quad in each 64-byte chunk
     if (bits == 8) {
-      for (int k = 0; k < 8; ++k) std::memcpy(row + 64 * k, level + 4 * k, 4);
+      for (int k = 0; k < 8; ++k) std::memcpy(row + 64 * k, &quad[k], 4);
       continue;
     }
-    for (int k = 0; k < 4; ++k) {
-      for (int t = 0; t < 4; ++t) row[64 * k + t] = (level[4 * k + t] & 0x0F) | ((level[4 * k + 16 + t] & 0x0F) << 4);
+    for (int k = 0; k < 4; ++k) {  // byte t: input 4k + t in the low nibble, input 4k + 16 + t in the high
+      const uint32_t nibbles = (quad[k] & 0x0F0F0F0Fu) | ((quad[k + 4] & 0x0F0F0F0Fu) << 4);
+      std::memcpy(row + 64 * k, &nibbles, 4);
     }
-    for (int bit = 4; bit < bits; ++bit) {
-      for (int t = 0; t < 4; ++t) {
-        int byte = 0;
-        for (int k = 0; k < 8; ++k) byte |= ((level[4 * k + t] >> bit) & 1) << k;
-        row[256 + 64 * (bit - 4) + t] = static_cast<uint8_t>(byte);
-      }
+    for (int bit = 4; bit < bits; ++bit) {  // bit k of byte t: that bit of input 4k + t, all four t at once
+      uint32_t plane = 0;
+      for (int k = 0; k < 8; ++k) plane |= ((quad[k] >> bit) & 0x01010101u) << k;
+      std::memcpy(row + 256 + 64 * (bit - 4), &plane, 4);
     }
   }
 }
@@ -1164,10 +1181,11 @@ void k_scale_min(const uint8_t* q, int j, uint16_t* scale, uint16_t* min) {
   }
 }
 
-void decode_small(const GgmlFormat& f, const uint8_t* in, DecodedBlock& out) {
+void decode_small(const GgmlFormat& f, const uint8_t* in, DecodedBlock& out, bool levels = true) {
   const bool two = f.mins;  // q4_1 and q5_1 carry m after d
   out.scales[0] = read16(in);
   if (two) out.mins[0] = read16(in + 2);
+  if (!levels) return;
   const uint8_t* q = in + (two ? 4 : 2);
   if (f.bits == 8) {
     for (int i = 0; i < 32; ++i) out.levels[i] = q[i] ^ 0x80;  // int8 q -> q + 128
@@ -1184,7 +1202,7 @@ void decode_small(const GgmlFormat& f, const uint8_t* in, DecodedBlock& out) {
   }
 }
 
-void decode_k(const GgmlFormat& f, const uint8_t* in, DecodedBlock& out) {
+void decode_k(const GgmlFormat& f, const uint8_t* in, DecodedBlock& out, bool levels = true) {
   if (f.bits == 6) {  // ql[128] qh[64] scales[16] (int8) d
     const uint8_t *ql = in, *qh = in + 128;
     for (int n = 0; n < 2; ++n, ql += 64, qh += 32) {
@@ -1206,7 +1224,7 @@ void decode_k(const GgmlFormat& f, const uint8_t* in, DecodedBlock& out) {
   const uint8_t* qs = in + (f.bits == 5 ? 48 : 16);
   for (int j = 0; j < 8; ++j) {
     k_scale_min(in + 4, j, &out.scales[j], &out.mins[j]);
-    for (int l = 0; l < 32; ++l) {
+    for (int l = 0; levels && l < 32; ++l) {
       const uint8_t byte = qs[32 * (j / 2) + l];
       const int nibble = j % 2 == 0 ? byte & 0x0F : byte >> 4;
       const int high = f.bits == 5 ? (qh[l] >> j) & 1 : 0;
@@ -1250,26 +1268,67 @@ PackedGgml empty_packed(const GgmlFormat& f, int64_t panels, int64_t d_in, const
   return out;
 }
 
+// The formats whose packed bytes are the file's own, moved (q4_0, q4_1, q8_0) or with their nibbles
+// re-paired (q4_k): `direct_block` writes them without decoding a level.
+bool direct_levels(const GgmlFormat& f) { return f.bits == 8 || (f.bits == 4 && !f.supers) || f.name == "q4_k"; }
+
+// Block b (of 32 inputs) of one row's file block, into its row's 4 bytes of each packed chunk (`row`:
+// byte 4 * lane of the panel block): what pack_panel_block makes of the decoded levels, byte for byte.
+void direct_block(const GgmlFormat& f, const uint8_t* block, int64_t b, uint8_t* row) {
+  if (f.bits == 8) {  // int8 q -> q + 128, chunk k holding inputs 4k..4k+3
+    const uint8_t* q = block + 2;
+    for (int k = 0; k < 8; ++k) {
+      for (int t = 0; t < 4; ++t) row[64 * k + t] = q[4 * k + t] ^ 0x80;
+    }
+    return;
+  }
+  uint8_t pairs[16];  // byte j: input j's level (low nibble) and input j + 16's (high), as chunk j / 4 wants
+  if (!f.supers) {  // q4_0 / q4_1 store exactly those pairs
+    std::memcpy(pairs, block + (f.mins ? 4 : 2), 16);
+  } else {  // q4_k: groups 2i and 2i + 1 share 32 bytes, low and high nibbles
+    const uint8_t* q = block + 16 + 32 * (b / 2);
+    for (int j = 0; j < 16; ++j) {
+      pairs[j] = b % 2 == 0 ? static_cast<uint8_t>((q[j] & 0x0F) | (q[j + 16] << 4))
+                            : static_cast<uint8_t>((q[j] >> 4) | (q[j + 16] & 0xF0));
+    }
+  }
+  for (int k = 0; k < 4; ++k) std::memcpy(row + 64 * k, pairs + 4 * k, 4);
+}
+
 // One panel's file blocks number `fb` (rows p * 16 ..): decoded, then packed and their scales stored.
 void pack_file_block(const GgmlFormat& f, const uint8_t* in, int64_t row_bytes, int64_t p, int64_t lanes, int64_t fb,
                      int64_t d_in, PackedGgml& out) {
   DecodedBlock decoded[kPanel];
+  const bool direct = direct_levels(f);
   for (int64_t lane = 0; lane < lanes; ++lane) {
     const uint8_t* block = in + (p * kPanel + lane) * row_bytes + fb * f.bytes;
-    f.supers ? decode_k(f, block, decoded[lane]) : decode_small(f, block, decoded[lane]);
+    f.supers ? decode_k(f, block, decoded[lane], !direct) : decode_small(f, block, decoded[lane], !direct);
   }
   const int64_t blocks = d_in / kBlock, groups = d_in / f.group_size, step = out.levels.size(2);
   const int64_t per_block = f.inputs / kBlock, per_groups = f.inputs / f.group_size;
   for (int64_t b = 0; b < per_block; ++b) {
+    uint8_t* dst = out.level_bytes + (p * blocks + fb * per_block + b) * step;
+    if (direct) {
+      if (lanes < kPanel) std::memset(dst, 0, step);  // (rows past d_out: level 0, as pack_panel_block leaves them)
+      for (int64_t lane = 0; lane < lanes; ++lane) {
+        direct_block(f, in + (p * kPanel + lane) * row_bytes + fb * f.bytes, b, dst + 4 * lane);
+      }
+      continue;
+    }
     auto level_of = [&](int64_t lane, int i) { return static_cast<int>(decoded[lane].levels[b * kBlock + i]); };
-    pack_panel_block(f.bits, lanes, level_of, out.level_bytes + (p * blocks + fb * per_block + b) * step);
+    pack_panel_block(f.bits, lanes, level_of, dst);
   }
-  const int64_t size = f.scale_kind == kHalf ? 2 : 1;
+  const bool half = f.scale_kind == kHalf;
   for (int64_t lane = 0; lane < lanes; ++lane) {
     for (int64_t g = 0; g < per_groups; ++g) {
-      const int64_t at = ((p * groups + fb * per_groups + g) * kPanel + lane) * size;
-      std::memcpy(out.scale_bytes + at, &decoded[lane].scales[g], size);  // (little-endian: a byte is its low half)
-      if (f.mins) std::memcpy(out.min_bytes + at, &decoded[lane].mins[g], size);
+      const int64_t at = (p * groups + fb * per_groups + g) * kPanel + lane;
+      if (half) {
+        reinterpret_cast<uint16_t*>(out.scale_bytes)[at] = decoded[lane].scales[g];
+        if (f.mins) reinterpret_cast<uint16_t*>(out.min_bytes)[at] = decoded[lane].mins[g];
+      } else {  // 8-bit sub-scales (their bits; int8 for q6_k)
+        out.scale_bytes[at] = static_cast<uint8_t>(decoded[lane].scales[g]);
+        if (f.mins) out.min_bytes[at] = static_cast<uint8_t>(decoded[lane].mins[g]);
+      }
     }
     if (f.supers) {
       const int64_t at = (p * (d_in / 256) + fb) * kPanel + lane;
@@ -1299,6 +1358,43 @@ pack_ggml(const at::Tensor& blocks, std::string_view qtype) {
   return {out.levels, out.scales, maybe(out.mins), maybe(out.supers), maybe(out.super_mins)};
 }
 
+// Float weights (fp16, bf16 or float32 rows) as the kernels read them (qmatmul.py's pack_floats):
+// (panels, d_in / 32, 32 x 16), input i's 16 rows side by side, rows past d_out zero.
+template <typename T>
+void pack_float_panels(const T* in, int64_t d_out, int64_t d_in, T* out) {
+  const int64_t panels = (d_out + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t lanes = std::min<int64_t>(kPanel, d_out - p * kPanel);
+      T* panel = out + p * d_in * kPanel;
+      if (lanes < kPanel) std::memset(static_cast<void*>(panel), 0, sizeof(T) * d_in * kPanel);
+      for (int64_t i0 = 0; i0 < d_in; i0 += kBlock) {  // a block at a time: 16 rows' 64-128 bytes stay in cache
+        for (int64_t lane = 0; lane < lanes; ++lane) {
+          const T* row = in + (p * kPanel + lane) * d_in + i0;
+          for (int64_t i = 0; i < kBlock; ++i) panel[(i0 + i) * kPanel + lane] = row[i];
+        }
+      }
+    }
+  });
+}
+
+at::Tensor pack_floats(const at::Tensor& weight) {
+  const at::ScalarType type = weight.scalar_type();
+  TORCH_CHECK((type == at::kHalf || type == at::kBFloat16 || type == at::kFloat) && weight.dim() == 2 &&
+                  weight.size(1) % kBlock == 0,
+              "glasslm_kernels: pack_floats takes (d_out, d_in) fp16, bf16 or float32 weights, d_in a multiple of 32");
+  const at::Tensor rows = weight.contiguous();
+  const int64_t d_out = rows.size(0), d_in = rows.size(1), panels = (d_out + kPanel - 1) / kPanel;
+  at::Tensor out = at::empty({panels, d_in / kBlock, kBlock * kPanel}, rows.options());
+  if (type == at::kFloat) {
+    pack_float_panels(rows.const_data_ptr<float>(), d_out, d_in, out.mutable_data_ptr<float>());
+  } else {  // fp16 and bf16 alike: two bytes moved as they are
+    pack_float_panels(static_cast<const uint16_t*>(rows.const_data_ptr()), d_out, d_in,
+                      static_cast<uint16_t*>(out.mutable_data_ptr()));
+  }
+  return out;
+}
+
 TORCH_LIBRARY(glasslm_kernels, m) {
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("qmatmul(Tensor q, Tensor d, Tensor sums, int passes, Tensor levels, Tensor? scales, Tensor? mins, "
@@ -1310,6 +1406,7 @@ TORCH_LIBRARY(glasslm_kernels, m) {
         "Tensor? super_mins, int bits, int offset, int group_size, int super_groups, int d_out, Tensor? row_scale) -> Tensor");
   m.def("pack_levels(Tensor levels, int bits) -> Tensor");
   m.def("pack_ggml(Tensor blocks, str qtype) -> (Tensor, Tensor, Tensor?, Tensor?, Tensor?)");
+  m.def("pack_floats(Tensor weight) -> Tensor");
   m.def("select_isa(int level) -> int", &select_isa);
   m.def("supported_isa() -> int", &supported_isa);
   m.def("current_isa() -> int", &current_isa);
@@ -1322,6 +1419,7 @@ TORCH_LIBRARY_IMPL(glasslm_kernels, CPU, m) {
   m.impl("lookup_rows", &lookup_rows);
   m.impl("pack_levels", &pack_levels);
   m.impl("pack_ggml", &pack_ggml);
+  m.impl("pack_floats", &pack_floats);
 }
 
 }  // namespace glasslm_kernels

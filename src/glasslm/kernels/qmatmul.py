@@ -47,9 +47,10 @@ matmul of the dequantized operands; the kernels differ from it only in the order
 happen (`float_error_bound`), and from the float product x @ W.T by the activations' rounding,
 at most half a step per input (`activation_error_bound`).
 
-16-bit weights (fp16 or bf16: a GGUF file's F16 and BF16 tensors) take the same kernels' panels
-of 16 rows without levels or scales (`pack_half`): the float32 rows are multiplied by the weights
-converted to float32 in registers, so the product is the float one, to the order of float additions.
+Float weights (fp16, bf16 or float32: a GGUF file's F16, BF16 and F32 tensors) take the same
+kernels' panels of 16 rows without levels or scales (`pack_floats`): the float32 rows are multiplied
+by the weights converted to float32 in registers, so the product is the float one, to the order of
+float additions.
 
 Packed layout (`pack`). The kernels read 16 output rows at once: a panel. For each panel and block,
 the 16 x 32 levels are stored as eight chunks k = 0..7 of 64 bytes, byte 4 * row + t of chunk k
@@ -246,8 +247,8 @@ def activation_error_bound(x: Float[Tensor, "... d_in"], matrix: QuantizedMatrix
 class PackedMatrix:
     """A `QuantizedMatrix` in the kernels' layout (see the module docstring), plus its shape facts."""
 
-    levels: Tensor                # uint8 (panels, blocks, chunk); fp16 or bf16 at 16 bits (pack_half)
-    scales: Tensor | None         # (panels, groups, 16); None at 16 bits
+    levels: Tensor                # uint8 (panels, blocks, chunk); fp16/bf16 at 16 bits, float32 at 32 (pack_floats)
+    scales: Tensor | None         # (panels, groups, 16); None for float weights
     mins: Tensor | None
     bits: int
     offset: int
@@ -351,9 +352,9 @@ def _unpack_scales(packed: Tensor, d_out: int) -> Tensor:
 
 
 def unpack(packed: PackedMatrix) -> QuantizedMatrix | Tensor:
-    """The matrix `pack` (or `pack_half`) was given, from the kernels' layout alone: a layer that keeps
+    """The matrix `pack` (or `pack_floats`) was given, from the kernels' layout alone: a layer that keeps
     only its packed copy writes its weights back out this way (save, export), bit for bit."""
-    if packed.bits == 16:
+    if packed.bits in FLOAT_BITS.values():
         panels, blocks, _ = packed.levels.shape
         rows = packed.levels.reshape(panels, blocks * BLOCK, PANEL).transpose(1, 2).reshape(panels * PANEL, -1)
         return rows[:packed.d_out].contiguous()
@@ -382,19 +383,35 @@ def packed_rows(packed: PackedMatrix, ids: Int[Tensor, "n"]) -> Float[Tensor, "n
     return table[torch.searchsorted(wanted, panels) * PANEL + ids.reshape(-1) % PANEL]
 
 
-def pack_half(weight: Tensor) -> PackedMatrix:
-    """16-bit weights (fp16 or bf16, (d_out, d_in)) as the kernels read them: panels of 16 rows,
-    (panels, d_in / 32, 32 x 16), each input's 16 rows side by side, so one load and one conversion
-    to float32 in registers meet all 16 rows; no scales. The kernels multiply float32 rows by the
-    weights' exact float32 values: the readable definition is F.linear(x, weight.float())."""
+FLOAT_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32}  # float weights the kernels take
+
+
+def pack_float_panels(weight: Float[Tensor, "d_out d_in"]) -> Tensor:
+    """The readable packing of float weights: (panels, d_in / 32, 32 x 16), input i's 16 rows side
+    by side (rows past d_out zero), the weights' own dtype. The kernels' `pack_floats` writes the
+    same values in one pass."""
     d_out, d_in = weight.shape
-    if weight.dtype not in (torch.float16, torch.bfloat16) or d_in % BLOCK:
-        raise ValueError(f"the kernels take fp16 or bf16 weights in rows of whole blocks of {BLOCK}; got "
-                         f"{weight.dtype} rows of {d_in}")
     padded = _pad_rows(weight)
     panels = padded.shape[0] // PANEL
-    levels = padded.reshape(panels, PANEL, d_in).transpose(1, 2).reshape(panels, d_in // BLOCK, BLOCK * PANEL)
-    return PackedMatrix(levels.contiguous(), None, None, 16, 0, d_in, d_out, None)
+    return padded.reshape(panels, PANEL, d_in).transpose(1, 2).reshape(panels, d_in // BLOCK, BLOCK * PANEL).contiguous()
+
+
+def pack_floats(weight: Tensor) -> PackedMatrix:
+    """Float weights (fp16, bf16 or float32, (d_out, d_in)) as the kernels read them: panels of 16
+    rows (`pack_float_panels`), so one load and one conversion to float32 in registers meet all 16
+    rows; no scales. The kernels multiply float32 rows by the weights' exact float32 values: the
+    readable definition is F.linear(x, weight.float()).
+
+    >>> pack_floats(torch.ones(20, 64, dtype=torch.bfloat16)).levels.shape
+    torch.Size([2, 2, 512])
+    """
+    d_out, d_in = weight.shape
+    if weight.dtype not in FLOAT_BITS or d_in % BLOCK:
+        raise ValueError(f"the kernels take fp16, bf16 or float32 weights in rows of whole blocks of {BLOCK}; got "
+                         f"{weight.dtype} rows of {d_in}")
+    ops = kernel_ops()
+    levels = pack_float_panels(weight) if ops is None else ops.pack_floats(weight)
+    return PackedMatrix(levels, None, None, FLOAT_BITS[weight.dtype], 0, d_in, d_out, None)
 
 
 # --- the calls ----------------------------------------------------------------------------------

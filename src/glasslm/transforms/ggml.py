@@ -59,7 +59,7 @@ from torch import Tensor, nn
 
 from glasslm.core.layers import Linear
 from glasslm.kernels.qmatmul import (
-    PackedMatrix, QuantizedMatrix, kernel_ops, lookup_rows, pack_half, packed_rows, qlinear, unpack,
+    PackedMatrix, QuantizedMatrix, kernel_ops, lookup_rows, pack_floats, packed_rows, qlinear, unpack,
 )
 from glasslm.transforms.quantize import (
     Int4Linear, Int8Linear, KernelWithInputGradient, int4_kernel_linear, int4_kernel_operands,
@@ -86,12 +86,12 @@ FORMATS = {
     "q8_0": BlockFormat(32, 34, 8, 128, 32),
     "q4_k": BlockFormat(256, 144, 4, 0, 32), "q5_k": BlockFormat(256, 176, 5, 0, 32),
     "q6_k": BlockFormat(256, 210, 6, 32, 16),
-    # 16-bit floats: each weight its own two bytes (fp16, or bf16: float32's top half).
-    "f16": BlockFormat(1, 2, 16, 0, 1), "bf16": BlockFormat(1, 2, 16, 0, 1),
+    # Floats: each weight its own two bytes (fp16, or bf16: float32's top half), or four (float32).
+    "f16": BlockFormat(1, 2, 16, 0, 1), "bf16": BlockFormat(1, 2, 16, 0, 1), "f32": BlockFormat(1, 4, 32, 0, 1),
 }
 LAYER_FORMATS = tuple(FORMATS)  # the formats a BlockLinear holds
-HALF_TYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
-QUANTIZABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16")  # those glasslm can also write
+FLOAT_TYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+QUANTIZABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16", "f32")  # those glasslm can also write
 UNEMBED = "unembed"  # the layer name that, in BlockOptions.layers, means a tied unembedding of its own
 EMBED = "embed"  # ... and the token table kept in the format too (a BlockEmbedding)
 
@@ -175,8 +175,8 @@ def block_matrix(weight_blocks: UInt8[Tensor, "rows row_bytes"], qtype: str) -> 
     """The blocks as the kernels' readable `QuantizedMatrix`: unsigned levels (q8_0's int8 as q + 128),
     the fp16 scales d and minimums m, or the K-quants' integer sub-scales with d (and -dmin) as
     super-scales, exactly as stored."""
-    if qtype not in FORMATS or qtype in HALF_TYPES:
-        raise ValueError(f"{qtype!r} is not a block format; glasslm reads {', '.join(set(FORMATS) - set(HALF_TYPES))}")
+    if qtype not in FORMATS or qtype in FLOAT_TYPES:
+        raise ValueError(f"{qtype!r} is not a block format; glasslm reads {', '.join(set(FORMATS) - set(FLOAT_TYPES))}")
     fmt = FORMATS[qtype]
     rows, row_bytes = weight_blocks.shape
     if row_bytes % fmt.bytes:
@@ -271,14 +271,14 @@ def block_fields(
 
 def dequantize_blocks(weight_blocks: UInt8[Tensor, "rows row_bytes"], qtype: str) -> Float[Tensor, "rows d_in"]:
     """The float32 matrix a block-quantized (or 16-bit) one stands for, exactly as ggml computes it."""
-    if qtype in HALF_TYPES:
-        return half_weight(weight_blocks, qtype).float()
+    if qtype in FLOAT_TYPES:
+        return float_weight(weight_blocks, qtype).float()
     return block_matrix(weight_blocks, qtype).weight()
 
 
-def half_weight(weight_blocks: UInt8[Tensor, "rows row_bytes"], qtype: str) -> Tensor:
-    """An f16 or bf16 tensor's bytes as the (rows, d_in) fp16 or bf16 matrix they are."""
-    return weight_blocks.contiguous().view(HALF_TYPES[qtype])
+def float_weight(weight_blocks: UInt8[Tensor, "rows row_bytes"], qtype: str) -> Tensor:
+    """An f16, bf16 or f32 tensor's bytes as the (rows, d_in) fp16, bf16 or float32 matrix they are."""
+    return weight_blocks.contiguous().view(FLOAT_TYPES[qtype])
 
 
 def quantize_blocks(weight: Float[Tensor, "rows d_in"], qtype: str) -> UInt8[Tensor, "rows row_bytes"]:
@@ -287,8 +287,8 @@ def quantize_blocks(weight: Float[Tensor, "rows d_in"], qtype: str) -> UInt8[Ten
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
-    if qtype in HALF_TYPES:  # rounded to nearest (even), as llama.cpp's converter writes them
-        return weight.detach().cpu().to(HALF_TYPES[qtype]).contiguous().view(torch.uint8)
+    if qtype in FLOAT_TYPES:  # rounded to nearest (even), as llama.cpp's converter writes them
+        return weight.detach().cpu().to(FLOAT_TYPES[qtype]).contiguous().view(torch.uint8)
     if qtype not in QUANTIZABLE:
         raise ValueError(f"glasslm cannot write {qtype} blocks (llama.cpp's quantizer makes them); it writes "
                          f"{', '.join(QUANTIZABLE)}")
@@ -297,6 +297,13 @@ def quantize_blocks(weight: Float[Tensor, "rows d_in"], qtype: str) -> UInt8[Ten
                          "inputs does not divide")
     rows = weight.detach().float().cpu().numpy().astype(np.float32)
     return torch.from_numpy(quants.quantize(rows, GGMLQuantizationType[qtype.upper()]).copy())
+
+
+def packs_as_loaded(qtype: str, d_in: int, device: torch.device | str, impl: str = "fast") -> bool:
+    """Whether a BlockLinear of `qtype` on `device` re-lays its bytes into the kernels' layout as they
+    arrive and keeps no reference to them (so a loader may hand it a read-only view of a file)."""
+    packs = impl == "fast" and torch.device(device).type == "cpu" and kernel_ops() is not None
+    return packs and (qtype not in FLOAT_TYPES or d_in % BLOCK_SIZE == 0)
 
 
 class BlockLinear(nn.Module):
@@ -348,7 +355,7 @@ class BlockLinear(nn.Module):
         if kept is not None:
             return kept
         packed = unpack(self._kernel)
-        return packed.view(torch.uint8) if self.qtype in HALF_TYPES else encode_blocks(packed, self.qtype)
+        return packed.view(torch.uint8) if self.qtype in FLOAT_TYPES else encode_blocks(packed, self.qtype)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Float[Tensor, "d_out d_in"]:
         return dequantize_blocks(self.blocks(), self.qtype).to(dtype)
@@ -399,8 +406,8 @@ class BlockLinear(nn.Module):
         ops, blocks = kernel_ops(), self.weight_blocks
         fmt = FORMATS[self.qtype]
         on_cpu = ops is not None and blocks.device.type == "cpu"
-        if self.qtype in HALF_TYPES:  # 16-bit weights: the kernels' panels, else the float weight
-            kernel = (pack_half(half_weight(blocks, self.qtype)) if on_cpu and self.d_in % BLOCK_SIZE == 0
+        if self.qtype in FLOAT_TYPES:  # float weights: the kernels' panels, else the float weight
+            kernel = (pack_floats(float_weight(blocks, self.qtype)) if on_cpu and self.d_in % BLOCK_SIZE == 0
                       else self.dequantized_weight())
         elif on_cpu:
             # The C++ packer reads the blocks directly: pack(self.quantized_matrix()), byte for byte.
@@ -607,3 +614,4 @@ Q5_K = _block_transform("q5_k", "llama.cpp's Q5_K super-blocks of 256 (5.5 bits 
 Q6_K = _block_transform("q6_k", "llama.cpp's Q6_K super-blocks of 256 (6.56 bits per weight; read from GGUF files, not written)")
 F16 = _block_transform("f16", "fp16 weights, float32 activations: the weights converted in registers (16 bits per weight)")
 BF16 = _block_transform("bf16", "bf16 weights, float32 activations: the weights converted in registers (16 bits per weight)")
+F32 = _block_transform("f32", "float32 weights in the kernels' panels (32 bits per weight: a GGUF file's F32 matrices as they are)")

@@ -91,7 +91,7 @@ def transform_names(kind: str | None = None) -> tuple[str, ...]:
     """Names of the registered transforms, of one `kind` where given.
 
     >>> transform_names("quantization")
-    ('int8', 'int4', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'f16', 'bf16')
+    ('int8', 'int4', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'f16', 'bf16', 'f32')
     """
     return tuple(name for name, t in TRANSFORMS.items() if kind is None or t.kind == kind)
 
