@@ -81,7 +81,11 @@ def test_every_family_goes_to_gguf_and_back_unchanged(family, bpe, shakespeare_t
     # are one thing when a head is 16 wide).
     assert loaded.family == family_name and computed_fields(loaded.model.config) == computed_fields(model.config)
     ids = torch.tensor([bpe.encode(shakespeare_text[:400])[:48]])
-    assert torch.equal(loaded.model(ids), model(ids))
+    # Every weight comes back bit for bit: read as floats, the same logits exactly; kept as the file's
+    # f32 matrices in the kernels' panels, the same to float32 summation order.
+    assert torch.equal(import_gguf(path, keep_blocks=False).model(ids), model(ids))
+    expected = model(ids)
+    assert (loaded.model(ids) - expected).abs().max() <= 1e-5 * expected.abs().max()
     assert loaded.tokenizer.encode(shakespeare_text[:2000]) == bpe.encode(shakespeare_text[:2000])
     assert loaded.tokenizer.config["chat_template"] == TEMPLATE
 
@@ -125,6 +129,38 @@ def test_blocks_are_kept_and_written_back_byte_for_byte(qtype, tmp_path):
     blocks = a.blocks("blk.0.attn_qkv.weight").numpy()
     ggml = quants.dequantize(blocks, GGMLQuantizationType[qtype.upper()])
     assert torch.equal(loaded.model.blocks[0].attn.qkv.dequantized_weight(), torch.from_numpy(ggml))
+
+
+@pytest.mark.parametrize("family,qtype", [("llama", "q8_0"), ("llama", "f16"), ("phi3", "f32"), ("gemma2", "q4_1")])
+def test_layers_packed_straight_from_the_mapped_file_equal_those_packed_from_copies(family, qtype, tmp_path,
+                                                                                    monkeypatch):
+    """A layer that re-lays its bytes out as they arrive reads them from the mapped file (no copy):
+    whole tensors, fused ones (q|k|v, gate|up gathered from several) and row selections (Phi-3's
+    gate, the first half of gate|up) give the layers a copy would."""
+    from glasslm.hf.gguf import importer
+
+    model = perturbed(FAMILY_CONFIGS[family](256))
+    path = export_gguf(model, tmp_path / "m.gguf", None, qtype)
+    in_place = import_gguf(path)
+    assert in_place.kept[qtype] > 0 and not GGUFFile.open(path)._mapped  # (the views' pages given back)
+    monkeypatch.setattr(importer, "packs_as_loaded", lambda *args: False)
+    copied = import_gguf(path).model.state_dict()
+    ours = in_place.model.state_dict()
+    assert ours.keys() == copied.keys() and all(torch.equal(ours[k], copied[k]) for k in ours)
+
+
+def test_loading_a_gguf_file_runs_no_reference_ops_on_the_meta_device(tmp_path):
+    """Shapes are worked out on PyTorch's meta device; its reference ops (cat, add) would import
+    PyTorch's compiler on first use, ~1 s of every fresh `glasslm generate` on a GGUF file."""
+    import subprocess
+    import sys
+
+    path = export_gguf(perturbed(FAMILY_CONFIGS["gemma2"](256)), tmp_path / "m.gguf", None, "q8_0")
+    code = ("import sys; from glasslm.hf import load_model; load_model(sys.argv[1]); "
+            "print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False"
 
 
 def test_llamas_q_and_k_rows_are_stored_in_llama_cpps_order(tmp_path):

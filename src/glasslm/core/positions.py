@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -19,6 +20,18 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from glasslm.core.layers import upcast
+
+
+def _shapes_only() -> bool:
+    """Whether modules are being built on the meta device (shapes only, weights assigned later): the
+    fixed tables then need only their shapes. Computing them there would run PyTorch's reference ops,
+    whose first use imports its compiler (~1 s at every model load)."""
+    return torch.get_default_device().type == "meta"
+
+
+def _frequencies_device() -> contextlib.AbstractContextManager:
+    """Where to compute a table's few frequencies: the CPU on the meta device (see `_shapes_only`)."""
+    return torch.device("cpu") if _shapes_only() else contextlib.nullcontext()
 
 
 class LearnedPositions(nn.Module):
@@ -49,7 +62,8 @@ class SinusoidalPositions(nn.Module):
 
     def __init__(self, context_length: int, d_model: int):
         super().__init__()
-        self.register_buffer("table", sinusoidal_table(context_length, d_model), persistent=False)
+        table = torch.empty(context_length, d_model) if _shapes_only() else sinusoidal_table(context_length, d_model)
+        self.register_buffer("table", table, persistent=False)
 
     def forward(self, positions: Int[Tensor, "*leading seq"]) -> Float[Tensor, "*leading seq d_model"]:
         return self.table[positions]
@@ -187,24 +201,30 @@ class RotaryPositions(nn.Module):
         self.impl, self.local = impl, False
         # Dynamic NTK: (theta, factor, original_context); frequencies then depend on each call's length.
         self.dynamic: tuple[float, float, int] | None = None
-        if inv_freq is None:
-            inv_freq = theta ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)  # (d_head/2,)
-        if llama3 is not None:
-            inv_freq = llama3_scaled_frequencies(inv_freq, *llama3)
+        with _frequencies_device():
+            if inv_freq is None:
+                inv_freq = theta ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)  # (d_head/2,)
+            if llama3 is not None:
+                inv_freq = llama3_scaled_frequencies(inv_freq, *llama3)
         self.rotary_dims = 2 * inv_freq.shape[0]
-        angles = torch.arange(context_length, dtype=torch.float64)[:, None] * inv_freq  # (seq, dims/2)
-        self.register_buffer("cos", (gain * torch.cos(angles)).float(), persistent=False)
-        self.register_buffer("sin", (gain * torch.sin(angles)).float(), persistent=False)
+        if _shapes_only():
+            cos = sin = torch.empty(context_length, inv_freq.shape[0])
+        else:
+            angles = torch.arange(context_length, dtype=torch.float64)[:, None] * inv_freq  # (seq, dims/2)
+            cos, sin = (gain * torch.cos(angles)).float(), (gain * torch.sin(angles)).float()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     @classmethod
     def from_config(cls, config, local: bool = False) -> "RotaryPositions":
         """The rotary table a ModelConfig asks for (its context, head size, rotary dims, theta and
         scaling); `local`: the sliding-window layers' table (rope_local_theta, unscaled)."""
         c = config
-        if local:
-            inv_freq, gain = scaled_frequencies(c.replace(rope_scaling="none"), c.rope_local_theta)
-        else:
-            inv_freq, gain = scaled_frequencies(c, c.rope_theta)
+        with _frequencies_device():
+            if local:
+                inv_freq, gain = scaled_frequencies(c.replace(rope_scaling="none"), c.rope_local_theta)
+            else:
+                inv_freq, gain = scaled_frequencies(c, c.rope_theta)
         module = cls(c.context_length, c.d_head, impl=c.impl, inv_freq=inv_freq, gain=gain)
         module.local = local  # what materialize_buffers rebuilds the table from
         if c.rope_scaling == "dynamic" and not local:

@@ -108,7 +108,8 @@ def model_from_state_dict(
     model the structure the tensors were saved from, and stay recorded on it.
     """
     model = empty_model(config)
-    rebuild_transforms(model, transforms, source)
+    with _initialisers_skipped():  # (on the meta device, an initialiser would only cost time: ~1 s, once)
+        rebuild_transforms(model, transforms, source)
     expected = model.state_dict()
     _check_names(expected, tensors, source)
     # A module at a time: its tensors are made, assigned and (a quantized layer's) packed before the

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from glasslm.core.config import ModelConfig
 from glasslm.core.layers import Linear
@@ -52,7 +53,7 @@ from glasslm.hf.gguf.values import checked_values, rotary_table_problem
 from glasslm.hf.plan import WeightTable
 from glasslm.io.build import empty_model, model_from_state_dict
 from glasslm.transforms import parameter_count
-from glasslm.transforms.ggml import EMBED, LAYER_FORMATS, UNEMBED
+from glasslm.transforms.ggml import EMBED, LAYER_FORMATS, UNEMBED, packs_as_loaded
 
 EMBEDDING, OUTPUT, ROPE_FREQS = "token_embd.weight", "output.weight", "rope_freqs.weight"
 
@@ -151,6 +152,62 @@ def gguf_config(file: GGUFFile, context_length: int | None = None) -> tuple[Mode
     return config, family, hf
 
 
+_JOINS = {torch.cat, torch.concat, torch.concatenate}
+_ELEMENTWISE = {torch.add, torch.sub, torch.mul, torch.div, Tensor.add, Tensor.sub, Tensor.mul, Tensor.div,
+                Tensor.__add__, Tensor.__radd__, Tensor.__sub__, Tensor.__rsub__, Tensor.__mul__, Tensor.__rmul__,
+                Tensor.__truediv__, Tensor.__neg__}
+
+
+class _MetaShapes(TorchFunctionMode):
+    """Shapes of joins and arithmetic on meta tensors, worked out here: PyTorch computes them through
+    its reference implementations, whose first use imports its compiler (~1 s at every load of a
+    file). Every other op runs as it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _JOINS or func is torch.stack:
+            parts, dim = args[0], kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            if all(isinstance(t, Tensor) and t.is_meta for t in parts):
+                return torch.empty(_joined_shape([tuple(t.shape) for t in parts], dim, func is torch.stack),
+                                   dtype=parts[0].dtype, device="meta")
+        if func in _ELEMENTWISE:
+            tensors = [a for a in args if isinstance(a, Tensor)]
+            if tensors and all(t.is_meta for t in tensors):
+                return torch.empty(torch.broadcast_shapes(*(t.shape for t in tensors)), dtype=tensors[0].dtype,
+                                   device="meta")
+        return func(*args, **kwargs)
+
+
+def _joined_shape(shapes: list[tuple[int, ...]], dim: int, stacked: bool) -> tuple[int, ...]:
+    """The shape torch.cat (or torch.stack) gives parts of `shapes` along `dim`; RuntimeError if they do not fit."""
+    first = shapes[0]
+    if any(len(s) != len(first) for s in shapes) or (not stacked and not first):
+        raise RuntimeError("parts of different ranks")
+    dim = dim % (len(first) + stacked)
+    if stacked:
+        if any(s != first for s in shapes):
+            raise RuntimeError("stacked parts differ in shape")
+        return first[:dim] + (len(shapes),) + first[dim:]
+    if any(s[:dim] + s[dim + 1:] != first[:dim] + first[dim + 1:] for s in shapes):
+        raise RuntimeError("joined parts differ off the joining dimension")
+    return first[:dim] + (sum(s[dim] for s in shapes),) + first[dim + 1:]
+
+
+_LAYOUTS: dict[str, tuple[dict[str, torch.Size], set[str]]] = {}
+
+
+def _meta_layout(config: ModelConfig) -> tuple[dict[str, torch.Size], set[str]]:
+    """(each tensor's shape, the Linear layers' names) of the model `config` describes: built once on
+    the meta device for the shape check and the loading plan (the last config's kept)."""
+    key = repr(config)
+    if key not in _LAYOUTS:
+        model = empty_model(config)
+        _LAYOUTS.clear()
+        _LAYOUTS[key] = ({name: t.shape for name, t in model.state_dict().items()},
+                         {name for name, m in model.named_modules() if isinstance(m, Linear)})
+    return _LAYOUTS[key]
+
+
 def check_tensor_shapes(file: GGUFFile, family: HFFamily, config: ModelConfig, hf: dict[str, Any]) -> None:
     """Every tensor the model reads has the shape the metadata describes, found without reading a
     byte of them: the file's shapes go through the same steps as the tensors will, on PyTorch's meta
@@ -158,11 +215,12 @@ def check_tensor_shapes(file: GGUFFile, family: HFFamily, config: ModelConfig, h
     is refused before anything is allocated)."""
     table = family.weight_table(config, None)
     names = gguf_tensor_names(file, family, config, table)
-    expected = {name: t.shape for name, t in empty_model(config).state_dict().items()}
+    expected = _meta_layout(config)[0]
     for ours, (hf_names, to_ours, _) in table.entries.items():
-        sources = [family.gguf.to_hf(n, torch.empty(file.shape(names[n]), device="meta"), hf) for n in hf_names]
         try:
-            shape = to_ours(*sources).shape
+            with _MetaShapes():
+                sources = [family.gguf.to_hf(n, torch.empty(file.shape(names[n]), device="meta"), hf) for n in hf_names]
+                shape = to_ours(*sources).shape
         except RuntimeError:  # the steps themselves do not fit these shapes
             shape = None
         if shape != expected[ours]:
@@ -210,6 +268,13 @@ class _Reading:
     family: HFFamily
     hf: dict[str, Any]
     names: dict[str, str]
+    device: torch.device | str = "cpu"
+    impl: str = "fast"
+
+    def in_place(self, qtype: str, source: str) -> bool:
+        """Whether a block layer of `qtype` made from `source` may read the mapped file (it re-lays
+        the bytes out as they arrive and keeps no reference to them)."""
+        return packs_as_loaded(qtype, self.file.shape(source)[-1], self.device, self.impl)
 
     def hf_tensor(self, hf_name: str) -> Tensor:
         """An HF tensor in HF's layout, dequantized: llama.cpp's change undone."""
@@ -268,7 +333,8 @@ def _keep_blocks(reading: _Reading, plan: _Plan, layer: str, hf_names: tuple[str
         return False
     file = reading.file
     if len(set(qtypes)) == 1:
-        plan.keep(layer, qtypes[0], lambda: _rows(file, sources, order), len(sources))
+        plan.keep(layer, qtypes[0], lambda: _rows(file, sources, order, reading.in_place(qtypes[0], sources[0])),
+                   len(sources))
         return True
     if len(order) != sum(file.shape(g)[0] for g in sources):
         return False  # (a selection of rows from sources in several formats: not a file glasslm has met)
@@ -281,15 +347,39 @@ def _keep_blocks(reading: _Reading, plan: _Plan, layer: str, hf_names: tuple[str
     plan.splits[layer] = sizes
     for i, (run, start, rows) in enumerate(zip(runs, starts, sizes)):
         names, within = [g for g, _ in run], order[start:start + rows] - start
-        plan.keep(f"{layer}.parts.{i}", run[0][1], lambda names=names, within=within: _rows(file, names, within), len(names))
+        in_place = reading.in_place(run[0][1], names[0])
+        plan.keep(f"{layer}.parts.{i}", run[0][1],
+                  lambda names=names, within=within, in_place=in_place: _rows(file, names, within, in_place), len(names))
     return True
 
 
-def _rows(file: GGUFFile, sources: list[str], order: Tensor) -> Tensor:
-    """The sources' blocks, one after another, in `order`: copied once (not at all beyond the read
-    where the order is the file's own)."""
-    blocks = file.blocks(sources[0]) if len(sources) == 1 else torch.cat([file.blocks(g) for g in sources])
-    return blocks if torch.equal(order, torch.arange(len(blocks))) else blocks[order]  # (all rows, as they are)
+def _rows(file: GGUFFile, sources: list[str], order: Tensor, in_place: bool = False) -> Tensor:
+    """The sources' blocks, one after another, in `order`: copied once, or (`in_place`, for a layer
+    that re-lays them out at once) not at all where one source's rows come in the file's order."""
+    identity = torch.equal(order, torch.arange(len(order))) and len(order) == sum(file.shape(g)[0] for g in sources)
+    if not in_place:
+        blocks = file.blocks(sources[0]) if len(sources) == 1 else torch.cat([file.blocks(g) for g in sources])
+        return blocks if identity else blocks[order]
+    if len(sources) == 1:
+        view = file.mapped_blocks(sources[0])
+        return view if identity else view[order]
+    return _gathered_rows(file, sources, None if identity else order)
+
+
+def _gathered_rows(file: GGUFFile, sources: list[str], order: Tensor | None) -> Tensor:
+    """Rows `order` (None: all) of the sources one after another, read from the mapped file in one copy."""
+    shapes = [file.blocks_shape(g) for g in sources]
+    out = torch.empty(sum(r for r, _ in shapes) if order is None else len(order), shapes[0][1], dtype=torch.uint8)
+    start = 0
+    for g, (rows, _) in zip(sources, shapes):
+        view = file.mapped_blocks(g)
+        if order is None:
+            out[start:start + rows] = view
+        else:  # the rows of `order` that come from this source, into their places
+            picked = ((order >= start) & (order < start + rows)).nonzero()[:, 0]
+            out[picked] = view[order[picked] - start]
+        start += rows
+    return out
 
 
 def _split_biases(plan: _Plan) -> None:
@@ -325,7 +415,8 @@ def _keep_embedding(reading: _Reading, plan: _Plan, hf_names: tuple[str, ...], t
     order = reading.row_order(hf_names, to_ours) if len(hf_names) == 1 and qtype in LAYER_FORMATS else None
     if order is None:
         return False
-    make = lambda: _rows(reading.file, [reading.names[hf_names[0]]], order)  # noqa: E731
+    source = reading.names[hf_names[0]]
+    make = lambda: _rows(reading.file, [source], order, reading.in_place(qtype, source))  # noqa: E731
     if reading.hf.get("tie_word_embeddings"):
         plan.keep(UNEMBED, qtype, make)
     else:
@@ -362,10 +453,11 @@ def import_gguf(
     file = GGUFFile.open(path)
     config, family, hf = gguf_config(file, context_length)
     table = family.weight_table(config, None)
-    reading = _Reading(file, family, hf, gguf_tensor_names(file, family, config, table))
-    linears = {name for name, m in empty_model(config).named_modules() if isinstance(m, Linear)}
+    reading = _Reading(file, family, hf, gguf_tensor_names(file, family, config, table), device, config.impl)
+    linears = _meta_layout(config)[1]
     tensors, records, kept, dequantized = _plan_tensors(reading, table, linears, keep_blocks)
     model = model_from_state_dict(config, tensors, device, dtype, str(path), transforms=records)
+    file.drop_mapped()
     tokenizer = gguf_tokenizer(file)
     ends = [file.metadata.get(f"tokenizer.ggml.{role}_token_id") for role in ("eos", "eot", "eom")]
     model.eos_token_ids = eos_token_ids(tokenizer, {"eos_token_id": [i for i in ends if isinstance(i, int)] or None})

@@ -39,6 +39,7 @@ import math
 import mmap
 import os
 import struct
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,9 @@ def _plain(value: Any) -> Any:
     return float(str(np.float32(value))) if isinstance(value, float) else value
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Reads GGUF's little-endian values one after another from a buffer, never past its end: every
     count and length is checked against the bytes left before anything is made from it."""
@@ -110,13 +114,31 @@ class _Cursor:
         start, self.offset = self.offset, self.offset + length
         return bytes(self.buffer[start:self.offset]).decode("utf-8", errors="replace")
 
+    def strings(self, n: int) -> list[str]:
+        """`n` strings one after another: `string()` n times, in one loop (a vocabulary is 50k-260k of
+        them, read at every load)."""
+        buffer, offset, end, out = self.buffer, self.offset, len(self.buffer), []
+        length_at = _U64.unpack_from
+        for _ in range(n):
+            if offset + 8 > end:
+                raise ValueError(f"the header runs past the end of the file (at byte {offset:,})")
+            (length,) = length_at(buffer, offset)
+            offset += 8
+            if length > end - offset:
+                raise ValueError(f"a string's byte count {length:,} needs more bytes than the file has left "
+                                 f"({end - offset:,})")
+            out.append(str(buffer[offset:offset + length], "utf-8", "replace"))
+            offset += length
+        self.offset = offset
+        return out
+
     def value(self, kind: int) -> Any:
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
             item_kind = self.take("<I")
             if item_kind == _STRING:
-                return [self.string() for _ in range(self.count("an array's item", 8))]
+                return self.strings(self.count("an array's item", 8))
             if item_kind not in _SCALARS:
                 raise ValueError(f"an array of value type {item_kind} (arrays of arrays are not read)")
             dtype = np.dtype(_SCALARS[item_kind][1]).newbyteorder("<")
@@ -156,6 +178,7 @@ class GGUFFile:
     def __init__(self, path: Path):
         self.path = path
         self._data = np.memmap(path, mode="r")
+        self._mapped: list[_TensorEntry] = []  # views given out whose pages are still this process's
         self.metadata: dict[str, Any] = {}
         self._tensors: dict[str, _TensorEntry] = {}
         self._read_header(memoryview(self._data))
@@ -254,6 +277,31 @@ class GGUFFile:
         blocks = torch.from_numpy(np.array(raw, dtype=np.uint8)).reshape(entry.shape[0] if len(entry.shape) > 1 else 1, -1)
         self._release(entry)
         return blocks
+
+    def blocks_shape(self, name: str) -> tuple[int, int]:
+        """(rows, bytes per row) of `blocks(name)`, without reading it."""
+        entry = self._tensor(name)
+        rows = entry.shape[0] if len(entry.shape) > 1 else 1
+        return rows, entry.n_bytes // rows
+
+    def mapped_blocks(self, name: str) -> Tensor:
+        """`blocks(name)` without a copy: a read-only view of the file's mapped bytes, for a reader that
+        copies them at once (a packer re-laying them out). Never write to it. Its pages are dropped from
+        this process's memory at the next `mapped_blocks` call or `drop_mapped()` (reading the view
+        after that only reads them back from the OS's cache)."""
+        self.drop_mapped()
+        entry = self._tensor(name)
+        raw = self._data[entry.offset:entry.offset + entry.n_bytes]
+        with warnings.catch_warnings():  # (torch warns of any read-only array: this one is by design)
+            warnings.simplefilter("ignore", UserWarning)
+            blocks = torch.from_numpy(raw).reshape(entry.shape[0] if len(entry.shape) > 1 else 1, -1)
+        self._mapped.append(entry)
+        return blocks
+
+    def drop_mapped(self) -> None:
+        """Drops the pages of the views `mapped_blocks` gave from this process's memory."""
+        while self._mapped:
+            self._release(self._mapped.pop())
 
     def dequantized(self, name: str) -> Tensor:
         """The tensor as float32, whatever its type, in PyTorch's shape."""
