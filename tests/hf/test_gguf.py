@@ -149,6 +149,16 @@ def test_layers_packed_straight_from_the_mapped_file_equal_those_packed_from_cop
     assert ours.keys() == copied.keys() and all(torch.equal(ours[k], copied[k]) for k in ours)
 
 
+def test_info_lists_how_each_kind_of_tensor_is_kept_as_loading_keeps_it(tmp_path, capsys):
+    model = perturbed(FAMILY_CONFIGS["gemma2"](256))
+    path = export_gguf(model, tmp_path / "m.gguf", None, "q8_0")
+    loaded = import_gguf(path)
+    assert main(["info", "--checkpoint", str(path)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("tensors: "))
+    assert line == "tensors: " + loaded.summary().split("; ", 1)[1]
+    assert f"{loaded.kept['q8_0']} q8_0" in line and loaded.kept["q8_0"] > 0
+
+
 def test_loading_a_gguf_file_runs_no_reference_ops_on_the_meta_device(tmp_path):
     """Shapes are worked out on PyTorch's meta device; its reference ops (cat, add) would import
     PyTorch's compiler on first use, ~1 s of every fresh `glasslm generate` on a GGUF file."""

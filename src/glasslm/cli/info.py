@@ -65,6 +65,10 @@ def _print_checkpoint_info(path: str) -> ModelConfig:
     else:
         ids = {k: v for k, v in special_token_ids(tokenizer).items() if v is not None}
         print(f"tokenizer: {tokenizer.kind}, {tokenizer.vocab_size:,} tokens, special ids {ids or 'none'}")
+    if kind == "GGUF file":
+        from glasslm.hf.gguf.importer import gguf_storage
+
+        print(f"tensors: {gguf_storage(gguf_path(resolved))}")
     known = {k: v for k, v in summary.items() if v is not None}
     if known:
         print("history: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in known.items()))

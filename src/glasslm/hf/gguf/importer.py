@@ -76,12 +76,26 @@ class GGUFImport:
         ...            collections.Counter({"f32": 61, "q8_0": 1})).summary().split("; ", 1)[1]
         'kept in their blocks: 210 q4_1; dequantized to float32: 61 f32, 1 q8_0'
         """
-        def counts(c: Counter) -> str:
-            return ", ".join(f"{n} {qtype}" for qtype, n in sorted(c.items())) or "none"
-
         params = f"{parameter_count(self.model):,} parameters" if self.model is not None else "model"
-        return (f"{self.family} ({params}); kept in their blocks: {counts(self.kept)}; "
-                f"dequantized to float32: {counts(self.dequantized)}")
+        return f"{self.family} ({params}); {_storage(self.kept, self.dequantized)}"
+
+
+def _storage(kept: Counter, dequantized: Counter) -> str:
+    def counts(c: Counter) -> str:
+        return ", ".join(f"{n} {qtype}" for qtype, n in sorted(c.items())) or "none"
+
+    return f"kept in their blocks: {counts(kept)}; dequantized to float32: {counts(dequantized)}"
+
+
+def gguf_storage(path: str | os.PathLike) -> str:
+    """How `import_gguf` would hold the file's tensors (the count of each ggml type kept in its
+    blocks, and of each dequantized to float32), from the header alone: no tensor is read."""
+    file = GGUFFile.open(path)
+    config, family, hf = gguf_config(file)
+    table = family.weight_table(config, None)
+    reading = _Reading(file, family, hf, gguf_tensor_names(file, family, config, table))
+    _, _, kept, dequantized = _plan_tensors(reading, table, _meta_layout(config)[1], keep_blocks=True)
+    return _storage(kept, dequantized)
 
 
 def gguf_family(file: GGUFFile) -> HFFamily:
