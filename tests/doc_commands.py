@@ -359,7 +359,8 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "glasslm chat --checkpoint path/to/SmolLM2-135M-Instruct.Q4_1.gguf": Run(
         add=("--temperature", "0", "--max-new-tokens", "30"), needs=("path/to/SmolLM2-135M-Instruct.Q4_1.gguf",),
         stdin="What is the capital of France?\n", expect=("Paris",), slow=True),
-    "glasslm info --checkpoint path/to/model.gguf": Run(needs=("path/to/model.gguf",), expect=("GGUF file",)),
+    "glasslm info --checkpoint path/to/model.gguf": Run(needs=("path/to/model.gguf",),
+                                                        expect=("GGUF file", "tensors: kept in their blocks")),
     "glasslm convert --to-hf --checkpoint path/to/model.gguf --out runs/gguf-hf": Run(
         needs=("path/to/model.gguf",), expect=("dequantized to float32",), creates=("runs/gguf-hf/config.json",)),
     # docs/serving.md
