@@ -60,6 +60,8 @@ namespace glasslm_kernels {
 constexpr int64_t kBlock = 32;  // inputs per block (activations and weights alike)
 constexpr int64_t kPanel = 16;  // output rows interleaved in one panel
 constexpr int kTile = 4;        // activation rows sharing one pass over a panel's weights
+constexpr int kWideTile = 8;    // ... on AVX-512 (32 registers), for a long prefill: half the unpacking per row
+constexpr int64_t kRowBytes = 1 << 18;  // activation bytes a chunk of rows keeps in L2 while every panel passes
 constexpr int kPasses = 2;
 // How far ahead of the block being multiplied its weights are asked for (into L2), in bytes: a
 // decoding step streams every weight once from memory, and without this the integer arithmetic and
@@ -643,6 +645,7 @@ TileFn pick_rows(int rows) {
     case 1: return Pick<BITS, SCALE, MINS, HALVES, 1>::fn;
     case 2: return Pick<BITS, SCALE, MINS, HALVES, 2>::fn;
     case 3: return Pick<BITS, SCALE, MINS, HALVES, 3>::fn;
+    case kWideTile: return Pick<BITS, SCALE, MINS, HALVES, kWideTile>::fn;
     default: return Pick<BITS, SCALE, MINS, HALVES, 4>::fn;
   }
 }
@@ -676,7 +679,9 @@ TileFn pick_tile(const Weights& w, int rows) {
 template <int BITS, int SCALE, bool MINS, bool HALVES, int ROWS>
 struct Avx512Tile {
   static constexpr TileFn pick() {
-    if constexpr (BITS >= 16) {
+    if constexpr (BITS >= 16 && ROWS > kTile) {
+      return nullptr;  // (float weights take four rows at a time)
+    } else if constexpr (BITS >= 16) {
       return tile_float_avx512<SCALE, ROWS>;
     } else if constexpr (HALVES) {
       return tile_halves_avx512<BITS, SCALE, MINS, ROWS>;
@@ -689,7 +694,9 @@ struct Avx512Tile {
 template <int BITS, int SCALE, bool MINS, bool HALVES, int ROWS>
 struct Avx2Tile {
   static constexpr TileFn pick() {
-    if constexpr (BITS >= 16) {
+    if constexpr (ROWS > kTile) {
+      return nullptr;  // (16 registers: four rows at a time)
+    } else if constexpr (BITS >= 16) {
       return tile_float_avx2<SCALE, ROWS>;
     } else {
       return tile_avx2<BITS, SCALE, MINS, HALVES, ROWS>;
@@ -711,13 +718,24 @@ void run_tile(const Weights& w, const Rows& x, int64_t panel, int64_t row0, int 
 // y (rows of ld_y floats; this matrix's outputs in their first d_out columns) = x @ W.T.
 void matmul_rows(const Weights& w, const Rows& x, float* y, int64_t ld_y) {
   const int64_t isa = current_isa();
-  // Threads split the panels; a chunk is at least ~256 block-rows of work, so the small products of
-  // a decoding step (a few dozen panels) still split in two but never into slivers.
+  // Threads split the panels; a thread's share is at least ~256 block-rows of work, so the small
+  // products of a decoding step (a few dozen panels) still split in two but never into slivers.
+  // A long prefill's rows go a chunk at a time, a thread's panels all passing over one chunk while
+  // its activations stay in L2 (the whole prefill's rows would be re-read from L3 for each panel);
+  // on AVX-512, eight rows share each unpacking of a block's levels.
+  const int64_t row_bytes = w.blocks * kBlock * (w.floats() ? 4 : kPasses);
+  const int64_t chunk = std::max<int64_t>(kWideTile, kRowBytes / row_bytes / kWideTile * kWideTile);
   const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, w.blocks * x.count));
+  const int wide = isa == kAvx512 && !w.floats() ? kWideTile : kTile;  // (float tiles keep four rows)
   at::parallel_for(0, w.panels, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t panel = begin; panel < end; ++panel) {
-      for (int64_t row0 = 0; row0 < x.count; row0 += kTile) {
-        run_tile(w, x, panel, row0, static_cast<int>(std::min<int64_t>(kTile, x.count - row0)), y, ld_y, isa);
+    for (int64_t first = 0; first < x.count; first += chunk) {  // (each thread: its panels over one chunk, then the next)
+      const int64_t last = std::min(x.count, first + chunk);
+      for (int64_t panel = begin; panel < end; ++panel) {
+        for (int64_t row0 = first; row0 < last;) {
+          const int rows = last - row0 >= wide ? wide : static_cast<int>(std::min<int64_t>(kTile, last - row0));
+          run_tile(w, x, panel, row0, rows, y, ld_y, isa);
+          row0 += rows;
+        }
       }
     }
   });
