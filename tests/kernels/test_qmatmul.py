@@ -130,6 +130,16 @@ def test_kernel_equals_the_readable_product_within_float_rounding(isa, kind, row
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_long_prefill_in_chunks_of_rows_gives_each_row_what_it_alone_gets(isa, kind):
+    """300 rows of 512 inputs go through in two chunks (256 KB of activations each: 256 rows, then
+    44), eight rows to a tile on AVX-512: each row's numbers are those it gets alone."""
+    matrix, x = matrix_of(kind, d_out=40), activations(300)
+    packed = pack(matrix)
+    together = qlinear(x, packed)
+    assert torch.equal(together, torch.cat([qlinear(row[None], packed) for row in x]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_path_gives_each_row_what_it_alone_gets(kind):
     matrix, x = matrix_of(kind, d_out=70), activations(6)
     packed = pack(matrix)
