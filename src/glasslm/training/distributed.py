@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import NoReturn
 
 import torch
@@ -99,10 +101,57 @@ def init_distributed(device: str = "auto") -> DistributedContext:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                store=incarnation_store(rank, world_size))
     global _joined_group
     _joined_group = True
     return DistributedContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+# How long a process waits for the group's store (torch's default process-group timeout for gloo).
+STORE_TIMEOUT = timedelta(minutes=30)
+# How long a process tries an address read from the launcher's store before reading it again: a
+# live store on node 0 answers in milliseconds; an address left by a relaunched run's previous
+# processes answers never (the port is closed), and is replaced once the new rank 0 writes its own.
+STALE_ADDRESS_TIMEOUT = timedelta(seconds=2)
+_ADDRESS_KEY = "glasslm/process-group-store"
+
+
+def incarnation_store(rank: int, world_size: int) -> dist.Store | None:
+    """A key-value store of this launch of the processes only, for the process group to meet in;
+    None (torch's own, from MASTER_ADDR/MASTER_PORT) when torchrun did not start this process.
+
+    Why: torchrun (c10d rendezvous, torch >= 2.5) hands its workers a store that node 0's launcher
+    keeps for the whole job (TORCHELASTIC_USE_AGENT_STORE=True). When `--max-restarts` relaunches
+    the workers, the keys the previous processes wrote (gloo's addresses: default_pg/0//cpu/...)
+    are still in it, so a relaunched process that reads its peer's address before the peer rewrote
+    it gets the dead process's and the two wait for each other in gloo's connectFullMesh for the
+    30-minute timeout (seen in about 1 relaunch in 5 on 2 busy cores: both new workers in
+    Pair::waitUntilConnected, each listening, no connection between them; torch issue 135712).
+    So global rank 0 starts a new store on a free port of its node (MASTER_ADDR is that node's
+    address) and publishes "host:port" in the launcher's store; the others connect to it, and an
+    address from a previous launch, whose store died with its rank 0, is read again until the
+    new one is there."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host = os.environ["MASTER_ADDR"]
+    launcher = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=STORE_TIMEOUT)
+    if rank == 0:
+        own = dist.TCPStore(host, 0, world_size, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+        launcher.set(_ADDRESS_KEY, f"{host}:{own.port}")
+        return own
+    deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
+    while True:
+        address = launcher.get(_ADDRESS_KEY).decode()  # waits for the first launch's rank 0
+        store_host, port = address.rsplit(":", 1)
+        try:
+            store = dist.TCPStore(store_host, int(port), is_master=False, timeout=STALE_ADDRESS_TIMEOUT)
+            store.set_timeout(STORE_TIMEOUT)
+            return store
+        except (RuntimeError, ValueError):  # DistNetworkError / DistStoreError: nobody listens there
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def shutdown_distributed() -> None:
