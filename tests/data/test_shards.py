@@ -242,19 +242,26 @@ def test_a_run_on_shards_resumes_with_identical_losses(tmp_path, shakespeare_tex
 
 
 def test_each_rank_reads_its_own_rows_of_the_global_batch(tmp_path, shakespeare_text):
-    """Ranks draw the same global batch from the same generator and take disjoint row slices; the
-    slices of 2 ranks put together are the 1-process batch."""
+    """Ranks draw the same global batch from the same generator and build only their row share; the
+    shares of 2 (and 3: uneven) ranks put together are the 1-process batch, and every rank's
+    generator ends where the 1-process one does."""
     from glasslm.training.batches import WindowBatches
-    from glasslm.training.step import rank_slice
 
     text = tmp_path / "s.txt"
     text.write_text(shakespeare_text[:20_000])
     tok = CharTokenizer.from_text(shakespeare_text)
     prepare_shards([str(text)], tok, tmp_path / "ds", shard_tokens=700, workers=1, progress=False)
     source = WindowBatches(load_prepared(tmp_path / "ds").train, 16)
-    whole, _ = source.draw(8, torch.Generator().manual_seed(3))
-    slices = [rank_slice(source.draw(8, torch.Generator().manual_seed(3))[0], r, 2) for r in range(2)]
-    assert torch.equal(torch.cat(slices), whole) and not torch.equal(slices[0], slices[1])
+    whole_rng = torch.Generator().manual_seed(3)
+    whole, _ = source.draw(8, whole_rng)
+    for count in (2, 3):
+        shares = []
+        for index in range(count):
+            rng = torch.Generator().manual_seed(3)
+            shares.append(source.draw(8, rng, share=(index, count))[0])
+            assert torch.equal(rng.get_state(), whole_rng.get_state())
+        assert [len(s) for s in shares] == [len(s) for s in whole.tensor_split(count)]
+        assert torch.equal(torch.cat(shares), whole) and not torch.equal(shares[0], shares[1])
 
 
 def test_prepare_and_train_from_the_command_line(corpus, tmp_path, data_dir, monkeypatch, capsys):

@@ -23,7 +23,7 @@ Example:
     (torch.Size([2, 8]), True)
 """
 
-from glasslm.data.batches import get_batch, load_training_data
+from glasslm.data.batches import get_batch, load_training_data, read_windows, window_starts
 from glasslm.data.datasets import (DATASETS, FILE_SETS, DatasetInfo, fetch_dataset, held_by, known_names,
                                    resolve_text, sha256_of)
 from glasslm.data.prepared import (
@@ -47,6 +47,6 @@ __all__ = [
     "DATASETS", "FILE_SETS", "META_FILE", "SPLITS", "TOKEN_DTYPES", "VAL_FRACTION", "DatasetInfo", "ShardedTokens",
     "TokenData", "prepare_shards",
     "char_vocabulary", "check_prepared", "fetch_dataset", "get_batch", "held_by", "is_prepared", "known_names",
-    "load_prepared", "load_token_file", "load_training_data", "prepare", "read_split", "resolve_text", "sha256_of",
-    "split_offset", "split_texts", "token_dtype", "token_file", "train_val_split",
+    "load_prepared", "load_token_file", "load_training_data", "prepare", "read_split", "read_windows", "resolve_text",
+    "sha256_of", "split_offset", "split_texts", "token_dtype", "token_file", "train_val_split", "window_starts",
 ]

@@ -38,6 +38,8 @@ def get_batch(
     dataset's `ShardedTokens` (windows may span two shards: the stream is one): only the sampled
     windows are read from disk. Starts are uniform over every full window, drawn from
     `generator` (torch's global generator if None). Both outputs are int64 on `device`.
+    (`window_starts` then `read_windows`: a process that trains on some of the rows draws every
+    start, so its generator moves as everyone's, and reads only its own windows.)
 
     >>> x, y = get_batch(np.arange(100), batch_size=2, context_length=4, device="cpu")
     >>> x.shape, bool((y == x + 1).all())
@@ -45,13 +47,35 @@ def get_batch(
     """
     if isinstance(device, torch.Generator):
         raise TypeError("get_batch's 4th argument is the device; pass the generator as generator=...")
-    n_starts = len(tokens) - context_length
+    starts = window_starts(len(tokens), batch_size, context_length, generator)
+    return read_windows(tokens, starts, context_length, device)
+
+
+def window_starts(n_tokens: int, batch_size: int, context_length: int,
+                  generator: torch.Generator | None = None) -> Int[Tensor, "batch"]:
+    """`batch_size` window starts, uniform over every full window of a stream of `n_tokens` tokens.
+
+    >>> window_starts(10, 3, 4, torch.Generator().manual_seed(0)).tolist()
+    [2, 3, 5]
+    """
+    n_starts = n_tokens - context_length
     if n_starts < 1:
         raise ValueError(
-            f"dataset of {len(tokens)} tokens is too small for one window of context_length "
+            f"dataset of {n_tokens} tokens is too small for one window of context_length "
             f"{context_length} + 1 target; use more text or a shorter context"
         )
-    starts = torch.randint(n_starts, (batch_size,), generator=generator)
+    return torch.randint(n_starts, (batch_size,), generator=generator)
+
+
+def read_windows(tokens: Int[Tensor, "n"] | np.ndarray | ShardedTokens, starts: Int[Tensor, "batch"],
+                 context_length: int, device: torch.device | str = "cpu",
+                 ) -> tuple[Int[Tensor, "batch seq"], Int[Tensor, "batch seq"]]:
+    """(inputs, targets) of the windows at `starts`; from a memory map or shards only these are read.
+
+    >>> x, y = read_windows(np.arange(100), torch.tensor([5, 50]), 3)
+    >>> x.tolist(), y[:, -1].tolist()
+    ([[5, 6, 7], [50, 51, 52]], [8, 53])
+    """
     offsets = starts[:, None] + torch.arange(context_length + 1)  # (batch, seq + 1)
     if not isinstance(tokens, Tensor):  # a numpy array, a memory map, or ShardedTokens
         windows = torch.from_numpy(tokens[offsets.numpy()].astype(np.int64))

@@ -134,11 +134,12 @@ def split_examples(examples: Sequence[SFTExample], val_fraction: float,
     return [examples[i] for i in order[n_val:]], [examples[i] for i in order[:n_val]]
 
 
-def padded_batch(examples: Sequence[SFTExample], context_length: int,
-                 pad_id: int = 0) -> tuple[Int[Tensor, "batch seq"], Int[Tensor, "batch seq"]]:
-    """(ids, labels) right-padded to the longest example (cut to `context_length`); padding is
-    never trained, and under the causal mask it cannot change the real positions' outputs."""
-    width = min(context_length, max(len(e.ids) for e in examples))
+def padded_batch(examples: Sequence[SFTExample], context_length: int, pad_id: int = 0,
+                 width: int | None = None) -> tuple[Int[Tensor, "batch seq"], Int[Tensor, "batch seq"]]:
+    """(ids, labels) right-padded to the longest example (cut to `context_length`), or to `width`
+    (`padded_width` of a whole batch this is some rows of); padding is never trained, and under the
+    causal mask it cannot change the real positions' outputs."""
+    width = width if width is not None else padded_width(examples, context_length)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)         # (batch, seq)
     labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)  # (batch, seq)
     for row, example in enumerate(examples):
@@ -147,6 +148,11 @@ def padded_batch(examples: Sequence[SFTExample], context_length: int,
         labels[row, :n] = torch.tensor(example.labels[:n])
         labels[row, n - 1] = IGNORE_INDEX  # a cut example's last label names a token the model never sees
     return ids, labels
+
+
+def padded_width(examples: Sequence[SFTExample], context_length: int) -> int:
+    """The width `padded_batch` pads `examples` to: the longest, cut to `context_length`."""
+    return min(context_length, max(len(e.ids) for e in examples))
 
 
 def sft_batches(examples: Sequence[SFTExample], batch_size: int, context_length: int, generator: torch.Generator,

@@ -7,9 +7,10 @@ DDP, where every process holds everything, DCP spreads the tensors over the proc
 file's safetensors header says which part of which tensor it holds. Nothing there is pickled (DCP's
 default format keeps a pickled `.metadata` file, which glasslm never reads).
 
-Reading assembles whole tensors from the shards in one process, whatever the number of processes
-that wrote them: so `glasslm generate/eval/...` load such a checkpoint like any other, and a run
-resumes on another number of processes (each process then takes its part again, as at the start).
+Reading here assembles whole tensors from the shards in one process, whatever the number of
+processes that wrote them: so `glasslm generate/eval/...` load such a checkpoint like any other, and
+one process resumes a distributed run. A run of several processes resumes with
+glasslm.training.checkpointer.load_shards instead: each process reads only the parts it holds.
 
 Names: the model's weights as `model.<name>`, the optimizer's state as `optimizer.state.<name>.<key>`
 (parameters named as in the model's state dict; the param groups are in optimizer.json).

@@ -2,7 +2,11 @@
 
 A batch source draws one *global* batch of (inputs, labels) rows from a generator (the loop's
 batch sampler, saved in every checkpoint, so a resumed run draws what the uninterrupted run drew)
-and gives the validation batches. Labels equal to IGNORE_INDEX are left out of the loss.
+and gives the validation batches. Labels equal to IGNORE_INDEX are left out of the loss. Under
+data parallelism each process asks for its `share` (index, count) of the rows: every process
+draws the whole global batch's random numbers, so their generators stay in step, and builds (from
+a token file: reads) only its own rows, the ones `Tensor.tensor_split(count)[index]` of the whole
+batch would give (`share_rows`).
 
 - `WindowBatches` (pretraining): random contiguous windows of a 1-D token stream.
 - `SFTBatches` (supervised fine-tuning): whole conversations (glasslm.data.sft), right-padded to
@@ -32,10 +36,24 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from glasslm.data import get_batch
+from glasslm.data import read_windows, window_starts
 from glasslm.data.preferences import PreferencePair
 from glasslm.data.problems import EncodedProblem
-from glasslm.data.sft import IGNORE_INDEX, SFTExample, padded_batch
+from glasslm.data.sft import IGNORE_INDEX, SFTExample, padded_batch, padded_width
+
+WHOLE = (0, 1)  # a share (index, count): all the rows
+
+
+def share_rows(rows: int, share: tuple[int, int]) -> slice:
+    """The rows of `share` = (index, count) of `rows` rows: the ones tensor_split(count)[index] takes.
+
+    >>> [share_rows(7, (i, 3)) for i in range(3)]
+    [slice(0, 3, None), slice(3, 5, None), slice(5, 7, None)]
+    """
+    index, count = share
+    size, extra = divmod(rows, count)
+    start = index * size + min(index, extra)
+    return slice(start, start + size + (index < extra))
 
 
 class BatchSource(Protocol):
@@ -44,15 +62,17 @@ class BatchSource(Protocol):
     def check(self, name: str) -> None:
         """Raise a ValueError (naming `name`: training / validation) if there is too little data."""
 
-    def draw(self, rows: int, generator: torch.Generator) -> tuple[Int[Tensor, "rows t"], Int[Tensor, "rows t"]]:
-        """One global batch of (inputs, labels)."""
+    def draw(self, rows: int, generator: torch.Generator,
+             share: tuple[int, int] = WHOLE) -> tuple[Int[Tensor, "r t"], Int[Tensor, "r t"]]:
+        """`share` of one global batch of `rows` rows: (inputs, labels)."""
 
-    def eval_batches(self, rows: int, iters: int, generator: torch.Generator,
-                     per_draw: int | None = None) -> Iterator[tuple[Tensor, Tensor, float]]:
-        """Validation batches (inputs, labels, weight) of `rows` rows; the validation loss is their
-        weighted mean. A source that draws at random draws `per_draw` rows at a time (a multiple of
-        `rows`: the step's global batch) and splits each draw into batches, so the rows validated
-        depend on the global batch alone, not on how processes and accumulation split it."""
+    def eval_batches(self, rows: int, iters: int, generator: torch.Generator, per_draw: int | None = None,
+                     share: tuple[int, int] = WHOLE) -> Iterator[tuple[Tensor, Tensor, float]]:
+        """Validation batches (inputs, labels, weight) of `rows` rows, `share` of each; the validation
+        loss is their weighted mean (a batch's weight is the whole batch's). A source that draws at
+        random draws `per_draw` rows at a time (a multiple of `rows`: the step's global batch) and
+        splits each draw into batches, so the rows validated depend on the global batch alone, not
+        on how processes and accumulation split it."""
 
     def eval_batch_count(self, rows: int, iters: int, per_draw: int | None = None) -> int:
         """How many batches `eval_batches(rows, iters, ..., per_draw)` gives (for the training-time estimate)."""
@@ -72,15 +92,16 @@ class WindowBatches:
             raise ValueError(f"{name} data has {len(self.tokens)} tokens; need more than "
                              f"context_length={self.context_length}")
 
-    def draw(self, rows: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        return get_batch(self.tokens, rows, self.context_length, generator=generator)  # each (rows, context)
+    def draw(self, rows: int, generator: torch.Generator, share: tuple[int, int] = WHOLE) -> tuple[Tensor, Tensor]:
+        starts = window_starts(len(self.tokens), rows, self.context_length, generator)  # (rows,)
+        return read_windows(self.tokens, starts[share_rows(rows, share)], self.context_length)  # each (share, context)
 
-    def eval_batches(self, rows: int, iters: int, generator: torch.Generator,
-                     per_draw: int | None = None) -> Iterator[tuple[Tensor, Tensor, float]]:
+    def eval_batches(self, rows: int, iters: int, generator: torch.Generator, per_draw: int | None = None,
+                     share: tuple[int, int] = WHOLE) -> Iterator[tuple[Tensor, Tensor, float]]:
         for _ in range(iters):  # every batch holds rows * context positions: equal weights
-            x, y = self.draw(per_draw or rows, generator)  # each (per_draw, context)
-            for start in range(0, len(x), rows):
-                yield x[start:start + rows], y[start:start + rows], 1.0
+            starts = window_starts(len(self.tokens), per_draw or rows, self.context_length, generator)
+            for batch in starts.split(rows):  # (rows,) each
+                yield *read_windows(self.tokens, batch[share_rows(len(batch), share)], self.context_length), 1.0
 
     def eval_batch_count(self, rows: int, iters: int, per_draw: int | None = None) -> int:
         return iters * -(-(per_draw or rows) // rows)
@@ -109,17 +130,20 @@ class SFTBatches:
         kept = example.labels[:min(len(example.ids), self.context_length) - 1]
         return sum(label != IGNORE_INDEX for label in kept)
 
-    def draw(self, rows: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        chosen = torch.randint(len(self.examples), (rows,), generator=generator).tolist()
-        return padded_batch([self.examples[i] for i in chosen], self.context_length, self.pad_id)  # (rows, width)
+    def draw(self, rows: int, generator: torch.Generator, share: tuple[int, int] = WHOLE) -> tuple[Tensor, Tensor]:
+        """`share` of the rows, padded as the whole batch is (the same shapes as one process's)."""
+        chosen = [self.examples[i] for i in torch.randint(len(self.examples), (rows,), generator=generator).tolist()]
+        width = padded_width(chosen, self.context_length)
+        return padded_batch(chosen[share_rows(rows, share)], self.context_length, self.pad_id, width)  # (share, width)
 
-    def eval_batches(self, rows: int, iters: int, generator: torch.Generator,
-                     per_draw: int | None = None) -> Iterator[tuple[Tensor, Tensor, float]]:
+    def eval_batches(self, rows: int, iters: int, generator: torch.Generator, per_draw: int | None = None,
+                     share: tuple[int, int] = WHOLE) -> Iterator[tuple[Tensor, Tensor, float]]:
         """Every example once (`iters` and `generator` are not needed), each batch weighted by its
         trained tokens, so the loss is the mean over all held-out assistant tokens."""
         for start in range(0, len(self.examples), rows):
             x, y = padded_batch(self.examples[start:start + rows], self.context_length, self.pad_id)
-            yield x, y, float((y != IGNORE_INDEX).sum())
+            keep = share_rows(len(x), share)  # the held-out set is small: built whole for the weight
+            yield x[keep], y[keep], float((y != IGNORE_INDEX).sum())
 
     def eval_batch_count(self, rows: int, iters: int, per_draw: int | None = None) -> int:
         return -(-len(self.examples) // rows)
@@ -148,20 +172,24 @@ class PreferenceBatches:
             raise ValueError(f"{name} data: {len(cut)} of {len(self.pairs)} pairs (the first: pair {cut[0] + 1}) keep "
                              f"no completion token within context_length={self.context_length}; shorten their prompts")
 
-    def _batch(self, pairs: Sequence[PreferencePair]) -> tuple[Tensor, Tensor]:
+    def _batch(self, pairs: Sequence[PreferencePair], width: int | None = None) -> tuple[Tensor, Tensor]:
         return padded_batch([e for p in pairs for e in (p.chosen, p.rejected)], self.context_length,
-                            self.pad_id)  # (2 * pairs, width)
+                            self.pad_id, width)  # (2 * pairs, width)
 
-    def draw(self, rows: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        chosen = torch.randint(len(self.pairs), (rows,), generator=generator).tolist()
-        return self._batch([self.pairs[i] for i in chosen])
+    def draw(self, rows: int, generator: torch.Generator, share: tuple[int, int] = WHOLE) -> tuple[Tensor, Tensor]:
+        """`share` of the `rows` pairs (2 rows each), padded as the whole batch is."""
+        chosen = [self.pairs[i] for i in torch.randint(len(self.pairs), (rows,), generator=generator).tolist()]
+        width = padded_width([e for p in chosen for e in (p.chosen, p.rejected)], self.context_length)
+        return self._batch(chosen[share_rows(rows, share)], width)
 
-    def eval_batches(self, rows: int, iters: int, generator: torch.Generator,
-                     per_draw: int | None = None) -> Iterator[tuple[Tensor, Tensor, float]]:
+    def eval_batches(self, rows: int, iters: int, generator: torch.Generator, per_draw: int | None = None,
+                     share: tuple[int, int] = WHOLE) -> Iterator[tuple[Tensor, Tensor, float]]:
         """Every pair once, each batch weighted by its pairs (the loss is a mean over pairs)."""
         for start in range(0, len(self.pairs), rows):
             batch = self.pairs[start:start + rows]
-            yield *self._batch(batch), float(len(batch))
+            x, y = self._batch(batch)
+            keep = share_rows(len(x), share)
+            yield x[keep], y[keep], float(len(batch))
 
     def eval_batch_count(self, rows: int, iters: int, per_draw: int | None = None) -> int:
         return -(-len(self.pairs) // rows)
@@ -196,15 +224,15 @@ class ProblemBatches:
         x = torch.tensor(numbers, dtype=torch.long)[:, None]                       # (rows, 1)
         return x, x.clone()
 
-    def draw(self, rows: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        return self._batch(torch.randint(len(self.problems), (rows,), generator=generator).tolist())
+    def draw(self, rows: int, generator: torch.Generator, share: tuple[int, int] = WHOLE) -> tuple[Tensor, Tensor]:
+        return self._batch(torch.randint(len(self.problems), (rows,), generator=generator)[share_rows(rows, share)].tolist())
 
-    def eval_batches(self, rows: int, iters: int, generator: torch.Generator,
-                     per_draw: int | None = None) -> Iterator[tuple[Tensor, Tensor, float]]:
+    def eval_batches(self, rows: int, iters: int, generator: torch.Generator, per_draw: int | None = None,
+                     share: tuple[int, int] = WHOLE) -> Iterator[tuple[Tensor, Tensor, float]]:
         """Every problem once, each batch weighted by its problems."""
         for start in range(0, len(self.problems), rows):
             numbers = list(range(start, min(start + rows, len(self.problems))))
-            yield *self._batch(numbers), float(len(numbers))
+            yield *self._batch(numbers[share_rows(len(numbers), share)]), float(len(numbers))
 
     def eval_batch_count(self, rows: int, iters: int, per_draw: int | None = None) -> int:
         return -(-len(self.problems) // rows)

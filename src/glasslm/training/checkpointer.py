@@ -23,9 +23,9 @@ from torch import nn
 from glasslm.core.model import TransformerLM
 from glasslm.io.build import load_weights
 from glasslm.io.checkpoint import (
-    ADAPTER_BASE_KEY, CONFIG_FILE, META_FILE, OPTIMIZER_FILE, OPTIMIZER_JSON, CheckpointWriteError, checkpoint_name, load_config,
-    load_optimizer_state, optimizer_state_to_files, prune_checkpoints, read_json, read_pointer, read_weights,
-    save_checkpoint, staging_directory, write_pointer,
+    ADAPTER_BASE_KEY, CONFIG_FILE, META_FILE, OPTIMIZER_FILE, OPTIMIZER_JSON, WEIGHTS_FILE, CheckpointWriteError,
+    checkpoint_name, load_config, load_optimizer_state, optimizer_state_from_files, optimizer_state_to_files,
+    prune_checkpoints, read_json, read_pointer, read_weights, save_checkpoint, staging_directory, write_pointer,
 )
 from glasslm.io.sharded import MODEL_PREFIX, OPTIMIZER_PREFIX, SHARDS_DIR, is_sharded_checkpoint
 from glasslm.training.config import TrainConfig
@@ -184,15 +184,51 @@ def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, fsdp: b
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
 
 
-def load_checkpoint_weights(model: TransformerLM, directory: Path, device: str) -> None:
-    """Copy a training checkpoint's weights into `model`, which must have the checkpoint's config.
-    An adapter checkpoint (a LoRA run) holds only the adapters: `model` is the base with the same
-    adapters added, and only they are copied."""
+def check_checkpoint_config(model: TransformerLM, directory: Path) -> None:
+    """Refuse a checkpoint whose model config is not `model`'s, naming each difference."""
     saved = load_config(directory / CONFIG_FILE)
     if saved != model.config:
         differences = "; ".join(f"{name}: checkpoint {value!r}, this run {getattr(model.config, name)!r}"
                                 for name, value in vars(saved).items() if getattr(model.config, name) != value)
         raise ValueError(f"{directory} holds a different model config than the one to train ({differences})")
+
+
+def loads_per_process(directory: Path, ctx: DistributedContext) -> bool:
+    """Whether a run resuming from `directory` loads it with `load_shards`: a distributed checkpoint
+    (weights and optimizer state only in its shards) read by a run of two processes or more."""
+    return ctx.enabled and is_sharded_checkpoint(directory) and not (directory / WEIGHTS_FILE).is_file() \
+        and not (directory / OPTIMIZER_FILE).is_file()
+
+
+def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Every process loads the model weights and optimizer state it holds (FSDP2: its shards; DDP:
+    everything) from a distributed checkpoint: torch.distributed.checkpoint's load planner matches
+    each process's tensors (whole or sharded, of any number of processes) with the saved chunks and
+    reads only the chunks they overlap, so no process holds a whole copy it then throws away.
+    Collective; `model` is wrapped (DDP/FSDP2) and `optimizer` built over it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    )
+
+    scalars = read_json(directory / OPTIMIZER_JSON)  # the param groups and non-tensor state
+    model_state = get_model_state_dict(model)  # this process's tensors (DTensor shards under FSDP2)
+    # (With an empty optimizer this first takes a zero step, so its state tensors exist to load into.)
+    optim_tensors, _ = optimizer_state_to_files(get_optimizer_state_dict(model, optimizer))
+    state = {**{MODEL_PREFIX + name: t for name, t in model_state.items()},
+             **{OPTIMIZER_PREFIX + name: t for name, t in optim_tensors.items()}}
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory / SHARDS_DIR)))  # in place
+    set_model_state_dict(model, {name: state[MODEL_PREFIX + name] for name in model_state})
+    set_optimizer_state_dict(model, optimizer, optimizer_state_from_files(
+        {name: state[OPTIMIZER_PREFIX + name] for name in optim_tensors}, scalars))
+
+
+def load_checkpoint_weights(model: TransformerLM, directory: Path, device: str) -> None:
+    """Copy a training checkpoint's weights into `model`, which must have the checkpoint's config.
+    An adapter checkpoint (a LoRA run) holds only the adapters: `model` is the base with the same
+    adapters added, and only they are copied."""
+    check_checkpoint_config(model, directory)
     weights = read_weights(directory, device)
     meta = read_json(directory / META_FILE) if (directory / META_FILE).is_file() else {}
     if not (isinstance(meta, dict) and ADAPTER_BASE_KEY in meta):

@@ -27,7 +27,7 @@ from glasslm.training.config import TrainConfig
 from glasslm.training.distributed import DistributedContext, all_reduce_mean, resolve_device
 from glasslm.training.metrics import shown_stats
 from glasslm.training.result import TrainResult
-from glasslm.training.step import Objective, autocast_context, next_token_loss, rank_slice
+from glasslm.training.step import Objective, autocast_context, next_token_loss
 
 
 def evaluate(
@@ -62,8 +62,9 @@ def evaluate_objective(
     totals: dict[str, Tensor] = {}  # the loss under "", then the statistics
     weights = 0.0
     rows = cfg.batch_size * ctx.world_size  # one micro-batch on every process
-    for x, y, weight in source.eval_batches(rows, cfg.eval_iters, generator, per_draw=rows * cfg.grad_accum_steps):
-        x, y = rank_slice(x, ctx.rank, ctx.world_size).to(device), rank_slice(y, ctx.rank, ctx.world_size).to(device)
+    for x, y, weight in source.eval_batches(rows, cfg.eval_iters, generator, per_draw=rows * cfg.grad_accum_steps,
+                                            share=(ctx.rank, ctx.world_size)):
+        x, y = x.to(device), y.to(device)  # this process's rows of the batch
         with autocast_context(cfg, device):
             loss, stats = objective(model, x, y)  # x, y: (rows, seq)
         for name, value in {"": loss, **stats}.items():

@@ -5,7 +5,8 @@ start, or a checkpoint's step with every generator and the optimizer restored).
 How the data is drawn (this is what makes resuming and data parallelism exact): every optimizer
 step draws one *global* batch of batch_size x grad_accum_steps x world_size windows from a single
 generator seeded by `seed`. Process r takes the r-th contiguous slice and splits it into
-grad_accum_steps micro-batches. So the windows seen at step s depend only on s and the global batch
+grad_accum_steps micro-batches; every process draws the whole batch's random numbers but reads
+only its own slice's rows (glasslm.training.batches: `share`). So the windows seen at step s depend only on s and the global batch
 size: 2 processes with batch 6 see exactly what 1 process with batch 12 sees, and a resumed run
 (generator state restored from the checkpoint) sees what the uninterrupted run saw.
 
@@ -35,12 +36,14 @@ from glasslm.core.config import ModelConfig
 from glasslm.core.model import TransformerLM
 from glasslm.training.activations import checkpoint_blocks
 from glasslm.training.batches import BatchSource, as_batch_source
-from glasslm.training.checkpointer import load_checkpoint_weights, load_optimizer
+from glasslm.training.checkpointer import (
+    check_checkpoint_config, load_checkpoint_weights, load_optimizer, load_shards, loads_per_process,
+)
 from glasslm.training.config import TrainConfig
 from glasslm.training.distributed import DistributedContext
 from glasslm.training.optim import make_optimizer
 from glasslm.training.schedule import schedule_end
-from glasslm.training.step import Objective, next_token_loss, rank_slice
+from glasslm.training.step import Objective, next_token_loss
 from glasslm.training.trainer_state import ResumePoint, load_resume_point, seed_processes
 
 
@@ -79,7 +82,10 @@ class TrainingParts:
             if source is not None:
                 source.check(name)
         batch_rng = seed_processes(cfg.seed, ctx.rank)
-        if resume_dir is not None:
+        per_process = resume_dir is not None and loads_per_process(resume_dir, ctx)
+        if per_process:
+            check_checkpoint_config(model, resume_dir)  # the weights are loaded once wrapped, in place
+        elif resume_dir is not None:
             load_checkpoint_weights(model, resume_dir, device)
         fsdp = cfg.fsdp and ctx.enabled
         step_model, eval_model = wrap(model, cfg, ctx, device, fsdp)
@@ -87,7 +93,10 @@ class TrainingParts:
         scaler = torch.amp.GradScaler(torch.device(device).type) if cfg.dtype == "float16" else None
         point = ResumePoint()
         if resume_dir is not None:
-            load_optimizer(model, optimizer, resume_dir, fsdp)
+            if per_process:
+                load_shards(model, optimizer, resume_dir)
+            else:
+                load_optimizer(model, optimizer, resume_dir, fsdp)
             point = load_resume_point(resume_dir, batch_rng, ctx)
             if scaler is not None and point.grad_scaler:
                 scaler.load_state_dict(point.grad_scaler)
@@ -106,9 +115,9 @@ class TrainingParts:
     def next_batch(self) -> tuple[Tensor, Tensor]:
         """This process's slice of the step's global batch (see the module docstring): x, y (rows, seq)."""
         cfg, ctx = self.cfg, self.ctx
-        x, y = self.train_source.draw(cfg.batch_size * cfg.grad_accum_steps * ctx.world_size, self.batch_rng)
-        x = rank_slice(x, ctx.rank, ctx.world_size).to(self.device, non_blocking=True)
-        return x, rank_slice(y, ctx.rank, ctx.world_size).to(self.device, non_blocking=True)
+        x, y = self.train_source.draw(cfg.batch_size * cfg.grad_accum_steps * ctx.world_size, self.batch_rng,
+                                      share=(ctx.rank, ctx.world_size))  # only this process's rows are read
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
 
 def wrap(model: TransformerLM, cfg: TrainConfig, ctx: DistributedContext, device: str,

@@ -41,11 +41,6 @@ def autocast_context(cfg: TrainConfig, device: str | None = None):
     return torch.autocast(device_type=torch.device(device or resolve_device(cfg.device)).type, dtype=dtype)
 
 
-def rank_slice(batch: Tensor, rank: int, world_size: int) -> Tensor:
-    """Process `rank`'s contiguous share of a global batch (rows)."""
-    return batch.tensor_split(world_size)[rank]
-
-
 class Objective(Protocol):
     """What a step minimises on one micro-batch: (loss, statistics to log beside it, each a scalar
     tensor averaged over the step's micro-batches). The default is `next_token_loss`; preference
