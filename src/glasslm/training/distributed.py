@@ -14,6 +14,7 @@ Example (no torchrun variables set, so a single process):
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -112,7 +113,8 @@ def init_distributed(device: str = "auto") -> DistributedContext:
 STORE_TIMEOUT = timedelta(minutes=30)
 # How long a process tries an address read from the launcher's store before reading it again: a
 # live store on node 0 answers in milliseconds; an address left by a relaunched run's previous
-# processes answers never (the port is closed), and is replaced once the new rank 0 writes its own.
+# processes is refused (the port is closed, or answers never), and is replaced once the new rank 0
+# writes its own.
 STALE_ADDRESS_TIMEOUT = timedelta(seconds=2)
 _ADDRESS_KEY = "glasslm/process-group-store"
 
@@ -144,14 +146,22 @@ def incarnation_store(rank: int, world_size: int) -> dist.Store | None:
     while True:
         address = launcher.get(_ADDRESS_KEY).decode()  # waits for the first launch's rank 0
         store_host, port = address.rsplit(":", 1)
-        try:
-            store = dist.TCPStore(store_host, int(port), is_master=False, timeout=STALE_ADDRESS_TIMEOUT)
-            store.set_timeout(STORE_TIMEOUT)
-            return store
-        except (RuntimeError, ValueError):  # DistNetworkError / DistStoreError: nobody listens there
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+        if _listening(store_host, int(port)):
+            return dist.TCPStore(store_host, int(port), is_master=False, timeout=STORE_TIMEOUT)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no process group store answered at {address} (from the launcher's store) "
+                               f"within {STORE_TIMEOUT}")
+        time.sleep(0.1)
+
+
+def _listening(host: str, port: int) -> bool:
+    """Whether something accepts connections at host:port (a plain socket: TCPStore's own client would
+    retry a dead address for its whole timeout, logging a stack trace each time)."""
+    try:
+        with socket.create_connection((host, port), timeout=STALE_ADDRESS_TIMEOUT.total_seconds()):
+            return True
+    except OSError:
+        return False
 
 
 def shutdown_distributed() -> None:
