@@ -147,14 +147,16 @@ class _HubHandler(_BaseHandler):
 
     def _route(self) -> None:
         path = self._record()
-        api = re.fullmatch(r"/api/models/(.+?)/(revision|tree)/([^/]+)(/.*)?", path) \
-            or re.fullmatch(r"/api/models/([^/]+(?:/[^/]+)?)/(auth-check)()", path) \
-            or re.fullmatch(r"/api/models/([^/]+(?:/[^/]+)?)()()", path)  # no revision: the default branch
+        api = re.fullmatch(r"/api/(models|datasets)/(.+?)/(revision|tree)/([^/]+)(/.*)?", path) \
+            or re.fullmatch(r"/api/(models|datasets)/([^/]+(?:/[^/]+)?)/(auth-check)()", path) \
+            or re.fullmatch(r"/api/(models|datasets)/([^/]+(?:/[^/]+)?)()()", path)  # no revision: the default branch
         resolve = re.fullmatch(r"/(.+?)/resolve/([^/]+)/(.+)", path)
         match = api or resolve
         if match is None:
             return self._error(404, "NotFound", f"no route {path}")
-        repo_id, revision = (api.group(1), api.group(3) or "main") if api else (resolve.group(1), resolve.group(2))
+        # A dataset repository is kept as "datasets/<id>", as its files' URLs name it.
+        repo_id, revision = ((api.group(2) if api.group(1) == "models" else f"datasets/{api.group(2)}"),
+                             api.group(4) or "main") if api else (resolve.group(1), resolve.group(2))
         repo = self.hub.repos.get(repo_id)
         if repo is None:  # as the hub: 401 to the anonymous (not revealing private repositories), 404 otherwise
             authorized = self.headers.get("Authorization") is not None
@@ -162,12 +164,12 @@ class _HubHandler(_BaseHandler):
         commit = repo.commit_of(revision)
         if commit is None:
             return self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
-        if api and api.group(2) == "auth-check":
+        if api and api.group(3) == "auth-check":
             return self._refuse_if_gated(repo_id, repo) or self._send(200, {"Content-Type": "application/json"}, b"{}")
-        if api and api.group(2) in ("revision", ""):
+        if api and api.group(3) in ("revision", ""):
             return self._model_info(repo_id, repo, commit)
         if api:
-            return self._tree(repo.commits[commit])
+            return self._tree(repo.commits[commit], (api.group(5) or "").strip("/"))
         self._resolve(repo_id, repo, commit, resolve.group(3))
 
     def _refuse_if_gated(self, repo_id: str, repo: HubRepo) -> bool:
@@ -186,13 +188,26 @@ class _HubHandler(_BaseHandler):
                 "siblings": [{"rfilename": name} for name in sorted(repo.commits[commit])]}
         self._send(200, {"Content-Type": "application/json"}, json.dumps(info).encode())
 
-    def _tree(self, files: dict[str, bytes]) -> None:
-        entries = []
+    def _tree(self, files: dict[str, bytes], folder: str = "") -> None:
+        """The entries under `folder`: its files and folders, or with ?recursive=true everything below
+        it (folders too), as the hub lists them."""
+        recursive = "recursive=true" in (urlsplit(self.path).query or "").lower()
+        prefix = f"{folder}/" if folder else ""
+        entries, folders = [], set()
         for name, data in sorted(files.items()):
+            if not name.startswith(prefix):
+                continue
+            parts = name[len(prefix):].split("/")
+            for depth in range(1, len(parts) if recursive else min(2, len(parts))):
+                folders.add(prefix + "/".join(parts[:depth]))
+            if len(parts) > 1 and not recursive:
+                continue
             entry = {"type": "file", "oid": git_blob_id(data), "size": len(data), "path": name}
             if name.endswith(LFS_SUFFIXES):
                 entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
             entries.append(entry)
+        entries += [{"type": "directory", "oid": git_blob_id(path.encode()), "size": 0, "path": path}
+                    for path in sorted(folders)]
         self._send(200, {"Content-Type": "application/json"}, json.dumps(entries).encode())
 
     def _resolve(self, repo_id: str, repo: HubRepo, commit: str, name: str) -> None:
