@@ -55,9 +55,12 @@ def family_reading(model_type: str | None) -> HFFamily | None:
     return next((family for family in FAMILIES.values() if family.reads(model_type)), None)
 
 
-def family_reading_gguf(arch: str) -> HFFamily | None:
-    """The registered family whose GGUF form has this `general.architecture`, or None."""
-    return next((family for family in FAMILIES.values() if family.gguf and family.gguf.arch == arch), None)
+def family_reading_gguf(arch: str, experts: bool = False) -> HFFamily | None:
+    """The registered family whose GGUF form has this `general.architecture`, or None; `experts`: the
+    file states an expert count (llama.cpp's "llama" with experts is Mixtral), so only a mixture-of-experts
+    family reads it (a file with experts is never read as a dense model)."""
+    return next((family for family in FAMILIES.values()
+                 if family.gguf and family.gguf.arch == arch and family.gguf.experts == experts), None)
 
 
 def round_trip_problems(family: HFFamily, config: ModelConfig) -> list[str]:

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from torch import Tensor
 from glasslm.core.config import ModelConfig
 from glasslm.hf.errors import UnsupportedModelError
 from glasslm.hf.families.common import EXPERTS_PROBLEM
-from glasslm.hf.plan import SAME, Plan
+from glasslm.hf.plan import SAME, Plan, WeightTable
 
 # Each layout's names under model.layers.{i}.: the MoE module, the router, and the three projections.
 HF_NAMES = {
@@ -121,3 +122,54 @@ def expert_problems(config: ModelConfig, shared: bool = False, every_layer: bool
 def without_experts_problem(problems: list[str]) -> list[str]:
     """A dense family's objections less the one to experts (what the MoE family built on it has)."""
     return [p for p in problems if p != EXPERTS_PROBLEM]
+
+
+# --------------------------------------------------------------------------------------------- GGUF
+
+def gguf_expert_table(hf_table: Any, names: tuple[str, str, dict[str, str]], arch: str) -> Any:
+    """A MoE family's table as GGUF files hold it: `hf_table`'s, with each projection of all of a layer's
+    experts ONE tensor (llama.cpp's ffn_gate_exps / ffn_up_exps / ffn_down_exps, (n_experts, d_out, d_in)
+    as ours), under the merged name llama.cpp's converter gives it (`...experts.gate_proj.weight`)."""
+    module, _, projections = names
+
+    def table(config: ModelConfig, hf_names: set[str] | None = None) -> WeightTable:
+        _every_layer(config.moe_every, arch)
+        plan = dict(hf_table(config, None).entries)
+        for layer in range(config.n_layers):
+            if config.moe_layer(layer):
+                for proj, hf_proj in projections.items():
+                    plan[f"blocks.{layer}.mlp.{proj}"] = ((f"model.layers.{layer}.{module}.experts.{hf_proj}.weight",),
+                                                          *SAME)
+        return WeightTable(plan)
+
+    return table
+
+
+def experts_from_gguf(values: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's expert keys from a file's `{arch}.expert_*` values (each family reads its own)."""
+    count = values.get("expert_count")
+    hf = {"num_experts": count, "num_local_experts": count, "num_experts_per_tok": values.get("expert_used_count"),
+          "moe_intermediate_size": values.get("expert_feed_forward_length"),
+          "shared_expert_intermediate_size": values.get("expert_shared_feed_forward_length"),
+          "decoder_sparse_step": 1}  # llama.cpp's MoE architectures have experts on every layer
+    return {key: value for key, value in hf.items() if value is not None}
+
+
+def experts_to_gguf(hf: Mapping[str, Any], arch: str, renormalized: bool) -> dict[str, Any]:
+    """A file's `{arch}.expert_*` values for a config.json, or UnsupportedModelError naming what llama.cpp's
+    `arch` cannot run: experts on some layers only, or (un)normalised weights it does not compute."""
+    _every_layer(hf.get("decoder_sparse_step", 1), arch)
+    if bool(hf.get("norm_topk_prob", renormalized)) != renormalized:
+        raise UnsupportedModelError(f"llama.cpp's {arch} {'renormalises' if renormalized else 'does not renormalise'} "
+                                    f"the chosen experts' weights; this model {'does not' if renormalized else 'does'}")
+    values = {"expert_count": hf.get("num_experts") or hf.get("num_local_experts"),
+              "expert_used_count": hf["num_experts_per_tok"],
+              "expert_feed_forward_length": hf.get("moe_intermediate_size"),
+              "expert_shared_feed_forward_length": hf.get("shared_expert_intermediate_size")}
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def _every_layer(moe_every: int, arch: str) -> None:
+    if moe_every != 1:
+        raise UnsupportedModelError(f"llama.cpp's {arch} has experts on every layer; this model has them every "
+                                    f"{moe_every} layers")

@@ -15,14 +15,18 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from glasslm.core.config import ModelConfig
 from glasslm.hf.families.common import bias_flags, uniform_sliding_window
-from glasslm.hf.families.experts import HF_NAMES, expert_problems, experts_from_hf, with_experts, without_experts_problem
+from glasslm.hf.errors import UnsupportedModelError
+from glasslm.hf.families import llama
+from glasslm.hf.families.experts import experts_from_gguf, experts_to_gguf, gguf_expert_table, HF_NAMES, expert_problems, experts_from_hf, with_experts, without_experts_problem
 from glasslm.hf.families.family import HFFamily
 from glasslm.hf.families.rotary import (
-    ROTARY_BUFFERS, rotary_config_from_hf, rotary_config_to_hf, rotary_shape_problems, rotary_weight_table,
+    ROTARY_BUFFERS, rotary_config_from_hf, rotary_config_to_hf, rotary_gguf_form, rotary_shape_problems,
+    rotary_weight_table,
 )
 from glasslm.hf.plan import WeightTable
 
@@ -54,7 +58,18 @@ def weight_table(config: ModelConfig, hf_names: set[str] | None = None) -> Weigh
     return WeightTable(with_experts(dict(rotary_weight_table(config).entries), config, HF_NAMES["mixtral"], hf_names))
 
 
+def _gguf_values(hf: dict[str, Any]) -> dict[str, Any]:
+    if hf.get("sliding_window"):
+        raise UnsupportedModelError("llama.cpp's llama architecture has no sliding window; this Mixtral has one")
+    return experts_to_gguf(hf, "llama", renormalized=True)
+
+
+# llama.cpp's "llama" with {arch}.expert_count: Llama's q/k row order, experts as 3-D tensors.
+GGUF = dataclasses.replace(
+    rotary_gguf_form("llama", lambda values, names: experts_from_gguf(values), _gguf_values, fixes=llama.GGUF.fixes),
+    experts=True, weight_table=gguf_expert_table(weight_table, HF_NAMES["mixtral"], "llama"))
+
 FAMILY = HFFamily(
     name="mixtral", architecture="MixtralForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-    fit_problems=fit_problems, weight_table=weight_table, ignored_tensors=ROTARY_BUFFERS,
+    fit_problems=fit_problems, weight_table=weight_table, ignored_tensors=ROTARY_BUFFERS, gguf=GGUF,
 )

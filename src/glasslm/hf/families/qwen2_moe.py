@@ -14,15 +14,17 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from glasslm.core.config import ModelConfig
 from glasslm.hf.errors import UnsupportedModelError
 from glasslm.hf.families.common import bias_flags, uniform_sliding_window
-from glasslm.hf.families.experts import HF_NAMES, expert_problems, experts_from_hf, experts_to_hf, with_experts, without_experts_problem
+from glasslm.hf.families.experts import experts_from_gguf, experts_to_gguf, gguf_expert_table, HF_NAMES, expert_problems, experts_from_hf, experts_to_hf, with_experts, without_experts_problem
 from glasslm.hf.families.family import HFFamily
 from glasslm.hf.families.rotary import (
-    ROTARY_BUFFERS, rotary_config_from_hf, rotary_config_to_hf, rotary_shape_problems, rotary_weight_table,
+    ROTARY_BUFFERS, rotary_config_from_hf, rotary_config_to_hf, rotary_gguf_form, rotary_shape_problems,
+    rotary_weight_table,
 )
 from glasslm.hf.plan import WeightTable
 
@@ -62,7 +64,16 @@ def weight_table(config: ModelConfig, hf_names: set[str] | None = None) -> Weigh
     return WeightTable(with_experts(dict(rotary_weight_table(config).entries), config, HF_NAMES["mlp"], hf_names))
 
 
+def _gguf_config(values: Any, names: set[str]) -> dict[str, Any]:
+    return {**experts_from_gguf(values), "norm_topk_prob": False, "qkv_bias": "blk.0.attn_q.bias" in names}
+
+
+# llama.cpp's qwen2moe: experts on every layer, the chosen weights not renormalised, the shared expert.
+GGUF = dataclasses.replace(
+    rotary_gguf_form("qwen2moe", _gguf_config, lambda hf: experts_to_gguf(hf, "qwen2moe", renormalized=False)),
+    experts=True, weight_table=gguf_expert_table(weight_table, HF_NAMES["mlp"], "qwen2moe"))
+
 FAMILY = HFFamily(
     name="qwen2_moe", architecture="Qwen2MoeForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-    fit_problems=fit_problems, weight_table=weight_table, ignored_tensors=ROTARY_BUFFERS,
+    fit_problems=fit_problems, weight_table=weight_table, ignored_tensors=ROTARY_BUFFERS, gguf=GGUF,
 )

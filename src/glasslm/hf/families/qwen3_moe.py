@@ -14,13 +14,14 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from glasslm.core.config import ModelConfig
 from glasslm.hf.families import qwen3
-from glasslm.hf.families.experts import HF_NAMES, expert_problems, experts_from_hf, experts_to_hf, with_experts, without_experts_problem
+from glasslm.hf.families.experts import experts_from_gguf, experts_to_gguf, gguf_expert_table, HF_NAMES, expert_problems, experts_from_hf, experts_to_hf, with_experts, without_experts_problem
 from glasslm.hf.families.family import HFFamily
-from glasslm.hf.families.rotary import ROTARY_BUFFERS, rotary_weight_table
+from glasslm.hf.families.rotary import ROTARY_BUFFERS, rotary_gguf_form, rotary_weight_table
 from glasslm.hf.plan import WeightTable
 
 
@@ -43,7 +44,13 @@ def weight_table(config: ModelConfig, hf_names: set[str] | None = None) -> Weigh
     return WeightTable(with_experts(dict(rotary_weight_table(config).entries), config, HF_NAMES["mlp"], hf_names))
 
 
+# llama.cpp's qwen3moe: experts on every layer, the chosen weights always renormalised.
+GGUF = dataclasses.replace(
+    rotary_gguf_form("qwen3moe", lambda values, names: {**experts_from_gguf(values), "norm_topk_prob": True},
+                     lambda hf: experts_to_gguf(hf, "qwen3moe", renormalized=True)),
+    experts=True, weight_table=gguf_expert_table(weight_table, HF_NAMES["mlp"], "qwen3moe"))
+
 FAMILY = HFFamily(
     name="qwen3_moe", architecture="Qwen3MoeForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-    fit_problems=fit_problems, weight_table=weight_table, ignored_tensors=ROTARY_BUFFERS,
+    fit_problems=fit_problems, weight_table=weight_table, ignored_tensors=ROTARY_BUFFERS, gguf=GGUF,
 )
