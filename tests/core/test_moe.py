@@ -147,3 +147,16 @@ def test_a_model_with_moe_layers_every_second_layer_and_its_router_losses():
 def test_bad_expert_settings_are_refused_by_name(changes, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         moe_config(**changes)
+
+
+def test_accounting_charges_a_token_its_k_experts_and_counts_all_n():
+    from glasslm.interp.accounting import forward_flops_per_token, parameter_count
+    from glasslm.presets import get_preset
+
+    dense, moe = get_preset("shakespeare-char-cpu"), get_preset("shakespeare-char-cpu-moe")
+    assert moe.experts_per_token * moe.d_expert == dense.d_mlp  # the same active MLP width
+    router = 2 * moe.n_experts * moe.d_model * moe.n_layers
+    assert forward_flops_per_token(moe) == forward_flops_per_token(dense) + router
+    experts = 3 * moe.n_experts * moe.d_expert * moe.d_model * moe.n_layers
+    mlps = 3 * dense.d_mlp * dense.d_model * dense.n_layers
+    assert parameter_count(moe) == parameter_count(dense) - mlps + experts + router // 2
