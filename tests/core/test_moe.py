@@ -160,3 +160,31 @@ def test_accounting_charges_a_token_its_k_experts_and_counts_all_n():
     experts = 3 * moe.n_experts * moe.d_expert * moe.d_model * moe.n_layers
     mlps = 3 * dense.d_mlp * dense.d_model * dense.n_layers
     assert parameter_count(moe) == parameter_count(dense) - mlps + experts + router // 2
+
+
+def test_router_hooks_read_and_steer_the_routing():
+    """blocks.{i}.mlp.hook_router_logits (batch, seq, n_experts) and hook_expert_weights (batch, seq, k), in
+    TransformerLens's naming: the cache holds what the router computed, and a hook that raises one expert's
+    logit sends every token there."""
+    from glasslm.interp.hooks import run_with_cache, run_with_hooks
+
+    torch.manual_seed(0)
+    model = TransformerLM(moe_config(n_layers=2)).eval()
+    tokens = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(3))
+    names = ["blocks.1.mlp.hook_router_logits", "blocks.1.mlp.hook_expert_weights", "blocks.1.hook_resid_mid"]
+    logits, cache = run_with_cache(model, tokens, names_filter=names)
+    block = model.blocks[1]
+    router_logits = block.mlp.router(block.ln2(cache["blocks.1.hook_resid_mid"]))
+    torch.testing.assert_close(cache["blocks.1.mlp.hook_router_logits"], router_logits)
+    expected, _ = route(router_logits.reshape(20, 4), 2, True)
+    torch.testing.assert_close(cache["blocks.1.mlp.hook_expert_weights"], expected.reshape(2, 10, 2))
+    torch.testing.assert_close(logits, model(tokens))  # caching changes nothing
+
+    def to_expert_3(router_logits, hook):
+        router_logits[..., 3] += 100.0
+        return router_logits
+
+    model.train()  # (records the routing statistics)
+    steered = run_with_hooks(model, tokens, fwd_hooks=[("blocks.1.mlp.hook_router_logits", to_expert_3)])
+    assert block.mlp.aux.load[3] == 0.5  # every token's first choice (k = 2: half of the assignments)
+    assert not torch.allclose(steered, model(tokens))
