@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig  # noqa: E402
 
 from glasslm.core.moe import MoE  # noqa: E402
+from glasslm.generation import generate_tokens  # noqa: E402
 from glasslm.hf import UnsupportedModelError, export_hf, import_hf  # noqa: E402
 from tests.hf.test_hf_families import VOCAB, _llama, float32_rounding, greedy, random_model  # noqa: E402
 from tests.hf.test_hf_new_families import SPECIAL, decode  # noqa: E402
@@ -71,6 +72,7 @@ def test_moe_family_logits_greedy_tokens_and_round_trip(family, tmp_path):
     assert greedy(model, prompt, 20) == hf_tokens
     assert decode(model, prompt, 20, static=False) == hf_tokens
     assert decode(model, prompt, 20, static=True) == hf_tokens
+    assert list(generate_tokens(model, prompt[0].tolist(), 20, temperature=0.0)) == hf_tokens  # (the readable step)
 
     first = export_hf(model, tmp_path / "first")
     again = export_hf(import_hf(first), tmp_path / "second")
