@@ -123,6 +123,13 @@ PRESETS: dict[str, Preset] = {
               "in about a quarter of its time (benchmarks/bench_time_to_loss.py)",
         recipe=dict(optimizer="muon", muon_lr=0.02, muon_momentum=0.85, lr=3e-3, min_lr=3e-4, beta2=0.95,
                     warmup_steps=20, max_steps=300, batch_size=16)),
+    "shakespeare-char-cpu-moe": Preset(
+        _char_llama(context_length=64, d_model=128, n_layers=4, n_heads=4, d_mlp=336, qk_norm=True, n_experts=4,
+                    experts_per_token=2, d_expert=168),
+        about="shakespeare-char-cpu with a mixture of 4 SwiGLU experts of 168 in every layer, 2 per token (the dense "
+              "MLP's 336 active, twice its parameters), the load-balancing loss at 0.01: a Qwen3-MoE to train on a CPU",
+        recipe=dict(optimizer="muon", muon_lr=0.02, muon_momentum=0.85, lr=3e-3, min_lr=3e-4, beta2=0.95,
+                    warmup_steps=20, max_steps=300, batch_size=16)),
     "shakespeare-char-cpu-nanogpt": Preset(
         _char(context_length=64, d_model=128, n_layers=4, n_heads=4, dropout=0.0),
         about="nanoGPT's CPU recipe for tiny Shakespeare (TrainConfig's defaults are that recipe)",

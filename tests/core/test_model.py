@@ -99,6 +99,10 @@ def expected_parameters(c: ModelConfig) -> int:
     else:
         mlp = 2 * d * c.d_mlp + has_bias(c.mlp_bias) * (c.d_mlp + d)
     total = V * d + L * (attn + mlp + (4 if c.post_norms else 2) * norm)
+    if c.n_experts:  # a mixture-of-experts layer: n SwiGLU experts, a router (n x d), Qwen2-MoE's shared expert
+        moe = c.n_experts * (3 * d * (c.d_expert or c.d_mlp) + d)
+        moe += 3 * d * c.d_shared_expert + d if c.d_shared_expert else 0
+        total += sum(moe - mlp for layer in range(L) if (layer + 1) % c.moe_every == 0)
     total += T * d if c.positional == "learned" else 0
     total += norm if c.final_norm else 0
     total += 0 if c.tie_embeddings else V * d

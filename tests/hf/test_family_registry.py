@@ -39,6 +39,11 @@ HF_CONFIGS = {
                     "layer_types": ["sliding_attention", "full_attention"]},
     "gemma2": {"model_type": "gemma2", **_ROTARY, "head_dim": 16, "sliding_window": 8},
     "phi3": {"model_type": "phi3", **_ROTARY, "partial_rotary_factor": 0.5},
+    "mixtral": {"model_type": "mixtral", **_ROTARY, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"model_type": "qwen3_moe", **_ROTARY, "head_dim": 16, "num_experts": 4, "moe_intermediate_size": 16,
+                  "decoder_sparse_step": 2, "norm_topk_prob": True},
+    "qwen2_moe": {"model_type": "qwen2_moe", **_ROTARY, "num_experts": 4, "moe_intermediate_size": 16,
+                  "shared_expert_intermediate_size": 24},
 }
 
 

@@ -40,6 +40,10 @@ CONFIGS = {
     "neox": lambda: get_preset("pythia-160m", d_model=64, n_heads=4, **SMALL),  # q/k/v interleaved per head
     "gemma3": lambda: get_preset("gemma3-270m", d_model=64, n_heads=4, n_kv_heads=2, d_head=16, d_mlp=96,
                                  global_layers=(1,), sliding_window=8, **SMALL),  # scaled embedding, tied
+    # Mixtures of experts: adapters on attention (peft's q_proj ... o_proj), the experts left as they are.
+    "mixtral": lambda: get_preset("llama-tiny", n_experts=4, experts_per_token=2, **SMALL),
+    "qwen3-moe": lambda: get_preset("llama-tiny", n_experts=4, experts_per_token=2, d_expert=48, qk_norm=True,
+                                    moe_every=2, **SMALL),  # layer 0 dense
 }
 
 
@@ -51,6 +55,10 @@ def _tolerance(reference: torch.Tensor) -> float:
 def _base(family, directory):
     torch.manual_seed(0)
     model = TransformerLM(CONFIGS[family]()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "router" in name:  # routing by clear margins: near-ties would be decided by rounding
+                p.normal_(0, 1.0)
     export_hf(model, directory)
     return model
 
@@ -98,6 +106,8 @@ IMPORTS = {
     "neox-dora-bias-lora-only": ("neox", dict(target_modules=["query_key_value", "dense_4h_to_h"], use_dora=True,
                                               bias="lora_only")),
     "gemma3-embedding-dora": ("gemma3", dict(target_modules=["embed_tokens", "q_proj", "o_proj"], use_dora=True)),
+    "mixtral-attention-dora": ("mixtral", dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], use_dora=True)),
+    "qwen3-moe-attention": ("qwen3-moe", dict(target_modules=["q_proj", "v_proj"])),
 }
 
 
@@ -125,6 +135,8 @@ EXPORTS = {
     "gpt2-tied-full-embed": ("gpt2", dict(sites=("v",), full=("embed",))),
     "neox-dora-bias-lora-only": ("neox", dict(sites=("q", "v", "mlp_down"), dora=True, bias="lora_only")),
     "gemma3-dora-embed-unembed": ("gemma3", dict(sites=("q", "v", "embed", "unembed"), dora=True)),
+    "mixtral-attention": ("mixtral", dict(sites=("q", "k", "v", "attn_out"))),
+    "qwen3-moe-dora": ("qwen3-moe", dict(sites=("q", "v"), dora=True)),
 }
 
 
@@ -240,3 +252,14 @@ def test_not_an_adapter_directory_is_named(tmp_path):
     with pytest.raises(ValueError, match="no LoRA adapters"):
         export_peft_adapter(model, tmp_path / "out")
     assert not lora_layers(model)
+
+
+def test_adapters_on_experts_are_refused_both_ways(tmp_path):
+    """peft's down_proj on a Qwen3-MoE adapts the experts too (target_parameters: a ParamWrapper on the fused
+    tensor): importing it is refused by name, and glasslm refuses MLP sites on a model with experts rather
+    than adapt its dense layers alone."""
+    base, _, adapter = _peft_adapter("qwen3-moe", tmp_path, target_modules=["q_proj", "down_proj"])
+    with pytest.raises(PeftAdapterError, match=r"target_parameters=\['down_proj'\] \(LoRA on bare parameters\)"):
+        import_peft_adapter(import_hf(base), adapter)
+    with pytest.raises(ValueError, match=r"LoRA sites \['mlp_down'\] on a mixture-of-experts model are not supported"):
+        apply_transform(TransformerLM(CONFIGS["qwen3-moe"]()), "lora", LoRAConfig(sites=("q", "mlp_down")))

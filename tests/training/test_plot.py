@@ -61,3 +61,14 @@ def test_a_run_with_one_record_draws_a_point_in_every_panel(tmp_path):
             ax.get_title()  # a single point is drawn as a marker, not as a line of no length
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert main(["plot", str(tmp_path)]) == 0 and (tmp_path / "loss.png").stat().st_size > 0
+
+
+def test_a_mixture_of_experts_run_draws_its_balance_loss_and_each_experts_share():
+    shares = {f"expert_load/{e}": (lambda s, e=e: 0.25 + (e - 1.5) * 0.1 / s) for e in range(4)}
+    records = _records(range(10, 101, 10), moe_balance_loss=lambda s: 2 + 1 / s, **shares)
+    fig = draw_run(records, "moe")
+    titles = {ax.get_title(): ax for ax in fig.get_axes()}
+    assert "load-balancing loss (k: balanced)" in titles and "moe" in titles  # (the run's name kept its place)
+    loads = titles["each expert's share of the tokens"]
+    drawn = {line.get_label(): list(line.get_ydata()) for line in loads.get_lines()}
+    assert [drawn[str(e)][0] for e in range(4)] == pytest.approx([0.235, 0.245, 0.255, 0.265])

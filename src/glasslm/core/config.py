@@ -109,6 +109,17 @@ class ModelConfig:
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), its weights starting at 0 (Gemma)
     attn_softcap: float | None = None  # attention scores become cap * tanh(scores / cap) before the mask (Gemma 2: 50)
     logit_softcap: float | None = None  # logits become cap * tanh(logits / cap) (Gemma 2: 30); None: no cap
+    n_experts: int = 0  # experts per mixture-of-experts feed-forward layer (SwiGLU experts); 0: dense MLPs
+    experts_per_token: int = 2  # how many experts the router sends each token to (top-k)
+    d_expert: int | None = None  # hidden width of each expert; None: d_mlp (the dense layers' width)
+    moe_every: int = 1  # layer i is a mixture of experts when (i + 1) % moe_every == 0, the rest dense
+                        # (Qwen's decoder_sparse_step)
+    router_renormalize: bool = True  # the chosen experts' softmax weights rescaled to sum to 1 (Mixtral;
+                                     # Qwen's norm_topk_prob); false: the raw probabilities (OLMoE)
+    d_shared_expert: int | None = None  # an expert every token goes through, of this width, scaled by
+                                        # sigmoid(a learned gate) (Qwen2-MoE); None: none
+    moe_aux_loss_coef: float = 0.01  # training: weight of the load-balancing loss (mean over MoE layers)
+    moe_z_loss_coef: float = 0.0  # training: weight of the router z-loss (ST-MoE: 0.001)
 
     def __post_init__(self) -> None:
         if self.d_head is None:
@@ -162,6 +173,36 @@ class ModelConfig:
             raise ValueError("llama3 rope scaling needs rope_factor >= 1, 0 < rope_low_freq_factor < "
                              "rope_high_freq_factor and a positive rope_original_context")
         self._validate_layout()
+        self._validate_experts()
+
+    def _validate_experts(self) -> None:
+        """The checks of the mixture-of-experts fields (only read when n_experts > 0)."""
+        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ValueError(f"n_experts must be a non-negative integer, got {self.n_experts!r}")
+        if self.n_experts == 0:
+            return
+        if self.mlp != "swiglu":
+            raise ValueError(f"n_experts={self.n_experts} needs mlp='swiglu' (the experts are SwiGLU MLPs), "
+                             f"got mlp={self.mlp!r}")
+        if not 1 <= self.experts_per_token <= self.n_experts:
+            raise ValueError(f"experts_per_token must be in [1, n_experts={self.n_experts}], "
+                             f"got {self.experts_per_token}")
+        if self.moe_every < 1:
+            raise ValueError(f"moe_every must be a positive integer, got {self.moe_every}")
+        for name in ("d_expert", "d_shared_expert"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.moe_aux_loss_coef < 0 or self.moe_z_loss_coef < 0:
+            raise ValueError("moe_aux_loss_coef and moe_z_loss_coef must be non-negative")
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s feed-forward is a mixture of experts.
+
+        >>> ModelConfig(n_layers=4, mlp="swiglu", n_experts=4, moe_every=2).moe_layer(1)
+        True
+        """
+        return self.n_experts > 0 and (layer + 1) % self.moe_every == 0
 
     def _validate_layout(self) -> None:
         """The checks of the rotary-dims, per-layer and sandwich fields."""

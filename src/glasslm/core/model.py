@@ -22,6 +22,7 @@ from glasslm.core.config import ModelConfig
 from glasslm.core.layers import (
     MLP, Embedding, HookPoint, Linear, RMSNorm, SwiGLU, dropout, linear, norm_for, softcap,
 )
+from glasslm.core.moe import MoE
 from glasslm.core.positions import LearnedPositions, RotaryPositions, SinusoidalPositions
 
 
@@ -55,9 +56,13 @@ class Block(nn.Module):
         if c.mlp != "none":
             self.ln2 = norm_for(c)
             self.ln2_post = norm_for(c) if c.post_norms else None
-            mlp_class = SwiGLU if c.mlp == "swiglu" else MLP
-            self.mlp = mlp_class(c.d_model, c.d_mlp, c.activation, c.site_bias("mlp"), impl,
-                                 hidden_dropout=c.mlp_hidden_dropout)
+            if c.moe_layer(layer):
+                self.mlp = MoE(c.d_model, c.d_expert or c.d_mlp, c.n_experts, c.experts_per_token,
+                               c.router_renormalize, c.activation, impl, c.d_shared_expert)
+            else:
+                mlp_class = SwiGLU if c.mlp == "swiglu" else MLP
+                self.mlp = mlp_class(c.d_model, c.d_mlp, c.activation, c.site_bias("mlp"), impl,
+                                     hidden_dropout=c.mlp_hidden_dropout)
         self.hook_resid_pre, self.hook_attn_out, self.hook_resid_mid = HookPoint(), HookPoint(), HookPoint()
         self.hook_mlp_out, self.hook_resid_post = HookPoint(), HookPoint()
         # Opt-in hook points (TransformerLens's use_attn_in, use_split_qkv_input, use_hook_mlp_in): off,
@@ -235,6 +240,21 @@ class TransformerLM(nn.Module):
         return StaticKVCache(c.n_layers, batch, c.n_kv_heads, max_length or c.context_length, c.d_head,
                              device=device or ref.device, dtype=dtype or ref.dtype)
 
+    def router_losses(self) -> dict[str, Tensor] | None:
+        """The mixture-of-experts training terms of the last training forward pass (None: no MoE layer).
+
+        "aux": moe_aux_loss_coef x the mean load-balancing loss + moe_z_loss_coef x the mean router
+        z-loss over the MoE layers (what training adds to the loss); "balance" and "z" unweighted;
+        "load": (moe layers, n_experts), each layer's fraction of the assignments per expert.
+        """
+        stats = [block.mlp.aux for block in self.blocks if isinstance(block.mlp, MoE) and block.mlp.aux is not None]
+        if not stats:
+            return None
+        balance = torch.stack([s.balance for s in stats]).mean()
+        z = torch.stack([s.z for s in stats]).mean()
+        aux = self.config.moe_aux_loss_coef * balance + self.config.moe_z_loss_coef * z
+        return {"aux": aux, "balance": balance, "z": z, "load": torch.stack([s.load for s in stats])}
+
     def num_parameters(self, by_component: bool = False) -> int | dict[str, int]:
         """Count parameters once each (a tied unembedding shares the embedding's)."""
         if not by_component:
@@ -267,46 +287,60 @@ def init_weights(model: TransformerLM, config: ModelConfig) -> None:
     gpt2: normal(init_std), residual output projections / sqrt(2 n_layers) if init_residual_scaling;
     truncated_normal (CS336): std sqrt(2 / (fan_in + fan_out)) cut at 3 std, embeddings std 1;
     xavier: Xavier-uniform matrices, biases as nn.Linear starts them; torch: what nn.Linear / nn.Embedding
-    start with.
+    start with. Each expert of a mixture of experts starts as the Linear it stands for would.
     """
     c = config
     for name, module in model.named_modules():
         if isinstance(module, Linear):
-            w = module.weight
-            d_in = w.shape[1]
             if module.bias is not None:
-                _init_bias(module.bias, d_in, c)
-            if c.init == "gpt2":
-                std = c.init_std
-                # Residual outputs add up over 2 per layer; scaling keeps the stream's variance flat.
-                if c.init_residual_scaling and name.endswith(("attn.out", "mlp.down")):
-                    std /= math.sqrt(2 * c.n_layers)
-                nn.init.normal_(w, mean=0.0, std=std)
-            elif c.init == "torch":
-                nn.init.kaiming_uniform_(w, a=math.sqrt(5))  # nn.Linear's reset_parameters
-            else:
-                for rows in _fan_slices(name, module, c):
-                    part = w[rows]  # a view: initialising it initialises those rows of w
-                    d_out = part.shape[0]
-                    if c.init == "truncated_normal":
-                        std = math.sqrt(2.0 / (d_in + d_out))
-                        nn.init.trunc_normal_(part, mean=0.0, std=std, a=-3 * std, b=3 * std)
-                    else:
-                        nn.init.xavier_uniform_(part)
+                _init_bias(module.bias, module.weight.shape[1], c)
+            _init_matrix(module.weight, name, _fan_slices(name, module, c), c)
+        elif isinstance(module, MoE):
+            for part in ("gate", "up", "down"):
+                for expert in getattr(module, part):  # (d_out, d_in) views, one per expert
+                    _init_matrix(expert, f"{name}.{part}", [slice(0, expert.shape[0])], c)
         elif isinstance(module, (Embedding, LearnedPositions)):
-            if c.init == "gpt2":
-                nn.init.normal_(module.weight, mean=0.0, std=c.init_std)
-            elif c.init == "truncated_normal":
-                nn.init.trunc_normal_(module.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
-            elif c.init == "torch":
-                nn.init.normal_(module.weight, mean=0.0, std=1.0)  # nn.Embedding's default
-            elif c.xavier_embeddings:  # every matrix alike, as "xavier_uniform_ on all p.dim() > 1" does
-                nn.init.xavier_uniform_(module.weight)
-            else:
-                # Scaled embeddings (x sqrt(d_model)) need rows of norm ~1 to start at unit scale.
-                nn.init.normal_(module.weight, mean=0.0, std=c.d_model ** -0.5)
+            _init_table(module.weight, c)
     if model.unembed_bias is not None:
         _init_bias(model.unembed_bias, c.d_model, c)  # as nn.Linear(d_model, vocab) would start its bias
+
+
+def _init_matrix(w: Tensor, name: str, fan_slices: list[slice], config: ModelConfig) -> None:
+    """A (d_out, d_in) weight by the scheme; `fan_slices`: its row ranges that are separate matrices."""
+    c, d_in = config, w.shape[1]
+    if c.init == "gpt2":
+        std = c.init_std
+        # Residual outputs add up over 2 per layer; scaling keeps the stream's variance flat.
+        if c.init_residual_scaling and name.endswith(("attn.out", "mlp.down")):
+            std /= math.sqrt(2 * c.n_layers)
+        nn.init.normal_(w, mean=0.0, std=std)
+    elif c.init == "torch":
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5))  # nn.Linear's reset_parameters
+    else:
+        for rows in fan_slices:
+            part = w[rows]  # a view: initialising it initialises those rows of w
+            d_out = part.shape[0]
+            if c.init == "truncated_normal":
+                std = math.sqrt(2.0 / (d_in + d_out))
+                nn.init.trunc_normal_(part, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            else:
+                nn.init.xavier_uniform_(part)
+
+
+def _init_table(weight: Tensor, config: ModelConfig) -> None:
+    """An embedding (token or learned position) table by the scheme."""
+    c = config
+    if c.init == "gpt2":
+        nn.init.normal_(weight, mean=0.0, std=c.init_std)
+    elif c.init == "truncated_normal":
+        nn.init.trunc_normal_(weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
+    elif c.init == "torch":
+        nn.init.normal_(weight, mean=0.0, std=1.0)  # nn.Embedding's default
+    elif c.xavier_embeddings:  # every matrix alike, as "xavier_uniform_ on all p.dim() > 1" does
+        nn.init.xavier_uniform_(weight)
+    else:
+        # Scaled embeddings (x sqrt(d_model)) need rows of norm ~1 to start at unit scale.
+        nn.init.normal_(weight, mean=0.0, std=c.d_model ** -0.5)
 
 
 def _init_bias(bias: nn.Parameter, fan_in: int, config: ModelConfig) -> None:

@@ -60,6 +60,8 @@ def unsupported(model: TransformerLM) -> str | None:
         return "the fast step runs float32 activations on a CPU"
     if c.norm_placement != "pre":
         return "post-norm blocks run the readable step"
+    if c.n_experts:
+        return "mixture-of-experts blocks run the readable step"
     for block in model.blocks:
         rotary = block.attn.rotary
         if rotary is not None and (rotary.dynamic is not None or rotary.cos.dtype != torch.float32):

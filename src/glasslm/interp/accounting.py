@@ -9,6 +9,8 @@ Conventions (the same as the tables in Kaplan et al. 2020 and Hoffmann et al. 20
   FLOPs per token per layer. We charge every token the FULL context (as those tables do): the exact
   causal average is (context + 1)/2 keys per query, about half, so our attention term is an upper
   bound at the given context length. A sliding-window layer is charged its window instead, where shorter.
+* A mixture-of-experts layer costs its router and the k experts a token runs (experts_per_token of
+  n_experts): its parameters count all n, its FLOPs k.
 * The unembedding is a matmul by the (vocab, d_model) matrix, 2·d_model·vocab FLOPs, even when the
   matrix is shared with the embedding (tied), where it adds no parameters.
 * Training costs 3× the forward pass per token: the backward pass computes gradients with respect
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from glasslm.io.build import empty_model
 from glasslm.core.config import ModelConfig
 from glasslm.core.layers import Linear
+from glasslm.core.moe import MoE
 
 ATTENTION_MIXING = "attention q·kᵀ and pattern·v"
 
@@ -65,6 +68,9 @@ def cost_table(config: ModelConfig, context_length: int | None = None) -> list[C
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             flops[_component(name)] += 2 * module.weight.numel()
+        elif isinstance(module, MoE):  # a token runs k of the experts: their weights, not all n
+            per_expert = module.gate[0].numel() + module.up[0].numel() + module.down[0].numel()
+            flops[_component(name)] += 2 * module.k * per_expert
     if model.unembed is None:  # tied: the embedding matrix is used again as the output matmul
         flops["unembed"] += 2 * model.embed.weight.numel()
     c = config

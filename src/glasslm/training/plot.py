@@ -2,7 +2,8 @@
 and, for a post-training run, a second row with what it logged per step: GRPO's mean reward (with
 its within-group std as a band), KL to the reference and completion lengths; DPO/SimPO/ORPO's rewards
 of the chosen and rejected answers (both falling is the collapse a margin alone hides), reward margin
-and preference accuracy (`TRAINING_SIGNALS`). A series of a few records is drawn with a marker at each,
+and preference accuracy; a mixture of experts' load-balancing loss and each expert's share of the tokens
+(`TRAINING_SIGNALS`). A series of a few records is drawn with a marker at each,
 so a run that logged once still shows its point.
 
 Uses matplotlib (a core dependency) through its Figure API, off-screen, so it works without a display
@@ -35,7 +36,9 @@ from glasslm.training.loggers import METRICS_FILE, read_metrics
 TRAINING_SIGNALS = (("reward", "mean reward (band: within-group std)"), ("kl", "KL to the reference"),
                     ("completion_length", "completion length (tokens)"),
                     ("rewards/chosen", "rewards of the chosen and rejected answers"),
-                    ("rewards/margins", "reward margin"), ("rewards/accuracies", "preference accuracy"))
+                    ("rewards/margins", "reward margin"), ("rewards/accuracies", "preference accuracy"),
+                    ("moe_balance_loss", "load-balancing loss (k: balanced)"),
+                    ("expert_load/0", "each expert's share of the tokens"))
 # Drawn in the panel of the first key: (key, its label there).
 SAME_PANEL = {"rewards/chosen": ("rewards/rejected", "rejected"), "completion_length": ("completion_length_max", "longest")}
 FEW_POINTS = 20  # series with fewer records than this get a marker at each
@@ -55,6 +58,9 @@ def _plot_signal(ax, records: list[dict], key: str, title: str) -> None:
     rows = [r for r in records if r.get(key) is not None]
     steps, values = [r["step"] for r in rows], [r[key] for r in rows]
     other = SAME_PANEL.get(key)
+    if key == "expert_load/0":  # one line per expert (a mixture of experts' metrics: expert_load/{e})
+        _plot_expert_loads(ax, rows, title)
+        return
     ax.plot(steps, values, lw=1.2, label="chosen" if key == "rewards/chosen" else "train", marker=_marker(len(rows)), ms=3)
     std_key = {"reward": "reward_std"}.get(key)
     if std_key and all(r.get(std_key) is not None for r in rows):
@@ -67,6 +73,18 @@ def _plot_signal(ax, records: list[dict], key: str, title: str) -> None:
     if held_out:
         ax.plot([r["step"] for r in held_out], [r[f"val_{key}"] for r in held_out], "o:", ms=3, label="validation")
         ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("optimizer step")
+    ax.grid(alpha=0.3)
+
+
+def _plot_expert_loads(ax, rows: list[dict], title: str) -> None:
+    steps, n = [r["step"] for r in rows], sum(1 for key in rows[0] if key.startswith("expert_load/"))
+    for e in range(n):
+        ax.plot(steps, [r.get(f"expert_load/{e}") for r in rows], lw=1, label=str(e), marker=_marker(len(rows)), ms=3)
+    ax.axhline(1 / n, ls=":", color="gray")  # the balanced share
+    if n <= 16:
+        ax.legend(fontsize=7, title="expert", title_fontsize=7, ncol=2)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("optimizer step")
     ax.grid(alpha=0.3)
@@ -103,8 +121,8 @@ def draw_run(records: list[dict], title: str):
     if signals:
         top, bottom = fig.subfigures(2, 1)
         axes = top.subplots(1, 2, sharey=True)
-        for ax, (key, title) in zip(bottom.subplots(1, len(signals), squeeze=False)[0], signals):
-            _plot_signal(ax, records, key, title)
+        for ax, (key, signal_title) in zip(bottom.subplots(1, len(signals), squeeze=False)[0], signals):
+            _plot_signal(ax, records, key, signal_title)
     else:
         axes = fig.subplots(1, 2, sharey=True)
     for ax, x_key, x_label in ((axes[0], "step", "optimizer step"), (axes[1], "tokens", "tokens seen")):

@@ -51,8 +51,32 @@ class Objective(Protocol):
 
 
 def next_token_loss(model: nn.Module, x: Int[Tensor, "b t"], y: Int[Tensor, "b t"]) -> tuple[Tensor, dict[str, Tensor]]:
-    """The mean cross-entropy of the labelled next tokens (pretraining's and fine-tuning's loss)."""
-    return cross_entropy(model(x), y), {}
+    """The mean cross-entropy of the labelled next tokens (pretraining's and fine-tuning's loss).
+
+    A mixture-of-experts model in training adds its routers' auxiliary loss (`TransformerLM.router_losses`:
+    moe_aux_loss_coef x load balance + moe_z_loss_coef x z-loss) and logs, beside the total, the
+    cross-entropy alone (`lm_loss`), the terms, and each expert's share of the token assignments averaged
+    over the MoE layers (`expert_load/{e}`; 1 / n_experts each when balanced) and the largest share any
+    expert has in any layer (`expert_load_max`).
+    """
+    loss = cross_entropy(model(x), y)
+    router_losses = getattr(_core_model(model), "router_losses", None)
+    router = router_losses() if router_losses is not None and model.training else None
+    if router is None:
+        return loss, {}
+    load = router["load"]  # (moe layers, n_experts)
+    stats = {"lm_loss": loss.detach(), "moe_aux_loss": router["aux"].detach(),
+             "moe_balance_loss": router["balance"].detach(), "moe_z_loss": router["z"].detach(),
+             "expert_load_max": load.max()}
+    stats |= {f"expert_load/{e}": share for e, share in enumerate(load.mean(dim=0))}
+    return loss + router["aux"], stats
+
+
+def _core_model(model: nn.Module) -> nn.Module:
+    """The TransformerLM inside DDP (.module) and torch.compile (._orig_mod) wrappers."""
+    while not hasattr(model, "router_losses") and (hasattr(model, "module") or hasattr(model, "_orig_mod")):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model
 
 
 def forward_backward(

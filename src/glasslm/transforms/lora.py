@@ -377,6 +377,7 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> None:
     if lora_layers(model):
         raise ValueError("this model already has LoRA adapters")
     _check_full_modules(model, config)
+    _check_expert_sites(model, config)
     for p in model.parameters():
         p.requires_grad_(False)
     if config.full:
@@ -402,6 +403,16 @@ def _adapter(model: nn.Module, base: nn.Module | None, row_blocks: list[tuple[in
         adapter = LoRALinear(base, _d_in(base), row_blocks, config)
     weight = base_weight(base) if not isinstance(base, Embedding) else base.weight
     return adapter.to(weight.device)
+
+
+def _check_expert_sites(model: nn.Module, config: LoRAConfig) -> None:
+    """MLP sites on a mixture-of-experts model are refused: the experts (one stacked tensor per projection)
+    take no adapters yet, and peft's up_proj / gate_proj / down_proj reach them, so an adapter of the dense
+    layers alone would mean another model in peft."""
+    mlp_sites = [site for site in config.sites if site.startswith("mlp_")]
+    if mlp_sites and getattr(getattr(model, "config", None), "n_experts", 0):
+        raise ValueError(f"LoRA sites {mlp_sites} on a mixture-of-experts model are not supported (adapters on "
+                         "the experts are not implemented); adapt attention (q, k, v, attn_out) instead")
 
 
 def _check_full_modules(model: nn.Module, config: LoRAConfig) -> None:

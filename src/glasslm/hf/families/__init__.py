@@ -10,7 +10,7 @@ keeps a family from claiming configs with a ModelConfig field it has never heard
 Example:
     >>> from glasslm.presets import get_preset
     >>> sorted(FAMILIES)
-    ['gemma2', 'gemma3_text', 'gpt2', 'gpt_neox', 'llama', 'mistral', 'phi3', 'qwen2', 'qwen3']
+    ['gemma2', 'gemma3_text', 'gpt2', 'gpt_neox', 'llama', 'mistral', 'mixtral', 'phi3', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe']
     >>> family_of(get_preset("gpt2-small")), family_of(get_preset("llama-tiny"))
     ('gpt2', 'llama')
 """
@@ -21,7 +21,9 @@ import math
 
 from glasslm.core.config import ModelConfig
 from glasslm.hf.errors import UnsupportedModelError
-from glasslm.hf.families import gemma2, gemma3, gpt2, gpt_neox, llama, mistral, phi3, qwen2, qwen3
+from glasslm.hf.families import (
+    gemma2, gemma3, gpt2, gpt_neox, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
+)
 from glasslm.hf.families.common import computed_fields
 from glasslm.hf.families.family import HFFamily
 
@@ -43,6 +45,9 @@ register(gpt_neox.FAMILY)
 register(gemma3.FAMILY)
 register(gemma2.FAMILY)
 register(phi3.FAMILY)
+register(mixtral.FAMILY)
+register(qwen3_moe.FAMILY)
+register(qwen2_moe.FAMILY)
 
 
 def family_reading(model_type: str | None) -> HFFamily | None:
@@ -50,9 +55,12 @@ def family_reading(model_type: str | None) -> HFFamily | None:
     return next((family for family in FAMILIES.values() if family.reads(model_type)), None)
 
 
-def family_reading_gguf(arch: str) -> HFFamily | None:
-    """The registered family whose GGUF form has this `general.architecture`, or None."""
-    return next((family for family in FAMILIES.values() if family.gguf and family.gguf.arch == arch), None)
+def family_reading_gguf(arch: str, experts: bool = False) -> HFFamily | None:
+    """The registered family whose GGUF form has this `general.architecture`, or None; `experts`: the
+    file states an expert count (llama.cpp's "llama" with experts is Mixtral), so only a mixture-of-experts
+    family reads it (a file with experts is never read as a dense model)."""
+    return next((family for family in FAMILIES.values()
+                 if family.gguf and family.gguf.arch == arch and family.gguf.experts == experts), None)
 
 
 def round_trip_problems(family: HFFamily, config: ModelConfig) -> list[str]:

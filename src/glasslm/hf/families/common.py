@@ -57,9 +57,16 @@ def missing_biases_refusal(architecture: str, missing: list[str]) -> Unsupported
         "bias-free")
 
 
+# What a dense family says of a mixture-of-experts config (the MoE families take it out of the list).
+EXPERTS_PROBLEM = "mixture-of-experts layers (n_experts > 0)"
+
+
 def block_shape_problems(config: ModelConfig) -> list[str]:
-    """What no HF family here has: post-norm, no final norm, scaled embeddings, a logit bias, ..."""
+    """What no HF family here has: post-norm, no final norm, scaled embeddings, a logit bias, ...; and
+    experts, which only the MoE families take (`EXPERTS_PROBLEM`)."""
     c, problems = config, []
+    if c.n_experts:
+        problems.append(EXPERTS_PROBLEM)
     if c.norm_placement != "pre":
         problems.append("post-norm blocks")
     if not c.final_norm:
@@ -76,7 +83,10 @@ def block_shape_problems(config: ModelConfig) -> list[str]:
 
 
 # Fields that say how a model is built or trained, not what its weights compute.
-_NOT_COMPUTED = ("init", "init_std", "init_residual_scaling", "xavier_embeddings", "impl")
+_NOT_COMPUTED = ("init", "init_std", "init_residual_scaling", "xavier_embeddings", "impl", "moe_aux_loss_coef",
+                 "moe_z_loss_coef")
+# The mixture-of-experts fields (said nothing about a dense model).
+_EXPERT_FIELDS = ("n_experts", "experts_per_token", "d_expert", "moe_every", "router_renormalize", "d_shared_expert")
 # The rope-scaling fields each rope_scaling reads (the others say nothing about the model).
 _ROPE_SCALING_FIELDS = {
     "none": (),
@@ -112,6 +122,18 @@ def computed_fields(config: ModelConfig) -> dict[str, Any]:
         out["rope_attention_factor"] = yarn_attention_factor(c.rope_factor)
     for name in unused:
         out.pop(name)
+    return _experts_computed(c, out)
+
+
+def _experts_computed(config: ModelConfig, out: dict[str, Any]) -> dict[str, Any]:
+    """`computed_fields`' expert fields: none for a dense model; the expert width said explicitly; no
+    dense width where every layer is a mixture of experts."""
+    c = config
+    if c.n_experts == 0:
+        return {k: v for k, v in out.items() if k not in _EXPERT_FIELDS}
+    out["d_expert"] = c.d_expert or c.d_mlp
+    if c.moe_every == 1:
+        out.pop("d_mlp")
     return out
 
 

@@ -48,6 +48,12 @@ class HFFamily:
     model_types: tuple[str, ...] = ()
     gguf: GGUFForm | None = None
 
+    def gguf_weight_table(self, config: ModelConfig) -> WeightTable:
+        """The tensor table GGUF files of this family are read and written with (the HF one unless the
+        GGUF form has its own)."""
+        table = self.gguf.weight_table if self.gguf is not None and self.gguf.weight_table else self.weight_table
+        return table(config, None)
+
     def reads(self, model_type: str | None) -> bool:
         """Whether an HF config with this `model_type` is this family."""
         return model_type == self.name or model_type in self.model_types

@@ -111,7 +111,7 @@ def _kept_blocks(model: TransformerLM, family: HFFamily, hf: dict[str, Any], qty
         layers["embed"] = layers.pop("unembed")  # the token embedding's own blocks, as the file held them
     elif isinstance(model.embed, BlockEmbedding) and model.embed.rows().qtype == qtype:
         layers["embed"] = layers.pop("embed.table")
-    table = family.weight_table(model.config, None)
+    table = family.gguf_weight_table(model.config)
     name_map = _name_map(model, family)
     # HF name -> the blocks of each of our tensors cut from it (Phi-3's gate|up: two), in table order.
     parts: dict[str, list[Tensor | None]] = {}
@@ -153,7 +153,7 @@ def gguf_tensors(model: TransformerLM, qtype: str = "f32") -> dict[str, tuple[An
     # A bias-free GPT-2 shape is written with zero biases, which llama.cpp's GPT-2 always reads:
     # the same logits (GGUF has no way to say the biases are absent, so it reads back with zeros).
     hf = config_to_hf(model.config, zero_biases=True)
-    table = family.weight_table(model.config, None)
+    table = family.gguf_weight_table(model.config)
     name_map = _name_map(model, family)
     kept = _kept_blocks(model, family, hf, qtype)
     out: dict[str, tuple[Any, Any]] = {}

@@ -78,6 +78,10 @@ class GGUFForm:
         hard-codes for the architecture, biases read from which tensors the file holds, ...).
     gguf_extras(hf_config) -> `{arch}.<key>` values to write beyond `keys` (export).
     fixes: the tensor changes, matched on HF tensor names.
+    experts: whether the form is the mixture-of-experts one of its architecture (llama.cpp's "llama" is
+        Llama or, with `{arch}.expert_count`, Mixtral).
+    weight_table(config, None) -> the family's table as GGUF files hold it, where not the HF one (MoE
+        families: each projection of all experts one 3-D tensor, as llama.cpp's ffn_gate_exps).
     """
 
     arch: str
@@ -85,6 +89,8 @@ class GGUFForm:
     hf_extras: Callable[[Mapping[str, Any], set[str]], dict[str, Any]] = _no_extras
     gguf_extras: Callable[[Mapping[str, Any]], dict[str, Any]] = _no_gguf_extras
     fixes: tuple[TensorFix, ...] = ()
+    experts: bool = False
+    weight_table: Callable[..., Any] | None = None
 
     def hf_config(self, values: Mapping[str, Any], tensor_names: set[str]) -> dict[str, Any]:
         """The config.json (as a dict, without model_type) that a file's `{arch}.*` `values` and

@@ -92,18 +92,19 @@ def gguf_storage(path: str | os.PathLike) -> str:
     blocks, and of each dequantized to float32), from the header alone: no tensor is read."""
     file = GGUFFile.open(path)
     config, family, hf = gguf_config(file)
-    table = family.weight_table(config, None)
+    table = family.gguf_weight_table(config)
     reading = _Reading(file, family, hf, gguf_tensor_names(file, family, config, table))
     _, _, kept, dequantized = _plan_tensors(reading, table, _meta_layout(config)[1], keep_blocks=True)
     return _storage(kept, dequantized)
 
 
 def gguf_family(file: GGUFFile) -> HFFamily:
-    family = family_reading_gguf(file.arch)
+    experts = bool(file.metadata.get(f"{file.arch}.expert_count"))
+    family = family_reading_gguf(file.arch, experts)
     if family is None:
-        known = sorted(f.gguf.arch for f in FAMILIES.values() if f.gguf)
-        raise UnsupportedModelError(f"{file.path}: GGUF architecture {file.arch!r} is not supported "
-                                    f"(glasslm reads {', '.join(known)})")
+        known = sorted({f.gguf.arch + (" with experts" if f.gguf.experts else "") for f in FAMILIES.values() if f.gguf})
+        raise UnsupportedModelError(f"{file.path}: GGUF architecture {file.arch!r}{' with experts' * experts} is not "
+                                    f"supported (glasslm reads {', '.join(known)})")
     return family
 
 
@@ -227,7 +228,7 @@ def check_tensor_shapes(file: GGUFFile, family: HFFamily, config: ModelConfig, h
     byte of them: the file's shapes go through the same steps as the tensors will, on PyTorch's meta
     device. ValueError naming the tensor and both shapes (a file whose metadata and tensors disagree
     is refused before anything is allocated)."""
-    table = family.weight_table(config, None)
+    table = family.gguf_weight_table(config)
     names = gguf_tensor_names(file, family, config, table)
     expected = _meta_layout(config)[0]
     for ours, (hf_names, to_ours, _) in table.entries.items():
@@ -466,7 +467,7 @@ def import_gguf(
 
     file = GGUFFile.open(path)
     config, family, hf = gguf_config(file, context_length)
-    table = family.weight_table(config, None)
+    table = family.gguf_weight_table(config)
     reading = _Reading(file, family, hf, gguf_tensor_names(file, family, config, table), device, config.impl)
     linears = _meta_layout(config)[1]
     tensors, records, kept, dequantized = _plan_tensors(reading, table, linears, keep_blocks)

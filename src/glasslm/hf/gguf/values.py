@@ -78,6 +78,8 @@ RULES: dict[str, Rule] = {
     "attention.sliding_window": _count(2 ** 40, low=0), "attention.sliding_window_pattern": _count(4096),
     "attn_logit_softcapping": _positive(1e6), "final_logit_softcapping": _positive(1e6),
     "use_parallel_residual": Rule("bool"),
+    "expert_count": _count(4096), "expert_used_count": _count(4096), "expert_feed_forward_length": _count(2 ** 20),
+    "expert_shared_feed_forward_length": _count(2 ** 20),
 }
 # What every architecture glasslm reads says (llama.cpp refuses a file without them, too).
 REQUIRED = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count")
