@@ -155,7 +155,7 @@ def test_every_path_gives_each_row_what_it_alone_gets(kind):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 40])  # (40 float32 rows: PyTorch's product on the panels)
 def test_float_weights_multiply_float_rows_to_float_rounding(isa, dtype, rows):
     """fp16 / bf16 / float32 weights (GGUF F16, BF16, F32) against float32 rows: the float product of
     the weights' exact values, within float32 summation rounding, not the product of rows rounded to
