@@ -171,6 +171,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill", action="store_true", help="also time a 512-token prefill")
+    parser.add_argument("--prefill-int8", action="store_true",
+                        help="with --prefill: also time glasslm's prefill with --prefill-activations int8")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "glasslm-bench-gguf",
                         help="where the files are made (and found by later runs)")

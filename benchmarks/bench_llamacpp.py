@@ -249,6 +249,14 @@ def glasslm_prefill(model, prompt: list[int], compile: bool = False) -> None:
     generate(model, [prompt], max_new_tokens=1, temperature=0.0, compile=compile)
 
 
+def glasslm_prefill_int8(model, prompt: list[int]) -> None:
+    """The prefill with `--prefill-activations int8` (one int8 pass, llama.cpp's rounding)."""
+    from glasslm.kernels.qmatmul import prefill_activations
+
+    with prefill_activations("int8"):
+        generate(model, [prompt], max_new_tokens=1, temperature=0.0)
+
+
 # --- measuring ----------------------------------------------------------------------------------
 
 def seconds(fn) -> float:
@@ -326,8 +334,11 @@ def time_rows(kind: str, ours: dict, theirs: dict, args, vocab: int, report) -> 
                         times.setdefault((batch, threads, ours_name, side), []).append(rate)
                     if args.prefill and batch == 1:
                         prompt = torch.randint(0, vocab, (512,), generator=generator).tolist()
-                        for side, run in (("glasslm prefill", lambda: glasslm_prefill(ours[ours_name], prompt, compiled)),
-                                          ("llama.cpp prefill", lambda: llama.prefill(prompt))):
+                        sides = [("glasslm prefill", lambda: glasslm_prefill(ours[ours_name], prompt, compiled)),
+                                 ("llama.cpp prefill", lambda: llama.prefill(prompt))]
+                        if getattr(args, "prefill_int8", False):
+                            sides.append(("glasslm prefill int8", lambda: glasslm_prefill_int8(ours[ours_name], prompt)))
+                        for side, run in sides:
                             times.setdefault((batch, threads, ours_name, side), []).append(512 / seconds(run))
         print(f"  {kind}: repeat {repeat + 1}/{args.repeats} done", flush=True)
         if repeat + 1 < args.repeats:
@@ -440,15 +451,21 @@ def print_table(kind: str, times: dict, bytes_ours: dict, bytes_theirs: dict, ba
                       f"**{ratio:.2f}x** ({low:.2f}-{high:.2f}) | {b_theirs / 1e6:.0f}, {b_ours / 1e6:.0f} | {share} |")
     if args.prefill:
         print(f"\n{kind}: prefill of 512 tokens, tokens/s, batch 1")
-        print("| threads | glasslm | llama.cpp | llama.cpp tok/s | glasslm tok/s | glasslm / llama.cpp |")
-        print("|---|---|---|---|---|---|")
+        int8 = getattr(args, "prefill_int8", False)
+        extra = " glasslm int8 tok/s | int8 / llama.cpp |" if int8 else ""
+        print("| threads | glasslm | llama.cpp | llama.cpp tok/s | glasslm tok/s | glasslm / llama.cpp |" + extra)
+        print("|---|---|---|---|---|---|" + "---|---|" * int8)
         for threads in args.threads:
             for ours_name, theirs_name in pairs(args):
-                ours = statistics.median(times[1, threads, ours_name, "glasslm prefill"])
-                theirs = statistics.median(times[1, threads, ours_name, "llama.cpp prefill"])
-                ratio, low, high = paired_ratio(times, (1, threads, ours_name), "glasslm prefill", "llama.cpp prefill")
-                print(f"| {threads} | {ours_name} | {theirs_name} | {theirs:.1f} | {ours:.1f} | "
-                      f"{ratio:.2f}x ({low:.2f}-{high:.2f}) |")
+                key = (1, threads, ours_name)
+                ours = statistics.median(times[(*key, "glasslm prefill")])
+                theirs = statistics.median(times[(*key, "llama.cpp prefill")])
+                ratio, low, high = paired_ratio(times, key, "glasslm prefill", "llama.cpp prefill")
+                row = f"| {threads} | {ours_name} | {theirs_name} | {theirs:.1f} | {ours:.1f} | {ratio:.2f}x ({low:.2f}-{high:.2f}) |"
+                if int8:
+                    one, low, high = paired_ratio(times, key, "glasslm prefill int8", "llama.cpp prefill")
+                    row += f" {statistics.median(times[(*key, 'glasslm prefill int8')]):.1f} | {one:.2f}x ({low:.2f}-{high:.2f}) |"
+                print(row)
 
 
 def run_model(kind: str, folder: Path, args, bandwidth: dict) -> None:
@@ -526,6 +543,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill", action="store_true", help="also time a 512-token prefill")
+    parser.add_argument("--prefill-int8", action="store_true",
+                        help="with --prefill: also time glasslm's prefill with --prefill-activations int8")
     parser.add_argument("--batch-new-tokens", type=int, default=0, metavar="N",
                         help="new tokens per row at batch sizes above 1 (default: --new-tokens)")
     parser.add_argument("--busy", type=int, default=0, metavar="N",

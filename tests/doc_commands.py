@@ -286,8 +286,9 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "python benchmarks/bench_llamacpp.py --threads 1,2": Run(add=("--smoke",), process=True, slow=True),
     "python benchmarks/bench_llamacpp.py --full": Run(add=("--smoke",), process=True, slow=True),
     "python benchmarks/bench_llamacpp.py --full --compile": Run(add=("--smoke",), process=True, slow=True),
-    "python benchmarks/bench_gguf_files.py --threads 1,2 --prefill": Run(
-        add=("--smoke",), process=True, slow=True, expect=("peak resident memory", "extra buffer types")),
+    "python benchmarks/bench_gguf_files.py --threads 1,2 --prefill --prefill-int8": Run(
+        add=("--smoke",), process=True, slow=True,
+        expect=("peak resident memory", "extra buffer types", "int8 / llama.cpp")),
     'python benchmarks/bench_tokenizers.py --data-dir "$GLASSLM_DATA_DIR"': Run(add=("--smoke", "--big"), process=True,
                                                                                 slow=True),
     "python benchmarks/bench_serve.py": Run(add=("--smoke",), process=True, slow=True),

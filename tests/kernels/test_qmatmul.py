@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from glasslm.kernels import build
 from glasslm.kernels.qmatmul import (
     QuantizedMatrix, activation_error_bound, activation_rows, dequantize_rows, float_error_bound, kernel_ops,
-    lookup_rows, pack, pack_float_panels, pack_floats, panel_block_bytes, qlinear, qmatmul, qmatmul_reference,
-    quantize_block_rows, quantize_rows_reference, summation_error_bound, unpack, unpack_levels,
+    ONE_PASS_ROWS, lookup_rows, pack, pack_float_panels, pack_floats, panel_block_bytes, prefill_activations, qlinear,
+    qmatmul, qmatmul_reference, quantize_block_rows, quantize_rows_reference, set_prefill_activations,
+    summation_error_bound, unpack, unpack_levels,
 )
 from glasslm.transforms.ggml import FORMATS, block_matrix, quantize_blocks
 
@@ -137,6 +138,30 @@ def test_a_long_prefill_in_chunks_of_rows_gives_each_row_what_it_alone_gets(isa,
     packed = pack(matrix)
     together = qlinear(x, packed)
     assert torch.equal(together, torch.cat([qlinear(row[None], packed) for row in x]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_int8_prefill_activations_multiply_the_first_pass_alone(isa, kind):
+    """prefill_activations("int8"): a product of ONE_PASS_ROWS rows or more is the readable one-pass
+    product (llama.cpp's rounding of the activations) to float rounding, not the two-pass one; fewer
+    rows (a decoding step) keep both passes; the setting is undone on leaving the block."""
+    matrix, x = matrix_of(kind), activations(ONE_PASS_ROWS + 9)  # (a tile of 8 rows, and one more)
+    packed = pack(matrix)
+    bound = float_error_bound(x, matrix)
+    one_pass = qmatmul_reference(*quantize_block_rows(x), matrix, passes=1)
+    with prefill_activations("int8"):
+        prompt, step = qlinear(x, packed), qlinear(x[:4], packed)
+    assert torch.all((prompt - one_pass).abs() <= bound)
+    both = qlinear(x, packed)
+    assert torch.all((both - qmatmul_reference(*quantize_rows_reference(x), matrix)).abs() <= bound)
+    assert not torch.all((prompt - both).abs() <= bound)
+    assert torch.equal(step, both[:4])
+    # One pass is still the float product to its rounding of the activations: half a step d1 per input.
+    half_steps = quantize_block_rows(x)[1].repeat_interleave(32, dim=1) / 2  # (rows, d_in)
+    assert torch.all((prompt - F.linear(x, matrix.weight())).abs()
+                     <= half_steps @ matrix.weight().abs().T * 1.0001 + bound)
+    with pytest.raises(ValueError, match="int16"):
+        set_prefill_activations("int4")
 
 
 @pytest.mark.parametrize("kind", KINDS)

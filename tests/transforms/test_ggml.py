@@ -189,6 +189,31 @@ def test_decoding_with_16_bit_weights_keeps_float32_activations(dtype):
     assert gap < 1e-4 * expected.abs().max() and gap < 0.05 * (everything16 - expected).abs().max()
 
 
+@pytest.mark.skipif(not KERNELS, reason="the one-pass prefill is the kernels'")
+def test_prefill_activations_int8_rounds_a_prompts_activations_once():
+    """`--prefill-activations int8` (prepare_model): a prompt of ONE_PASS_ROWS tokens or more through
+    quantized layers takes one int8 pass per activation, as llama.cpp does; its logits leave int16's,
+    but stay near the float model's; a shorter input (a decoding step) is untouched; int16 puts it back."""
+    from glasslm.cli.common import RuntimeOptions, prepare_model
+    from glasslm.kernels.qmatmul import ONE_PASS_ROWS, prefill_activations, set_prefill_activations
+
+    model = trained_like_model()
+    prompt = torch.randint(0, model.config.vocab_size, (1, ONE_PASS_ROWS + 8))
+    with torch.no_grad():
+        exact = model(prompt)
+        prepared = prepare_model(model, RuntimeOptions(quantize="q8_0", prefill_activations="int8"))
+        try:
+            once, short_once = prepared(prompt), prepared(prompt[:, :6])
+        finally:
+            assert set_prefill_activations("int16") == "int8"
+        twice, short_twice = prepared(prompt), prepared(prompt[:, :6])
+    assert not torch.equal(once, twice) and torch.equal(short_once, short_twice)
+    scale = exact.abs().max()
+    assert (twice - exact).abs().max() < (once - exact).abs().max() < 0.05 * scale
+    with prefill_activations("int8"), torch.no_grad():
+        assert torch.equal(prepared(prompt), once)
+
+
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "f16", "bf16"])
 def test_a_packed_layer_keeps_one_copy_and_writes_the_files_bytes_back_exactly(qtype, tmp_path):
     """With the kernels, a layer holds only their layout of its weight; the file's bytes come back

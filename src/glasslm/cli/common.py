@@ -65,6 +65,10 @@ class RuntimeOptions(DeviceOptions):
     # their own scale), llama.cpp's q4_0 / q4_1 / q5_0 / q5_1 / q8_0 blocks of 32, or f16 / bf16
     # weights with float32 activations, for the Linear layers
     quantize: str = field(default="none", metadata={"choices": quantization_choices})
+    # how a prompt of 32+ tokens rounds its activations for quantized weights on a CPU: int16 (two
+    # int8 passes: the decoding step's numbers) or int8 (one pass, as llama.cpp rounds them: about
+    # half the prompt time on K-quant files, each activation up to 1/254 of its block's largest off)
+    prefill_activations: Literal["int16", "int8"] = "int16"
 
 
 def load_for_inference(path: str, runtime: DeviceOptions, decoding: bool = False,
@@ -92,6 +96,10 @@ def prepare_model(model: Any, runtime: DeviceOptions, decoding: bool = False) ->
         set_threads(runtime.threads, model.num_parameters() if decoding else None)
     if not isinstance(runtime, RuntimeOptions):
         return model.eval()
+    if device == "cpu":
+        from glasslm.kernels.qmatmul import set_prefill_activations
+
+        set_prefill_activations(runtime.prefill_activations)
     dtype = default_dtype(device) if runtime.dtype == "auto" else runtime.dtype
     if _sixteen_bit_weights(model, device, dtype, runtime.quantize, decoding):
         apply_transform(model, {"bfloat16": "bf16", "float16": "f16"}[dtype])

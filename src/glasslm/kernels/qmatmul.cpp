@@ -148,14 +148,23 @@ struct Rows {
   const int32_t* sums;   // (2 * count, blocks)
   int64_t count, blocks;
   const float* x = nullptr;  // (count, blocks * 32): the rows themselves, for 16-bit weights
+  // Passes multiplied: both, or (a prefill asked for 8-bit activations) the first alone: x ~ d1 * q1,
+  // llama.cpp's rounding, half the integer products. The layout keeps both either way.
+  int passes = kPasses;
+  // (count, blocks, 2): -offset times the joined sum of each half block's activations, made once per
+  // product for a long prefill on half-block groups (Q6_K), which would otherwise sum them again for
+  // every panel; where it is, a tile reads its start from memory.
+  const int32_t* half_starts = nullptr;
 
   const int8_t* levels(int64_t row, int pass, int64_t block) const {
     return q + ((kPasses * row + pass) * blocks + block) * kBlock;
   }
   int64_t at(int64_t row, int pass, int64_t block) const { return (kPasses * row + pass) * blocks + block; }
-  // The block's s = sum of 256 * q1 + q2, and its scale d2.
-  int32_t joined_sum(int64_t row, int64_t block) const { return 256 * sums[at(row, 0, block)] + sums[at(row, 1, block)]; }
-  float step(int64_t row, int64_t block) const { return d[at(row, 1, block)]; }
+  // The block's s = sum of 256 * q1 + q2 (one pass: of q1), and its scale d2 (one pass: d1).
+  int32_t joined_sum(int64_t row, int64_t block) const {
+    return passes == 1 ? sums[at(row, 0, block)] : 256 * sums[at(row, 0, block)] + sums[at(row, 1, block)];
+  }
+  float step(int64_t row, int64_t block) const { return d[at(row, passes - 1, block)]; }
 };
 
 float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
@@ -229,12 +238,13 @@ void tile_scalar(const Weights& w, const Rows& x, int64_t panel, int64_t row0, i
       for (int part = 0; part < parts; ++part) {
         const int64_t group = w.halves() ? 2 * b + part : b / w.group_blocks();
         const int begin = part * width, end = begin + width;
-        const int32_t sum = 256 * level_sum(x.levels(row, 0, b), begin, end) + level_sum(x.levels(row, 1, b), begin, end);
+        const int32_t sum = x.passes == 1 ? level_sum(x.levels(row, 0, b), begin, end)
+                                          : 256 * level_sum(x.levels(row, 0, b), begin, end) + level_sum(x.levels(row, 1, b), begin, end);
         for (int lane = 0; lane < kPanel; ++lane) {
           int32_t dot = -w.offset * sum;
-          for (int pass = 0; pass < kPasses; ++pass) {
+          for (int pass = 0; pass < x.passes; ++pass) {
             const int8_t* xq = x.levels(row, pass, b);
-            const int32_t weight = pass == 0 ? 256 : 1;
+            const int32_t weight = pass == 0 && x.passes == kPasses ? 256 : 1;
             for (int i = begin; i < end; ++i) dot += weight * level_at(block, w.bits, i / 4, lane, i % 4) * xq[i];
           }
           acc[lane] += (w.group_value(panel, group, lane, false) * dx) * static_cast<float>(dot);
@@ -337,6 +347,9 @@ GLASSLM_AVX512 inline __m512i quads_dot512(const __m512i* levels, const int8_t* 
 // sum_i (u_i - offset) (256 q1_i + q2_i) over quads [k0, k1), whose activations sum to `sum`, as float32.
 GLASSLM_AVX512 inline __m512 joined_dot512(const __m512i* levels, const Rows& x, int64_t row, int64_t b, int offset,
                                            int32_t sum, int k0, int k1) {
+  if (x.passes == 1) {
+    return _mm512_cvtepi32_ps(quads_dot512(levels, x.levels(row, 0, b), _mm512_set1_epi32(-offset * sum), k0, k1));
+  }
   const __m512i first = quads_dot512(levels, x.levels(row, 0, b), _mm512_setzero_si512(), k0, k1);
   const __m512i second = quads_dot512(levels, x.levels(row, 1, b), _mm512_set1_epi32(-offset * sum), k0, k1);
   return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(first, 8), second));
@@ -380,6 +393,35 @@ inline int32_t first_half_sum(const int8_t* q) {  // (SSE2: every x86-64 CPU)
   return _mm_cvtsi128_si32(sums) + _mm_extract_epi16(sums, 4) - 16 * 128;
 }
 
+// -offset * joined_sum over each half of a block (its first and last 16 inputs): what a half's dot
+// product starts from.
+inline void half_starts_of(const Rows& x, int64_t row, int64_t b, int32_t offset, int32_t* starts) {
+  if (x.half_starts != nullptr) {
+    starts[0] = x.half_starts[2 * (row * x.blocks + b)], starts[1] = x.half_starts[2 * (row * x.blocks + b) + 1];
+    return;
+  }
+  const int32_t once = first_half_sum(x.levels(row, 0, b));
+  const int32_t first = x.passes == 1 ? once : 256 * once + first_half_sum(x.levels(row, 1, b));
+  starts[0] = -offset * first, starts[1] = -offset * (x.joined_sum(row, b) - first);
+}
+
+// sum_i (u_i - offset) (256 q1_i + q2_i) over one half block (quads k0..k0 + 3), from `start`: one chain
+// of vpdpbusd per pass (the tile's other rows keep the unit busy meanwhile).
+GLASSLM_AVX512 inline __m512 half_dot512(const __m512i* levels, const Rows& x, int64_t row, int64_t b, __m512i start, int k0) {
+  const int8_t* q1 = x.levels(row, 0, b);
+  if (x.passes == 1) {
+    for (int k = k0; k < k0 + 4; ++k) start = _mm512_dpbusd_epi32(start, levels[k], broadcast4(q1 + 4 * k));
+    return _mm512_cvtepi32_ps(start);
+  }
+  const int8_t* q2 = x.levels(row, 1, b);
+  __m512i first = _mm512_setzero_si512();
+  for (int k = k0; k < k0 + 4; ++k) {
+    first = _mm512_dpbusd_epi32(first, levels[k], broadcast4(q1 + 4 * k));
+    start = _mm512_dpbusd_epi32(start, levels[k], broadcast4(q2 + 4 * k));
+  }
+  return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(first, 8), start));
+}
+
 // Groups of half a block (llama.cpp's Q6_K: a scale per 16 inputs, no minimums): each block's two
 // halves (quads 0..3 and 4..7) get their own dot product and scale.
 template <int BITS, int SCALE, bool MINS, int ROWS>
@@ -398,13 +440,13 @@ GLASSLM_AVX512 void tile_halves_avx512(const Weights& w, const Rows& x, int64_t 
     unpack_block512<BITS>(block, levels);
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = row0 + r;
-      const int32_t sum = x.joined_sum(row, b);
-      const int32_t first_sum = 256 * first_half_sum(x.levels(row, 0, b)) + first_half_sum(x.levels(row, 1, b));
-      const __m512 first = joined_dot512(levels, x, row, b, w.offset, first_sum, 0, 4);
-      const __m512 second = joined_dot512(levels, x, row, b, w.offset, sum - first_sum, 4, 8);
-      const __m512 dx = _mm512_set1_ps(x.step(row, b));
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(first_scale, dx), first, acc[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(second_scale, dx), second, acc[r]);
+      int32_t starts[2];
+      half_starts_of(x, row, b, w.offset, starts);
+      const __m512 first = half_dot512(levels, x, row, b, _mm512_set1_epi32(starts[0]), 0);
+      const __m512 second = half_dot512(levels, x, row, b, _mm512_set1_epi32(starts[1]), 4);
+      // (the block's two halves joined before its activation step: one multiply fewer per row)
+      const __m512 halves = _mm512_fmadd_ps(second_scale, second, _mm512_mul_ps(first_scale, first));
+      acc[r] = _mm512_fmadd_ps(halves, _mm512_set1_ps(x.step(row, b)), acc[r]);
     }
   }
   store_tile512<ROWS>(w, acc, panel, row0, y, ld_y);
@@ -528,14 +570,15 @@ GLASSLM_AVX2 inline void unpack_half_block256(const uint8_t* half, __m256i* leve
   }
 }
 
-// sum_i (w_i - offset) (256 q1_i + q2_i) over quads [k0, k1), whose activations sum to `sum`.
+// sum_i (w_i - offset) (256 q1_i + q2_i) over quads [k0, k1), plus `start` (-offset * the activations' sum).
 template <int BITS>
-GLASSLM_AVX2 inline __m256 joined_dot_avx2(const __m256i* levels, const Rows& x, int64_t row, int64_t b, int32_t offset,
-                                           int32_t sum, int k0, int k1) {
+GLASSLM_AVX2 inline __m256 joined_dot_avx2(const __m256i* levels, const Rows& x, int64_t row, int64_t b, int32_t start,
+                                           int k0, int k1) {
   const __m256i first = quads_dot_avx2<BITS>(levels, x.levels(row, 0, b), k0, k1);
+  if (x.passes == 1) return _mm256_cvtepi32_ps(_mm256_add_epi32(first, _mm256_set1_epi32(start)));
   const __m256i second = quads_dot_avx2<BITS>(levels, x.levels(row, 1, b), k0, k1);
   return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(first, 8), second),
-                                             _mm256_set1_epi32(-offset * sum)));
+                                             _mm256_set1_epi32(start)));
 }
 
 template <int ROWS>
@@ -580,12 +623,13 @@ GLASSLM_AVX2 void tile_avx2(const Weights& w, const Rows& x, int64_t panel, int6
         const int32_t sum = x.joined_sum(row, b);
         const __m256 dx = _mm256_set1_ps(x.step(row, b));
         if constexpr (HALVES) {
-          const int32_t first_sum = 256 * first_half_sum(x.levels(row, 0, b)) + first_half_sum(x.levels(row, 1, b));
-          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), joined_dot_avx2<BITS>(levels, x, row, b, offset, first_sum, 0, 4), acc[r]);
+          int32_t starts[2];
+          half_starts_of(x, row, b, offset, starts);
+          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), joined_dot_avx2<BITS>(levels, x, row, b, starts[0], 0, 4), acc[r]);
           acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(second_scale, dx),
-                                   joined_dot_avx2<BITS>(levels, x, row, b, offset, sum - first_sum, 4, 8), acc[r]);
+                                   joined_dot_avx2<BITS>(levels, x, row, b, starts[1], 4, 8), acc[r]);
         } else {
-          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), joined_dot_avx2<BITS>(levels, x, row, b, offset, sum, 0, 8), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), joined_dot_avx2<BITS>(levels, x, row, b, -offset * sum, 0, 8), acc[r]);
           if constexpr (MINS) acc[r] = _mm256_fmadd_ps(min, _mm256_mul_ps(dx, _mm256_set1_ps(static_cast<float>(sum))), acc[r]);
         }
       }
@@ -727,13 +771,25 @@ void matmul_rows(const Weights& w, const Rows& x, float* y, int64_t ld_y) {
   const int64_t chunk = std::max<int64_t>(kWideTile, kRowBytes / row_bytes / kWideTile * kWideTile);
   const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, w.blocks * x.count));
   const int wide = isa == kAvx512 && !w.floats() ? kWideTile : kTile;  // (float tiles keep four rows)
+  std::vector<int32_t> half_starts;
+  Rows summed = x;
+#if GLASSLM_X86
+  // (8-bit weights take no offset on the AVX2 path: half-block groups of them would not use the table)
+  if (w.halves() && w.bits < 8 && isa != kScalar && x.count >= kWideTile && x.half_starts == nullptr) {
+    half_starts.resize(2 * x.count * x.blocks);
+    for (int64_t row = 0; row < x.count; ++row) {
+      for (int64_t b = 0; b < x.blocks; ++b) half_starts_of(x, row, b, w.offset, half_starts.data() + 2 * (row * x.blocks + b));
+    }
+    summed.half_starts = half_starts.data();
+  }
+#endif
   at::parallel_for(0, w.panels, grain, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < x.count; first += chunk) {  // (each thread: its panels over one chunk, then the next)
       const int64_t last = std::min(x.count, first + chunk);
       for (int64_t panel = begin; panel < end; ++panel) {
         for (int64_t row0 = first; row0 < last;) {
           const int rows = last - row0 >= wide ? wide : static_cast<int>(std::min<int64_t>(kTile, last - row0));
-          run_tile(w, x, panel, row0, rows, y, ld_y, isa);
+          run_tile(w, summed, panel, row0, rows, y, ld_y, isa);
           row0 += rows;
         }
       }
@@ -994,7 +1050,8 @@ at::Tensor qmatmul(const at::Tensor& q, const at::Tensor& d, const at::Tensor& s
 // their outputs side by side (a row split's parts: one quantization of x for all of them): `qlinear`
 // after its checks of the weights, which block.cpp makes once per matrix (a decoding step's ~50
 // products then allocate only their outputs).
-at::Tensor qlinear_parts(const at::Tensor& x, const std::vector<const Weights*>& parts) {
+at::Tensor qlinear_parts(const at::Tensor& x, const std::vector<const Weights*>& parts, int64_t passes) {
+  TORCH_CHECK(passes == 1 || passes == kPasses, "glasslm_kernels: activations take 1 or 2 passes, got ", passes);
   check_rows(x);
   const Weights& first = *parts.front();
   int64_t d_out = 0;
@@ -1034,14 +1091,19 @@ at::Tensor qlinear_parts(const at::Tensor& x, const std::vector<const Weights*>&
   at::Tensor y = at::empty(shape, x.options());
   int64_t column = 0;
   for (const Weights* w : parts) {
-    matmul_rows(*w, Rows{q, d, sums, count, w->blocks, rows.const_data_ptr<float>()}, y.mutable_data_ptr<float>() + column,
-                d_out);
+    matmul_rows(*w, Rows{q, d, sums, count, w->blocks, rows.const_data_ptr<float>(), static_cast<int>(passes)},
+                y.mutable_data_ptr<float>() + column, d_out);
     column += w->d_out;
   }
   return y;
 }
 
-at::Tensor qlinear_checked(const at::Tensor& x, const Weights& w) { return qlinear_parts(x, {&w}); }
+// (block.cpp's calls: both passes.)
+at::Tensor qlinear_parts(const at::Tensor& x, const std::vector<const Weights*>& parts) {
+  return qlinear_parts(x, parts, kPasses);
+}
+
+at::Tensor qlinear_checked(const at::Tensor& x, const Weights& w, int64_t passes) { return qlinear_parts(x, {&w}, passes); }
 
 // Row `row` of the matrix the weights stand for, as float32 (exactly ggml's dequantized values: every
 // product of a level and a scale is exact, so (level - offset) * scale + min rounds once, at the add).
@@ -1105,9 +1167,9 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& levels, const std::opt
                    const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& super_scales,
                    const std::optional<at::Tensor>& super_mins, int64_t bits, int64_t offset, int64_t group_size,
                    int64_t super_groups, int64_t d_out, const std::optional<at::Tensor>& row_scale,
-                   const std::optional<at::Tensor>& bias) {
+                   const std::optional<at::Tensor>& bias, int64_t passes) {
   return qlinear_checked(x, weights_of({levels, scales, mins, super_scales, super_mins, bits, offset, group_size,
-                                        super_groups, d_out, row_scale, bias}));
+                                        super_groups, d_out, row_scale, bias}), passes);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1419,7 +1481,7 @@ TORCH_LIBRARY(glasslm_kernels, m) {
         "Tensor? super_scales, Tensor? super_mins, int bits, int offset, int group_size, int super_groups, int d_out, "
         "Tensor? row_scale, Tensor? bias) -> Tensor");
   m.def("qlinear(Tensor x, Tensor levels, Tensor? scales, Tensor? mins, Tensor? super_scales, Tensor? super_mins, "
-        "int bits, int offset, int group_size, int super_groups, int d_out, Tensor? row_scale, Tensor? bias) -> Tensor");
+        "int bits, int offset, int group_size, int super_groups, int d_out, Tensor? row_scale, Tensor? bias, int passes=2) -> Tensor");
   m.def("lookup_rows(Tensor ids, Tensor levels, Tensor? scales, Tensor? mins, Tensor? super_scales, "
         "Tensor? super_mins, int bits, int offset, int group_size, int super_groups, int d_out, Tensor? row_scale) -> Tensor");
   m.def("pack_levels(Tensor levels, int bits) -> Tensor");

@@ -75,8 +75,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -429,7 +431,7 @@ def _register_fakes() -> None:
     """Output shapes without computing, so `torch.compile` keeps each call as one node of one graph."""
     @torch.library.register_fake("glasslm_kernels::qlinear")
     def _qlinear(x, levels, scales, mins, super_scales, super_mins, bits, offset, group_size, super_groups, d_out,
-                 row_scale, bias):
+                 row_scale, bias, passes=PASSES):
         return x.new_empty((*x.shape[:-1], d_out))
 
     @torch.library.register_fake("glasslm_kernels::qmatmul")
@@ -453,6 +455,36 @@ _QLINEAR: list[Any] = []  # the op's overload, looked up once: a decoding step m
 
 
 FLOAT32_BLAS_ROWS = 32  # rows from which float32 weights go through PyTorch's matrix product
+ONE_PASS_ROWS = 32  # rows from which `prefill_activations("int8")` multiplies the first pass alone
+PREFILL_ACTIVATIONS = {"int16": PASSES, "int8": 1}  # a long prompt's activations: int8 passes multiplied
+_PREFILL_PASSES = [PASSES]
+
+
+def set_prefill_activations(kind: str) -> str:
+    """How products of `ONE_PASS_ROWS` rows or more (a prompt's prefill) round their activations, for
+    this process; returns the previous setting. "int16" (the default): both passes, x within
+    |block max| / 2^16 of itself, the same numbers as a decoding step's. "int8": the first pass alone,
+    x ~ d1 * q1 with d1 = |block max| / 127, as llama.cpp rounds its activations: half the integer
+    products (a K-quant prompt ~1.3-2x faster), each input up to |block max| / 254 off.
+
+    >>> previous = set_prefill_activations("int8"); set_prefill_activations(previous)
+    'int8'
+    """
+    if kind not in PREFILL_ACTIVATIONS:
+        raise ValueError(f"prefill activations are one of {sorted(PREFILL_ACTIVATIONS)}, not {kind!r}")
+    previous = next(name for name, passes in PREFILL_ACTIVATIONS.items() if passes == _PREFILL_PASSES[0])
+    _PREFILL_PASSES[0] = PREFILL_ACTIVATIONS[kind]
+    return previous
+
+
+@contextlib.contextmanager
+def prefill_activations(kind: str) -> Iterator[None]:
+    """`set_prefill_activations(kind)` inside a `with` block."""
+    previous = set_prefill_activations(kind)
+    try:
+        yield
+    finally:
+        set_prefill_activations(previous)
 
 
 def _float32_product(rows: Float[Tensor, "... d_in"], packed: PackedMatrix) -> Float[Tensor, "... d_out"]:
@@ -483,7 +515,8 @@ def qlinear(x: Float[Tensor, "... d_in"], packed: PackedMatrix, bias: Tensor | N
     rows = x if x.dtype == torch.float32 else x.float()
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
-    y = op(rows, *packed.operands(), bias)
+    passes = _PREFILL_PASSES[0] if x.numel() >= ONE_PASS_ROWS * x.shape[-1] else PASSES
+    y = op(rows, *packed.operands(), bias, passes)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
