@@ -73,6 +73,29 @@ def test_qk_norm_normalises_each_heads_queries_and_keys_before_the_rotary():
     torch.testing.assert_close(attn(x, positions), expected)
 
 
+def test_whole_projection_qk_norms_normalise_all_heads_at_once_and_keep_their_hooks():
+    """OLMoE's q/k norms: one RMSNorm over the whole query projection (n_heads x d_head features) and one
+    over the keys (n_kv_heads x d_head), before the rotary; hook_q_normed still sees (batch, heads, seq, d_head)."""
+    c = ModelConfig(**{**GEMMA_LIKE, "sliding_window": None, "global_layers": (), "rope_local_theta": None,
+                       "norm_unit_offset": False, "qk_norm_whole": True})
+    attn = perturbed(TransformerLM(c)).blocks[0].attn
+    assert attn.q_norm.weight.shape == (32,) and attn.k_norm.weight.shape == (16,)
+    x, positions = torch.randn(2, 6, 32), torch.arange(6)
+    q, k, v = attn.qkv(x).split([32, 16, 16], dim=-1)
+    q = F.rms_norm(q, (32,), weight=attn.q_norm.weight, eps=c.norm_eps).view(2, 6, 4, 8).transpose(1, 2)
+    k = F.rms_norm(k, (16,), weight=attn.k_norm.weight, eps=c.norm_eps).view(2, 6, 2, 8).transpose(1, 2)
+    seen = {}
+    attn.hook_q_normed.register_forward_hook(lambda module, args, out: seen.setdefault("q", out.clone()))
+    q_rot, k_rot = attn.rotary(q, positions), attn.rotary(k, positions)
+    z = F.scaled_dot_product_attention(q_rot, k_rot, v.view(2, 6, 2, 8).transpose(1, 2), is_causal=True, scale=0.3,
+                                       enable_gqa=True)
+    expected = attn.out(z.transpose(1, 2).reshape(2, 6, 32))
+    torch.testing.assert_close(attn(x, positions), expected)
+    torch.testing.assert_close(seen["q"], q)
+    with pytest.raises(ValueError, match="qk_norm_whole .* needs qk_norm=True"):
+        ModelConfig(qk_norm_whole=True)
+
+
 def test_parallel_residual_adds_both_sublayers_of_the_same_input():
     c = ModelConfig(vocab_size=31, d_model=32, n_heads=4, n_layers=1, positional="rope", rotary_dims=4,
                     parallel_residual=True)

@@ -44,6 +44,7 @@ HF_CONFIGS = {
                   "decoder_sparse_step": 2, "norm_topk_prob": True},
     "qwen2_moe": {"model_type": "qwen2_moe", **_ROTARY, "num_experts": 4, "moe_intermediate_size": 16,
                   "shared_expert_intermediate_size": 24},
+    "olmoe": {"model_type": "olmoe", **_ROTARY, "num_experts": 4, "num_experts_per_tok": 2},
 }
 
 

@@ -1,5 +1,5 @@
 """Mixture-of-experts models as GGUF files: Mixtral (llama.cpp's "llama" with experts), Qwen3-MoE
-(qwen3moe) and Qwen2-MoE (qwen2moe) exported, run by llama.cpp itself to our logits, read back
+(qwen3moe), Qwen2-MoE (qwen2moe) and OLMoE (olmoe) exported, run by llama.cpp itself to our logits, read back
 unchanged; a file llama.cpp's quantizer wrote reads with its expert tensors dequantized to float32;
 what llama.cpp cannot run is refused by name."""
 
@@ -28,8 +28,10 @@ CONFIGS = {
     "qwen3_moe": lambda v: get_preset("llama-tiny", vocab_size=v, **_SMALL, qk_norm=True, d_head=32, d_expert=48),
     "qwen2_moe": lambda v: get_preset("llama-tiny", vocab_size=v, **_SMALL, attn_qkv_bias=True, d_expert=48,
                                       d_shared_expert=80, router_renormalize=False),
+    "olmoe": lambda v: get_preset("llama-tiny", vocab_size=v, **{**_SMALL, "n_kv_heads": 4}, qk_norm=True,
+                                  qk_norm_whole=True, router_renormalize=False),  # (llama.cpp's: no grouped heads)
 }
-ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}
 
 
 def perturbed_moe(config) -> TransformerLM:
@@ -97,6 +99,8 @@ def test_a_file_llama_cpps_quantizer_wrote_reads_with_its_experts_dequantized(bp
     ("qwen3_moe", dict(router_renormalize=False), "llama.cpp's qwen3moe renormalises"),
     ("qwen2_moe", dict(router_renormalize=True), "llama.cpp's qwen2moe does not renormalise"),
     ("mixtral", dict(sliding_window=8), "no sliding window"),
+    ("olmoe", dict(router_renormalize=True), "llama.cpp's olmoe does not renormalise"),
+    ("olmoe", dict(n_kv_heads=2), "llama.cpp's olmoe has a key norm as wide as the embedding"),
 ])
 def test_what_llama_cpp_cannot_run_is_refused_by_name(family, changes, message, tmp_path):
     model = TransformerLM(CONFIGS[family](64).replace(**changes))

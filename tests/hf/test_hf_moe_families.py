@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (Mixtral, Qwen3-MoE, Qwen2-MoE), each from a tiny random config saved by
+"""Mixture-of-experts families (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE), each from a tiny random config saved by
 transformers with every weight perturbed: logits within twice transformers' own float32-vs-float64
 error (both MoE paths), 20 greedy tokens equal to transformers' (full forward, KV cache, static
 cache), export -> import -> export byte-identical and read back by transformers to the same logits.
@@ -13,10 +13,9 @@ transformers = pytest.importorskip("transformers")
 from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig  # noqa: E402
 
 from glasslm.core.moe import MoE  # noqa: E402
-from glasslm.generation import generate_tokens  # noqa: E402
 from glasslm.hf import UnsupportedModelError, export_hf, import_hf  # noqa: E402
-from tests.hf.test_hf_families import VOCAB, _llama, float32_rounding, greedy, random_model  # noqa: E402
-from tests.hf.test_hf_new_families import SPECIAL, decode  # noqa: E402
+from tests.hf.test_hf_families import VOCAB, _llama, float32_rounding, random_model  # noqa: E402
+from tests.hf.test_hf_new_families import SPECIAL, assert_decodes_like_transformers_and_round_trips  # noqa: E402
 
 # Eight experts, two per token; 3 layers so that a decoder_sparse_step of 2 leaves dense layers around one.
 # transformers' eager experts: its grouped_mm path has no float64, which float32_rounding runs.
@@ -32,6 +31,10 @@ FAMILIES = {
     "qwen3-moe-renormalised": lambda: Qwen3MoeConfig(**{**_llama(
         num_experts=6, moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[],
         tie_word_embeddings=True, **_EXPERTS), **SPECIAL}),
+    # OLMoE: q/k norms over the whole projections (grouped heads: the k norm is narrower), softmax weights
+    # not renormalised, experts of intermediate_size on every layer.
+    "olmoe": lambda: OlmoeConfig(**{**_llama(
+        num_experts=8, intermediate_size=24, norm_topk_prob=False, **_EXPERTS), **SPECIAL}),
     # Qwen2-MoE: q/k/v biases and a sigmoid-gated shared expert of 56 beside experts of 24.
     "qwen2-moe": lambda: Qwen2MoeConfig(**{**_llama(
         num_experts=8, moe_intermediate_size=24, shared_expert_intermediate_size=56, decoder_sparse_step=1,
@@ -65,22 +68,7 @@ def test_moe_family_logits_greedy_tokens_and_round_trip(family, tmp_path):
         print(f"{family} [{impl}]: max |logit diff| {(got - expected).abs().max().item():.2e}, tolerance {atol:.2e}")
         torch.testing.assert_close(got, expected, atol=atol, rtol=0)
     set_impl(model, "fast")
-
-    prompt = tokens[:1, :4]
-    hf_tokens = hf_model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None,
-                                  pad_token_id=0)[0, 4:].tolist()
-    assert greedy(model, prompt, 20) == hf_tokens
-    assert decode(model, prompt, 20, static=False) == hf_tokens
-    assert decode(model, prompt, 20, static=True) == hf_tokens
-    assert list(generate_tokens(model, prompt[0].tolist(), 20, temperature=0.0)) == hf_tokens  # (the readable step)
-
-    first = export_hf(model, tmp_path / "first")
-    again = export_hf(import_hf(first), tmp_path / "second")
-    for name in ("config.json", "model.safetensors"):
-        assert (first / name).read_bytes() == (again / name).read_bytes(), name
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(first).eval()
-    assert type(reloaded) is type(hf_model)
-    torch.testing.assert_close(reloaded(tokens).logits, expected, atol=1e-6, rtol=0)  # same weights, same code
+    assert_decodes_like_transformers_and_round_trips(model, hf_model, tokens, expected, tmp_path)
 
 
 @torch.no_grad()
@@ -102,11 +90,11 @@ def test_transformers_fused_expert_layout_reads_as_the_per_expert_one(tmp_path):
         assert torch.equal(x, y), name
 
 
-def test_olmoe_is_refused_by_name_not_loaded_as_a_dense_model(tmp_path):
+def test_what_olmoe_files_say_that_glasslm_does_not_compute_is_refused_by_name(tmp_path):
     config = OlmoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                         num_attention_heads=4, num_experts=4, num_experts_per_tok=2, **SPECIAL)
+                         num_attention_heads=4, num_experts=4, num_experts_per_tok=2, clip_qkv=8.0, **SPECIAL)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "olmoe")
-    with pytest.raises(UnsupportedModelError, match="model_type='olmoe'"):
+    with pytest.raises(UnsupportedModelError, match="OLMoE with clip_qkv=8.0"):
         import_hf(tmp_path / "olmoe")
 
 
@@ -122,5 +110,10 @@ def test_dense_families_do_not_claim_an_moe_config_and_moe_ones_not_a_dense_one(
     assert family_of(moe.replace(qk_norm=True)) == "qwen3_moe"
     assert family_of(moe.replace(d_shared_expert=32, attn_qkv_bias=True)) == "qwen2_moe"
     assert family_of(moe.replace(qk_norm=True, moe_every=2, router_renormalize=False, d_expert=16)) == "qwen3_moe"
+    olmoe = moe.replace(qk_norm=True, qk_norm_whole=True, router_renormalize=False)
+    assert family_of(olmoe) == "olmoe"
+    assert family_of(olmoe.replace(router_renormalize=True)) == "olmoe"  # (norm_topk_prob)
     with pytest.raises(UnsupportedModelError, match="not mixtral: .*experts every 2 layers"):
         family_of(moe.replace(moe_every=2))
+    with pytest.raises(UnsupportedModelError, match="not qwen3_moe: .*q/k norms over the whole projection"):
+        family_of(olmoe.replace(moe_every=2))

@@ -96,6 +96,13 @@ def test_new_family_logits_greedy_tokens_and_round_trip(family, tmp_path):
         print(f"{family} [{impl}]: max |logit diff| {(got - expected).abs().max().item():.2e}, tolerance {atol:.2e}")
         torch.testing.assert_close(got, expected, atol=atol, rtol=0)
 
+    assert_decodes_like_transformers_and_round_trips(model, hf_model, tokens, expected, tmp_path)
+
+
+def assert_decodes_like_transformers_and_round_trips(model, hf_model, tokens, expected, tmp_path) -> None:
+    """20 greedy tokens from the first row's first 4 equal to transformers' (full forward, KV cache, static
+    cache, the readable step), export -> import -> export byte-identical, and the export read back by
+    transformers to its own logits `expected` of `tokens`."""
     prompt = tokens[:1, :4]
     hf_tokens = hf_model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None,
                                   pad_token_id=0)[0, 4:].tolist()

@@ -185,13 +185,15 @@ class CausalSelfAttention(nn.Module):
     biases apart from the output's (Qwen2 has the first, not the second); `sliding_window` limits
     each query to its last that-many keys (Mistral). `scale` multiplies the scores (default
     1/sqrt(d_head)); `dropout_p` applies to the attention probabilities. `q_norm` and `k_norm`
-    (Qwen3, Gemma 3) normalise each head's queries and keys over d_head before the rotary.
+    (Qwen3, Gemma 3) normalise each head's queries and keys over d_head before the rotary;
+    with `qk_norm_whole` (OLMoE) they normalise all heads' features at once (n_heads * d_head wide).
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout_p: float,
                  impl: str, rotary: RotaryPositions | None = None, *, d_head: int | None = None,
                  qkv_bias: bool | None = None, sliding_window: int | None = None, scale: float | None = None,
-                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, cap: float | None = None):
+                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, cap: float | None = None,
+                 qk_norm_whole: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_head or d_model // n_heads
         self.dropout_p, self.impl, self.sliding_window = dropout_p, impl, sliding_window
@@ -201,7 +203,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = Linear(d_model, (n_heads + 2 * n_kv_heads) * self.d_head, bias=bias if qkv_bias is None else qkv_bias)
         self.out = Linear(n_heads * self.d_head, d_model, bias=bias)
         self.rotary = rotary
-        self.q_norm, self.k_norm = q_norm, k_norm
+        self.q_norm, self.k_norm, self.qk_norm_whole = q_norm, k_norm, qk_norm_whole
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
         self.hook_q_normed, self.hook_k_normed = HookPoint(), HookPoint()  # after q_norm / k_norm (batch, heads, seq, d_head)
         self.hook_attn_scores, self.hook_pattern, self.hook_z = HookPoint(), HookPoint(), HookPoint()
@@ -277,9 +279,13 @@ class CausalSelfAttention(nn.Module):
         """q (batch, n_heads, seq, d_head), k and v (batch, n_kv_heads, seq, d_head), rotated if rotary."""
         q, k, v = self._projections(x)  # (batch, seq, heads, d_head)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        if self.q_norm is not None and self.qk_norm_whole:  # OLMoE: over (heads x d_head) at once
+            q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
         # Heads become a batch axis: (batch, heads, seq, d_head).
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.q_norm is not None:  # per head over d_head; their hooks see (batch, heads, seq, ·), as TransformerLens's
+        if self.q_norm is not None and self.qk_norm_whole:
+            q, k = self.hook_q_normed(q), self.hook_k_normed(k)
+        elif self.q_norm is not None:  # per head over d_head; their hooks see (batch, heads, seq, ·), as TransformerLens's
             q, k = self.hook_q_normed(self.q_norm(q)), self.hook_k_normed(self.k_norm(k))
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)

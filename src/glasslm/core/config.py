@@ -106,6 +106,8 @@ class ModelConfig:
     parallel_residual: bool = False  # x + attn(ln1(x)) + mlp(ln2(x)): both sublayers read the same x (GPT-NeoX)
     post_norms: bool = False  # a norm on each sublayer's output too, before the residual add (Gemma 3's sandwich)
     qk_norm: bool = False  # RMSNorm over each head's queries and keys before the rotary (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # the q/k RMSNorms span the whole projection (all heads' features at once,
+                                 # OLMoE), not each head's d_head; needs qk_norm
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), its weights starting at 0 (Gemma)
     attn_softcap: float | None = None  # attention scores become cap * tanh(scores / cap) before the mask (Gemma 2: 50)
     logit_softcap: float | None = None  # logits become cap * tanh(logits / cap) (Gemma 2: 30); None: no cap
@@ -212,6 +214,8 @@ class ModelConfig:
             raise ValueError(f"global_layers must name layers in [0, {self.n_layers}), got {list(self.global_layers)}")
         if self.global_layers and self.sliding_window is None:
             raise ValueError("global_layers only applies with a sliding_window (the other layers' window)")
+        if self.qk_norm_whole and not self.qk_norm:
+            raise ValueError("qk_norm_whole says how wide the q/k norms are; it needs qk_norm=True")
         if self.norm_unit_offset and self.norm != "rmsnorm":
             raise ValueError("norm_unit_offset is an RMSNorm variant; it needs norm='rmsnorm'")
         if (self.parallel_residual or self.post_norms) and self.norm_placement != "pre":

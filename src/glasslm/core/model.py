@@ -43,12 +43,15 @@ class Block(nn.Module):
         self.impl = impl
         self.ln1 = norm_for(c)
         qk_norms = {}
-        if c.qk_norm:  # always RMSNorm, over each head's d_head features
-            qk_norms = {f"{x}_norm": RMSNorm(c.d_head, c.norm_eps, impl, c.norm_unit_offset) for x in "qk"}
+        if c.qk_norm:  # always RMSNorm, over each head's d_head features (or all heads' at once: OLMoE)
+            widths = {"q": c.d_head, "k": c.d_head}
+            if c.qk_norm_whole:
+                widths = {"q": c.n_heads * c.d_head, "k": c.n_kv_heads * c.d_head}
+            qk_norms = {f"{x}_norm": RMSNorm(widths[x], c.norm_eps, impl, c.norm_unit_offset) for x in "qk"}
         self.attn = CausalSelfAttention(
             c.d_model, c.n_heads, c.n_kv_heads, c.site_bias("out"), c.site_dropout("attn"), impl, rotary,
             d_head=c.d_head, qkv_bias=c.site_bias("qkv"), sliding_window=c.layer_window(layer),
-            scale=c.attn_score_scale, cap=c.attn_softcap, **qk_norms)
+            scale=c.attn_score_scale, cap=c.attn_softcap, qk_norm_whole=c.qk_norm_whole, **qk_norms)
         self.ln1_post = norm_for(c) if c.post_norms else None
         self.ln2: nn.Module | None = None
         self.ln2_post: nn.Module | None = None

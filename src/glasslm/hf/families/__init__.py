@@ -10,7 +10,7 @@ keeps a family from claiming configs with a ModelConfig field it has never heard
 Example:
     >>> from glasslm.presets import get_preset
     >>> sorted(FAMILIES)
-    ['gemma2', 'gemma3_text', 'gpt2', 'gpt_neox', 'llama', 'mistral', 'mixtral', 'phi3', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe']
+    ['gemma2', 'gemma3_text', 'gpt2', 'gpt_neox', 'llama', 'mistral', 'mixtral', 'olmoe', 'phi3', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe']
     >>> family_of(get_preset("gpt2-small")), family_of(get_preset("llama-tiny"))
     ('gpt2', 'llama')
 """
@@ -22,7 +22,7 @@ import math
 from glasslm.core.config import ModelConfig
 from glasslm.hf.errors import UnsupportedModelError
 from glasslm.hf.families import (
-    gemma2, gemma3, gpt2, gpt_neox, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
+    gemma2, gemma3, gpt2, gpt_neox, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
 )
 from glasslm.hf.families.common import computed_fields
 from glasslm.hf.families.family import HFFamily
@@ -48,6 +48,7 @@ register(phi3.FAMILY)
 register(mixtral.FAMILY)
 register(qwen3_moe.FAMILY)
 register(qwen2_moe.FAMILY)
+register(olmoe.FAMILY)
 
 
 def family_reading(model_type: str | None) -> HFFamily | None:

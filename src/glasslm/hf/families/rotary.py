@@ -60,12 +60,14 @@ def _reorder_rotary_rows(weight: Tensor, n_heads: int, rotary_dims: int | None, 
     return torch.cat([rotary, heads[:, rotary_dims:]], dim=1).reshape(n_heads * d_head, d_in)
 
 
-def rotary_shape_problems(config: ModelConfig, qk_norm: bool = False) -> list[str]:
-    """Why a config is not Llama-shaped ([] if it is), with q/k norms if `qk_norm` (Qwen3); biases
-    and windows are each family's own."""
+def rotary_shape_problems(config: ModelConfig, qk_norm: bool = False, qk_norm_whole: bool = False) -> list[str]:
+    """Why a config is not Llama-shaped ([] if it is), with q/k norms if `qk_norm` (Qwen3), over the
+    whole projection if `qk_norm_whole` (OLMoE); biases and windows are each family's own."""
     c, problems = config, block_shape_problems(config)
     if c.qk_norm != qk_norm:
         problems.append("q/k norms" if c.qk_norm else "no q/k norms")
+    elif c.qk_norm and c.qk_norm_whole != qk_norm_whole:
+        problems.append("q/k norms over the whole projection" if c.qk_norm_whole else "q/k norms per head")
     others = dict(parallel_residual=False, post_norms=False, norm_unit_offset=False, global_layers=(),
                   rope_local_theta=None, rotary_dims=c.d_head if c.rotary_dims else None)
     problems += [f"{name}={getattr(c, name)!r}" for name, value in others.items() if getattr(c, name) != value]
@@ -169,8 +171,10 @@ def rotary_weight_table(config: ModelConfig, hf_names: set[str] | None = None) -
         for kind in kinds("out"):
             plan[ours + f"attn.out.{kind}"] = ((hf + f"self_attn.o_proj.{kind}",), *SAME)
         if config.qk_norm:  # gains per head feature, reordered like the q/k rows
+            heads = {"q": config.n_heads, "k": config.n_kv_heads} if config.qk_norm_whole else {"q": 1, "k": 1}
             for x in "qk":
-                plan[ours + f"attn.{x}_norm.weight"] = ((hf + f"self_attn.{x}_norm.weight",), *qk_norm_conversion(config))
+                plan[ours + f"attn.{x}_norm.weight"] = ((hf + f"self_attn.{x}_norm.weight",),
+                                                        *qk_norm_conversion(config, heads[x]))
         for proj in ("gate", "up", "down"):
             for kind in kinds("mlp"):
                 plan[ours + f"mlp.{proj}.{kind}"] = ((hf + f"mlp.{proj}_proj.{kind}",), *SAME)
@@ -180,15 +184,16 @@ def rotary_weight_table(config: ModelConfig, hf_names: set[str] | None = None) -
     return WeightTable(plan)
 
 
-def qk_norm_conversion(config: ModelConfig):
+def qk_norm_conversion(config: ModelConfig, heads: int = 1):
     """The q/k norm gains act on a head's features in HF's rotary order; ours are in adjacent-pair
-    order, so a gain vector is reordered like one head's projection rows."""
+    order, so a gain vector is reordered like one head's projection rows (like `heads` heads' rows
+    where the norm spans the whole projection: OLMoE)."""
 
     def to_ours(gain: Tensor) -> Tensor:
-        return hf_rows_to_adjacent_pairs(gain[:, None], 1, config.rotary_dims)[:, 0]
+        return hf_rows_to_adjacent_pairs(gain[:, None], heads, config.rotary_dims)[:, 0]
 
     def to_hf(gain: Tensor) -> tuple[Tensor]:
-        return (adjacent_pairs_to_hf_rows(gain[:, None], 1, config.rotary_dims)[:, 0],)
+        return (adjacent_pairs_to_hf_rows(gain[:, None], heads, config.rotary_dims)[:, 0],)
 
     return to_ours, to_hf
 
