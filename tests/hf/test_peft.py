@@ -40,11 +40,17 @@ CONFIGS = {
     "neox": lambda: get_preset("pythia-160m", d_model=64, n_heads=4, **SMALL),  # q/k/v interleaved per head
     "gemma3": lambda: get_preset("gemma3-270m", d_model=64, n_heads=4, n_kv_heads=2, d_head=16, d_mlp=96,
                                  global_layers=(1,), sliding_window=8, **SMALL),  # scaled embedding, tied
-    # Mixtures of experts: adapters on attention (peft's q_proj ... o_proj), the experts left as they are.
+    # Mixtures of experts: adapters on attention (peft's q_proj ... o_proj) and on the experts' fused stacks
+    # (peft's target_parameters mlp.experts.gate_up_proj / down_proj).
     "mixtral": lambda: get_preset("llama-tiny", n_experts=4, experts_per_token=2, **SMALL),
     "qwen3-moe": lambda: get_preset("llama-tiny", n_experts=4, experts_per_token=2, d_expert=48, qk_norm=True,
                                     moe_every=2, **SMALL),  # layer 0 dense
+    "olmoe": lambda: get_preset("llama-tiny", n_experts=4, experts_per_token=2, qk_norm=True, qk_norm_whole=True,
+                                router_renormalize=False, **SMALL),
+    "qwen2-moe": lambda: get_preset("llama-tiny", n_experts=4, experts_per_token=2, d_expert=48, d_shared_expert=64,
+                                    attn_qkv_bias=True, router_renormalize=False, **SMALL),
 }
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # peft's names of transformers 5's fused stacks
 
 
 def _tolerance(reference: torch.Tensor) -> float:
@@ -108,6 +114,12 @@ IMPORTS = {
     "gemma3-embedding-dora": ("gemma3", dict(target_modules=["embed_tokens", "q_proj", "o_proj"], use_dora=True)),
     "mixtral-attention-dora": ("mixtral", dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], use_dora=True)),
     "qwen3-moe-attention": ("qwen3-moe", dict(target_modules=["q_proj", "v_proj"])),
+    "mixtral-experts": ("mixtral", dict(target_modules=["q_proj"], target_parameters=EXPERTS)),
+    "olmoe-experts": ("olmoe", dict(target_modules=["k_proj", "o_proj"], target_parameters=EXPERTS, lora_alpha=7)),
+    "olmoe-experts-down-only-rslora": ("olmoe", dict(target_modules=[], target_parameters=EXPERTS[1:],
+                                                     use_rslora=True)),
+    # peft rewrites down_proj on a model with fused experts as target_parameters=['down_proj'] too.
+    "qwen3-moe-down-proj": ("qwen3-moe", dict(target_modules=["q_proj", "down_proj"])),
 }
 
 
@@ -137,6 +149,9 @@ EXPORTS = {
     "gemma3-dora-embed-unembed": ("gemma3", dict(sites=("q", "v", "embed", "unembed"), dora=True)),
     "mixtral-attention": ("mixtral", dict(sites=("q", "k", "v", "attn_out"))),
     "qwen3-moe-dora": ("qwen3-moe", dict(sites=("q", "v"), dora=True)),
+    "mixtral-experts": ("mixtral", dict(sites=("q", "mlp_gate", "mlp_up", "mlp_down"))),
+    "olmoe-experts-rslora": ("olmoe", dict(sites=("q", "k", "mlp_gate", "mlp_up"), rslora=True)),
+    "olmoe-experts-only": ("olmoe", dict(sites=("mlp_down",))),
 }
 
 
@@ -254,12 +269,45 @@ def test_not_an_adapter_directory_is_named(tmp_path):
     assert not lora_layers(model)
 
 
-def test_adapters_on_experts_are_refused_both_ways(tmp_path):
-    """peft's down_proj on a Qwen3-MoE adapts the experts too (target_parameters: a ParamWrapper on the fused
-    tensor): importing it is refused by name, and glasslm refuses MLP sites on a model with experts rather
-    than adapt its dense layers alone."""
-    base, _, adapter = _peft_adapter("qwen3-moe", tmp_path, target_modules=["q_proj", "down_proj"])
-    with pytest.raises(PeftAdapterError, match=r"target_parameters=\['down_proj'\] \(LoRA on bare parameters\)"):
+def test_adapters_on_experts_come_back_as_the_same_tensors(tmp_path):
+    """peft's expert layout (A rows expert-major, B columns rank-major) read back into glasslm's stacks."""
+    base = _base("olmoe", tmp_path / "base")
+    adapted = copy.deepcopy(base)
+    apply_transform(adapted, "lora", LoRAConfig(rank=3, alpha=5.0, sites=("mlp_down", "mlp_gate", "mlp_up", "q")))
+    _perturb(trained_parameters(adapted, recorded_lora_config(adapted)).items(), seed=7)
+    export_peft_adapter(adapted, tmp_path / "adapter")
+    back = copy.deepcopy(base)
+    import_peft_adapter(back, tmp_path / "adapter")
+    assert recorded_lora_config(back) == recorded_lora_config(adapted)
+    ours, again = lora_state_dict(adapted), lora_state_dict(back)
+    assert ours.keys() == again.keys() and all(torch.allclose(ours[k], again[k], atol=1e-6) for k in ours)
+    assert "blocks.1.mlp.lora_b.1" in ours  # (the experts' down stack)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(sites=("q", "mlp_gate")), "adapts mlp_gate and mlp_up together"),
+    (dict(sites=("mlp_down",), dropout=0.1), "not supported with dropout"),
+    (dict(sites=("mlp_down",), dora=True), "not supported with DoRA"),
+])
+def test_what_adapters_on_experts_cannot_be_is_refused_by_name(options, message):
+    with pytest.raises(ValueError, match=message):
+        apply_transform(TransformerLM(CONFIGS["olmoe"]()), "lora", LoRAConfig(**options))
+    with pytest.raises(ValueError, match="not supported with a shared expert"):
+        apply_transform(TransformerLM(CONFIGS["qwen2-moe"]()), "lora", LoRAConfig(sites=("mlp_down",)))
+
+
+def test_expert_and_dense_mlp_adapters_in_one_model_are_refused_on_export(tmp_path):
+    """peft rewrites gate_proj / up_proj / down_proj target modules on a model with fused experts into
+    target_parameters of its own ranks; a Qwen3-MoE with dense layers between cannot say both apart."""
+    adapted = copy.deepcopy(_base("qwen3-moe", tmp_path / "base"))
+    apply_transform(adapted, "lora", LoRAConfig(rank=3, sites=("v", "mlp_gate", "mlp_up", "mlp_down")))
+    with pytest.raises(ValueError, match=r"adapters on both the experts and dense MLP layers \(blocks.0.mlp.down"):
+        export_peft_adapter(adapted, tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_an_expert_adapter_on_other_parameters_is_refused_by_name(tmp_path):
+    base, _, adapter = _peft_adapter("olmoe", tmp_path, target_modules=["q_proj"], target_parameters=EXPERTS)
+    _saved_config(adapter, target_parameters=[*EXPERTS, "mlp.gate.weight"])
+    with pytest.raises(PeftAdapterError, match=r"target_parameters \['mlp.gate.weight'\]"):
         import_peft_adapter(import_hf(base), adapter)
-    with pytest.raises(ValueError, match=r"LoRA sites \['mlp_down'\] on a mixture-of-experts model are not supported"):
-        apply_transform(TransformerLM(CONFIGS["qwen3-moe"]()), "lora", LoRAConfig(sites=("q", "mlp_down")))

@@ -250,7 +250,8 @@ class TransformerLM(nn.Module):
         z-loss over the MoE layers (what training adds to the loss); "balance" and "z" unweighted;
         "load": (moe layers, n_experts), each layer's fraction of the assignments per expert.
         """
-        stats = [block.mlp.aux for block in self.blocks if isinstance(block.mlp, MoE) and block.mlp.aux is not None]
+        # (every MoE module, also one an adapter wraps: transforms/lora.py's LoRAExperts)
+        stats = [m.aux for m in self.blocks.modules() if isinstance(m, MoE) and m.aux is not None]
         if not stats:
             return None
         balance = torch.stack([s.balance for s in stats]).mean()

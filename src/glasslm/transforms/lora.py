@@ -27,6 +27,10 @@ Besides the adapters, `bias` trains biases ("lora_only": those of the adapted ma
 model is untied for that, so the two train apart. All of these are the adapter's state
 (`lora_state_dict`).
 
+A mixture of experts' stacked expert weights (`core/moe.py`) are adapted per expert (`LoRAExperts`):
+"mlp_gate" and "mlp_up" together (one adapter over each expert's [gate | up] rows, as peft adapts
+transformers' fused `gate_up_proj`) and "mlp_down"; each expert e adds s B_e A_e to its matrices.
+
 Merging writes the adapted weight into the base (a float base only); un-merging puts back the exact
 weight that was there before.
 
@@ -58,6 +62,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from glasslm.core.layers import Embedding, Linear, linear
+from glasslm.core.moe import MoE
 from glasslm.transforms.registry import Transform, applied_transforms
 
 Site = Literal["q", "k", "v", "attn_out", "mlp_up", "mlp_gate", "mlp_down", "unembed", "embed"]
@@ -311,6 +316,88 @@ class LoRAEmbedding(_Adapter):
         return f"rank={self.lora_a[0].shape[0]}, scaling={self.scaling:g}{dora}"
 
 
+# An expert adapter's groups of stacked projections: gate and up share one (peft's fused gate_up_proj).
+EXPERT_GROUPS = {"gate_up": ("gate", "up"), "down": ("down",)}
+EXPERT_SITES = {"gate_up": ("mlp_gate", "mlp_up"), "down": ("mlp_down",)}
+
+
+class LoRAExperts(nn.Module):
+    """A mixture of experts (`MoE`) with low-rank adapters on its stacked expert weights.
+
+    For each adapted group ("gate_up": the [gate | up] rows of every expert, "down"): A (n_experts,
+    rank, d_in) and B (n_experts, rows, rank); expert e computes with W_e + s B_e A_e. The adapted
+    stacks are formed on each call and the base MoE runs with them (`torch.func.functional_call`),
+    so routing, hooks and the training statistics are the base's own.
+    """
+
+    def __init__(self, base: MoE, groups: tuple[str, ...], config: LoRAConfig):
+        super().__init__()
+        self.base, self.groups, self.scaling = base, groups, config.scaling
+        self.disabled = False
+        self._unmerged: dict[str, Tensor] | None = None
+        n, rank = base.n_experts, config.rank
+        self.lora_a, self.lora_b = nn.ParameterList(), nn.ParameterList()
+        for group in groups:
+            parts = [getattr(base, p) for p in EXPERT_GROUPS[group]]          # (n, rows, d_in) each
+            a = torch.empty(n, rank, parts[0].shape[2], device=parts[0].device)
+            for e in range(n):  # as nn.Linear's own init, one expert at a time
+                nn.init.kaiming_uniform_(a[e], a=math.sqrt(5))
+            self.lora_a.append(nn.Parameter(a))
+            rows = sum(p.shape[1] for p in parts)
+            self.lora_b.append(nn.Parameter(torch.zeros(n, rows, rank, device=parts[0].device)))
+
+    @property
+    def merged(self) -> bool:
+        return self._unmerged is not None
+
+    def adapted_weights(self) -> dict[str, Float[Tensor, "n_experts d_out d_in"]]:
+        """Each adapted stack with its update written in: {"gate": W_gate + s B[:, :d_expert] A, ...}."""
+        out = {}
+        for group, a, b in zip(self.groups, self.lora_a, self.lora_b):
+            update = torch.bmm(b, a) * self.scaling                                     # (n, rows, d_in)
+            names = EXPERT_GROUPS[group]
+            pieces = update.split([getattr(self.base, p).shape[1] for p in names], dim=1)
+            for name, piece in zip(names, pieces):
+                out[name] = getattr(self.base, name) + piece.to(getattr(self.base, name).dtype)
+        return out
+
+    def forward(self, x: Float[Tensor, "batch seq d_model"]) -> Float[Tensor, "batch seq d_model"]:
+        if self.merged or self.disabled:
+            return self.base(x)
+        return torch.func.functional_call(self.base, self.adapted_weights(), (x,), strict=False)
+
+    def check_mergeable(self) -> None:
+        """Expert stacks are float parameters: they always merge."""
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        if not self.merged:
+            weights = self.adapted_weights()
+            self._unmerged = {name: getattr(self.base, name).detach().clone() for name in weights}
+            for name, value in weights.items():
+                getattr(self.base, name).copy_(value)
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if self.merged:
+            for name, value in self._unmerged.items():
+                getattr(self.base, name).copy_(value)
+            self._unmerged = None
+
+    def extra_repr(self) -> str:
+        return f"rank={self.lora_a[0].shape[1]}, scaling={self.scaling:g}, groups={self.groups}"
+
+
+def expert_groups(config: LoRAConfig) -> tuple[str, ...]:
+    """The expert groups `config`'s sites adapt ("gate_up", "down"); gate without up (or up without
+    gate) is refused: peft adapts the experts' [gate | up] stack as one."""
+    gate_up = [site in config.sites for site in EXPERT_SITES["gate_up"]]
+    if any(gate_up) and not all(gate_up):
+        raise ValueError("LoRA on a mixture of experts adapts mlp_gate and mlp_up together (peft's gate_up_proj, "
+                         f"each expert's [gate | up] rows, is one adapter); got sites {list(config.sites)}")
+    return tuple(group for group, sites in EXPERT_SITES.items() if sites[0] in config.sites)
+
+
 def _d_out(module: nn.Module) -> int:
     return module.weight.shape[0] if isinstance(module, Linear) else module.d_out
 
@@ -383,14 +470,23 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> None:
     if config.full:
         untie_embeddings(model)  # as PEFT's modules_to_save copies the module: the two then train apart
     targets = lora_targets(model, config)
-    if not targets and config.sites:
+    experts = {name: module for name, module in model.named_modules() if isinstance(module, MoE)}
+    groups = expert_groups(config) if experts else ()
+    if not targets and not groups and config.sites:
         raise ValueError(f"no LoRA sites {config.sites} found in this model")
     for name, row_blocks in targets.items():
-        parent_name, _, child_name = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child_name, _adapter(model, getattr(parent, child_name), row_blocks, config))
+        _replace(model, name, lambda base: _adapter(model, base, row_blocks, config))
+    for name in experts if groups else ():
+        _replace(model, name, lambda base: LoRAExperts(base, groups, config))
     for p in trained_parameters(model, config).values():
         p.requires_grad_(True)
+
+
+def _replace(model: nn.Module, name: str, wrap) -> None:
+    """Put `wrap(the module called name)` in its place."""
+    parent_name, _, child_name = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child_name, wrap(getattr(parent, child_name)))
 
 
 def _adapter(model: nn.Module, base: nn.Module | None, row_blocks: list[tuple[int, int]],
@@ -406,13 +502,18 @@ def _adapter(model: nn.Module, base: nn.Module | None, row_blocks: list[tuple[in
 
 
 def _check_expert_sites(model: nn.Module, config: LoRAConfig) -> None:
-    """MLP sites on a mixture-of-experts model are refused: the experts (one stacked tensor per projection)
-    take no adapters yet, and peft's up_proj / gate_proj / down_proj reach them, so an adapter of the dense
-    layers alone would mean another model in peft."""
+    """What adapters on the experts cannot be (as peft's on transformers' fused expert parameters, whose
+    ParamWrapper refuses the same): with dropout, DoRA, or beside a shared expert (Qwen2-MoE)."""
     mlp_sites = [site for site in config.sites if site.startswith("mlp_")]
-    if mlp_sites and getattr(getattr(model, "config", None), "n_experts", 0):
-        raise ValueError(f"LoRA sites {mlp_sites} on a mixture-of-experts model are not supported (adapters on "
-                         "the experts are not implemented); adapt attention (q, k, v, attn_out) instead")
+    moe = [m for m in model.modules() if isinstance(m, MoE)]
+    if not mlp_sites or not moe:
+        return
+    expert_groups(config)
+    problems = [what for what, bad in (("dropout", config.dropout > 0), ("DoRA", config.dora),
+                                       ("a shared expert", any(m.shared is not None for m in moe))) if bad]
+    if problems:
+        raise ValueError(f"LoRA sites {mlp_sites} on a mixture-of-experts model adapt the experts, which is not "
+                         f"supported with {' or '.join(problems)}; adapt attention (q, k, v, attn_out) instead")
 
 
 def _check_full_modules(model: nn.Module, config: LoRAConfig) -> None:
@@ -444,8 +545,8 @@ LORA = Transform("lora", add_lora, options=LoRAConfig, kind="adapter",
                  summary="low-rank adapters W + (alpha/r) B A on chosen sites (DoRA, rsLoRA); the base is frozen")
 
 
-def lora_layers(model: nn.Module) -> dict[str, LoRALinear | LoRAEmbedding]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAEmbedding))}
+def lora_layers(model: nn.Module) -> dict[str, LoRALinear | LoRAEmbedding | LoRAExperts]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAEmbedding, LoRAExperts))}
 
 
 @contextmanager

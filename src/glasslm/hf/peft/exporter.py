@@ -5,7 +5,8 @@ adapter: our A rows of the blocks it holds, and B and the DoRA magnitudes taken 
 no block adapts gets its weight row's norm: a DoRA factor of one). GPT-2's fused c_attn with q and
 v adapted holds both blocks, so its rank is twice the others': `rank_pattern` and `alpha_pattern`
 give it glasslm's scaling. Trained biases and whole modules are written under the names PEFT saves
-them with (`base_layer` inside an adapted module; `modules_to_save`).
+them with (`base_layer` inside an adapted module; `modules_to_save`). Adapters on a mixture of
+experts' stacks are written as peft's `target_parameters` ones (`experts.py`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from glasslm.hf.families import family_for
+from glasslm.hf.peft import experts
 from glasslm.hf.peft.files import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, BASE_LAYER, PEFT_PREFIX
 from glasslm.hf.peft.layout import HFPart, hf_table, our_weight, weight_parts
 from glasslm.hf.plan import WeightTable
-from glasslm.transforms.lora import LoRAConfig, LoRAEmbedding, lora_layers, recorded_lora_config, trained_parameters
+from glasslm.transforms.lora import (
+    LoRAConfig, LoRAEmbedding, LoRAExperts, lora_layers, recorded_lora_config, trained_parameters,
+)
 
 
 def export_peft_adapter(model: nn.Module, directory: str | os.PathLike, base_model: str | None = None) -> Path:
@@ -35,10 +39,15 @@ def export_peft_adapter(model: nn.Module, directory: str | os.PathLike, base_mod
     if not layers:
         raise ValueError("this model has no LoRA adapters to export")
     config = recorded_lora_config(model) or LoRAConfig()
+    _check_experts_alone(layers)
     tensors: dict[str, Tensor] = {}
     ranks: dict[str, int] = {}
-    transposed, table = False, hf_table(model)
+    transposed, table, expert_groups = False, hf_table(model), ()
     for name, layer in layers.items():
+        if isinstance(layer, LoRAExperts):  # peft's target_parameters on the fused expert stacks
+            tensors.update(experts.export_tensors(name, layer))
+            expert_groups = layer.groups
+            continue
         for module, (module_tensors, part) in _module_adapters(model, name, layer, table).items():
             tensors.update({f"{module}{suffix}": t for suffix, t in module_tensors.items()})
             ranks[module] = next(iter(module_tensors.values())).shape[0]
@@ -51,8 +60,21 @@ def export_peft_adapter(model: nn.Module, directory: str | os.PathLike, base_mod
               folder / ADAPTER_WEIGHTS_FILE)
     scaling = next(iter(layers.values())).scaling
     peft_config = _peft_config(config, scaling, ranks, transposed, base_model, _modules_to_save(model, config))
+    if expert_groups:
+        peft_config["target_parameters"] = experts.target_parameters(expert_groups)
     (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(peft_config, indent=2))
     return folder
+
+
+def _check_experts_alone(layers: dict[str, nn.Module]) -> None:
+    """peft turns gate_proj / up_proj / down_proj target modules on a model with fused experts into expert
+    target_parameters of its own (gate_up_proj at twice the rank), so dense MLP adapters beside expert ones
+    (a Qwen3-MoE with dense layers between) would load as another adapter: refused by name."""
+    dense = sorted(name for name in layers if re.search(r"\.mlp\.(gate|up|down)$", name))
+    if dense and any(isinstance(layer, LoRAExperts) for layer in layers.values()):
+        raise ValueError(f"adapters on both the experts and dense MLP layers ({', '.join(dense)}) cannot be written "
+                         "for peft, which reads the dense layers' gate_proj / up_proj / down_proj as expert "
+                         "parameters; adapt the experts on a model without dense MLP layers, or attention only")
 
 
 PEFT_BASE_DIR = "base"  # where a glasslm base is exported inside a PEFT adapter directory
@@ -149,7 +171,7 @@ def _peft_config(config: LoRAConfig, scaling: float, ranks: dict[str, int], tran
     """adapter_config.json: PEFT's scaling of every module equal to glasslm's. Modules of another rank
     than the most common (GPT-2's c_attn holding q and v) keep it through the patterns, whose keys
     PEFT reads as regular expressions (so written escaped)."""
-    rank = Counter(ranks.values()).most_common(1)[0][0]
+    rank = Counter(ranks.values()).most_common(1)[0][0] if ranks else config.rank  # (experts alone: no modules)
 
     def alpha(r: int) -> float:
         return scaling * (r ** 0.5 if config.rslora else r)

@@ -47,12 +47,13 @@ _NEUTRAL_OPTIONS = {
     "megatron_core", "runtime_config", "fan_in_fan_out",  # a module's layout is its type's (GPT-2's Conv1D)
 }
 _UNDERSTOOD_OPTIONS = {"r", "lora_alpha", "use_rslora", "use_dora", "bias", "modules_to_save", "rank_pattern",
-                       "alpha_pattern", "ensure_weight_tying"}
+                       "alpha_pattern", "ensure_weight_tying",
+                       "target_parameters"}  # the experts' fused gate_up_proj / down_proj only (experts.py)
 # Options glasslm does not implement, each with what it would have changed; refused when set.
 _REFUSED_OPTIONS = {
     "lora_bias": "a bias on each lora_B", "layer_replication": "layers repeated from others",
     "trainable_token_indices": "trainable rows of the embedding", "alora_invocation_tokens": "activated LoRA",
-    "use_qalora": "QA-LoRA's pooled inputs", "target_parameters": "LoRA on bare parameters",
+    "use_qalora": "QA-LoRA's pooled inputs",
     "arrow_config": "Arrow routing between adapters", "megatron_config": "Megatron's parallel layers",
     "use_bdlora": "BD-LoRA", "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA", "kasa_config": "KaSA",
 }

@@ -18,10 +18,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from glasslm.hf.peft import experts
 from glasslm.hf.peft.files import PeftAdapter, PeftAdapterError, read_peft_adapter
 from glasslm.hf.peft.layout import HFPart, hf_table, our_weight, weight_parts
 from glasslm.transforms import apply_transform
-from glasslm.transforms.lora import LoRAConfig, adaptable_modules, lora_layers, trained_parameters
+from glasslm.transforms.lora import (
+    EXPERT_SITES, LoRAConfig, LoRAExperts, adaptable_modules, lora_layers, trained_parameters,
+)
 
 
 @dataclass
@@ -48,13 +51,21 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike) -> None:
     place; an option or tensor glasslm cannot honour exactly is refused by name."""
     adapter = read_peft_adapter(directory)
     plan = ImportPlan()
-    _place_adapters(model, adapter, plan)
+    expert_adapters = experts.take_expert_adapters(adapter)  # (out of adapter.modules)
+    rank = _rank(model, adapter, expert_adapters)
+    _place_adapters(model, adapter, plan, rank)
     _carried_tensors(model, adapter, plan)
-    config = _lora_config(model, adapter, plan)
+    config = _lora_config(model, adapter, plan, expert_adapters, rank)
     apply_transform(model, "lora", config)
     with torch.no_grad():
         for name, layer in lora_layers(model).items():
-            _fill(layer, plan.placed.get(name, []))
+            if isinstance(layer, LoRAExperts):
+                experts.fill(layer, expert_adapters.pop(name, {}), layer.base.n_experts, adapter.source)
+            else:
+                _fill(layer, plan.placed.get(name, []))
+        if expert_adapters:
+            raise PeftAdapterError(f"{directory}: expert adapters on layers without experts in this model: "
+                                   f"{sorted(expert_adapters)}")
         trained = trained_parameters(model, config)
         for name, value in plan.changed.items():
             name = _after_wrapping(model, name)
@@ -73,8 +84,15 @@ def _hf_index(model: nn.Module) -> dict[str, tuple[str, HFPart]]:
     return index
 
 
-def _place_adapters(model: nn.Module, adapter: PeftAdapter, plan: ImportPlan) -> None:
-    index, rank = _hf_index(model), max((adapter.rank(m) for m in adapter.modules), default=1)
+def _rank(model: nn.Module, adapter: PeftAdapter, expert_adapters: dict[str, dict[str, tuple]]) -> int:
+    """glasslm's one rank for every adapter: the largest of the adapter's modules and expert stacks."""
+    n_experts = getattr(model.config, "n_experts", 0) or 1
+    expert_ranks = [a.shape[0] // n_experts for groups in expert_adapters.values() for a, _, _ in groups.values()]
+    return max([adapter.rank(m) for m in adapter.modules] + expert_ranks, default=1)
+
+
+def _place_adapters(model: nn.Module, adapter: PeftAdapter, plan: ImportPlan, rank: int) -> None:
+    index = _hf_index(model)
     scaling = LoRAConfig(rank=rank, **_scaling_options(adapter)).scaling
     unknown = sorted(set(adapter.modules) - set(index))
     if unknown:
@@ -132,8 +150,10 @@ def _fill(layer: nn.Module, placed: list[Placed]) -> None:
             layer.magnitude[i].copy_(covering[0].magnitude[start:end])
 
 
-def _lora_config(model: nn.Module, adapter: PeftAdapter, plan: ImportPlan) -> LoRAConfig:
-    rank = max((adapter.rank(m) for m in adapter.modules), default=1)
+def _lora_config(model: nn.Module, adapter: PeftAdapter, plan: ImportPlan,
+                 expert_adapters: dict[str, dict[str, tuple]], rank: int) -> LoRAConfig:
+    groups = {group for found in expert_adapters.values() for group in found}
+    plan.sites |= {site for group in groups for site in EXPERT_SITES[group]}
     tied = model.config.tie_embeddings and (plan.full or plan.sites & {"embed", "unembed"})
     if adapter.config.get("ensure_weight_tying") and tied:
         raise PeftAdapterError(f"{adapter.source}: ensure_weight_tying keeps a tied embedding and lm_head one "
