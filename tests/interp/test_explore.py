@@ -291,3 +291,31 @@ def test_page_defaults_are_the_usual_texts_where_they_encode_else_made_from_the_
     # ... which the corrupted text no longer has: the token before that copy is the wrong answer instead.
     assert corrupted[corrupted.index(ids["wrong_answer"][0]) + 1] == answer and clean[-1] not in corrupted[:-8]
     assert len(ids["prompt"]) < 48 and texts["loss_text"] == texts["loss_text"][:8] * 3
+
+
+def test_expert_choices_are_each_tokens_top_k_of_its_routers_softmax():
+    """Against the router applied by hand to each MoE layer's input: softmax, top-k, renormalised or not."""
+    tok = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz .")
+    torch.manual_seed(0)
+    for renormalize in (True, False):
+        model = TransformerLM(get_preset("shakespeare-char-cpu-moe", vocab_size=tok.vocab_size, n_layers=2,
+                                         context_length=32, router_renormalize=renormalize)).eval()
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+        ids = tok.encode(TEXT)
+        inputs = {}
+        handles = [block.mlp.register_forward_pre_hook(lambda m, args, i=i: inputs.__setitem__(i, args[0][0]))
+                   for i, block in enumerate(model.blocks)]
+        result = explore.expert_choices(model, tok, ids)
+        for handle in handles:
+            handle.remove()
+        assert [row["layer"] for row in result["layers"]] == [0, 1] and result["n_experts"] == 4
+        for row in result["layers"]:
+            probs = torch.softmax(inputs[row["layer"]] @ model.blocks[row["layer"]].mlp.router.weight.T, dim=-1)
+            top = probs.topk(2, dim=-1)
+            weights = top.values / top.values.sum(-1, keepdim=True) if renormalize else top.values
+            assert row["experts"] == top.indices.tolist()
+            torch.testing.assert_close(torch.tensor(row["weights"]), weights)
+            assert len({tuple(e) for e in row["experts"]}) > 1  # the tokens do not all go the same way
+    dense = TransformerLM(get_preset("shakespeare-char-cpu", vocab_size=tok.vocab_size, n_layers=2)).eval()
+    assert explore.expert_choices(dense, tok, tok.encode(TEXT))["layers"] == []

@@ -225,6 +225,7 @@ def test_explorer_endpoints_return_the_explore_numbers(served):
     status, got = call(url, "/api/attention", {"text": text, "layer": 1, "head": 3})
     assert status == 200 and got == json.loads(json.dumps(explore.attention(model, tok, ids, 1, 3)))
     assert call(url, "/api/logit-lens", {"text": text})[1] == json.loads(json.dumps(explore.logit_lens(model, tok, ids)))
+    assert call(url, "/api/experts", {"text": text})[1] == json.loads(json.dumps(explore.expert_choices(model, tok, ids)))
     assert call(url, "/api/token-loss", {"tokens": ids})[1] == json.loads(json.dumps(explore.token_loss(model, tok, ids)))
     got = call(url, "/api/next-token", {"text": text, "temperature": 0.7, "top_k": 5, "k": 8})[1]
     assert got == json.loads(json.dumps(explore.next_token(model, tok, ids, 0.7, 5, None, None, 8)))
@@ -232,6 +233,7 @@ def test_explorer_endpoints_return_the_explore_numbers(served):
     for path, body, words in [("/api/attention", {"text": text, "layer": 7}, "layer 7 does not exist"),
                               ("/api/attention", {"text": text, "layer": 0, "head": 9}, "head 9 does not exist"),
                               ("/api/logit-lens", {"text": ""}, "empty"),
+                              ("/api/experts", {"text": "a" * (CONTEXT + 1)}, f"at most {CONTEXT}"),
                               ("/api/logit-lens", {"text": "a" * (CONTEXT + 1)}, f"at most {CONTEXT}"),
                               ("/api/token-loss", {"text": "a" * (16 * CONTEXT + 1)}, f"at most {16 * CONTEXT}"),
                               ("/api/token-loss", {"text": text, "tokens": ids}, "exactly one"),

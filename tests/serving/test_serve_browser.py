@@ -434,3 +434,32 @@ def test_the_run_charts_axis_labels_are_whole_negative_numbers_included(browser,
         assert sorted(lines) == [["chosen", 3], ["rejected", 3]]  # the chosen and rejected rewards, one chart
         assert outside == []
         page.close()
+
+
+def test_the_experts_view_shows_each_tokens_chosen_experts(browser, page_and_server, tmp_path):
+    """On a mixture of experts the Experts button shows every layer's top-k experts per token, the API's;
+    on a dense model it stays hidden."""
+    dense_page = page_and_server[0]
+    assert dense_page.locator("#show-experts").is_hidden() and dense_page.locator("#experts-view").is_hidden()
+    tok = CharTokenizer(list(CHARS))
+    torch.manual_seed(0)
+    model = TransformerLM(get_preset("shakespeare-char-cpu-moe", vocab_size=tok.vocab_size, n_layers=2,
+                                     context_length=64)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    app = create_app(model, tok, ServeConfig(name="tiny-moe"))
+    with serving_in_thread(app) as url:
+        page, outside = open_page(browser, url)
+        text = "To be, or not to be"
+        page.fill("#inspect-text", text)
+        page.click("#show-experts")
+        page.wait_for_selector("#experts td[data-layer]")
+        cells = page.locator("#experts td[data-layer]").evaluate_all(
+            "els => els.map(e => [Number(e.dataset.layer), Number(e.dataset.pos), e.dataset.experts])")
+        layers = {row["layer"]: row for row in api(url, "/api/experts", {"text": text})["layers"]}
+        assert len(cells) == 2 * len(tok.encode(text)) and sorted(layers) == [0, 1]
+        assert all(",".join(map(str, layers[layer]["experts"][pos])) == chosen for layer, pos, chosen in cells)
+        assert len({chosen for _, _, chosen in cells}) > 1
+        assert outside == []
+        page.close()

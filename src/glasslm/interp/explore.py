@@ -1,6 +1,6 @@
 """The numbers behind the explorer page, as plain JSON-able dicts: next-token tables, per-token
-loss, attention patterns, the logit lens, direct logit attribution, head scores and activation
-patching for one short text.
+loss, attention patterns, the logit lens, the experts each token chose (mixtures of experts), direct
+logit attribution, head scores and activation patching for one short text.
 
 Each function takes token ids (a list, at most the model's context length) and returns lists and
 floats, so the server only has to encode the request and send the result. The work is done by
@@ -48,6 +48,7 @@ from glasslm.interp.inspection import attention_pattern, logit_lens_top
 from glasslm.interp.patching import patch_attn_out, patch_mlp_out, patch_residual_stream
 from glasslm.interp.weights import process_weights
 from glasslm.core.model import TransformerLM
+from glasslm.core.moe import MoE, route
 
 
 def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
@@ -140,6 +141,30 @@ def logit_lens(model: TransformerLM, tokenizer: Any, ids: Sequence[int]) -> dict
     layers = [[{"id": int(i), "text": tokenizer.decode([int(i)]), "prob": float(p)}
                for i, p in zip(row_ids, row_probs)] for row_ids, row_probs in zip(top_ids, top_probs)]
     return {"tokens": list(map(int, ids)), "texts": token_texts(tokenizer, ids), "layers": layers}
+
+
+@torch.no_grad()
+def expert_choices(model: TransformerLM, tokenizer: Any, ids: Sequence[int]) -> dict[str, Any]:
+    """For each mixture-of-experts layer and position, the experts its router chose (best first) and their
+    weights: the layer's router logits (its `hook_router_logits`) routed as the layer routes them
+    (`core.moe.route`: top-k of the softmax, renormalised if the layer does). A dense model has no layers here.
+    """
+    layers = [(i, m) for i, block in enumerate(model.blocks) for m in block.modules() if isinstance(m, MoE)]
+    seen: dict[int, Tensor] = {}
+    handles = [m.hook_router_logits.register_forward_hook(
+        lambda module, args, out, i=i: seen.__setitem__(i, out.detach())) for i, m in layers]
+    try:
+        model(_tensor(model, ids))
+    finally:
+        for handle in handles:
+            handle.remove()
+    rows = []
+    for i, m in layers:
+        weights, experts = route(seen[i][0], m.k, m.renormalize)  # (seq, k) each
+        rows.append({"layer": i, "experts": experts.tolist(), "weights": weights.tolist()})
+    n_experts = layers[0][1].n_experts if layers else 0
+    return {"tokens": list(map(int, ids)), "texts": token_texts(tokenizer, ids), "n_experts": n_experts,
+            "layers": rows}
 
 
 def processed_copy(model: TransformerLM) -> TransformerLM:

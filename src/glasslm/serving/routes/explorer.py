@@ -12,9 +12,9 @@ Example:
     >>> app.include_router(router)
     >>> paths = sorted(p for p in app.openapi()["paths"] if p.startswith("/api"))
     >>> paths[:5]
-    ['/api/attention', '/api/head-scores', '/api/info', '/api/logit-attribution', '/api/logit-lens']
+    ['/api/attention', '/api/experts', '/api/head-scores', '/api/info', '/api/logit-attribution']
     >>> paths[5:]
-    ['/api/next-token', '/api/patching', '/api/token-loss', '/api/tokenize']
+    ['/api/logit-lens', '/api/next-token', '/api/patching', '/api/token-loss', '/api/tokenize']
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-from glasslm.interp.explore import (activation_patching, attention, head_scores, logit_attribution, logit_lens,
-                                    next_token, page_defaults, token_loss, token_texts)
+from glasslm.interp.explore import (activation_patching, attention, expert_choices, head_scores, logit_attribution,
+                                    logit_lens, next_token, page_defaults, token_loss, token_texts)
 from glasslm.serving import schemas
 from glasslm.serving.context import ServedDep
 from glasslm.transforms import parameter_count
@@ -48,7 +48,7 @@ async def index() -> FileResponse:
 def info(served: ServedDep) -> dict[str, Any]:
     model, c = served.model, served.model.config
     return {"model": served.name, "context_length": c.context_length, "vocab_size": c.vocab_size,
-            "n_layers": c.n_layers, "n_heads": c.n_heads, "d_model": c.d_model, "parameters": parameter_count(model),
+            "n_layers": c.n_layers, "n_heads": c.n_heads, "n_experts": c.n_experts, "d_model": c.d_model, "parameters": parameter_count(model),
             "tokenizer": getattr(served.tokenizer, "kind", type(served.tokenizer).__name__),
             "max_tokens_limit": served.config.max_tokens_limit,
             "defaults": page_defaults(served.tokenizer, c.context_length)}  # the page's example texts
@@ -89,6 +89,11 @@ def api_attention(body: schemas.AttentionRequest, served: ServedDep) -> Any:
 @router.post("/api/logit-lens")
 def api_logit_lens(body: schemas.TextRequest, served: ServedDep) -> Any:
     return served.run_locked(logit_lens, body.ids(lambda value, what: served.encode(value, what=what)))
+
+
+@router.post("/api/experts")
+def api_experts(body: schemas.TextRequest, served: ServedDep) -> Any:
+    return served.run_locked(expert_choices, body.ids(lambda value, what: served.encode(value, what=what)))
 
 
 def one_token(served: Any, value: int | str, field: str) -> int:

@@ -276,6 +276,35 @@ async function showLens() {
   } catch (err) { showError(status, err); }
 }
 
+// --- experts (table: one row per mixture-of-experts layer; a cell lists the token's top-k experts) ---
+
+async function showExperts() {
+  const status = $("inspect-status");
+  try {
+    const shown = await inspectWindow();
+    const result = await post("/api/experts", shown.body);
+    const table = document.createElement("table");
+    const header = table.insertRow();
+    header.insertCell().outerHTML = "<th>layer</th>";
+    result.texts.forEach((t) => { const th = document.createElement("th"); th.textContent = visible(t); header.appendChild(th); });
+    for (let row = result.layers.length - 1; row >= 0; row--) {
+      const layer = result.layers[row], tr = table.insertRow();
+      const th = document.createElement("th"); th.textContent = layer.layer; tr.appendChild(th);
+      layer.experts.forEach((chosen, pos) => {
+        const td = tr.insertCell(), weights = layer.weights[pos];
+        td.textContent = chosen.join(" ");
+        td.dataset.layer = layer.layer; td.dataset.pos = pos; td.dataset.experts = chosen.join(",");
+        td.style.background = `rgba(46, 160, 67, ${weights[0].toFixed(3)})`;  // the first choice's weight
+        td.title = `layer ${layer.layer}, position ${pos}: ` +
+          chosen.map((e, j) => `expert ${e} (${weights[j].toFixed(3)})`).join(", ");
+      });
+    }
+    $("experts").textContent = ""; $("experts").appendChild(table);
+    showStatus(status, `${result.texts.length} tokens, ${result.layers.length} mixture-of-experts layers of ` +
+                       `${result.n_experts} experts${shown.note}`);
+  } catch (err) { showError(status, err); }
+}
+
 // --- direct logit attribution, head scores, activation patching ---
 
 const svgNS = "http://www.w3.org/2000/svg";
@@ -595,6 +624,7 @@ function wireControls() {
   $("show-attention").onclick = showAttention;
   $("layer").onchange = $("head").onchange = showAttention;
   $("show-lens").onclick = showLens;
+  $("show-experts").onclick = showExperts;
   $("show-dla").onclick = showAttribution;
   $("dla-token").onchange = () => { $("dla-token-text").value = ""; showAttribution(); };  // the list's token wins
   $("inspect-text").addEventListener("input", () => { $("dla-token").value = ""; });  // a new text: its top prediction
@@ -622,6 +652,7 @@ async function start() {
     `${info.n_layers} layers × ${info.n_heads} heads, context ${info.context_length}, ${info.tokenizer} tokenizer`;
   for (let i = 0; i < info.n_layers; i++) $("layer").add(new Option(String(i), String(i)));
   for (let i = 0; i < info.n_heads; i++) $("head").add(new Option(String(i), String(i)));
+  $("show-experts").hidden = $("experts-view").hidden = !info.n_experts;  // a mixture of experts only
   applyDefaults(info.defaults);
   try { await defaultNewTokens(); } catch (err) { showError($("gen-status"), err); }
   document.body.dataset.ready = "true";
