@@ -249,6 +249,15 @@ function drawHeatMap(where, pattern, texts, layer, head) {
   where.textContent = ""; where.appendChild(svg);
 }
 
+// A table headed "layer" and then one column per token (the logit lens and the experts fill its rows).
+function layerTable(texts) {
+  const table = document.createElement("table");
+  const header = table.insertRow();
+  header.insertCell().outerHTML = "<th>layer</th>";
+  texts.forEach((t) => { const th = document.createElement("th"); th.textContent = visible(t); header.appendChild(th); });
+  return table;
+}
+
 // --- logit lens (table: one row per layer, last layer on top) ---
 
 async function showLens() {
@@ -256,10 +265,7 @@ async function showLens() {
   try {
     const shown = await inspectWindow();
     const result = await post("/api/logit-lens", shown.body);
-    const table = document.createElement("table");
-    const header = table.insertRow();
-    header.insertCell().outerHTML = "<th>layer</th>";
-    result.texts.forEach((t) => { const th = document.createElement("th"); th.textContent = visible(t); header.appendChild(th); });
+    const table = layerTable(result.texts);
     for (let layer = result.layers.length - 1; layer >= 0; layer--) {
       const row = table.insertRow();
       const th = document.createElement("th"); th.textContent = layer; row.appendChild(th);
@@ -283,10 +289,7 @@ async function showExperts() {
   try {
     const shown = await inspectWindow();
     const result = await post("/api/experts", shown.body);
-    const table = document.createElement("table");
-    const header = table.insertRow();
-    header.insertCell().outerHTML = "<th>layer</th>";
-    result.texts.forEach((t) => { const th = document.createElement("th"); th.textContent = visible(t); header.appendChild(th); });
+    const table = layerTable(result.texts);
     for (let row = result.layers.length - 1; row >= 0; row--) {
       const layer = result.layers[row], tr = table.insertRow();
       const th = document.createElement("th"); th.textContent = layer.layer; tr.appendChild(th);
