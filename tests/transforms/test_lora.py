@@ -255,3 +255,43 @@ def test_biases_and_whole_modules_train_with_the_adapters_and_are_saved_with_the
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(IDS), model(IDS), rtol=0, atol=0)
         torch.testing.assert_close(model.unembed.weight, _tied_gpt2().embed.weight, rtol=0, atol=0)
+
+
+def test_expert_adapters_are_each_experts_update_written_into_its_stack_and_train():
+    """On a mixture of experts, expert e of each stack computes with W_e + s B_e A_e ([gate | up] rows share
+    one A): a plain copy with those weights gives the same logits; merge / unmerge / disabling agree; the
+    router's aux loss still reaches training, and a step moves the expert adapters."""
+    from glasslm.transforms.lora import LoRAExperts, adapters_disabled
+
+    base = _model(n_experts=4, experts_per_token=2, d_expert=24)
+    adapted = copy.deepcopy(base)
+    config = LoRAConfig(rank=3, alpha=5.0, sites=("mlp_gate", "mlp_up", "mlp_down"))
+    add_lora(adapted, config)
+    _randomize_adapters(adapted)
+    expected = {name: p.detach().clone() for name, p in base.named_parameters()}
+    for name, layer in lora_layers(adapted).items():
+        assert isinstance(layer, LoRAExperts) and layer.groups == ("gate_up", "down")
+        (a_gu, a_d), (b_gu, b_d) = layer.lora_a, layer.lora_b
+        for e in range(4):
+            update = config.scaling * (b_gu[e] @ a_gu[e]).detach()  # (2 d_expert, d_model)
+            expected[f"{name}.gate"][e] += update[:24]
+            expected[f"{name}.up"][e] += update[24:]
+            expected[f"{name}.down"][e] += config.scaling * (b_d[e] @ a_d[e]).detach()
+    reference = _model(n_experts=4, experts_per_token=2, d_expert=24)
+    reference.load_state_dict(expected)
+    with torch.no_grad():
+        ours = adapted(IDS)
+        torch.testing.assert_close(ours, reference(IDS), rtol=1e-5, atol=1e-5)
+        assert (ours - base(IDS)).abs().max() > 1e-3
+        with adapters_disabled(adapted):
+            torch.testing.assert_close(adapted(IDS), base(IDS), rtol=0, atol=0)
+        merge_lora(adapted)
+        torch.testing.assert_close(adapted(IDS), ours, rtol=1e-5, atol=1e-5)
+        unmerge_lora(adapted)
+        assert all(torch.equal(adapted.blocks[i].mlp.base.up, base.blocks[i].mlp.up) for i in range(2))
+    adapted.train()
+    loss = torch.nn.functional.cross_entropy(adapted(IDS).flatten(0, 1), IDS.flatten()) + adapted.router_losses()["aux"]
+    loss.backward()
+    trained = [p for p in adapted.parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None and p.grad.abs().max() > 0 for p in trained)
+    assert not any(p.requires_grad for name, p in adapted.named_parameters() if ".base." in name)
