@@ -133,7 +133,7 @@ def test_kernel_equals_the_readable_product_within_float_rounding(isa, kind, row
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_long_prefill_in_chunks_of_rows_gives_each_row_what_it_alone_gets(isa, kind):
     """300 rows of 512 inputs go through in two chunks (256 KB of activations each: 256 rows, then
-    44), eight rows to a tile on AVX-512: each row's numbers are those it gets alone."""
+    44), sixteen rows to a tile on AVX-512: each row's numbers are those it gets alone."""
     matrix, x = matrix_of(kind, d_out=40), activations(300)
     packed = pack(matrix)
     together = qlinear(x, packed)
@@ -145,7 +145,7 @@ def test_int8_prefill_activations_multiply_the_first_pass_alone(isa, kind):
     """prefill_activations("int8"): a product of ONE_PASS_ROWS rows or more is the readable one-pass
     product (llama.cpp's rounding of the activations) to float rounding, not the two-pass one; fewer
     rows (a decoding step) keep both passes; the setting is undone on leaving the block."""
-    matrix, x = matrix_of(kind), activations(ONE_PASS_ROWS + 9)  # (a tile of 8 rows, and one more)
+    matrix, x = matrix_of(kind), activations(ONE_PASS_ROWS + 9)  # (two tiles of 16 rows, and what is left)
     packed = pack(matrix)
     bound = float_error_bound(x, matrix)
     one_pass = qmatmul_reference(*quantize_block_rows(x), matrix, passes=1)
