@@ -1,6 +1,6 @@
 """Mixture-of-experts models as GGUF files: Mixtral (llama.cpp's "llama" with experts), Qwen3-MoE
 (qwen3moe), Qwen2-MoE (qwen2moe) and OLMoE (olmoe) exported, run by llama.cpp itself to our logits, read back
-unchanged; a file llama.cpp's quantizer wrote reads with its expert tensors dequantized to float32;
+unchanged; a file llama.cpp's quantizer wrote reads with its expert tensors kept in their blocks;
 what llama.cpp cannot run is refused by name."""
 
 from __future__ import annotations
@@ -64,21 +64,26 @@ def test_llama_cpp_runs_our_moe_file_as_our_model_and_it_reads_back_unchanged(fa
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
     loaded = import_gguf(path)
     assert loaded.family == family and computed_fields(loaded.model.config) == computed_fields(model.config)
-    # Read as floats, the same logits exactly; with the f32 matrices kept in the kernels' panels (the
-    # experts are read as float32 either way), the same to float32 summation order.
+    # Read as floats, the same logits exactly; with the f32 matrices (experts too) kept in the kernels'
+    # panels, the same to float32 summation order.
     x = torch.tensor([ids])
     assert torch.equal(import_gguf(path, keep_blocks=False).model(x), model(x))
     assert (loaded.model(x) - model(x)).abs().max() <= 1e-5 * model(x).abs().max()
 
 
-def test_a_file_llama_cpps_quantizer_wrote_reads_with_its_experts_dequantized(bpe, shakespeare_text, tmp_path):
+def test_a_file_llama_cpps_quantizer_wrote_reads_with_its_experts_kept_in_their_blocks(bpe, shakespeare_text, tmp_path):
     model = perturbed_moe(CONFIGS["qwen3_moe"](bpe.vocab_size).replace(d_model=256, d_expert=256, n_heads=4, d_head=64))
     export_gguf(model, tmp_path / "f32.gguf", bpe, "f32")
     llama_cpp_quantize(tmp_path / "f32.gguf", tmp_path / "q8.gguf", "q8_0")
     file, loaded = GGUFFile.open(tmp_path / "q8.gguf"), import_gguf(tmp_path / "q8.gguf")
     assert file.qtype("blk.1.ffn_down_exps.weight") == "q8_0"
-    assert loaded.dequantized["q8_0"] >= 6  # the three expert tensors of each layer, as float32
-    torch.testing.assert_close(loaded.model.blocks[1].mlp.down, file.dequantized("blk.1.ffn_down_exps.weight"))
+    assert loaded.kept["q8_0 (experts)"] == 6 and "q8_0" not in loaded.dequantized  # three a layer, as the file's blocks
+    down = loaded.model.blocks[1].mlp.down
+    assert type(down).__name__ == "ExpertBlocks" and down.qtype == "q8_0" and down.expert_matrices() is not None
+    assert "6 q8_0 (experts)" in loaded.summary()
+    # The same numbers as the gguf package's dequantization, and the file's bytes back exactly.
+    torch.testing.assert_close(down.weight, file.dequantized("blk.1.ffn_down_exps.weight"), rtol=0, atol=0)
+    assert torch.equal(down.blocks(), file.blocks("blk.1.ffn_down_exps.weight").reshape(down.d_out, -1))
     ids = bpe.encode(shakespeare_text[:300])[:32]
     theirs = quiet_llama(tmp_path / "q8.gguf", logits_all=True).logits(ids)
     with torch.no_grad():

@@ -133,7 +133,14 @@ class MoE(nn.Module):
 
     def expert(self, e: int, x: Float[Tensor, "rows d_model"]) -> Float[Tensor, "rows d_model"]:
         """Expert e's SwiGLU on some rows: down_e(act(gate_e x) * up_e x)."""
-        return F.linear(self.act(F.linear(x, self.gate[e])) * F.linear(x, self.up[e]), self.down[e])
+        return self.project("down", e, self.act(self.project("gate", e, x)) * self.project("up", e, x))
+
+    def project(self, name: str, e: int, x: Float[Tensor, "rows d_in"]) -> Float[Tensor, "rows d_out"]:
+        """x @ W_e.T for projection `name` (gate, up or down) of expert e. A projection kept in another form
+        than a float tensor (a GGUF file's blocks: glasslm.transforms.experts.ExpertBlocks) is a module
+        with an `expert(e, x)` of its own, which reads only expert e's rows."""
+        stacked = getattr(self, name)
+        return F.linear(x, stacked[e]) if isinstance(stacked, Tensor) else stacked.expert(e, x)
 
     def experts_readable(self, x: Float[Tensor, "tokens d_model"], weights: Float[Tensor, "tokens k"],
                          experts: Int[Tensor, "tokens k"]) -> Float[Tensor, "tokens d_model"]:

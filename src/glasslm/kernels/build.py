@@ -1,7 +1,7 @@
 """Building glasslm's C++ kernels: compiled on first use into a cache, loaded as torch ops.
 
-`load()` compiles `qmatmul.cpp` and `decode.cpp` with `torch.utils.cpp_extension` the first time any process needs
-it (tens of seconds), into `$TORCH_EXTENSIONS_DIR` if set, else `~/.cache/glasslm/kernels`, in a
+`load()` compiles `qmatmul.cpp`, `decode.cpp`, `block.cpp` and `experts.cpp` with `torch.utils.cpp_extension`
+the first time any process needs it (tens of seconds), into `$TORCH_EXTENSIONS_DIR` if set, else `~/.cache/glasslm/kernels`, in a
 folder named after the sources' hash, the compiler flags and the torch and Python versions. A build
 that loaded leaves `built.json` beside the library, and every later process loads that library
 directly, from any checkout or virtual environment with the same sources and torch: ninja's own
@@ -40,7 +40,7 @@ import torch
 
 ENV = "GLASSLM_KERNELS"
 ISA_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}  # the C++ side's numbering
-SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.cpp", "decode.cpp", "block.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.cpp", "decode.cpp", "block.cpp", "experts.cpp")]
 # -O3 for the vector loops; OpenMP so at::parallel_for runs on torch's threads (the library joins
 # the libgomp torch already loaded). No -march: each path names its instructions (target
 # attributes), so one build runs on any x86-64 CPU and picks its path at run time.

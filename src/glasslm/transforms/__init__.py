@@ -12,10 +12,11 @@ Example:
     >>> model = TransformerLM(get_preset("llama-tiny"))
     >>> apply_transform(model, "int8")
     >>> applied_transforms(model), transform_names()
-    ([{'name': 'int8'}], ('int8', 'int4', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q4_k', 'q5_k', 'q6_k', 'f16', 'bf16', 'f32', 'lora', 'row_split'))
+    ([{'name': 'int8'}], ('int8', 'int4', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q4_k', 'q5_k', 'q6_k', 'f16', 'bf16', 'f32', 'lora', 'row_split', 'expert_blocks'))
 """
 
 from glasslm.core.layers import Embedding
+from glasslm.transforms.experts import EXPERT_BLOCKS
 from glasslm.transforms.ggml import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from glasslm.transforms.lora import LORA
 from glasslm.transforms.quantize import INT4, INT8
@@ -38,6 +39,7 @@ register_transform(BF16)
 register_transform(F32)
 register_transform(LORA)
 register_transform(ROW_SPLIT)
+register_transform(EXPERT_BLOCKS)
 
 
 

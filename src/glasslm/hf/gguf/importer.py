@@ -56,6 +56,7 @@ from glasslm.transforms import parameter_count
 from glasslm.transforms.ggml import EMBED, LAYER_FORMATS, UNEMBED, packs_as_loaded
 
 EMBEDDING, OUTPUT, ROPE_FREQS = "token_embd.weight", "output.weight", "rope_freqs.weight"
+_EXPERT_PROJECTIONS = (".mlp.gate", ".mlp.up", ".mlp.down")  # MoE's stacked expert parameters
 
 
 @dataclasses.dataclass
@@ -323,6 +324,7 @@ class _Plan:
     splits: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     kept: Counter = dataclasses.field(default_factory=Counter)
     dequantized: Counter = dataclasses.field(default_factory=Counter)
+    experts: dict[str, str] = dataclasses.field(default_factory=dict)  # stacked expert projection -> its format
 
     def keep(self, layer: str, qtype: str, make: Callable[[], Tensor], count: int = 1) -> None:
         self.tensors[layer + ".weight_blocks"] = make
@@ -332,7 +334,36 @@ class _Plan:
     def records(self) -> list[dict[str, Any]]:
         """The transforms that give an empty model this structure: splits first, then each format."""
         split = [{"name": "row_split", "layers": self.splits}] if self.splits else []
-        return split + [{"name": qtype, "layers": sorted(names)} for qtype, names in sorted(self.layers.items())]
+        experts = [{"name": "expert_blocks", "qtype": "q8_0", "layers": self.experts}] if self.experts else []
+        return split + [{"name": qtype, "layers": sorted(names)} for qtype, names in sorted(self.layers.items())] + experts
+
+
+def _keep_experts(reading: _Reading, plan: _Plan, ours: str, hf_names: tuple[str, ...],
+                  to_ours: Callable[..., Tensor]) -> bool:
+    """Plans a stacked expert projection (`blocks.{i}.mlp.gate`: one 3-D file tensor, ffn_gate_exps) kept
+    in its file's blocks as an `ExpertBlocks` of n_experts * d_out rows, where the file's format is one the
+    layers run and nothing between the file and the model moves a row. False: it is dequantized."""
+    if len(hf_names) != 1 or not ours.endswith(_EXPERT_PROJECTIONS):
+        return False
+    source = reading.names[hf_names[0]]
+    file, qtype = reading.file, reading.file.qtype(source)
+    shape = file.shape(source)
+    if len(shape) != 3 or qtype not in LAYER_FORMATS:
+        return False
+    probe = torch.arange(shape[0] * shape[1], dtype=torch.float64).reshape(shape[0], shape[1], 1)
+    moved = to_ours(reading.family.gguf.to_hf(hf_names[0], probe, reading.hf))
+    if moved.shape != probe.shape or not torch.equal(moved, probe):
+        return False
+    rows = shape[0] * shape[1]
+
+    def make() -> Tensor:
+        in_place = reading.in_place(qtype, source)
+        return (file.mapped_blocks(source) if in_place else file.blocks(source)).reshape(rows, -1)
+
+    plan.tensors[ours + ".weight_blocks"] = make
+    plan.experts[ours] = qtype
+    plan.kept.update({f"{qtype} (experts)": 1})
+    return True
 
 
 def _keep_blocks(reading: _Reading, plan: _Plan, layer: str, hf_names: tuple[str, ...],
@@ -415,6 +446,8 @@ def _plan_tensors(reading: _Reading, table: WeightTable, linears: set[str], keep
         if keep_blocks and layer in linears and _keep_blocks(reading, plan, layer, hf_names, to_ours):
             continue
         if keep_blocks and ours == "embed.weight" and _keep_embedding(reading, plan, hf_names, to_ours):
+            continue
+        if keep_blocks and _keep_experts(reading, plan, ours, hf_names, to_ours):
             continue
         plan.tensors[ours] = lambda hf_names=hf_names, to_ours=to_ours: to_ours(*map(reading.hf_tensor, hf_names))
         plan.dequantized.update(reading.file.qtype(reading.names[n]) for n in hf_names)
