@@ -47,9 +47,11 @@ from glasslm.core.layers import (
     FAST_ACTIVATIONS, READABLE_ACTIVATIONS, LayerNorm, RMSNorm, SwiGLU, _has_any_global_hook, linear, softcap,
 )
 from glasslm.core.model import Block, TransformerLM
+from glasslm.core.moe import MoE, route
 from glasslm.kernels.decode import (
     add_layer_norm, add_rms_norm, decode_attention, decode_ops, layer_norm, rms_norm,
 )
+from glasslm.kernels.experts import native_experts
 from glasslm.transforms.split import RowSplitLinear
 
 
@@ -60,8 +62,6 @@ def unsupported(model: TransformerLM) -> str | None:
         return "the fast step runs float32 activations on a CPU"
     if c.norm_placement != "pre":
         return "post-norm blocks run the readable step"
-    if c.n_experts:
-        return "mixture-of-experts blocks run the readable step"
     for block in model.blocks:
         rotary = block.attn.rotary
         if rotary is not None and (rotary.dynamic is not None or rotary.cos.dtype != torch.float32):
@@ -218,16 +218,19 @@ class _Layer:
     ln2_post: _Norm | None
     q_norm: _Norm | None  # per-head norms of the queries and keys over d_head (Qwen3, Gemma 3), before rotary
     k_norm: _Norm | None
+    moe: _Experts | None = None  # a mixture of experts in place of the MLP (gate, up, down, act None)
 
     @classmethod
     def of(cls, block: Block) -> _Layer:
-        attn, mlp, rotary = block.attn, block.mlp, block.attn.rotary
+        attn, rotary = block.attn, block.attn.rotary
+        moe = _Experts.of(block.mlp) if isinstance(block.mlp, MoE) else None
+        mlp = None if moe is not None else block.mlp
         return cls(_Norm.of(block.ln1), attn.qkv, attn.out, None if rotary is None else rotary.cos,
                    None if rotary is None else rotary.sin, attn.n_heads, attn.n_kv_heads, attn.scale,
                    attn.sliding_window or 0, _Norm.of(block.ln1_post), block.parallel, _Norm.of(block.ln2),
                    mlp.gate if isinstance(mlp, SwiGLU) else None, None if mlp is None else mlp.up,
                    None if mlp is None else mlp.down, None if mlp is None else mlp.act, _Norm.of(block.ln2_post),
-                   _Norm.of(attn.q_norm), _Norm.of(attn.k_norm))
+                   _Norm.of(attn.q_norm), _Norm.of(attn.k_norm), moe)
 
     def attention(self, h: Float[Tensor, "batch 1 d_model"], keys: Tensor, values: Tensor, slot: int,
                   positions: Tensor, key_mask: Tensor | None) -> Float[Tensor, "batch 1 d_model"]:
@@ -250,7 +253,9 @@ class _Layer:
 
     def mlp(self, h: Float[Tensor, "batch 1 d_model"]) -> Float[Tensor, "batch 1 d_model"]:
         """The MLP sublayer's output: the module's own layers and activation, without its hook points."""
-        if self.gate is not None:
+        if self.moe is not None:
+            out = self.moe(h)
+        elif self.gate is not None:
             out = self.down(self.act(self.gate(h)) * self.up(h))
         else:
             out = self.down(self.act(self.up(h)))
@@ -263,10 +268,44 @@ class _Layer:
         attended = self.attention(self.ln1(x, pending), keys, values, slot, positions, key_mask)
         if self.parallel:  # GPT-NeoX: the MLP reads the same stream as attention; both outputs are added
             return x, attended if self.down is None else attended + self.mlp(self.ln2(x))
-        if self.down is None:
+        if self.down is None and self.moe is None:
             return x, attended
         return x, self.mlp(self.ln2(x, attended))
 
+
+@dataclass
+class _Experts:
+    """A mixture of experts' decoding step: the model's router and `route` (core/moe.py) pick each row's
+    experts, then only those experts run: in one C++ call (kernels/experts.cpp) where every expert's
+    three matrices are packed (a GGUF file's blocks: transforms/experts.py), else through the module's
+    own grouped path. The shared expert (Qwen2-MoE) is the module's own layers."""
+
+    module: MoE
+    native: Any | None
+
+    @classmethod
+    def of(cls, moe: MoE) -> _Experts:
+        views = [getattr(getattr(moe, name), "expert_matrices", lambda: None)() for name in ("gate", "up", "down")]
+        native = None
+        if all(v is not None for v in views) and moe.act in _SILU:  # (experts.cpp's SwiGLU is SiLU's)
+            native = native_experts(*views)
+        return cls(moe, native)
+
+    def __call__(self, h: Float[Tensor, "batch 1 d_model"]) -> Float[Tensor, "batch 1 d_model"]:
+        moe = self.module
+        flat = h.reshape(-1, h.shape[-1])  # (batch, d_model)
+        weights, experts = route(moe.router(flat), moe.k, moe.renormalize)  # (batch, k) each
+        if self.native is not None:
+            out = self.native(flat, experts, weights)
+        else:
+            out = moe.experts_grouped(flat, weights.to(flat.dtype), experts)
+        out = out.reshape(h.shape)
+        if moe.shared is not None:  # (SwiGLU takes (batch, seq, d_model))
+            out = out + torch.sigmoid(moe.shared_gate(h)) * moe.shared(h)
+        return out
+
+
+_SILU = {READABLE_ACTIVATIONS["silu"], FAST_ACTIVATIONS["silu"]}
 
 # kernels/block.cpp's numbering of a Block's norms, products and activations.
 _NORM_KINDS = {RMSNorm: 1, LayerNorm: 2}
@@ -279,6 +318,8 @@ def native_block(layer: _Layer) -> Any | None:
     call, or None where a part of it has no C++ form there: a product that is not a packed quantized
     matrix or a row split of them (float weights, adapters), a norm other than a float32 RMSNorm or
     LayerNorm, another activation."""
+    if layer.moe is not None:  # (block.cpp has no mixture of experts: the Python step, its experts in C++)
+        return None
     native = torch.classes.glasslm_kernels.Block()
     for slot, module in enumerate((layer.qkv, layer.out, layer.gate, layer.up, layer.down)):
         # A row split (a mixed GGUF file's q|k and v) is one product of several matrices side by side.
