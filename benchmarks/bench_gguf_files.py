@@ -16,6 +16,13 @@ llama3 rope scaling written as rope_freqs) at the same nine types. For each file
     python benchmarks/bench_gguf_files.py --threads 1,2 --new-tokens 128 --repeats 3 --prefill
     python benchmarks/bench_gguf_files.py --sets smollm2 --types q4_k_m,f16      # a few rows
     python benchmarks/bench_gguf_files.py --smoke        # two SmolLM2 types and a 1-layer 1B shape: a minute
+    python benchmarks/bench_gguf_files.py --sets olmoe --threads 1,2 --no-memory    # the mixture of experts
+
+A third set, `olmoe`, is a random mixture of experts at OLMoE-1B-7B's layer shape (width 2,048, 64
+experts of 1,024, 8 per token, 16 heads; 8 of its 16 layers, written f16 by glasslm as llama.cpp's
+qwen3moe) at Q4_K_M and Q8_0: the experts stay in their blocks and a decoding step reads only the
+chosen ones (generation/fast.py, kernels/experts.cpp). Its "MB read per token" columns count every
+expert, not the 8 of 64 a token reads.
 
 The files are made once into --work-dir (default: a folder under the system's temporary directory;
 the 1B model's f32 file is 5 GB) and reused by later runs.
@@ -41,6 +48,8 @@ from llamacpp_reference import configuration, quantize  # noqa: E402
 
 SMOLLM2_TYPES = ["q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0", "q4_1", "f16", "bf16", "f32"]
 LLAMA_1B_TYPES = SMOLLM2_TYPES  # (every type of both sets; files 0.75-4.9 GB)
+OLMOE_TYPES = ["q4_k_m", "q8_0"]
+OLMOE_LAYERS = 8  # of OLMoE-1B-7B's 16: the f16 source (6.7 GB) and the two files fit this 2-core, 24 GB machine
 
 
 def smollm2_f32(folder: Path) -> Path:
@@ -84,15 +93,46 @@ def llama_1b_f32(folder: Path, smoke: bool) -> Path:
     return path
 
 
+def olmoe_f16(folder: Path, smoke: bool) -> Path:
+    """A random mixture of experts at OLMoE-1B-7B's layer shape (seeded) as an f16 qwen3moe GGUF (an
+    architecture llama.cpp reads with experts): width 2,048, 16 heads of 128 with q/k norms, 64 SwiGLU
+    experts of 1,024 with 8 per token (renormalised, as llama.cpp's qwen3moe does), vocabulary 50,304;
+    OLMOE_LAYERS layers. `smoke`: one layer of width 256, 8 experts of 256, 2 per token."""
+    from glasslm.core.model import TransformerLM
+    from glasslm.hf.gguf.exporter import export_gguf
+    from glasslm.presets import get_preset
+    from glasslm.tokenizers import gpt2_tokenizer
+
+    path = folder / ("olmoe-shaped-smoke-f16.gguf" if smoke else "olmoe-shaped-f16.gguf")
+    if path.exists():
+        return path
+    shape = dict(n_layers=1, d_model=256, n_heads=2, d_expert=256, n_experts=8, experts_per_token=2) if smoke else dict(
+        n_layers=OLMOE_LAYERS, d_model=2048, n_heads=16, d_expert=1024, n_experts=64, experts_per_token=8)
+    config = get_preset("llama-tiny", vocab_size=50304, context_length=4096, d_head=128, qk_norm=True,
+                        tie_embeddings=False, **{**shape, "n_kv_heads": shape["n_heads"], "d_mlp": shape["d_expert"]})
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = TransformerLM(config)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)  # (bf16 while made: half the memory)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") or ".ln" in name else torch.randn_like(p) * 0.02)
+    export_gguf(model, path, gpt2_tokenizer(), "f16", name="olmoe-shaped")
+    return path
+
+
 def files(args, folder: Path) -> list[Path]:
     """The files to run, made where missing: every type of each set asked for."""
     out = []
     for kind in args.sets.split(","):
-        source = smollm2_f32(folder) if kind == "smollm2" else llama_1b_f32(folder, args.smoke)
-        types = SMOLLM2_TYPES if kind == "smollm2" else LLAMA_1B_TYPES
+        if kind not in ("smollm2", "llama1b", "olmoe"):
+            raise SystemExit(f"--sets: {kind!r} is not one of smollm2, llama1b, olmoe")
+        source = {"smollm2": smollm2_f32, "llama1b": lambda f: llama_1b_f32(f, args.smoke),
+                  "olmoe": lambda f: olmoe_f16(f, args.smoke)}[kind](folder)
+        types = {"smollm2": SMOLLM2_TYPES, "llama1b": LLAMA_1B_TYPES, "olmoe": OLMOE_TYPES}[kind]
         for ftype in [t for t in types if t in args.types.split(",")] if args.types else types:
-            path = folder / source.name.replace("-f32.gguf", f"-{ftype}.gguf")
-            if ftype == "f32":
+            path = folder / source.name.replace("-f32.gguf", f"-{ftype}.gguf").replace("-f16.gguf", f"-{ftype}.gguf")
+            if path == source:
                 path = source
             elif not path.exists():
                 quantize(source, path, ftype)
@@ -165,7 +205,8 @@ def print_memory(rows: dict[str, dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sets", default="smollm2,llama1b", help="comma-separated: smollm2, llama1b")
+    parser.add_argument("--sets", default="smollm2,llama1b",
+                        help="comma-separated: smollm2, llama1b, olmoe (a mixture of experts at OLMoE-1B-7B's layer shape)")
     parser.add_argument("--types", default="", help="only these types, comma-separated (default: all of each set)")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     parser.add_argument("--new-tokens", type=int, default=128)

@@ -84,6 +84,10 @@ def test_a_file_llama_cpps_quantizer_wrote_reads_with_its_experts_kept_in_their_
     # The same numbers as the gguf package's dequantization, and the file's bytes back exactly.
     torch.testing.assert_close(down.weight, file.dequantized("blk.1.ffn_down_exps.weight"), rtol=0, atol=0)
     assert torch.equal(down.blocks(), file.blocks("blk.1.ffn_down_exps.weight").reshape(down.d_out, -1))
+    # Written out again as f32 (the experts dequantized under their parameter's name): the same float model.
+    again = export_gguf(loaded.model, tmp_path / "again.gguf", bpe, "f32")
+    x = torch.tensor([bpe.encode(shakespeare_text[:100])[:16]])
+    assert torch.equal(import_gguf(again, keep_blocks=False).model(x), import_gguf(tmp_path / "q8.gguf", keep_blocks=False).model(x))
     ids = bpe.encode(shakespeare_text[:300])[:32]
     theirs = quiet_llama(tmp_path / "q8.gguf", logits_all=True).logits(ids)
     with torch.no_grad():

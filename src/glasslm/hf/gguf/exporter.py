@@ -97,6 +97,9 @@ def _float_state_dict(model: TransformerLM) -> dict[str, Tensor]:
             del state[key]
         if name == "unembed" and _tied_copy(model):
             continue
+        if hasattr(module, "expert_matrices"):  # a mixture of experts' stacked projection (transforms/experts.py)
+            state[name] = module.weight.detach()  # (n_experts, d_out, d_in), as the float parameter
+            continue
         state[name + ".weight"] = (module.dequantized_weight() if isinstance(module, BlockLinear) else module.weight).detach()
         if isinstance(module, RowSplitLinear) and module.bias is not None:
             state[name + ".bias"] = module.bias.detach()
