@@ -289,6 +289,8 @@ COVERAGE: dict[str, Run | During | Elsewhere | Skip] = {
     "python benchmarks/bench_gguf_files.py --threads 1,2 --prefill --prefill-int8": Run(
         add=("--smoke",), process=True, slow=True,
         expect=("peak resident memory", "extra buffer types", "int8 / llama.cpp")),
+    "python benchmarks/bench_gguf_files.py --sets olmoe --threads 1,2 --no-memory --new-tokens 64 --repeats 3": Run(
+        add=("--smoke",), process=True, slow=True, expect=("olmoe-shaped-smoke-q4_k_m.gguf", "(experts)")),
     'python benchmarks/bench_tokenizers.py --data-dir "$GLASSLM_DATA_DIR"': Run(add=("--smoke", "--big"), process=True,
                                                                                 slow=True),
     "python benchmarks/bench_serve.py": Run(add=("--smoke",), process=True, slow=True),
