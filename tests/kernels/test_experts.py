@@ -38,16 +38,23 @@ def isa(request):
         yield request.param
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("chosen", [2, 1])
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_k", "q6_k", "f16", "bf16", "f32"])
-def test_chosen_experts_through_the_kernel_equal_the_definition(qtype, isa):
+def test_chosen_experts_through_the_kernel_equal_the_definition(qtype, chosen, threads, isa):
+    """Two experts a row on two threads: a thread per expert; one: each product split over the threads."""
     gate, up, down = stacked(qtype, D_EXPERT, D_MODEL, 1), stacked(qtype, D_EXPERT, D_MODEL, 2), \
         stacked(qtype, D_MODEL, D_EXPERT, 3)
     torch.manual_seed(4)
     x = torch.randn(3, D_MODEL)
-    ids = torch.tensor([[5, 0], [2, 5], [3, 3]])  # a repeated expert too
-    w = torch.softmax(torch.randn(3, 2), -1)
-    native = native_experts(gate.expert_matrices(), up.expert_matrices(), down.expert_matrices())
-    got = native(x, ids, w)
+    ids = torch.tensor([[5, 0], [2, 5], [3, 3]])[:, :chosen]  # a repeated expert too
+    w = torch.softmax(torch.randn(3, 2), -1)[:, :chosen]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native_experts(gate.expert_matrices(), up.expert_matrices(), down.expert_matrices())(x, ids, w)
+    finally:
+        torch.set_num_threads(before)
     want = experts_reference(x, ids, w, gate.weight, up.weight, down.weight)
     # The kernels round x (and the hidden SwiGLU rows) to two int8 passes: good to ~1/256 of a step.
     assert (got - want).abs().max() <= 2e-3 * want.abs().max()
@@ -55,7 +62,7 @@ def test_chosen_experts_through_the_kernel_equal_the_definition(qtype, isa):
     # Exactly the sum of the kernels' own single products, in increasing expert id.
     by_products = torch.zeros_like(want)
     for r in range(3):
-        for j in torch.argsort(ids[r], stable=True).tolist():
+        for j in torch.argsort(ids[r], stable=True).tolist():  # (a row's experts, in increasing id)
             e = int(ids[r, j])
             hidden = F.silu(gate.expert(e, x[r:r + 1])) * up.expert(e, x[r:r + 1])
             by_products[r] = by_products[r] + down.expert(e, hidden)[0] * w[r, j]

@@ -10,13 +10,15 @@
 // come in the same order). Each expert's matrices are panels of the stacked matrix a GGUF file's
 // ffn_gate_exps / ffn_up_exps / ffn_down_exps make (transforms/experts.py's ExpertBlocks): expert e
 // is its own packed matrix, a view of its rows' panels, multiplied by qmatmul.cpp's kernels (gate
-// and up as one product of two matrices side by side: one rounding of x to int8 for both), each
-// product threaded over its panels of rows.
+// and up as one product of two matrices side by side: one rounding of x to int8 for both). With at
+// least as many chosen experts as threads, the threads take whole experts (one parallel region a
+// row); with fewer, each product is threaded over its panels of rows.
 //
 // Why in C++: OLMoE's shape routes a token to 8 of 64 experts in each of 16 layers; three products
 // per expert through Python would be ~400 calls a token at ~8 us each.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <torch/custom_class.h>
@@ -97,18 +99,36 @@ struct Experts : torch::CustomClassHolder {
       // In increasing expert id, as MoE.experts_grouped adds them (stable: a repeated id keeps its order).
       std::stable_sort(chosen.begin(), chosen.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
       const at::Tensor row = rows.narrow(0, r, 1);
+      std::vector<at::Tensor> downs(k);  // each chosen expert's output, (1, d_model)
+      auto run = [&](int64_t j) { downs[j] = expert_output(row, chosen[j].first); };
+      if (k >= at::get_num_threads()) {
+        // A thread per expert (or several), each product whole on its thread (nested, it runs inline):
+        // one parallel region a row instead of two per expert, whose start and end cost more than
+        // a decoding step's small products gain from being split (OLMoE's shape: 16 a layer).
+        at::parallel_for(0, k, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t j = begin; j < end; ++j) run(j);
+        });
+      } else {
+        for (int64_t j = 0; j < k; ++j) run(j);  // (each product split over the threads itself)
+      }
       float* y = out.mutable_data_ptr<float>() + r * d_model;
-      for (const auto& [e, scale] : chosen) {
-        at::Tensor hidden = qlinear_parts(row, {matrices[kGate][e].get(), matrices[kUp][e].get()});  // (1, 2 d_expert)
-        at::Tensor gate = hidden.narrow(1, 0, d_expert);
-        silu_mul_in_place(gate, hidden.narrow(1, d_expert, d_expert));
-        const at::Tensor down = qlinear_parts(gate, {matrices[kDown][e].get()});  // (1, d_model)
-        const float* d = down.const_data_ptr<float>();
+      for (int64_t j = 0; j < k; ++j) {
+        const float* d = downs[j].const_data_ptr<float>();
+        const float scale = chosen[j].second;
         // y + (d * w): two roundings, as the readable sum (built with -ffp-contract=off).
         for (int64_t i = 0; i < d_model; ++i) y[i] = y[i] + d[i] * scale;
       }
     }
     return out;
+  }
+
+ private:
+  // down_e(silu(gate_e x) * up_e x) for one row x (1, d_model): gate and up as one product of two matrices.
+  at::Tensor expert_output(const at::Tensor& row, int64_t e) const {
+    at::Tensor hidden = qlinear_parts(row, {matrices[kGate][e].get(), matrices[kUp][e].get()});  // (1, 2 d_expert)
+    at::Tensor gate = hidden.narrow(1, 0, d_expert);
+    silu_mul_in_place(gate, hidden.narrow(1, d_expert, d_expert));
+    return qlinear_parts(gate, {matrices[kDown][e].get()});  // (1, d_model)
   }
 };
 
