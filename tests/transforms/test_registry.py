@@ -126,7 +126,7 @@ def test_quantizing_a_quantized_model_is_refused():
 
 def test_unknown_names_and_options_are_clear_errors(gain_transform, tmp_path):
     model = small_model()
-    with pytest.raises(ValueError, match=r"unknown transform .int3.; choose from int8, int4, q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, f16, bf16, f32, lora, row_split, test-gain"):
+    with pytest.raises(ValueError, match=r"unknown transform .int3.; choose from int8, int4, q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, f16, bf16, f32, lora, row_split, expert_blocks, test-gain"):
         apply_transform(model, "int3")
     with pytest.raises(ValueError, match="'test-gain' has no option rank; its options are initial"):
         apply_transform(model, "test-gain", rank=4)
