@@ -2,7 +2,7 @@
 core/moe.py's `route` pick each row's experts, and only those run, in one C++ call per layer where the
 experts are kept in blocks (kernels/experts.cpp). Its logits are the readable step's (float experts: to
 float32 summation order against float64; blocks: to the kernels' activation rounding), greedy tokens
-equal, on random Mixtral / Qwen3-MoE / Qwen2-MoE models, on every instruction path, and on files
+equal, on random Mixtral / Qwen3-MoE / Qwen2-MoE / OLMoE models, on every instruction path, and on files
 llama.cpp's quantizer wrote."""
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ CONFIGS = {
     "mixtral": dict(_SMALL),
     "qwen3_moe": dict(_SMALL, qk_norm=True, d_head=16, d_expert=64, experts_per_token=3),
     "qwen2_moe": dict(_SMALL, attn_qkv_bias=True, d_expert=64, d_shared_expert=80, router_renormalize=False),
+    # OLMoE: q/k norms over the whole projection (all heads' features at once), no renormalising.
+    "olmoe": dict(_SMALL, n_kv_heads=4, qk_norm=True, qk_norm_whole=True, router_renormalize=False),
 }
 ROWS = [[5, 9, 3, 7, 1, 2, 8], [4, 6]]  # ragged: the short row left-padded and masked
 
@@ -78,6 +80,15 @@ def test_experts_in_blocks_decode_in_cpp_as_the_readable_step(family, qtype, isa
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=ref_logits.abs().amax().item() / 127 / 256 * 8 * k)
     # And far from a float model's (the experts really are in q8_0 ...): not the float experts' logits.
     assert not torch.allclose(logits, greedy_logits(moe_model(family, seed=1), ROWS, 10, fast=False)[1])
+
+
+def test_lora_on_the_experts_gets_the_readable_forward():
+    from glasslm.transforms.lora import LoRAConfig, add_lora
+
+    model = moe_model("mixtral")
+    add_lora(model, LoRAConfig(rank=2, sites=("q", "mlp_gate", "mlp_up", "mlp_down")))
+    assert unsupported(model) == "adapters on a mixture of experts' experts run the readable step"
+    assert FastDecoder.for_model(model) is None
 
 
 def test_a_hook_on_the_router_gets_the_readable_forward():

@@ -62,6 +62,8 @@ def unsupported(model: TransformerLM) -> str | None:
         return "the fast step runs float32 activations on a CPU"
     if c.norm_placement != "pre":
         return "post-norm blocks run the readable step"
+    if c.n_experts and any(not isinstance(block.mlp, (MoE, SwiGLU)) for block in model.blocks):
+        return "adapters on a mixture of experts' experts run the readable step"
     for block in model.blocks:
         rotary = block.attn.rotary
         if rotary is not None and (rotary.dynamic is not None or rotary.cos.dtype != torch.float32):
@@ -219,6 +221,7 @@ class _Layer:
     q_norm: _Norm | None  # per-head norms of the queries and keys over d_head (Qwen3, Gemma 3), before rotary
     k_norm: _Norm | None
     moe: _Experts | None = None  # a mixture of experts in place of the MLP (gate, up, down, act None)
+    qk_whole: bool = False  # the q/k norms span all heads' features at once (OLMoE), not each head's
 
     @classmethod
     def of(cls, block: Block) -> _Layer:
@@ -230,7 +233,7 @@ class _Layer:
                    attn.sliding_window or 0, _Norm.of(block.ln1_post), block.parallel, _Norm.of(block.ln2),
                    mlp.gate if isinstance(mlp, SwiGLU) else None, None if mlp is None else mlp.up,
                    None if mlp is None else mlp.down, None if mlp is None else mlp.act, _Norm.of(block.ln2_post),
-                   _Norm.of(attn.q_norm), _Norm.of(attn.k_norm), moe)
+                   _Norm.of(attn.q_norm), _Norm.of(attn.k_norm), moe, attn.qk_norm_whole)
 
     def attention(self, h: Float[Tensor, "batch 1 d_model"], keys: Tensor, values: Tensor, slot: int,
                   positions: Tensor, key_mask: Tensor | None) -> Float[Tensor, "batch 1 d_model"]:
@@ -246,6 +249,11 @@ class _Layer:
     def normed_queries_and_keys(self, qkv: Float[Tensor, "batch width"]) -> Float[Tensor, "batch width"]:
         """q|k|v with each query head and key head normed over its d_head features (values unchanged)."""
         batch, kv_start = qkv.shape[0], self.heads + self.kv_heads
+        if self.qk_whole:  # OLMoE: one norm over all query heads' features, one over all key heads'
+            d_head = qkv.shape[1] // (kv_start + self.kv_heads)
+            q_end, k_end = self.heads * d_head, kv_start * d_head
+            q, k = self.q_norm(qkv[:, :q_end].contiguous()), self.k_norm(qkv[:, q_end:k_end].contiguous())
+            return torch.cat([q, k, qkv[:, k_end:]], dim=1)
         heads = qkv.view(batch, kv_start + self.kv_heads, -1)  # (batch, heads + 2 kv_heads, d_head)
         q = self.q_norm(heads[:, :self.heads].contiguous())
         k = self.k_norm(heads[:, self.heads:kv_start].contiguous())
@@ -318,7 +326,7 @@ def native_block(layer: _Layer) -> Any | None:
     call, or None where a part of it has no C++ form there: a product that is not a packed quantized
     matrix or a row split of them (float weights, adapters), a norm other than a float32 RMSNorm or
     LayerNorm, another activation."""
-    if layer.moe is not None:  # (block.cpp has no mixture of experts: the Python step, its experts in C++)
+    if layer.moe is not None or layer.qk_whole:  # (block.cpp has neither: the Python step, experts in C++)
         return None
     native = torch.classes.glasslm_kernels.Block()
     for slot, module in enumerate((layer.qkv, layer.out, layer.gate, layer.up, layer.down)):
