@@ -70,7 +70,6 @@ def smollm2_f32(folder: Path) -> Path:
 
 def llama_1b_f32(folder: Path, smoke: bool) -> Path:
     """A random model of Llama 3.2 1B's shape (seeded) as f32 GGUF; `smoke`: one layer of width 256."""
-    from glasslm.core.model import TransformerLM
     from glasslm.hf.gguf.exporter import export_gguf
     from glasslm.presets import get_preset
     from glasslm.tokenizers import gpt2_tokenizer
@@ -82,15 +81,24 @@ def llama_1b_f32(folder: Path, smoke: bool) -> Path:
         n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, d_mlp=8192)
     config = get_preset("llama3-8b", tie_embeddings=True, context_length=131072, rope_scaling="llama3",
                         rope_factor=32.0, rope_original_context=8192, **shape)
+    model = random_model(config)
+    export_gguf(model.float() if smoke else model, path, gpt2_tokenizer(), "f32", name="llama-1b-shaped")
+    return path
+
+
+def random_model(config):
+    """A seeded random model of `config` in bf16 (half the memory while it is made): norms' weights 1,
+    every other weight N(0, 0.02)."""
+    from glasslm.core.model import TransformerLM
+
     torch.manual_seed(0)
     with torch.device("meta"):
         model = TransformerLM(config)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)  # (bf16 while made: half the memory)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.ones_like(p) if name.endswith("norm.weight") or ".ln" in name else torch.randn_like(p) * 0.02)
-    export_gguf(model.float() if smoke else model, path, gpt2_tokenizer(), "f32", name="llama-1b-shaped")
-    return path
+    return model
 
 
 def olmoe_f16(folder: Path, smoke: bool) -> Path:
@@ -98,7 +106,6 @@ def olmoe_f16(folder: Path, smoke: bool) -> Path:
     architecture llama.cpp reads with experts): width 2,048, 16 heads of 128 with q/k norms, 64 SwiGLU
     experts of 1,024 with 8 per token (renormalised, as llama.cpp's qwen3moe does), vocabulary 50,304;
     OLMOE_LAYERS layers. `smoke`: one layer of width 256, 8 experts of 256, 2 per token."""
-    from glasslm.core.model import TransformerLM
     from glasslm.hf.gguf.exporter import export_gguf
     from glasslm.presets import get_preset
     from glasslm.tokenizers import gpt2_tokenizer
@@ -110,14 +117,7 @@ def olmoe_f16(folder: Path, smoke: bool) -> Path:
         n_layers=OLMOE_LAYERS, d_model=2048, n_heads=16, d_expert=1024, n_experts=64, experts_per_token=8)
     config = get_preset("llama-tiny", vocab_size=50304, context_length=4096, d_head=128, qk_norm=True,
                         tie_embeddings=False, **{**shape, "n_kv_heads": shape["n_heads"], "d_mlp": shape["d_expert"]})
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = TransformerLM(config)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)  # (bf16 while made: half the memory)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") or ".ln" in name else torch.randn_like(p) * 0.02)
-    export_gguf(model, path, gpt2_tokenizer(), "f16", name="olmoe-shaped")
+    export_gguf(random_model(config), path, gpt2_tokenizer(), "f16", name="olmoe-shaped")
     return path
 
 

@@ -19,6 +19,7 @@ from glasslm.kernels.decode import decode_ops
 from glasslm.presets import get_preset
 from glasslm.transforms import apply_transform
 from tests.generation.test_fast import assert_float_close, greedy_logits
+from tests.moe_models import perturbed_moe
 
 pytestmark = pytest.mark.skipif(decode_ops() is None, reason="the C++ kernels are not built here")
 
@@ -36,14 +37,7 @@ ROWS = [[5, 9, 3, 7, 1, 2, 8], [4, 6]]  # ragged: the short row left-padded and 
 
 def moe_model(family: str, seed: int = 0, **changes) -> TransformerLM:
     """Every weight perturbed, the routers' 10x so each token's experts are a clear choice."""
-    torch.manual_seed(seed)
-    model = TransformerLM(get_preset("llama-tiny", **{**CONFIGS[family], **changes})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-            if "router" in name:
-                p.mul_(10)
-    return model
+    return perturbed_moe(get_preset("llama-tiny", **{**CONFIGS[family], **changes}), scale=0.3, seed=seed)
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))

@@ -20,6 +20,7 @@ from glasslm.hf.gguf.reader import GGUFFile  # noqa: E402
 from glasslm.presets import get_preset  # noqa: E402
 from tests.hf.test_gguf import bpe  # noqa: E402,F401 (the shared fixture)
 from tests.llamacpp import llama_cpp_quantize, quiet_llama  # noqa: E402
+from tests.moe_models import perturbed_moe  # noqa: E402
 
 _SMALL = dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_mlp=96, context_length=128, n_experts=4,
               experts_per_token=2)
@@ -32,19 +33,6 @@ CONFIGS = {
                                   qk_norm_whole=True, router_renormalize=False),  # (llama.cpp's: no grouped heads)
 }
 ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}
-
-
-def perturbed_moe(config) -> TransformerLM:
-    """Every weight moved off its initial value, the routers' 10x so that each token's experts are a
-    clear choice (near-ties would be decided by rounding, differently in each library)."""
-    torch.manual_seed(0)
-    model = TransformerLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-            if "router" in name:
-                p.mul_(10)
-    return model
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
