@@ -131,13 +131,16 @@ def test_kernel_equals_the_readable_product_within_float_rounding(isa, kind, row
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_long_prefill_in_chunks_of_rows_gives_each_row_what_it_alone_gets(isa, kind):
+@pytest.mark.parametrize("passes", [2, 1])
+def test_a_long_prefill_in_chunks_of_rows_gives_each_row_what_it_alone_gets(isa, kind, passes):
     """300 rows of 512 inputs go through in two chunks (256 KB of activations each: 256 rows, then
-    44), sixteen rows to a tile on AVX-512: each row's numbers are those it gets alone."""
+    44), their activations stored sixteen rows at a time, sixteen rows to a tile on AVX-512, twelve
+    left over: each row's numbers are those it gets alone, with both passes or the first alone."""
     matrix, x = matrix_of(kind, d_out=40), activations(300)
     packed = pack(matrix)
-    together = qlinear(x, packed)
-    assert torch.equal(together, torch.cat([qlinear(row[None], packed) for row in x]))
+    op = torch.ops.glasslm_kernels.qlinear.default
+    together = op(x, *packed.operands(), None, passes)
+    assert torch.equal(together, torch.cat([op(row[None], *packed.operands(), None, passes) for row in x]))
 
 
 @pytest.mark.parametrize("kind", KINDS)
