@@ -225,6 +225,33 @@ def _floats(a: np.ndarray):
 FORMAT_NAMES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
 
 
+@pytest.mark.parametrize("qtype", FORMAT_NAMES)
+def test_the_cpp_packer_lays_out_any_bytes_as_the_readable_pack_does(qtype):
+    """Every bit pattern a file may hold (random bytes: all levels, high bits and sub-scales), 37 rows
+    (a last panel of 5): the C++ packer, which forms the packed bytes from the file's own without
+    decoding a level at a time, lays out exactly what pack(block_matrix(...)) does."""
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (37, 2 * FORMATS[qtype].bytes), dtype=torch.uint8, generator=g)
+    packed, readable = kernel_ops().pack_ggml(blocks, qtype), pack(block_matrix(blocks, qtype))
+    for got, want in zip(packed, (readable.levels, readable.scales, readable.mins, readable.super_scales,
+                                  readable.super_mins)):  # (as bytes: a NaN scale is equal to no value)
+        assert (got is None and want is None) or (
+            got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_cpp_float_packer_moves_every_element_as_the_readable_one_does(isa, dtype):
+    """Each path's float packer (AVX2's 16 x 16 transposes for 16-bit rows, the plain loop otherwise
+    and for a last panel under 16 rows) against pack_float_panels, bit for bit, on every bit pattern."""
+    g = torch.Generator().manual_seed(4)
+    width = 4 if dtype == torch.float32 else 2
+    raw = torch.randint(0, 256, (53, 96 * width), dtype=torch.uint8, generator=g)
+    weight = raw.view(dtype)
+    got = kernel_ops().pack_floats(weight)
+    assert torch.equal(got.view(torch.uint8), pack_float_panels(weight).view(torch.uint8))
+    assert torch.equal(got.view(torch.uint8)[1, 2].view(dtype)[16 * 5 + 3], weight[16 + 3, 64 + 5])
+
+
 def _ggml_name(qtype: str) -> str:
     return qtype.replace("_k", "_K")  # ggml spells the K-quants q4_K
 

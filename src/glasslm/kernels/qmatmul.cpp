@@ -1434,7 +1434,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& levels, const std::opt
 // Byte 4 * lane + t of chunk k holds input 4k + t; 4-bit chunks k and k + 4 share a byte (low, high);
 // bit k of byte 4 * lane + t of a high-bit plane is that bit of chunk k's level.
 template <typename LevelOf>
-void pack_panel_block(int bits, int64_t lanes, LevelOf level_of, uint8_t* out) {
+static void pack_panel_block(int bits, int64_t lanes, LevelOf level_of, uint8_t* out) {
   std::memset(out, 0, bits == 8 ? kPanel * kBlock : kPanel * kBlock / 2 + 64 * (bits - 4));
   for (int64_t lane = 0; lane < lanes; ++lane) {
     uint8_t level[kBlock];
@@ -1498,18 +1498,17 @@ constexpr GgmlFormat kGgmlFormats[] = {
     {"q5_k", 256, 176, 5, 0, 32, kSubU8, true, true},    {"q6_k", 256, 210, 6, 32, 16, kSubI8, false, true},
 };
 
-uint16_t read16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+static uint16_t read16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
 
-// One file block: its levels (`inputs` of them), its groups' scales and minimums (fp16 bits, or
-// 8-bit sub-scales) and, for the K-quants, the super-scale d and the minimums' super-scale -dmin.
+// One file block's scales: its groups' scales and minimums (fp16 bits, or 8-bit sub-scales) and, for
+// the K-quants, the super-scale d and the minimums' super-scale -dmin (the levels: direct_block).
 struct DecodedBlock {
-  uint8_t levels[256];
   uint16_t scales[16], mins[16];
   uint16_t super_scale, super_min;
 };
 
 // The 6-bit sub-scale and sub-minimum of group j of a Q4_K / Q5_K super-block (llama.cpp's get_scale_min_k4).
-void k_scale_min(const uint8_t* q, int j, uint16_t* scale, uint16_t* min) {
+static void k_scale_min(const uint8_t* q, int j, uint16_t* scale, uint16_t* min) {
   if (j < 4) {
     *scale = q[j] & 63, *min = q[j + 4] & 63;
   } else {
@@ -1517,59 +1516,23 @@ void k_scale_min(const uint8_t* q, int j, uint16_t* scale, uint16_t* min) {
   }
 }
 
-void decode_small(const GgmlFormat& f, const uint8_t* in, DecodedBlock& out, bool levels = true) {
-  const bool two = f.mins;  // q4_1 and q5_1 carry m after d
+static void decode_small(const GgmlFormat& f, const uint8_t* in, DecodedBlock& out) {
   out.scales[0] = read16(in);
-  if (two) out.mins[0] = read16(in + 2);
-  if (!levels) return;
-  const uint8_t* q = in + (two ? 4 : 2);
-  if (f.bits == 8) {
-    for (int i = 0; i < 32; ++i) out.levels[i] = q[i] ^ 0x80;  // int8 q -> q + 128
-    return;
-  }
-  uint32_t high = 0;
-  if (f.bits == 5) {
-    high = static_cast<uint32_t>(q[0]) | (q[1] << 8) | (q[2] << 16) | (static_cast<uint32_t>(q[3]) << 24);
-    q += 4;
-  }
-  for (int i = 0; i < 32; ++i) {
-    const int nibble = i < 16 ? q[i] & 0x0F : q[i - 16] >> 4;
-    out.levels[i] = static_cast<uint8_t>(nibble | (((high >> i) & 1) << 4));
-  }
+  if (f.mins) out.mins[0] = read16(in + 2);  // q4_1 and q5_1 carry m after d
 }
 
-void decode_k(const GgmlFormat& f, const uint8_t* in, DecodedBlock& out, bool levels = true) {
+static void decode_k(const GgmlFormat& f, const uint8_t* in, DecodedBlock& out) {
   if (f.bits == 6) {  // ql[128] qh[64] scales[16] (int8) d
-    const uint8_t *ql = in, *qh = in + 128;
-    for (int n = 0; n < 2; ++n, ql += 64, qh += 32) {
-      for (int l = 0; l < 32; ++l) {
-        uint8_t* y = out.levels + 128 * n + l;
-        y[0] = (ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4);
-        y[32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
-        y[64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
-        y[96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
-      }
-    }
     for (int g = 0; g < 16; ++g) out.scales[g] = in[192 + g];  // int8 bits
     out.super_scale = read16(in + 208);
     return;
   }
   // d dmin scales[12] (qh[32] for Q5_K) qs[128]
   out.super_scale = read16(in), out.super_min = read16(in + 2) ^ 0x8000;  // -dmin: the sign bit flipped
-  const uint8_t* qh = in + 16;
-  const uint8_t* qs = in + (f.bits == 5 ? 48 : 16);
-  for (int j = 0; j < 8; ++j) {
-    k_scale_min(in + 4, j, &out.scales[j], &out.mins[j]);
-    for (int l = 0; levels && l < 32; ++l) {
-      const uint8_t byte = qs[32 * (j / 2) + l];
-      const int nibble = j % 2 == 0 ? byte & 0x0F : byte >> 4;
-      const int high = f.bits == 5 ? (qh[l] >> j) & 1 : 0;
-      out.levels[32 * j + l] = static_cast<uint8_t>(nibble | (high << 4));
-    }
-  }
+  for (int j = 0; j < 8; ++j) k_scale_min(in + 4, j, &out.scales[j], &out.mins[j]);
 }
 
-const GgmlFormat& ggml_format(std::string_view qtype) {
+static const GgmlFormat& ggml_format(std::string_view qtype) {
   for (const GgmlFormat& f : kGgmlFormats) {
     if (f.name == qtype) return f;
   }
@@ -1592,7 +1555,7 @@ struct PackedGgml {
   }
 };
 
-PackedGgml empty_packed(const GgmlFormat& f, int64_t panels, int64_t d_in, const at::TensorOptions& bytes) {
+static PackedGgml empty_packed(const GgmlFormat& f, int64_t panels, int64_t d_in, const at::TensorOptions& bytes) {
   const int64_t blocks = d_in / kBlock, groups = d_in / f.group_size, supers = d_in / 256;
   const at::ScalarType scale_type = f.scale_kind == kHalf ? at::kHalf : (f.scale_kind == kSubU8 ? at::kByte : at::kChar);
   const int64_t step = f.bits == 8 ? kPanel * kBlock : kPanel * kBlock / 2 + 64 * (f.bits - 4);
@@ -1604,13 +1567,43 @@ PackedGgml empty_packed(const GgmlFormat& f, int64_t panels, int64_t d_in, const
   return out;
 }
 
-// The formats whose packed bytes are the file's own, moved (q4_0, q4_1, q8_0) or with their nibbles
-// re-paired (q4_k): `direct_block` writes them without decoding a level.
-bool direct_levels(const GgmlFormat& f) { return f.bits == 8 || (f.bits == 4 && !f.supers) || f.name == "q4_k"; }
+// Where block b (of 32 inputs) of a file block keeps its levels' low nibbles: 16 bytes `q`, input j in
+// the low nibble of q[j] and input j + 16 in the high (q4_0 ... q5_1 store exactly that), or (the
+// K-quants) 32 bytes holding two blocks, input l in the low (`high_half` false) or high nibble of q[l].
+struct NibbleSource {
+  const uint8_t* q;
+  bool k_pairs, high_half;
+};
+
+static NibbleSource nibbles_of(const GgmlFormat& f, const uint8_t* block, int64_t b) {
+  if (!f.supers) return {block + (f.mins ? 4 : 2) + (f.bits == 5 ? 4 : 0), false, false};
+  if (f.bits == 6) return {block + 64 * (b / 4) + 32 * (b % 2), true, (b % 4) >= 2};  // ql: 64 bytes per 128 inputs
+  return {block + (f.bits == 5 ? 48 : 16) + 32 * (b / 2), true, b % 2 == 1};       // qs after scales (and qh)
+}
+
+// A block's level bits above the nibble (q5_*, q6_k), as 8 words w_k (inputs 4k..4k+3 of the block,
+// byte t for input 4k + t) in which bit `shift + bit - 4` of each byte is bit `bit` of that input's level.
+static void high_words(const GgmlFormat& f, const uint8_t* block, int64_t b, uint32_t words[8], int* shift) {
+  if (!f.supers) {  // q5_0 / q5_1: one 32-bit word, bit i the fifth bit of input i
+    const uint8_t* qh = block + (f.mins ? 4 : 2);
+    const uint32_t high = static_cast<uint32_t>(qh[0]) | (qh[1] << 8) | (qh[2] << 16) | (static_cast<uint32_t>(qh[3]) << 24);
+    for (int k = 0; k < 8; ++k) {  // byte t of word k: bit 4k + t of `high`, at bit 0 (a nibble spread to 4 bytes)
+      words[k] = (((high >> (4 * k)) & 0xF) * 0x00204081u) & 0x01010101u;
+    }
+    *shift = 0;
+    return;
+  }
+  // q5_k: qh[32], bit b of qh[l] the fifth bit of input l of block b; q6_k: qh[64], bits 2m, 2m + 1 of
+  // qh[32 n + l] the two high bits of input l of block 4n + m.
+  const uint8_t* qh = f.bits == 5 ? block + 16 : block + 128 + 32 * (b / 4);
+  std::memcpy(words, qh, 32);
+  *shift = f.bits == 5 ? static_cast<int>(b) : static_cast<int>(2 * (b % 4));
+}
 
 // Block b (of 32 inputs) of one row's file block, into its row's 4 bytes of each packed chunk (`row`:
-// byte 4 * lane of the panel block): what pack_panel_block makes of the decoded levels, byte for byte.
-void direct_block(const GgmlFormat& f, const uint8_t* block, int64_t b, uint8_t* row) {
+// byte 4 * lane of the panel block): what pack_panel_block makes of the levels block_fields (ggml.py)
+// reads, byte for byte, formed from the file's bytes without a level decoded one at a time.
+static void direct_block(const GgmlFormat& f, const uint8_t* block, int64_t b, uint8_t* row) {
   if (f.bits == 8) {  // int8 q -> q + 128, chunk k holding inputs 4k..4k+3
     const uint8_t* q = block + 2;
     for (int k = 0; k < 8; ++k) {
@@ -1618,41 +1611,43 @@ void direct_block(const GgmlFormat& f, const uint8_t* block, int64_t b, uint8_t*
     }
     return;
   }
-  uint8_t pairs[16];  // byte j: input j's level (low nibble) and input j + 16's (high), as chunk j / 4 wants
-  if (!f.supers) {  // q4_0 / q4_1 store exactly those pairs
-    std::memcpy(pairs, block + (f.mins ? 4 : 2), 16);
-  } else {  // q4_k: groups 2i and 2i + 1 share 32 bytes, low and high nibbles
-    const uint8_t* q = block + 16 + 32 * (b / 2);
-    for (int j = 0; j < 16; ++j) {
-      pairs[j] = b % 2 == 0 ? static_cast<uint8_t>((q[j] & 0x0F) | (q[j + 16] << 4))
-                            : static_cast<uint8_t>((q[j] >> 4) | (q[j + 16] & 0xF0));
-    }
+  uint8_t pairs[16];  // byte j: input j's low nibble (low) and input j + 16's (high), as chunk j / 4 wants
+  const NibbleSource src = nibbles_of(f, block, b);
+  if (!src.k_pairs) {
+    std::memcpy(pairs, src.q, 16);
+  } else if (src.high_half) {  // (two loops, not a choice per byte: each one a few vector instructions)
+    for (int j = 0; j < 16; ++j) pairs[j] = static_cast<uint8_t>((src.q[j] >> 4) | (src.q[j + 16] & 0xF0));
+  } else {
+    for (int j = 0; j < 16; ++j) pairs[j] = static_cast<uint8_t>((src.q[j] & 0x0F) | (src.q[j + 16] << 4));
   }
   for (int k = 0; k < 4; ++k) std::memcpy(row + 64 * k, pairs + 4 * k, 4);
+  if (f.bits == 4) return;
+  uint32_t words[8];
+  int shift = 0;
+  high_words(f, block, b, words, &shift);
+  for (int bit = 4; bit < f.bits; ++bit) {  // bit k of byte t: that bit of input 4k + t (pack_panel_block's planes)
+    uint32_t plane = 0;
+    for (int k = 0; k < 8; ++k) plane |= ((words[k] >> (shift + bit - 4)) & 0x01010101u) << k;
+    std::memcpy(row + 256 + 64 * (bit - 4), &plane, 4);
+  }
 }
 
-// One panel's file blocks number `fb` (rows p * 16 ..): decoded, then packed and their scales stored.
-void pack_file_block(const GgmlFormat& f, const uint8_t* in, int64_t row_bytes, int64_t p, int64_t lanes, int64_t fb,
+// One panel's file blocks number `fb` (rows p * 16 ..): packed, and their scales stored.
+static void pack_file_block(const GgmlFormat& f, const uint8_t* in, int64_t row_bytes, int64_t p, int64_t lanes, int64_t fb,
                      int64_t d_in, PackedGgml& out) {
   DecodedBlock decoded[kPanel];
-  const bool direct = direct_levels(f);
   for (int64_t lane = 0; lane < lanes; ++lane) {
     const uint8_t* block = in + (p * kPanel + lane) * row_bytes + fb * f.bytes;
-    f.supers ? decode_k(f, block, decoded[lane], !direct) : decode_small(f, block, decoded[lane], !direct);
+    f.supers ? decode_k(f, block, decoded[lane]) : decode_small(f, block, decoded[lane]);
   }
   const int64_t blocks = d_in / kBlock, groups = d_in / f.group_size, step = out.levels.size(2);
   const int64_t per_block = f.inputs / kBlock, per_groups = f.inputs / f.group_size;
   for (int64_t b = 0; b < per_block; ++b) {
     uint8_t* dst = out.level_bytes + (p * blocks + fb * per_block + b) * step;
-    if (direct) {
-      if (lanes < kPanel) std::memset(dst, 0, step);  // (rows past d_out: level 0, as pack_panel_block leaves them)
-      for (int64_t lane = 0; lane < lanes; ++lane) {
-        direct_block(f, in + (p * kPanel + lane) * row_bytes + fb * f.bytes, b, dst + 4 * lane);
-      }
-      continue;
+    if (lanes < kPanel) std::memset(dst, 0, step);  // (rows past d_out: level 0, as pack_panel_block leaves them)
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      direct_block(f, in + (p * kPanel + lane) * row_bytes + fb * f.bytes, b, dst + 4 * lane);
     }
-    auto level_of = [&](int64_t lane, int i) { return static_cast<int>(decoded[lane].levels[b * kBlock + i]); };
-    pack_panel_block(f.bits, lanes, level_of, dst);
   }
   const bool half = f.scale_kind == kHalf;
   for (int64_t lane = 0; lane < lanes; ++lane) {
@@ -1696,20 +1691,70 @@ pack_ggml(const at::Tensor& blocks, std::string_view qtype) {
 
 // Float weights (fp16, bf16 or float32 rows) as the kernels read them (qmatmul.py's pack_floats):
 // (panels, d_in / 32, 32 x 16), input i's 16 rows side by side, rows past d_out zero.
+// The readable loop: a block of 32 inputs at a time (16 rows' 64-128 bytes stay in cache), each
+// element moved on its own. It runs for a last panel of fewer than 16 rows, and for every panel where
+// there is no vector transpose (float32 rows, or no AVX2).
 template <typename T>
-void pack_float_panels(const T* in, int64_t d_out, int64_t d_in, T* out) {
+static void pack_float_panel(const T* in, int64_t lanes, int64_t d_in, T* panel) {
+  if (lanes < kPanel) std::memset(static_cast<void*>(panel), 0, sizeof(T) * d_in * kPanel);
+  for (int64_t i0 = 0; i0 < d_in; i0 += kBlock) {
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      const T* row = in + lane * d_in + i0;
+      for (int64_t i = 0; i < kBlock; ++i) panel[(i0 + i) * kPanel + lane] = row[i];
+    }
+  }
+}
+
+#if GLASSLM_X86
+// The same for 16 rows of 16-bit values, 16 inputs at a time: a 16 x 16 transpose in registers
+// (pairs of rows, then fours, eights and the two 128-bit halves interleaved), each input's 16 rows
+// written as one 32-byte store, in the order the panel is laid out (AVX-512 machines run it too:
+// the pack is bound by writing fresh memory, not by the width of the shuffles).
+GLASSLM_AVX2 static void pack_half_panel_avx2(const uint16_t* in, int64_t d_in, uint16_t* panel) {
+  for (int64_t i0 = 0; i0 < d_in; i0 += 16) {
+    __m256i a[16], b[16], c[16];
+    for (int r = 0; r < 16; ++r) a[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + r * d_in + i0));
+    for (int r = 0; r < 16; r += 2) {  // b[r]: rows r, r + 1 interleaved, inputs 0-3 | 8-11; b[r + 1]: 4-7 | 12-15
+      b[r] = _mm256_unpacklo_epi16(a[r], a[r + 1]), b[r + 1] = _mm256_unpackhi_epi16(a[r], a[r + 1]);
+    }
+    for (int r = 0; r < 16; r += 4) {  // c[r + j]: rows r..r+3, inputs 2j, 2j + 1 | 8 + 2j, 9 + 2j
+      c[r] = _mm256_unpacklo_epi32(b[r], b[r + 2]), c[r + 1] = _mm256_unpackhi_epi32(b[r], b[r + 2]);
+      c[r + 2] = _mm256_unpacklo_epi32(b[r + 1], b[r + 3]), c[r + 3] = _mm256_unpackhi_epi32(b[r + 1], b[r + 3]);
+    }
+    for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7: d[2j + e] holds input 2j + e | 8 + 2j + e
+      for (int j = 0; j < 4; ++j) {
+        a[8 * h + 2 * j] = _mm256_unpacklo_epi64(c[8 * h + j], c[8 * h + 4 + j]);
+        a[8 * h + 2 * j + 1] = _mm256_unpackhi_epi64(c[8 * h + j], c[8 * h + 4 + j]);
+      }
+    }
+    uint16_t* out = panel + i0 * kPanel;
+    for (int i = 0; i < 8; ++i) {  // input i: rows 0-7 from a[i]'s low half, rows 8-15 from a[8 + i]'s
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * kPanel), _mm256_permute2x128_si256(a[i], a[8 + i], 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (i + 8) * kPanel),
+                          _mm256_permute2x128_si256(a[i], a[8 + i], 0x31));
+    }
+  }
+}
+#endif
+
+template <typename T>
+static void pack_float_panels(const T* in, int64_t d_out, int64_t d_in, T* out) {
   const int64_t panels = (d_out + kPanel - 1) / kPanel;
+  const bool vector = sizeof(T) == 2 && current_isa() >= kAvx2;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t lanes = std::min<int64_t>(kPanel, d_out - p * kPanel);
+      const T* rows = in + p * kPanel * d_in;
       T* panel = out + p * d_in * kPanel;
-      if (lanes < kPanel) std::memset(static_cast<void*>(panel), 0, sizeof(T) * d_in * kPanel);
-      for (int64_t i0 = 0; i0 < d_in; i0 += kBlock) {  // a block at a time: 16 rows' 64-128 bytes stay in cache
-        for (int64_t lane = 0; lane < lanes; ++lane) {
-          const T* row = in + (p * kPanel + lane) * d_in + i0;
-          for (int64_t i = 0; i < kBlock; ++i) panel[(i0 + i) * kPanel + lane] = row[i];
+#if GLASSLM_X86
+      if constexpr (sizeof(T) == 2) {
+        if (vector && lanes == kPanel) {
+          pack_half_panel_avx2(rows, d_in, panel);
+          continue;
         }
       }
+#endif
+      pack_float_panel(rows, lanes, d_in, panel);
     }
   });
 }
