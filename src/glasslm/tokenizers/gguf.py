@@ -230,7 +230,33 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> HFTokenizer:
     else:
         raise UnsupportedTokenizerError(f"this GGUF file's tokenizer model {kind!r} is not supported "
                                         "(glasslm reads 'gpt2' byte-level BPE and 'llama' SentencePiece vocabularies)")
-    return HFTokenizer.from_json(data, _tokenizer_config(metadata, tokens))
+    return _with_bpe_model(data, _tokenizer_config(metadata, tokens))
+
+
+def _with_bpe_model(data: dict[str, Any], config: Mapping[str, Any]) -> HFTokenizer:
+    """`HFTokenizer.from_json(data, config)`, the BPE model's vocabulary and merges handed to the
+    tokenizers library as a dict and a list rather than written into the JSON text it parses: the same
+    tokenizer (`backend.to_str()` is the same text, tests/tokenizers/test_gguf_tokenizer.py), in a
+    third of the time (a 128k-token vocabulary: ~0.08 s, not ~0.25 s of json.dumps and from_str, at
+    every load of a Llama 3 file)."""
+    from tokenizers import AddedToken
+    from tokenizers.models import BPE
+
+    model = data["model"]
+    options = {k: v for k, v in model.items() if k not in ("type", "vocab", "merges") and v is not None}
+    # (The added tokens go in after the model: an added token takes the model's id for its text, and
+    # a model still empty would give it another.)
+    empty = {**data, "added_tokens": [], "model": {**model, "vocab": {}, "merges": []}}
+    tokenizer = HFTokenizer.from_json(empty, config)
+    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    try:
+        tokenizer.backend.model = BPE(vocab=model["vocab"], merges=pairs, **options)
+    except Exception as err:  # the Rust side raises plain Exceptions
+        raise ValueError(f"not a BPE vocabulary the tokenizers library can read: {err}") from None
+    tokenizer.backend.add_tokens([AddedToken(t["content"], single_word=t["single_word"], lstrip=t["lstrip"],
+                                             rstrip=t["rstrip"], normalized=t["normalized"], special=t["special"])
+                                  for t in data["added_tokens"]])
+    return tokenizer
 
 
 @dataclasses.dataclass
