@@ -1,7 +1,9 @@
 """glasslm: a decoder-only transformer language model you can read line by line.
 
 The main names are here; each lives in its own module (see the README's "Where things are").
-The training entry point is exported as `glasslm.train_model`.
+The training entry point is exported as `glasslm.train_model`. Each name is imported when first
+used, so `from glasslm.hf import load_model` does not import the trainer too (a command's start,
+and a model's load time, pay only for what they run).
 
 Example:
     >>> import glasslm
@@ -13,27 +15,44 @@ Example:
     5000
 """
 
-from importlib import metadata as _metadata
+from __future__ import annotations
 
-from glasslm.core.config import ModelConfig
-from glasslm.core.model import TransformerLM
-from glasslm.generation import GenerationConfig, generate_text, generate_tokens, stream_text
-from glasslm.hf import export_hf, import_hf, load_model
-from glasslm.io.checkpoint import load_checkpoint, save_checkpoint
-from glasslm.presets import PRESETS, Preset, get_preset
-from glasslm.tokenizers import get_tokenizer, load_tokenizer
-from glasslm.training.config import TrainConfig, get_recipe
-from glasslm.training.result import TrainResult
-from glasslm.training.loop import train as train_model
+import importlib
+from typing import Any
 
-try:
-    __version__ = _metadata.version("glasslm")
-except _metadata.PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0.0.0+unknown"
+# name -> (module, name there)
+_NAMES = {
+    "ModelConfig": ("glasslm.core.config", "ModelConfig"),
+    "TransformerLM": ("glasslm.core.model", "TransformerLM"),
+    **{n: ("glasslm.generation", n) for n in ("GenerationConfig", "generate_text", "generate_tokens", "stream_text")},
+    **{n: ("glasslm.hf", n) for n in ("export_hf", "import_hf", "load_model")},
+    **{n: ("glasslm.io.checkpoint", n) for n in ("load_checkpoint", "save_checkpoint")},
+    **{n: ("glasslm.presets", n) for n in ("PRESETS", "Preset", "get_preset")},
+    **{n: ("glasslm.tokenizers", n) for n in ("get_tokenizer", "load_tokenizer")},
+    **{n: ("glasslm.training.config", n) for n in ("TrainConfig", "get_recipe")},
+    "TrainResult": ("glasslm.training.result", "TrainResult"),
+    "train_model": ("glasslm.training.loop", "train"),
+}
 
-__all__ = [
-    "GenerationConfig", "ModelConfig", "PRESETS", "Preset", "TrainConfig", "TrainResult", "TransformerLM",
-    "__version__", "export_hf", "generate_text", "generate_tokens", "get_preset", "get_recipe",
-    "get_tokenizer", "import_hf", "load_checkpoint", "load_model", "load_tokenizer", "save_checkpoint",
-    "stream_text", "train_model",
-]
+__all__ = sorted([*_NAMES, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from importlib import metadata
+
+        try:
+            value = metadata.version("glasslm")
+        except metadata.PackageNotFoundError:  # running from a source tree that was never installed
+            value = "0.0.0+unknown"
+    elif name in _NAMES:
+        module, attribute = _NAMES[name]
+        value = getattr(importlib.import_module(module), attribute)
+    else:
+        raise AttributeError(f"module 'glasslm' has no attribute {name!r}")
+    globals()[name] = value  # (looked up once)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
