@@ -1,4 +1,6 @@
-"""What the machine can do, for the commands that choose threads and dtypes (never the library).
+"""What the machine can do, for the commands that choose threads and dtypes (the library sets no
+thread count for good: only `loading_threads`, for the one-time layout of a model's weights, and
+it puts the caller's count back).
 
 Two facts decide decoding speed on a CPU and are easy to get wrong:
 - **bfloat16 units.** CPUs with AVX-512 BF16 or AMX run bf16 matmuls fast; without them (e.g. Intel
@@ -21,13 +23,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import random
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -172,6 +175,39 @@ class ThreadChoice:
 
     threads: int | None  # None: leave PyTorch's count (OMP_NUM_THREADS chose it)
     note: str | None  # one line for stderr, or None when there is nothing to say
+
+
+@contextlib.contextmanager
+def loading_threads() -> Iterator[int]:
+    """torch's CPU threads raised, for the block, to every core the machine's load leaves free, then put
+    back: loading lays each weight out once for the kernels (a pass over the whole file, bound by
+    writing fresh memory, which runs about as many times faster as there are cores to fault the pages
+    in), and the count the caller chose for decoding (`--threads 1`) says nothing about that pass.
+    Never lowers the caller's count, and leaves it alone where OMP_NUM_THREADS sets it. Only the
+    1-minute load average is read (`machine_load` samples for 0.1 s, a tenth of a small model's load).
+    Yields the count used.
+
+    Example:
+        >>> import torch
+        >>> before = torch.get_num_threads()
+        >>> with loading_threads() as threads:
+        ...     threads >= before
+        True
+        >>> torch.get_num_threads() == before
+        True
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    threads = before if "OMP_NUM_THREADS" in os.environ else max(before, free_cores(load=load))
+    if threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        if threads != before:
+            torch.set_num_threads(before)
 
 
 def choose_threads(requested: int = 0, decoding_parameters: int | None = None, cores: int | None = None,

@@ -109,3 +109,25 @@ print(released, with_team - count(), torch.equal(x @ w, before))
     assert out.returncode == 0, out.stderr[-2000:]
     released, ended, same = out.stdout.split()
     assert released == "True" and int(ended) == 1 and same == "True"
+
+
+@pytest.mark.parametrize("load, omp, want", [(0.2, None, 4), (1.6, None, 2), (7.0, None, 1), (0.2, "1", 1)])
+def test_loading_runs_on_the_free_cores_and_puts_the_callers_threads_back(monkeypatch, load, omp, want):
+    """The one-time layout at load may use every core the load average leaves free (never fewer than
+    the caller set, none where OMP_NUM_THREADS decides); the caller's count is back afterwards."""
+    import torch
+
+    monkeypatch.setattr(runtime, "machine_cores", lambda: 4)
+    monkeypatch.setattr(runtime.os, "getloadavg", lambda: (load, load, load))
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with runtime.loading_threads() as threads:
+            assert threads == want == torch.get_num_threads()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -52,6 +52,7 @@ from glasslm.hf.gguf.rope_factors import llama3_from_factors
 from glasslm.hf.gguf.values import checked_values, rotary_table_problem
 from glasslm.hf.plan import WeightTable
 from glasslm.io.build import empty_model, model_from_state_dict
+from glasslm.runtime import loading_threads
 from glasslm.transforms import parameter_count
 from glasslm.transforms.ggml import EMBED, LAYER_FORMATS, UNEMBED, packs_as_loaded
 
@@ -504,7 +505,8 @@ def import_gguf(
     reading = _Reading(file, family, hf, gguf_tensor_names(file, family, config, table), device, config.impl)
     linears = _meta_layout(config)[1]
     tensors, records, kept, dequantized = _plan_tensors(reading, table, linears, keep_blocks)
-    model = model_from_state_dict(config, tensors, device, dtype, str(path), transforms=records)
+    with loading_threads():  # the kernels' one-time layout of every kept layer, on the free cores
+        model = model_from_state_dict(config, tensors, device, dtype, str(path), transforms=records)
     file.drop_mapped()
     tokenizer = gguf_tokenizer(file)
     ends = [file.metadata.get(f"tokenizer.ggml.{role}_token_id") for role in ("eos", "eot", "eom")]
