@@ -1516,12 +1516,16 @@ static void k_scale_min(const uint8_t* q, int j, uint16_t* scale, uint16_t* min)
   }
 }
 
-static void decode_small(const GgmlFormat& f, const uint8_t* in, DecodedBlock& out) {
+template <int K>
+static void decode_small(const uint8_t* in, DecodedBlock& out) {
+  constexpr GgmlFormat f = kGgmlFormats[K];
   out.scales[0] = read16(in);
   if (f.mins) out.mins[0] = read16(in + 2);  // q4_1 and q5_1 carry m after d
 }
 
-static void decode_k(const GgmlFormat& f, const uint8_t* in, DecodedBlock& out) {
+template <int K>
+static void decode_k(const uint8_t* in, DecodedBlock& out) {
+  constexpr GgmlFormat f = kGgmlFormats[K];
   if (f.bits == 6) {  // ql[128] qh[64] scales[16] (int8) d
     for (int g = 0; g < 16; ++g) out.scales[g] = in[192 + g];  // int8 bits
     out.super_scale = read16(in + 208);
@@ -1575,35 +1579,62 @@ struct NibbleSource {
   bool k_pairs, high_half;
 };
 
-static NibbleSource nibbles_of(const GgmlFormat& f, const uint8_t* block, int64_t b) {
+template <int K>
+static NibbleSource nibbles_of(const uint8_t* block, int64_t b) {
+  constexpr GgmlFormat f = kGgmlFormats[K];
   if (!f.supers) return {block + (f.mins ? 4 : 2) + (f.bits == 5 ? 4 : 0), false, false};
   if (f.bits == 6) return {block + 64 * (b / 4) + 32 * (b % 2), true, (b % 4) >= 2};  // ql: 64 bytes per 128 inputs
   return {block + (f.bits == 5 ? 48 : 16) + 32 * (b / 2), true, b % 2 == 1};       // qs after scales (and qh)
 }
 
-// A block's level bits above the nibble (q5_*, q6_k), as 8 words w_k (inputs 4k..4k+3 of the block,
-// byte t for input 4k + t) in which bit `shift + bit - 4` of each byte is bit `bit` of that input's level.
-static void high_words(const GgmlFormat& f, const uint8_t* block, int64_t b, uint32_t words[8], int* shift) {
+// The K-quants' level bits above the nibble, gathered once per row's super-block for all its blocks:
+// byte k of high[n][t] is byte 4k + t of the 32 qh bytes that hold them (q5_k: qh[32], bit b of qh[l]
+// the fifth bit of input l of block b; q6_k: qh[64], bits 2m and 2m + 1 of qh[32n + l] the two high
+// bits of input l of block 4n + m), so each byte of a plane is one multiply (bits_of_bytes).
+template <int K>
+static void gather_high(const uint8_t* block, uint64_t high[2][4]) {
+  constexpr GgmlFormat f = kGgmlFormats[K];
+  for (int n = 0; n < (f.bits == 6 ? 2 : 1); ++n) {
+    const uint8_t* qh = f.bits == 5 ? block + 16 : block + 128 + 32 * n;
+    for (int t = 0; t < 4; ++t) {
+      uint64_t x = 0;
+      for (int k = 0; k < 8; ++k) x |= static_cast<uint64_t>(qh[4 * k + t]) << (8 * k);
+      high[n][t] = x;
+    }
+  }
+}
+
+// Bit k of the result: bit `s` of byte k of x (each byte's bit moved to the top byte by one multiply:
+// the product's terms for byte k land on bit 56 + k, the others on distinct bits, so nothing carries).
+static inline uint32_t bits_of_bytes(uint64_t x, int s) {
+  return static_cast<uint32_t>((((x >> s) & 0x0101010101010101ull) * 0x0102040810204080ull) >> 56);
+}
+
+// Plane `bit` (4 or 5) of block b: bit k of byte t is that bit of input 4k + t's level (pack_panel_block's planes).
+template <int K>
+static uint32_t high_plane(const uint8_t* block, int64_t b, int bit, const uint64_t high[2][4]) {
+  constexpr GgmlFormat f = kGgmlFormats[K];
   if (!f.supers) {  // q5_0 / q5_1: one 32-bit word, bit i the fifth bit of input i
     const uint8_t* qh = block + (f.mins ? 4 : 2);
-    const uint32_t high = static_cast<uint32_t>(qh[0]) | (qh[1] << 8) | (qh[2] << 16) | (static_cast<uint32_t>(qh[3]) << 24);
-    for (int k = 0; k < 8; ++k) {  // byte t of word k: bit 4k + t of `high`, at bit 0 (a nibble spread to 4 bytes)
-      words[k] = (((high >> (4 * k)) & 0xF) * 0x00204081u) & 0x01010101u;
+    const uint32_t bits = static_cast<uint32_t>(qh[0]) | (qh[1] << 8) | (qh[2] << 16) | (static_cast<uint32_t>(qh[3]) << 24);
+    uint32_t plane = 0;
+    for (int k = 0; k < 8; ++k) {  // bits 4k..4k+3 spread to bit 0 of bytes 0..3, then to bit k
+      plane |= ((((bits >> (4 * k)) & 0xF) * 0x00204081u) & 0x01010101u) << k;
     }
-    *shift = 0;
-    return;
+    return plane;
   }
-  // q5_k: qh[32], bit b of qh[l] the fifth bit of input l of block b; q6_k: qh[64], bits 2m, 2m + 1 of
-  // qh[32 n + l] the two high bits of input l of block 4n + m.
-  const uint8_t* qh = f.bits == 5 ? block + 16 : block + 128 + 32 * (b / 4);
-  std::memcpy(words, qh, 32);
-  *shift = f.bits == 5 ? static_cast<int>(b) : static_cast<int>(2 * (b % 4));
+  const uint64_t* x = high[f.bits == 6 ? b / 4 : 0];
+  const int shift = (f.bits == 5 ? static_cast<int>(b) : static_cast<int>(2 * (b % 4))) + bit - 4;
+  return bits_of_bytes(x[0], shift) | bits_of_bytes(x[1], shift) << 8 | bits_of_bytes(x[2], shift) << 16 |
+         bits_of_bytes(x[3], shift) << 24;
 }
 
 // Block b (of 32 inputs) of one row's file block, into its row's 4 bytes of each packed chunk (`row`:
 // byte 4 * lane of the panel block): what pack_panel_block makes of the levels block_fields (ggml.py)
 // reads, byte for byte, formed from the file's bytes without a level decoded one at a time.
-static void direct_block(const GgmlFormat& f, const uint8_t* block, int64_t b, uint8_t* row) {
+template <int K>
+static void direct_block(const uint8_t* block, int64_t b, uint8_t* row, const uint64_t high[2][4]) {
+  constexpr GgmlFormat f = kGgmlFormats[K];
   if (f.bits == 8) {  // int8 q -> q + 128, chunk k holding inputs 4k..4k+3
     const uint8_t* q = block + 2;
     for (int k = 0; k < 8; ++k) {
@@ -1612,7 +1643,7 @@ static void direct_block(const GgmlFormat& f, const uint8_t* block, int64_t b, u
     return;
   }
   uint8_t pairs[16];  // byte j: input j's low nibble (low) and input j + 16's (high), as chunk j / 4 wants
-  const NibbleSource src = nibbles_of(f, block, b);
+  const NibbleSource src = nibbles_of<K>(block, b);
   if (!src.k_pairs) {
     std::memcpy(pairs, src.q, 16);
   } else if (src.high_half) {  // (two loops, not a choice per byte: each one a few vector instructions)
@@ -1621,33 +1652,30 @@ static void direct_block(const GgmlFormat& f, const uint8_t* block, int64_t b, u
     for (int j = 0; j < 16; ++j) pairs[j] = static_cast<uint8_t>((src.q[j] & 0x0F) | (src.q[j + 16] << 4));
   }
   for (int k = 0; k < 4; ++k) std::memcpy(row + 64 * k, pairs + 4 * k, 4);
-  if (f.bits == 4) return;
-  uint32_t words[8];
-  int shift = 0;
-  high_words(f, block, b, words, &shift);
-  for (int bit = 4; bit < f.bits; ++bit) {  // bit k of byte t: that bit of input 4k + t (pack_panel_block's planes)
-    uint32_t plane = 0;
-    for (int k = 0; k < 8; ++k) plane |= ((words[k] >> (shift + bit - 4)) & 0x01010101u) << k;
+  for (int bit = 4; bit < f.bits; ++bit) {
+    const uint32_t plane = high_plane<K>(block, b, bit, high);
     std::memcpy(row + 256 + 64 * (bit - 4), &plane, 4);
   }
 }
 
-// One panel's file blocks number `fb` (rows p * 16 ..): packed, and their scales stored.
-static void pack_file_block(const GgmlFormat& f, const uint8_t* in, int64_t row_bytes, int64_t p, int64_t lanes, int64_t fb,
-                     int64_t d_in, PackedGgml& out) {
+// One panel's file blocks number `fb` (rows p * 16 ..): packed a row at a time (its 1-8 blocks'
+// bytes land in 2-3 KB that stay in L1 while the panel's 16 rows fill them), and their scales stored.
+template <int K>
+static void pack_file_block(const uint8_t* in, int64_t row_bytes, int64_t p, int64_t lanes, int64_t fb, int64_t d_in,
+                            PackedGgml& out) {
+  constexpr GgmlFormat f = kGgmlFormats[K];
+  constexpr int64_t step = f.bits == 8 ? kPanel * kBlock : kPanel * kBlock / 2 + 64 * (f.bits - 4);
+  constexpr int64_t per_block = f.inputs / kBlock, per_groups = f.inputs / f.group_size;
+  const int64_t blocks = d_in / kBlock, groups = d_in / f.group_size;
+  uint8_t* dst = out.level_bytes + (p * blocks + fb * per_block) * step;  // block b's at dst + b * step
+  if (lanes < kPanel) std::memset(dst, 0, per_block * step);  // (rows past d_out: level 0, as pack_panel_block leaves them)
   DecodedBlock decoded[kPanel];
   for (int64_t lane = 0; lane < lanes; ++lane) {
     const uint8_t* block = in + (p * kPanel + lane) * row_bytes + fb * f.bytes;
-    f.supers ? decode_k(f, block, decoded[lane]) : decode_small(f, block, decoded[lane]);
-  }
-  const int64_t blocks = d_in / kBlock, groups = d_in / f.group_size, step = out.levels.size(2);
-  const int64_t per_block = f.inputs / kBlock, per_groups = f.inputs / f.group_size;
-  for (int64_t b = 0; b < per_block; ++b) {
-    uint8_t* dst = out.level_bytes + (p * blocks + fb * per_block + b) * step;
-    if (lanes < kPanel) std::memset(dst, 0, step);  // (rows past d_out: level 0, as pack_panel_block leaves them)
-    for (int64_t lane = 0; lane < lanes; ++lane) {
-      direct_block(f, in + (p * kPanel + lane) * row_bytes + fb * f.bytes, b, dst + 4 * lane);
-    }
+    f.supers ? decode_k<K>(block, decoded[lane]) : decode_small<K>(block, decoded[lane]);
+    uint64_t high[2][4];
+    if constexpr (f.supers && f.bits > 4) gather_high<K>(block, high);
+    for (int64_t b = 0; b < per_block; ++b) direct_block<K>(block, b, dst + b * step + 4 * lane, high);
   }
   const bool half = f.scale_kind == kHalf;
   for (int64_t lane = 0; lane < lanes; ++lane) {
@@ -1669,6 +1697,17 @@ static void pack_file_block(const GgmlFormat& f, const uint8_t* in, int64_t row_
   }
 }
 
+template <int K>
+static void pack_panels(const uint8_t* in, int64_t row_bytes, int64_t d_out, int64_t d_in, PackedGgml& out) {
+  const int64_t panels = (d_out + kPanel - 1) / kPanel, file_blocks = d_in / kGgmlFormats[K].inputs;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t lanes = std::min<int64_t>(kPanel, d_out - p * kPanel);
+      for (int64_t fb = 0; fb < file_blocks; ++fb) pack_file_block<K>(in, row_bytes, p, lanes, fb, d_in, out);
+    }
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
 pack_ggml(const at::Tensor& blocks, std::string_view qtype) {
   const GgmlFormat& f = ggml_format(qtype);
@@ -1679,12 +1718,16 @@ pack_ggml(const at::Tensor& blocks, std::string_view qtype) {
   const int64_t d_in = file_blocks * f.inputs, panels = (d_out + kPanel - 1) / kPanel;
   PackedGgml out = empty_packed(f, panels, d_in, rows.options());
   const uint8_t* in = rows.const_data_ptr<uint8_t>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t lanes = std::min<int64_t>(kPanel, d_out - p * kPanel);
-      for (int64_t fb = 0; fb < file_blocks; ++fb) pack_file_block(f, in, row_bytes, p, lanes, fb, d_in, out);
-    }
-  });
+  switch (&f - kGgmlFormats) {  // one instance per format: its layout's numbers are constants in the loops
+    case 0: pack_panels<0>(in, row_bytes, d_out, d_in, out); break;
+    case 1: pack_panels<1>(in, row_bytes, d_out, d_in, out); break;
+    case 2: pack_panels<2>(in, row_bytes, d_out, d_in, out); break;
+    case 3: pack_panels<3>(in, row_bytes, d_out, d_in, out); break;
+    case 4: pack_panels<4>(in, row_bytes, d_out, d_in, out); break;
+    case 5: pack_panels<5>(in, row_bytes, d_out, d_in, out); break;
+    case 6: pack_panels<6>(in, row_bytes, d_out, d_in, out); break;
+    default: pack_panels<7>(in, row_bytes, d_out, d_in, out); break;
+  }
   auto maybe = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
   return {out.levels, out.scales, maybe(out.mins), maybe(out.supers), maybe(out.super_mins)};
 }
