@@ -48,8 +48,13 @@ def __getattr__(name: str) -> Any:
     elif name in _NAMES:
         module, attribute = _NAMES[name]
         value = getattr(importlib.import_module(module), attribute)
-    else:
-        raise AttributeError(f"module 'glasslm' has no attribute {name!r}")
+    else:  # a subpackage (`import glasslm; glasslm.hf.load_model(...)` worked when everything was imported)
+        try:
+            value = importlib.import_module(f"glasslm.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"glasslm.{name}":
+                raise
+            raise AttributeError(f"module 'glasslm' has no attribute {name!r}") from None
     globals()[name] = value  # (looked up once)
     return value
 
