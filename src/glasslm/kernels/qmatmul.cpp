@@ -955,6 +955,21 @@ void run_tile(const Weights& w, const Rows& x, int64_t panel, int64_t row0, int 
   tile_scalar(w, x, panel, row0, rows, y, ld_y);
 }
 
+// How matmul_rows and matmul_tiled split a product. Threads split the panels; a thread's share is at
+// least ~256 block-rows of work, so the small products of a decoding step (a few dozen panels) still
+// split in two but never into slivers. A long prefill's rows go a chunk at a time, a thread's panels all
+// passing over one chunk while its activations stay in L2 (the whole prefill's rows would be re-read
+// from L3 for each panel).
+struct Split {
+  int64_t chunk, grain;  // rows a chunk (whole tiles of 16), panels at least a thread
+};
+
+Split split_of(const Weights& w, const Rows& x) {
+  const int64_t row_bytes = w.blocks * kBlock * (w.floats() ? 4 : kPasses);
+  return {std::max<int64_t>(kWideTile, kRowBytes / row_bytes / kWideTile * kWideTile),
+          std::max<int64_t>(1, 256 / std::max<int64_t>(1, w.blocks * x.count))};
+}
+
 #if GLASSLM_X86
 // The AVX-512 wide tile of these weights (null where the format has no vector path).
 TileFn wide_tile_of(const Weights& w) { return pick_tile<Avx512Tile>(w, kWideTile); }
@@ -964,8 +979,8 @@ TileFn wide_tile_of(const Weights& w) { return pick_tile<Avx512Tile>(w, kWideTil
 // time, as matmul_rows goes.
 void matmul_tiled(const Weights& w, const Rows& x, float* y, int64_t ld_y) {
   const TileFn wide = wide_tile_of(w);
-  const int64_t chunk = std::max<int64_t>(kWideTile, kRowBytes / (w.blocks * kBlock * kPasses) / kWideTile * kWideTile);
-  const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, w.blocks * x.count));
+  const Split split = split_of(w, x);
+  const int64_t chunk = split.chunk, grain = split.grain;
   std::vector<int32_t> half_starts;
   Rows summed = x;
   if (w.halves()) {
@@ -996,14 +1011,8 @@ void matmul_rows(const Weights& w, const Rows& x, float* y, int64_t ld_y) {
   if (x.tiled && !w.floats()) return matmul_tiled(w, x, y, ld_y);
 #endif
   const int64_t isa = current_isa();
-  // Threads split the panels; a thread's share is at least ~256 block-rows of work, so the small
-  // products of a decoding step (a few dozen panels) still split in two but never into slivers.
-  // A long prefill's rows go a chunk at a time, a thread's panels all passing over one chunk while
-  // its activations stay in L2 (the whole prefill's rows would be re-read from L3 for each panel);
-  // on AVX-512, sixteen rows share each unpacking of a block's levels.
-  const int64_t row_bytes = w.blocks * kBlock * (w.floats() ? 4 : kPasses);
-  const int64_t chunk = std::max<int64_t>(kWideTile, kRowBytes / row_bytes / kWideTile * kWideTile);
-  const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, w.blocks * x.count));
+  const Split split = split_of(w, x);  // (on AVX-512, sixteen rows share each unpacking of a block's levels)
+  const int64_t chunk = split.chunk, grain = split.grain;
   const int wide = isa == kAvx512 && !w.floats() ? kWideTile : kTile;  // (float tiles keep four rows)
   std::vector<int32_t> half_starts;
   Rows summed = x;
