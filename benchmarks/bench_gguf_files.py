@@ -11,7 +11,8 @@ llama3 rope scaling written as rope_freqs) at the same nine types. For each file
 - peak resident memory and load time of each side in a fresh process of its own, loading the file
   and decoding a few tokens (glasslm as `glasslm generate` loads it; llama.cpp through llama-cpp-python,
   its file memory-mapped), after one untimed run that leaves Python's bytecode cached, as any first
-  use does on a user's machine.
+  use does on a user's machine, and with the file read through just before (in the OS's cache, as
+  for any model used twice).
 
     python benchmarks/bench_gguf_files.py --threads 1,2 --new-tokens 128 --repeats 3 --prefill
     python benchmarks/bench_gguf_files.py --sets smollm2 --types q4_k_m,f16      # a few rows
@@ -180,10 +181,19 @@ def child_env(work_dir: Path) -> dict[str, str]:
     return {**env, "PYTHONPYCACHEPREFIX": str(work_dir / "pycache")}
 
 
+def read_through(path: Path) -> None:
+    """Reads the file once, so the process timed next finds it in the OS's cache: neither side pays
+    for the disk (or for the other side's reads), whichever goes first."""
+    with path.open("rb") as f:
+        while f.read(1 << 24):
+            pass
+
+
 def memory_row(path: Path, threads: int, new_tokens: int, env: dict[str, str]) -> dict:
-    """{side: {load_s, peak_mb}} from a fresh process per side."""
+    """{side: {load_s, peak_mb}} from a fresh process per side, each starting with the file cached."""
     row = {}
     for side in ("glasslm", "llama.cpp"):
+        read_through(path)
         result = subprocess.run([sys.executable, __file__, "--child", side, str(path), "--threads", str(threads),
                                  "--new-tokens", str(new_tokens)], capture_output=True, text=True, timeout=1800,
                                 env=env)

@@ -152,6 +152,25 @@ def test_layers_packed_straight_from_the_mapped_file_equal_those_packed_from_cop
     assert ours.keys() == copied.keys() and all(torch.equal(ours[k], copied[k]) for k in ours)
 
 
+@pytest.mark.parametrize("qtype", ["f16", "f32"])  # (BF16 files, which glasslm does not write, load as these)
+def test_float_layers_multiply_the_mapped_file_itself_not_a_copy(qtype, tmp_path):
+    """F16, BF16 and F32 tensors whose rows come in the file's order are not copied at load: the layer
+    multiplies a view of the file's copy-on-write mapping (as llama.cpp maps a model), and the product
+    is the float one of the file's values. Writing to the model's weights leaves the file as it was."""
+    model = perturbed(FAMILY_CONFIGS["llama"](256))
+    path = export_gguf(model, tmp_path / "m.gguf", None, qtype)
+    before = path.read_bytes()
+    loaded, file = import_gguf(path), GGUFFile.open(path)
+    out = loaded.model.blocks[0].attn.out
+    view = file.kept_blocks("blk.0.attn_output.weight")
+    assert out.kernel_matrix().levels.data_ptr() == view.data_ptr()
+    x = torch.randn(3, out.d_in)
+    exact = x.double() @ file.dequantized("blk.0.attn_output.weight").double().T
+    assert torch.all((out(x).double() - exact).abs() <= 2 * out.d_in * 2**-24 * (x.abs().double() @ out.dequantized_weight().abs().double().T))
+    out.kernel_matrix().levels.mul_(2)
+    assert path.read_bytes() == before
+
+
 def test_info_lists_how_each_kind_of_tensor_is_kept_as_loading_keeps_it(tmp_path, capsys):
     model = perturbed(FAMILY_CONFIGS["gemma2"](256))
     path = export_gguf(model, tmp_path / "m.gguf", None, "q8_0")

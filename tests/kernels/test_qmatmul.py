@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from glasslm.kernels import build
 from glasslm.kernels.qmatmul import (
     QuantizedMatrix, activation_error_bound, activation_rows, dequantize_rows, float_error_bound, kernel_ops,
-    ONE_PASS_ROWS, lookup_rows, pack, pack_float_panels, pack_floats, panel_block_bytes, prefill_activations, qlinear,
+    ONE_PASS_ROWS, lookup_rows, pack, pack_floats, panel_block_bytes, prefill_activations, qlinear,
     qmatmul, qmatmul_reference, quantize_block_rows, quantize_rows_reference, set_prefill_activations,
     summation_error_bound, unpack, unpack_levels,
 )
@@ -183,7 +183,7 @@ def test_every_path_gives_each_row_what_it_alone_gets(kind):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 5, 40])  # (40 float32 rows: PyTorch's product on the panels)
+@pytest.mark.parametrize("rows", [1, 5, 40])  # (40 rows: PyTorch's product, on slices of rows converted)
 def test_float_weights_multiply_float_rows_to_float_rounding(isa, dtype, rows):
     """fp16 / bf16 / float32 weights (GGUF F16, BF16, F32) against float32 rows: the float product of
     the weights' exact values, within float32 summation rounding, not the product of rows rounded to
@@ -192,8 +192,7 @@ def test_float_weights_multiply_float_rows_to_float_rounding(isa, dtype, rows):
     weight = (torch.randn(70, 512, generator=g) * torch.logspace(-3, 0, 70)[:, None]).to(dtype)
     x, bias = activations(rows), torch.randn(70, generator=g)
     packed = pack_floats(weight)
-    assert packed.levels.shape == (5, 16, 512) and packed.levels[0, 1, 16 * 3 + 2] == weight[2, 32 + 3]
-    assert torch.equal(packed.levels, pack_float_panels(weight)) and torch.equal(unpack(packed), weight)
+    assert packed.levels is weight and unpack(packed) is weight  # (the matrix itself: nothing copied)
     got = qlinear(x, packed, bias)
     exact = F.linear(x.double(), weight.double(), bias.double())
     bound = 2 * (512 + 8) * 2**-24 * (x.double().abs() @ weight.double().abs().T + bias.double().abs())
@@ -240,16 +239,21 @@ def test_the_cpp_packer_lays_out_any_bytes_as_the_readable_pack_does(qtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_the_cpp_float_packer_moves_every_element_as_the_readable_one_does(isa, dtype):
-    """Each path's float packer (AVX2's 16 x 16 transposes for 16-bit rows, the plain loop otherwise
-    and for a last panel under 16 rows) against pack_float_panels, bit for bit, on every bit pattern."""
+def test_a_float_weight_rows_product_does_not_depend_on_the_rows_beside_it(isa, dtype):
+    """Float weights are multiplied one dot product per (weight row, activation row), in the same order
+    whatever tile the two fall in (1-4 activation rows; 4, 2 or 1 weight rows; the last panel's 6 rows),
+    so each row of a product of up to 31 rows is bit for bit that row's product alone: a prompt's
+    last rows and a decoding step give the same numbers. Each within float rounding of the float product."""
     g = torch.Generator().manual_seed(4)
-    width = 4 if dtype == torch.float32 else 2
-    raw = torch.randint(0, 256, (53, 96 * width), dtype=torch.uint8, generator=g)
-    weight = raw.view(dtype)
-    got = kernel_ops().pack_floats(weight)
-    assert torch.equal(got.view(torch.uint8), pack_float_panels(weight).view(torch.uint8))
-    assert torch.equal(got.view(torch.uint8)[1, 2].view(dtype)[16 * 5 + 3], weight[16 + 3, 64 + 5])
+    weight = (torch.randn(38, 96, generator=g) * 3).to(dtype)
+    packed, x = pack_floats(weight), torch.randn(31, 96, generator=g)
+    together = qlinear(x, packed)
+    alone = torch.cat([qlinear(x[i:i + 1], packed) for i in range(31)])
+    assert torch.equal(together, alone)
+    for count in (2, 3, 4, 7):
+        assert torch.equal(qlinear(x[:count], packed), together[:count])
+    exact = x.double() @ weight.double().T
+    assert torch.all((together.double() - exact).abs() <= 2 * 96 * 2**-24 * (x.double().abs() @ weight.double().abs().T))
 
 
 def _ggml_name(qtype: str) -> str:

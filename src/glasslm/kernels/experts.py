@@ -8,8 +8,8 @@ Each row x goes only through the experts its router chose (ids e_j, weights w_j,
 the terms added from zero in increasing expert id, as `glasslm.core.moe.MoE.experts_grouped` adds
 them. `experts_reference` is that sum with float matrices. The kernel takes each expert's three
 matrices as packed ones (`glasslm.kernels.qmatmul.PackedMatrix`: a GGUF file's Q4_K, Q8_0, ... blocks,
-or float panels) and multiplies each by x's rows rounded to int8 blocks, as every quantized product
-does: it differs from the reference by that rounding and the order of float32 additions within a
+or float matrices as they are) and multiplies each by x's rows rounded to int8 blocks (float ones by
+the float rows), as every product does: it differs from the reference by that rounding and the order of float32 additions within a
 product. Only the chosen experts' matrices are read.
 
 Example:

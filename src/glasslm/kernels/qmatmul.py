@@ -47,10 +47,12 @@ matmul of the dequantized operands; the kernels differ from it only in the order
 happen (`float_error_bound`), and from the float product x @ W.T by the activations' rounding,
 at most half a step per input (`activation_error_bound`).
 
-Float weights (fp16, bf16 or float32: a GGUF file's F16, BF16 and F32 tensors) take the same
-kernels' panels of 16 rows without levels or scales (`pack_floats`): the float32 rows are multiplied
-by the weights converted to float32 in registers, so the product is the float one, to the order of
-float additions.
+Float weights (fp16, bf16 or float32: a GGUF file's F16, BF16 and F32 tensors) are kept as the
+(d_out, d_in) matrix they are, no levels, no scales, no panels (`pack_floats`), so a loader can hand a
+layer a view of the mapped file and copy nothing. The kernels multiply float32 rows by the weights
+converted to float32 in registers, one dot product per weight row and activation row, so the product
+is the float one, to the order of float additions; from `FLOAT_BLAS_ROWS` rows on (a prompt) PyTorch's
+BLAS product does it, on float32 copies of a slice of rows at a time.
 
 Packed layout (`pack`). The kernels read 16 output rows at once: a panel. For each panel and block,
 the 16 x 32 levels are stored as eight chunks k = 0..7 of 64 bytes, byte 4 * row + t of chunk k
@@ -249,7 +251,7 @@ def activation_error_bound(x: Float[Tensor, "... d_in"], matrix: QuantizedMatrix
 class PackedMatrix:
     """A `QuantizedMatrix` in the kernels' layout (see the module docstring), plus its shape facts."""
 
-    levels: Tensor                # uint8 (panels, blocks, chunk); fp16/bf16 at 16 bits, float32 at 32 (pack_floats)
+    levels: Tensor                # uint8 (panels, blocks, chunk); float weights: (d_out, d_in) fp16/bf16/float32
     scales: Tensor | None         # (panels, groups, 16); None for float weights
     mins: Tensor | None
     bits: int
@@ -357,9 +359,7 @@ def unpack(packed: PackedMatrix) -> QuantizedMatrix | Tensor:
     """The matrix `pack` (or `pack_floats`) was given, from the kernels' layout alone: a layer that keeps
     only its packed copy writes its weights back out this way (save, export), bit for bit."""
     if packed.bits in FLOAT_BITS.values():
-        panels, blocks, _ = packed.levels.shape
-        rows = packed.levels.reshape(panels, blocks * BLOCK, PANEL).transpose(1, 2).reshape(panels * PANEL, -1)
-        return rows[:packed.d_out].contiguous()
+        return packed.levels  # (the matrix itself)
     supers = [None if t is None else _unpack_scales(t, packed.d_out) for t in (packed.super_scales, packed.super_mins)]
     return QuantizedMatrix(unpack_levels(packed.levels, packed.bits, packed.d_out),
                            _unpack_scales(packed.scales, packed.d_out),
@@ -372,6 +372,8 @@ def packed_rows(packed: PackedMatrix, ids: Int[Tensor, "n"]) -> Float[Tensor, "n
     """Rows `ids` of the matrix a packed one stands for, as float32, exactly (an embedding table kept
     packed): the readable lookup unpacks just the panels holding them; the kernels' `lookup_rows`
     reads the same values in place."""
+    if packed.bits in FLOAT_BITS.values():
+        return packed.levels[ids.reshape(-1).long()].float()
     panels = (ids.reshape(-1) // PANEL).long()
     wanted = panels.unique()                                          # sorted panel numbers
     def panel_rows(t: Tensor | None) -> Tensor | None:
@@ -388,32 +390,21 @@ def packed_rows(packed: PackedMatrix, ids: Int[Tensor, "n"]) -> Float[Tensor, "n
 FLOAT_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32}  # float weights the kernels take
 
 
-def pack_float_panels(weight: Float[Tensor, "d_out d_in"]) -> Tensor:
-    """The readable packing of float weights: (panels, d_in / 32, 32 x 16), input i's 16 rows side
-    by side (rows past d_out zero), the weights' own dtype. The kernels' `pack_floats` writes the
-    same values in one pass."""
-    d_out, d_in = weight.shape
-    padded = _pad_rows(weight)
-    panels = padded.shape[0] // PANEL
-    return padded.reshape(panels, PANEL, d_in).transpose(1, 2).reshape(panels, d_in // BLOCK, BLOCK * PANEL).contiguous()
-
-
 def pack_floats(weight: Tensor) -> PackedMatrix:
-    """Float weights (fp16, bf16 or float32, (d_out, d_in)) as the kernels read them: panels of 16
-    rows (`pack_float_panels`), so one load and one conversion to float32 in registers meet all 16
-    rows; no scales. The kernels multiply float32 rows by the weights' exact float32 values: the
-    readable definition is F.linear(x, weight.float()).
+    """Float weights (fp16, bf16 or float32, (d_out, d_in)) as the kernels read them: the matrix
+    itself, not copied where it is contiguous (a view of a mapped file stays one); no scales. The
+    kernels multiply float32 rows by the weights' exact float32 values: the readable definition is
+    F.linear(x, weight.float()).
 
-    >>> pack_floats(torch.ones(20, 64, dtype=torch.bfloat16)).levels.shape
-    torch.Size([2, 2, 512])
+    >>> weight = torch.ones(20, 64, dtype=torch.bfloat16)
+    >>> pack_floats(weight).levels is weight
+    True
     """
     d_out, d_in = weight.shape
     if weight.dtype not in FLOAT_BITS or d_in % BLOCK:
         raise ValueError(f"the kernels take fp16, bf16 or float32 weights in rows of whole blocks of {BLOCK}; got "
                          f"{weight.dtype} rows of {d_in}")
-    ops = kernel_ops()
-    levels = pack_float_panels(weight) if ops is None else ops.pack_floats(weight)
-    return PackedMatrix(levels, None, None, FLOAT_BITS[weight.dtype], 0, d_in, d_out, None)
+    return PackedMatrix(weight.contiguous(), None, None, FLOAT_BITS[weight.dtype], 0, d_in, d_out, None)
 
 
 # --- the calls ----------------------------------------------------------------------------------
@@ -442,7 +433,8 @@ def _register_fakes() -> None:
     @torch.library.register_fake("glasslm_kernels::lookup_rows")
     def _lookup_rows(ids, levels, scales, mins, super_scales, super_mins, bits, offset, group_size, super_groups,
                          d_out, row_scale):
-        return levels.new_empty((ids.shape[0], levels.shape[1] * BLOCK), dtype=torch.float32)
+        width = levels.shape[1] if bits in FLOAT_BITS.values() else levels.shape[1] * BLOCK
+        return levels.new_empty((ids.shape[0], width), dtype=torch.float32)
 
     @torch.library.register_fake("glasslm_kernels::quantize_rows")
     def _quantize_rows(x):
@@ -454,7 +446,8 @@ def _register_fakes() -> None:
 _QLINEAR: list[Any] = []  # the op's overload, looked up once: a decoding step makes ~150 calls
 
 
-FLOAT32_BLAS_ROWS = 32  # rows from which float32 weights go through PyTorch's matrix product
+FLOAT_BLAS_ROWS = 32  # rows from which float weights go through PyTorch's matrix product
+FLOAT_SLICE = 1 << 20  # weights a slice of 16-bit ones has, as float32 (4 MiB), for that product
 ONE_PASS_ROWS = 32  # rows from which `prefill_activations("int8")` multiplies the first pass alone
 PREFILL_ACTIVATIONS = {"int16": PASSES, "int8": 1}  # a long prompt's activations: int8 passes multiplied
 _PREFILL_PASSES = [PASSES]
@@ -487,20 +480,25 @@ def prefill_activations(kind: str) -> Iterator[None]:
         set_prefill_activations(previous)
 
 
-def _float32_product(rows: Float[Tensor, "... d_in"], packed: PackedMatrix) -> Float[Tensor, "... d_out"]:
-    """Many rows times float32 panels: PyTorch's BLAS product of the panels re-laid as W.T (one copy
-    of the matrix; its tiles of rows and columns beat the kernels' four-row tiles by ~1.2x on a
-    512-token prefill here), the same float product to summation order."""
-    panels, blocks, _ = packed.levels.shape
-    d_in = blocks * BLOCK
-    weight_t = packed.levels.view(panels, d_in, PANEL).permute(1, 0, 2).reshape(d_in, panels * PANEL)
-    return torch.matmul(rows, weight_t[:, :packed.d_out])
+def _float_product(rows: Float[Tensor, "... d_in"], packed: PackedMatrix) -> Float[Tensor, "... d_out"]:
+    """Many rows times float weights: PyTorch's BLAS product (its tiles of rows and columns beat the
+    kernels' dot products on a prompt), float32 weights as they are, 16-bit ones converted a slice of
+    rows at a time (exact: every fp16 and bf16 number is a float32 one), so no float32 copy of the
+    whole matrix is made. The same float product, to summation order."""
+    weight = packed.levels
+    if weight.dtype == torch.float32:
+        return F.linear(rows, weight)
+    step = max(PANEL, FLOAT_SLICE // weight.shape[1])
+    out = rows.new_empty((*rows.shape[:-1], packed.d_out))
+    for start in range(0, packed.d_out, step):
+        out[..., start:start + step] = F.linear(rows, weight[start:start + step].float())
+    return out
 
 
 def qlinear(x: Float[Tensor, "... d_in"], packed: PackedMatrix, bias: Tensor | None = None) -> Float[Tensor, "... d_out"]:
     """x @ W.T + bias through the kernels (x rounded to int8 blocks on the way in), in x's dtype."""
-    if packed.bits == 32 and x.numel() >= FLOAT32_BLAS_ROWS * x.shape[-1]:
-        y = _float32_product(x.float(), packed)
+    if packed.bits in FLOAT_BITS.values() and x.numel() >= FLOAT_BLAS_ROWS * x.shape[-1]:
+        y = _float_product(x.float(), packed)
         y = y if bias is None else y + bias.float()
         return y if x.dtype == torch.float32 else y.to(x.dtype)
     if not _QLINEAR:

@@ -82,16 +82,17 @@ class ExpertBlocks(BlockLinear):
         return dequantize_blocks(self.blocks()[e * self.expert_rows:(e + 1) * self.expert_rows], self.qtype)
 
     def expert_matrices(self) -> list[PackedMatrix] | None:
-        """Each expert's packed matrix, a view of its panels (None: the layer is not packed for the
-        kernels, or an expert's rows are not whole panels of 16)."""
+        """Each expert's packed matrix, a view of its panels, or of its rows for float weights (None: the
+        layer is not packed for the kernels, or an expert's rows are not whole panels of 16)."""
         kernel = self.kernel_matrix()
         if kernel is None or self.expert_rows % PANEL:
             return None
         if self._views is None or self._views[0] is not kernel:
-            panels = self.expert_rows // PANEL
+            # (float weights are the matrix's own rows; packed ones, panels of 16 rows)
+            step = self.expert_rows if kernel.scales is None else self.expert_rows // PANEL
 
             def rows_of(t: Tensor | None, e: int) -> Tensor | None:
-                return None if t is None else t[e * panels:(e + 1) * panels]
+                return None if t is None else t[e * step:(e + 1) * step]
 
             views = [dataclasses.replace(kernel, levels=rows_of(kernel.levels, e), scales=rows_of(kernel.scales, e),
                                          mins=rows_of(kernel.mins, e), super_scales=rows_of(kernel.super_scales, e),

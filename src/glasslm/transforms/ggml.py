@@ -29,7 +29,8 @@ dequantizing and re-quantizing with `int4` would be), the same bytes on the way 
 path dequantizes and multiplies. Its fast path (CPU) is glasslm's own kernel (glasslm.kernels.qmatmul),
 which does what llama.cpp does with these blocks: the activations rounded to int8 in blocks of 32,
 integer dot products with the file's levels, one float multiply-add per group; the same levels and
-scales, re-laid in panels of 16 rows when the layer is loaded. Its outputs differ from the
+scales, re-laid in panels of 16 rows when the layer is loaded (F16, BF16 and F32 weights are multiplied
+as they are: a GGUF import hands the layer a view of the mapped file and copies nothing). Its outputs differ from the
 readable path's by the activations' rounding (`glasslm.kernels.qmatmul.activation_error_bound`,
 which the tests hold it to). Where the kernels cannot be built, 4-bit small blocks run PyTorch's int4
 kernel (bf16 activations, scale d and zero m + 8d) and the rest a float copy of the weight.
@@ -300,10 +301,18 @@ def quantize_blocks(weight: Float[Tensor, "rows d_in"], qtype: str) -> UInt8[Ten
 
 
 def packs_as_loaded(qtype: str, d_in: int, device: torch.device | str, impl: str = "fast") -> bool:
-    """Whether a BlockLinear of `qtype` on `device` re-lays its bytes into the kernels' layout as they
-    arrive and keeps no reference to them (so a loader may hand it a read-only view of a file)."""
+    """Whether a BlockLinear of `qtype` on `device` takes its bytes into the kernels' layout as they
+    arrive: re-laid out, keeping no reference to them (the block formats: a loader may hand it a
+    read-only view of a file), or used as they are (float weights: `keeps_as_loaded`)."""
     packs = impl == "fast" and torch.device(device).type == "cpu" and kernel_ops() is not None
     return packs and (qtype not in FLOAT_TYPES or d_in % BLOCK_SIZE == 0)
+
+
+def keeps_as_loaded(qtype: str, d_in: int, device: torch.device | str, impl: str = "fast") -> bool:
+    """Whether such a layer multiplies the very bytes it is given, and keeps them (float weights, which
+    the kernels read as the file lays them out): a loader may hand it a view of a mapped file that
+    lives as long as the layer, and so copy nothing."""
+    return qtype in FLOAT_TYPES and packs_as_loaded(qtype, d_in, device, impl)
 
 
 class BlockLinear(nn.Module):
@@ -406,7 +415,7 @@ class BlockLinear(nn.Module):
         ops, blocks = kernel_ops(), self.weight_blocks
         fmt = FORMATS[self.qtype]
         on_cpu = ops is not None and blocks.device.type == "cpu"
-        if self.qtype in FLOAT_TYPES:  # float weights: the kernels' panels, else the float weight
+        if self.qtype in FLOAT_TYPES:  # float weights: the matrix itself (no copy), else the float weight
             kernel = (pack_floats(float_weight(blocks, self.qtype)) if on_cpu and self.d_in % BLOCK_SIZE == 0
                       else self.dequantized_weight())
         elif on_cpu:
@@ -614,4 +623,4 @@ Q5_K = _block_transform("q5_k", "llama.cpp's Q5_K super-blocks of 256 (5.5 bits 
 Q6_K = _block_transform("q6_k", "llama.cpp's Q6_K super-blocks of 256 (6.56 bits per weight; read from GGUF files, not written)")
 F16 = _block_transform("f16", "fp16 weights, float32 activations: the weights converted in registers (16 bits per weight)")
 BF16 = _block_transform("bf16", "bf16 weights, float32 activations: the weights converted in registers (16 bits per weight)")
-F32 = _block_transform("f32", "float32 weights in the kernels' panels (32 bits per weight: a GGUF file's F32 matrices as they are)")
+F32 = _block_transform("f32", "float32 weights, multiplied as they are (32 bits per weight: a GGUF file's F32 matrices)")

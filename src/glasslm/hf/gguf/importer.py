@@ -54,7 +54,7 @@ from glasslm.hf.plan import WeightTable
 from glasslm.io.build import empty_model, model_from_state_dict
 from glasslm.runtime import loading_threads
 from glasslm.transforms import parameter_count
-from glasslm.transforms.ggml import EMBED, LAYER_FORMATS, UNEMBED, packs_as_loaded
+from glasslm.transforms.ggml import EMBED, LAYER_FORMATS, UNEMBED, keeps_as_loaded, packs_as_loaded
 
 EMBEDDING, OUTPUT, ROPE_FREQS = "token_embd.weight", "output.weight", "rope_freqs.weight"
 _EXPERT_PROJECTIONS = (".mlp.gate", ".mlp.up", ".mlp.down")  # MoE's stacked expert parameters
@@ -293,6 +293,15 @@ class _Reading:
         the bytes out as they arrive and keeps no reference to them)."""
         return packs_as_loaded(qtype, self.file.shape(source)[-1], self.device, self.impl)
 
+    def ways(self, qtype: str, source: str) -> tuple[bool, bool]:
+        """(in_place, keeps): how `_rows` may read the file for such a layer."""
+        return self.in_place(qtype, source), self.keeps(qtype, source)
+
+    def keeps(self, qtype: str, source: str) -> bool:
+        """Whether that layer keeps the bytes as they are (float weights): a view of the mapped file
+        that lives as long as it does (`GGUFFile.kept_blocks`) is all it needs."""
+        return keeps_as_loaded(qtype, self.file.shape(source)[-1], self.device, self.impl)
+
     def hf_tensor(self, hf_name: str) -> Tensor:
         """An HF tensor in HF's layout, dequantized: llama.cpp's change undone."""
         return self.family.gguf.to_hf(hf_name, self.file.dequantized(self.names[hf_name]), self.hf)
@@ -358,7 +367,9 @@ def _keep_experts(reading: _Reading, plan: _Plan, ours: str, hf_names: tuple[str
     rows = shape[0] * shape[1]
 
     def make() -> Tensor:
-        in_place = reading.in_place(qtype, source)
+        in_place, keep = reading.ways(qtype, source)
+        if in_place and keep:
+            return file.kept_blocks(source).reshape(rows, -1)
         return (file.mapped_blocks(source) if in_place else file.blocks(source)).reshape(rows, -1)
 
     plan.tensors[ours + ".weight_blocks"] = make
@@ -380,7 +391,7 @@ def _keep_blocks(reading: _Reading, plan: _Plan, layer: str, hf_names: tuple[str
         return False
     file = reading.file
     if len(set(qtypes)) == 1:
-        plan.keep(layer, qtypes[0], lambda: _rows(file, sources, order, reading.in_place(qtypes[0], sources[0])),
+        plan.keep(layer, qtypes[0], lambda: _rows(file, sources, order, *reading.ways(qtypes[0], sources[0])),
                    len(sources))
         return True
     if len(order) != sum(file.shape(g)[0] for g in sources):
@@ -394,20 +405,23 @@ def _keep_blocks(reading: _Reading, plan: _Plan, layer: str, hf_names: tuple[str
     plan.splits[layer] = sizes
     for i, (run, start, rows) in enumerate(zip(runs, starts, sizes)):
         names, within = [g for g, _ in run], order[start:start + rows] - start
-        in_place = reading.in_place(run[0][1], names[0])
+        ways = reading.ways(run[0][1], names[0])
         plan.keep(f"{layer}.parts.{i}", run[0][1],
-                  lambda names=names, within=within, in_place=in_place: _rows(file, names, within, in_place), len(names))
+                  lambda names=names, within=within, ways=ways: _rows(file, names, within, *ways), len(names))
     return True
 
 
-def _rows(file: GGUFFile, sources: list[str], order: Tensor, in_place: bool = False) -> Tensor:
+def _rows(file: GGUFFile, sources: list[str], order: Tensor, in_place: bool = False, keep: bool = False) -> Tensor:
     """The sources' blocks, one after another, in `order`: copied once, or (`in_place`, for a layer
-    that re-lays them out at once) not at all where one source's rows come in the file's order."""
+    that re-lays them out at once; `keep`, for one that keeps them as they are) not at all where one
+    source's rows come in the file's order."""
     identity = torch.equal(order, torch.arange(len(order))) and len(order) == sum(file.shape(g)[0] for g in sources)
     if not in_place:
         blocks = file.blocks(sources[0]) if len(sources) == 1 else torch.cat([file.blocks(g) for g in sources])
         return blocks if identity else blocks[order]
     if len(sources) == 1:
+        if keep and identity:
+            return file.kept_blocks(sources[0])
         view = file.mapped_blocks(sources[0])
         return view if identity else view[order]
     return _gathered_rows(file, sources, None if identity else order)
@@ -465,7 +479,7 @@ def _keep_embedding(reading: _Reading, plan: _Plan, hf_names: tuple[str, ...], t
     if order is None:
         return False
     source = reading.names[hf_names[0]]
-    make = lambda: _rows(reading.file, [source], order, reading.in_place(qtype, source))  # noqa: E731
+    make = lambda: _rows(reading.file, [source], order, *reading.ways(qtype, source))  # noqa: E731
     if reading.hf.get("tie_word_embeddings"):
         plan.keep(UNEMBED, qtype, make)
     else:

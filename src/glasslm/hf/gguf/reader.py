@@ -179,6 +179,7 @@ class GGUFFile:
         self.path = path
         self._data = np.memmap(path, mode="r")
         self._mapped: list[_TensorEntry] = []  # views given out whose pages are still this process's
+        self._private: np.memmap | None = None  # the copy-on-write mapping `kept_blocks` views
         self.metadata: dict[str, Any] = {}
         self._tensors: dict[str, _TensorEntry] = {}
         self._read_header(memoryview(self._data))
@@ -297,6 +298,19 @@ class GGUFFile:
             blocks = torch.from_numpy(raw).reshape(entry.shape[0] if len(entry.shape) > 1 else 1, -1)
         self._mapped.append(entry)
         return blocks
+
+    def kept_blocks(self, name: str) -> Tensor:
+        """`blocks(name)` without a copy, for a layer that keeps the bytes as they are (float weights):
+        a view of a private, copy-on-write mapping of the file, which lives as long as any view of it.
+        Its pages are read from the file when first touched and shared with the OS's cache, as
+        llama.cpp maps a model, and a write to it changes only this process's copy. (As with llama.cpp,
+        overwriting the file in place while a model reads it changes or cuts what it reads; writing a
+        new file and renaming it over the old one does not.)"""
+        entry = self._tensor(name)
+        if self._private is None:
+            self._private = np.memmap(self.path, mode="c")
+        raw = self._private[entry.offset:entry.offset + entry.n_bytes]
+        return torch.from_numpy(raw).reshape(entry.shape[0] if len(entry.shape) > 1 else 1, -1)
 
     def drop_mapped(self) -> None:
         """Drops the pages of the views `mapped_blocks` gave from this process's memory."""
