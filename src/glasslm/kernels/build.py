@@ -1,7 +1,8 @@
 """Building glasslm's C++ kernels: compiled on first use into a cache, loaded as torch ops.
 
-`load()` compiles `qmatmul.cpp`, `decode.cpp`, `block.cpp` and `experts.cpp` with `torch.utils.cpp_extension`
-the first time any process needs it (tens of seconds), into `$TORCH_EXTENSIONS_DIR` if set, else `~/.cache/glasslm/kernels`, in a
+`load()` compiles `qmatmul.cpp`, `decode.cpp`, `block.cpp` and `experts.cpp` (and the `ops.h` they share)
+with `torch.utils.cpp_extension` the first time any process needs it (tens of seconds), into
+`$TORCH_EXTENSIONS_DIR` if set, else `~/.cache/glasslm/kernels`, in a
 folder named after the sources' hash, the compiler flags and the torch and Python versions. A build
 that loaded leaves `built.json` beside the library, and every later process loads that library
 directly, from any checkout or virtual environment with the same sources and torch: ninja's own
@@ -41,6 +42,7 @@ import torch
 ENV = "GLASSLM_KERNELS"
 ISA_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}  # the C++ side's numbering
 SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.cpp", "decode.cpp", "block.cpp", "experts.cpp")]
+HEADERS = [Path(__file__).with_name("ops.h")]  # (what the sources declare for one another: part of the build's key)
 # -O3 for the vector loops; OpenMP so at::parallel_for runs on torch's threads (the library joins
 # the libgomp torch already loaded). No -march: each path names its instructions (target
 # attributes), so one build runs on any x86-64 CPU and picks its path at run time.
@@ -57,7 +59,7 @@ def cache_dir() -> Path:
     """Where built kernels live: a folder per sources, flags, torch build and Python version (no path:
     every checkout of the same sources shares it)."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "glasslm" / "kernels")
-    code = b"".join(source.read_bytes() for source in SOURCES)
+    code = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
     key = hashlib.sha256(code + " ".join(CFLAGS + LDFLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
     tag = f"torch{torch.__version__.split('+')[0]}-py{sys.version_info.major}{sys.version_info.minor}"
     return root / f"kernels-{tag}-{key}"

@@ -35,6 +35,8 @@
 #include <optional>
 #include <vector>
 
+#include "ops.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define GLASSLM_X86 1

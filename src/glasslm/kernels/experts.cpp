@@ -30,19 +30,9 @@
 #include <utility>
 #include <vector>
 
-namespace glasslm_kernels {
+#include "ops.h"
 
-// qmatmul.cpp and decode.cpp
-struct Weights;
-std::shared_ptr<const Weights> checked_weights(const at::Tensor& levels, const std::optional<at::Tensor>& scales,
-                                               const std::optional<at::Tensor>& mins,
-                                               const std::optional<at::Tensor>& super_scales,
-                                               const std::optional<at::Tensor>& super_mins, int64_t bits, int64_t offset,
-                                               int64_t group_size, int64_t super_groups, int64_t d_out,
-                                               const std::optional<at::Tensor>& row_scale,
-                                               const std::optional<at::Tensor>& bias);
-at::Tensor qlinear_parts(const at::Tensor& x, const std::vector<const Weights*>& parts);
-void silu_mul_in_place(at::Tensor& gate, const at::Tensor& up);
+namespace glasslm_kernels {
 
 namespace {
 enum Projection : int64_t { kGate = 0, kUp = 1, kDown = 2 };

@@ -50,6 +50,8 @@
 #include <tuple>
 #include <vector>
 
+#include "ops.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define GLASSLM_X86 1
