@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -104,18 +105,24 @@ def _pre_tokenizer_json(pre: PreTokenizer) -> dict[str, Any]:
 
 def _added_tokens(tokens: Sequence[str], types: Sequence[int]) -> list[dict[str, Any]]:
     """Control and user-defined tokens, matched whole in any text (control ones are special)."""
+    # (The ids picked out by C-level iterators: a 128k-token vocabulary holds a few hundred of them.)
+    ids = itertools.compress(range(len(types)), map((CONTROL, USER_DEFINED).__contains__, types))
     return [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": kind == CONTROL}
-            for i, kind in enumerate(types) if kind in (CONTROL, USER_DEFINED)]
+             "normalized": False, "special": types[i] == CONTROL} for i in ids]
+
+
+def _vocabulary(tokens: Sequence[str]) -> dict[str, int]:
+    """Token text -> id (a text listed twice: its last id, as a dict display gives)."""
+    return dict(zip(tokens, range(len(tokens))))
 
 
 def _bpe_json(metadata: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int]) -> dict[str, Any]:
     pre = pre_tokenizer(_key(metadata, "pre"))
-    known = set(tokens)
+    vocab = _vocabulary(tokens)
     # A merge whose result is no token never applies in llama.cpp's BPE (it falls back to the parts), and
     # Hugging Face's BPE refuses one: such a merge (a char vocabulary's placeholder) is left out.
     # (Kept as "left right" strings, which the tokenizers library splits at the first space, as here.)
-    merges = [merge for merge in _key(metadata, "merges", []) if merge.replace(" ", "", 1) in known]
+    merges = [merge for merge in _key(metadata, "merges", []) if merge.replace(" ", "", 1) in vocab]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     return {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": _added_tokens(tokens, types),
@@ -123,7 +130,7 @@ def _bpe_json(metadata: Mapping[str, Any], tokens: Sequence[str], types: Sequenc
         "decoder": byte_level,
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": pre.ignore_merges, "vocab": {t: i for i, t in enumerate(tokens)}, "merges": merges},
+                  "ignore_merges": pre.ignore_merges, "vocab": vocab, "merges": merges},
     }
 
 
@@ -167,7 +174,7 @@ def _spm_json(metadata: Mapping[str, Any], tokens: Sequence[str], types: Sequenc
         "post_processor": None, "decoder": {"type": "Sequence", "decoders": decoders},
         "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
-                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": spm_merges(tokens, scores, types)},
+                  "vocab": _vocabulary(tokens), "merges": spm_merges(tokens, scores, types)},
     }
 
 
@@ -248,7 +255,9 @@ def _with_bpe_model(data: dict[str, Any], config: Mapping[str, Any]) -> HFTokeni
     # a model still empty would give it another.)
     empty = {**data, "added_tokens": [], "model": {**model, "vocab": {}, "merges": []}}
     tokenizer = HFTokenizer.from_json(empty, config)
-    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    merges = model["merges"]  # "left right" strings (gpt2) or [left, right] lists (llama), all alike
+    strings = bool(merges) and isinstance(merges[0], str)
+    pairs = [tuple(m.split(" ", 1)) for m in merges] if strings else list(map(tuple, merges))
     try:
         tokenizer.backend.model = BPE(vocab=model["vocab"], merges=pairs, **options)
     except Exception as err:  # the Rust side raises plain Exceptions
