@@ -6,6 +6,7 @@ traceback, no hang and no allocation past a fixed allowance, in a child process 
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -106,6 +107,39 @@ def test_a_file_named_by_its_context_length_loads_with_a_shorter_one(base_file, 
     path.write_bytes(raw.to_bytes())
     assert main(["convert", "--from-gguf", str(path), "--out", str(tmp_path / "out"), "--context-length", "64"]) == 0
     assert "kept in their blocks" in capsys.readouterr().out
+
+
+STRING_ARRAYS = {
+    # (the strings' bytes, whether they are read at once; else by the one-at-a-time loop)
+    "plain and empty": ([b"a", b"", b"\xc4\xa0the", "\u6771\u4eac".encode(), b"", b"x" * 70_000], True),
+    "a zero byte inside": ([b"a", b"b\0c", b"d"], False),
+    "bytes that are not UTF-8": ([b"a", b"\xff", b"\xe2\x82", b"\xe2\x82\xac"], False),
+}
+
+
+@pytest.mark.parametrize("case", STRING_ARRAYS)
+def test_a_string_array_reads_as_each_string_decoded_alone(case):
+    """A vocabulary's strings (read at once where that is exact) are each one's bytes decoded on its
+    own, invalid UTF-8 as replacement characters, and the next value is read from where they end."""
+    from glasslm.hf.gguf.reader import _Cursor
+
+    items, at_once = STRING_ARRAYS[case]
+    raw = b"".join(struct.pack("<Q", len(item)) + item for item in items) + struct.pack("<I", 7)
+    cursor = _Cursor(memoryview(raw))
+    assert (cursor._joined_strings(len(items)) is not None) == at_once
+    cursor.offset = 0
+    assert cursor.strings(len(items)) == [item.decode("utf-8", errors="replace") for item in items]
+    assert cursor.take("<I") == 7
+
+
+@pytest.mark.parametrize("cut", [3, 12, "huge"])  # inside a length; inside the last string; a length 2**64 - 1
+def test_a_string_array_running_past_the_end_is_refused_by_name(cut):
+    from glasslm.hf.gguf.reader import _Cursor
+
+    raw = b"".join(struct.pack("<Q", len(item)) + item for item in (b"ab", b"cdef"))
+    raw = struct.pack("<Q", 2 ** 64 - 1) + raw if cut == "huge" else raw[:-cut]
+    with pytest.raises(ValueError, match="runs past the end|needs more bytes than the file has left"):
+        _Cursor(memoryview(raw)).strings(2)
 
 
 @pytest.fixture(scope="module")

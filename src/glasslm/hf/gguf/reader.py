@@ -116,7 +116,10 @@ class _Cursor:
 
     def strings(self, n: int) -> list[str]:
         """`n` strings one after another: `string()` n times, in one loop (a vocabulary is 50k-260k of
-        them, read at every load)."""
+        them, read at every load), or at once (`_joined_strings`) where that gives the same strings."""
+        joined = self._joined_strings(n)
+        if joined is not None:
+            return joined
         buffer, offset, end, out = self.buffer, self.offset, len(self.buffer), []
         length_at = _U64.unpack_from
         for _ in range(n):
@@ -131,6 +134,37 @@ class _Cursor:
             offset += length
         self.offset = offset
         return out
+
+    def _joined_strings(self, n: int) -> list[str] | None:
+        """`strings(n)` decoded as one text: the loop finds only where each string starts, and the
+        strings' bytes, each after a zero byte (its length's last byte), are decoded and split in one
+        go (~2x faster than a decode per string). None (the loop then reads them, and says what is
+        wrong) where that could differ: a string running past the end, or one holding a zero byte
+        or bytes that are not UTF-8 (which `strings` decodes with replacement characters)."""
+        buffer, start, starts = self.buffer, self.offset, []
+        offset, length_at, append = start, _U64.unpack_from, starts.append
+        try:
+            for _ in range(n):
+                append(offset)
+                offset += 8 + length_at(buffer, offset)[0]
+        except (struct.error, OverflowError):  # a length read past the end of the buffer, or past 2**63
+            return None
+        if offset > len(buffer) or not starts:
+            return None
+        data = np.frombuffer(buffer, np.uint8, offset - start, start)
+        firsts = np.array(starts, dtype=np.int64) - start  # (n,) where each length starts
+        edges = np.zeros(len(data) + 1, dtype=np.int8)  # +1 where a kept stretch starts, -1 where it ends
+        edges[firsts + 7] = 1  # (a length's last byte: zero, as no length here is 2**56 bytes)
+        edges[np.append(firsts[1:], len(data))] = -1
+        joined = data[np.cumsum(edges[:-1], dtype=np.int8) > 0].tobytes()  # "\0" + s0 + "\0" + s1 ...
+        if joined.count(0) != n:
+            return None
+        try:
+            text = joined.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        self.offset = offset
+        return text.split("\0")[1:]
 
     def value(self, kind: int) -> Any:
         if kind == _STRING:
