@@ -116,6 +116,27 @@ def test_sinusoidal_table_closed_form():
             assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows, d, theta, gain", [(131_072, 64, 500_000.0, 1.0), (4_099, 24, 10_000.0, 1.2),
+                                                   (70_001, 128, 1e6, 1.0), (5, 6, 10_000.0, 0.7)])
+def test_the_rotary_table_is_the_one_pass_formula_bit_for_bit(rows, d, theta, gain, threads):
+    """The table made a stretch of rows at a time (`rotary_table`) holds exactly the float32 values
+    of the formula in one pass: (gain * cos(p * inv_freq)).float() in float64, a 128k context included."""
+    from glasslm.core.positions import rotary_table
+
+    inv_freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cos, sin = rotary_table(rows, inv_freq, gain)
+        angles = torch.arange(rows, dtype=torch.float64)[:, None] * inv_freq
+        assert cos.dtype == sin.dtype == torch.float32
+        assert torch.equal(cos, (gain * torch.cos(angles)).float())
+        assert torch.equal(sin, (gain * torch.sin(angles)).float())
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_rope_preserves_norms():
     rope = RotaryPositions(32, 16, theta=10000.0)
     x = torch.randn(2, 3, 32, 16)
