@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from glasslm.tokenizers.base import BPE_DESCRIPTOR_FILE, ENDOFTEXT, MERGES_FILE, MERGES_HEADER, VOCAB_FILE
-from glasslm.tokenizers.pretokens import PRETOKEN_PATTERN, PRETOKEN_RE, encode_with_specials, special_split_pattern
+from glasslm.tokenizers import pretokens
+from glasslm.tokenizers.pretokens import PRETOKEN_PATTERN, encode_with_specials, special_split_pattern
 
 Backend = Literal["auto", "glasslm", "tiktoken"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
@@ -251,7 +252,7 @@ class BPETokenizer:
         """
         if self._tiktoken is not None:
             return self._tiktoken.encode_ordinary(text)
-        return list(chain.from_iterable(map(self._cache.__getitem__, PRETOKEN_RE.findall(text))))
+        return list(chain.from_iterable(map(self._cache.__getitem__, pretokens.PRETOKEN_RE.findall(text))))
 
     def encode(self, text: str) -> list[int]:
         """Token ids for `text`; special tokens become their single ids (longest match wins)."""
@@ -334,7 +335,7 @@ class BPETokenizer:
             if "!" <= buf[q - 1] <= "~" and "!" <= buf[q + 1] <= "~":
                 return self.encode(buf[: q + 1]), q + 1
             q = buf.rfind("\n", start + 1, q)
-        pieces = PRETOKEN_RE.findall(buf, start, horizon)
+        pieces = pretokens.PRETOKEN_RE.findall(buf, start, horizon)
         end = horizon
         while pieces and end > horizon - 2:
             end -= len(pieces.pop())

@@ -3,6 +3,7 @@ into pre-tokens (merges never cross one), splitting at special tokens (and encod
 without changing how it pre-tokenizes.
 
 Example:
+    >>> from glasslm.tokenizers.pretokens import PRETOKEN_RE
     >>> PRETOKEN_RE.findall("it's  2024!")
     ['it', "'s", ' ', ' 2024', '!']
 """
@@ -10,14 +11,26 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-import regex
+if TYPE_CHECKING:
+    import regex
 
 PRETOKEN_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 """GPT-2's pre-tokenizer: contractions, letter runs, number runs, other-symbol runs (each may take
 one leading space), then whitespace (a run followed by text leaves its last space to that text)."""
 
-PRETOKEN_RE = regex.compile(PRETOKEN_PATTERN)
+
+
+def __getattr__(name: str) -> Any:
+    """`PRETOKEN_RE` (`PRETOKEN_PATTERN` compiled), made on first use: the `regex` package takes ~20-30 ms
+    to import, which loading a GGUF or Hugging Face model (the tokenizers library's tokenizers) never needs."""
+    if name != "PRETOKEN_RE":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import regex
+
+    globals()["PRETOKEN_RE"] = compiled = regex.compile(PRETOKEN_PATTERN)
+    return compiled
 
 
 def special_split_pattern(special_tokens: Iterable[str]) -> regex.Pattern | None:
@@ -35,6 +48,8 @@ def special_split_pattern(special_tokens: Iterable[str]) -> regex.Pattern | None
         return None
     if any(not t for t in tokens):
         raise ValueError("special tokens must be non-empty strings")
+    import regex
+
     return regex.compile("|".join(regex.escape(t) for t in tokens))
 
 
@@ -49,6 +64,8 @@ def safe_cut_pattern(special_tokens: Sequence[str], as_bytes: bool = False) -> r
     no look-behind, so whatever starts at `y` does not depend on what came before. The newline rule
     is left out if some special token itself contains a newline (a cut could land inside it).
     """
+    import regex
+
     alternatives = []
     specials = sorted(set(special_tokens), key=lambda s: (-len(s), s))
     if specials:

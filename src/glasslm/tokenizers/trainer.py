@@ -39,7 +39,8 @@ from pathlib import Path
 from glasslm.locations import check_output_dir
 from glasslm.tokenizers.base import ENDOFTEXT
 from glasslm.tokenizers.bpe import BPETokenizer
-from glasslm.tokenizers.pretokens import PRETOKEN_RE, safe_cut_pattern, special_split_pattern
+from glasslm.tokenizers import pretokens
+from glasslm.tokenizers.pretokens import safe_cut_pattern, special_split_pattern
 
 # Files are counted in pieces of roughly this many bytes, so workers stay balanced.
 _PIECE_BYTES = 1 << 20
@@ -61,7 +62,7 @@ def count_pretokens(text: str, special_tokens: Sequence[str] = ()) -> Counter[st
     pieces = splitter.split(text) if splitter else [text]
     counts: Counter[str] = Counter()
     for piece in pieces:
-        counts.update(PRETOKEN_RE.findall(piece))
+        counts.update(pretokens.PRETOKEN_RE.findall(piece))
     return counts
 
 
