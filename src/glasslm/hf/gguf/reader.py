@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
 import math
@@ -141,7 +142,7 @@ class _Cursor:
         go (~2x faster than a decode per string). None (the loop then reads them, and says what is
         wrong) where that could differ: a string running past the end, or one holding a zero byte
         or bytes that are not UTF-8 (which `strings` decodes with replacement characters)."""
-        buffer, start, starts = self.buffer, self.offset, []
+        buffer, start, starts = self.buffer, self.offset, array.array("q")  # (8 bytes a string: within the file's size)
         offset, length_at, append = start, _U64.unpack_from, starts.append
         try:
             for _ in range(n):
@@ -152,7 +153,7 @@ class _Cursor:
         if offset > len(buffer) or not starts:
             return None
         data = np.frombuffer(buffer, np.uint8, offset - start, start)
-        firsts = np.array(starts, dtype=np.int64) - start  # (n,) where each length starts
+        firsts = np.frombuffer(starts, dtype=np.int64) - start  # (n,) where each length starts
         edges = np.zeros(len(data) + 1, dtype=np.int8)  # +1 where a kept stretch starts, -1 where it ends
         edges[firsts + 7] = 1  # (a length's last byte: zero, as no length here is 2**56 bytes)
         edges[np.append(firsts[1:], len(data))] = -1
