@@ -83,6 +83,7 @@ def _plain(value: Any) -> Any:
 
 
 _U64 = struct.Struct("<Q")
+_JOINED_AT_MOST = 1 << 26  # bytes of strings decoded at once, a few copies of them made (a vocabulary's: ~2 MB)
 
 
 class _Cursor:
@@ -150,7 +151,7 @@ class _Cursor:
                 offset += 8 + length_at(buffer, offset)[0]
         except (struct.error, OverflowError):  # a length read past the end of the buffer, or past 2**63
             return None
-        if offset > len(buffer) or not starts:
+        if offset > len(buffer) or not starts or offset - start > _JOINED_AT_MOST:
             return None
         data = np.frombuffer(buffer, np.uint8, offset - start, start)
         firsts = np.frombuffer(starts, dtype=np.int64) - start  # (n,) where each length starts
