@@ -210,7 +210,7 @@ def print_memory(rows: dict[str, dict]) -> None:
     for name, row in rows.items():
         ours, theirs = row["glasslm"], row["llama.cpp"]
         print(f"| {name} | {row['file_mb']:.0f} | {ours['peak_mb']:.0f} | {theirs['peak_mb']:.0f} | "
-              f"**{ours['peak_mb'] / theirs['peak_mb']:.2f}x** | {ours['load_s']:.1f} | {theirs['load_s']:.1f} |")
+              f"**{ours['peak_mb'] / theirs['peak_mb']:.2f}x** | {ours['load_s']:.2f} | {theirs['load_s']:.2f} |")
 
 
 def main() -> None:
