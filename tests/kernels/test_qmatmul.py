@@ -225,10 +225,11 @@ FORMAT_NAMES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
 
 
 @pytest.mark.parametrize("qtype", FORMAT_NAMES)
-def test_the_cpp_packer_lays_out_any_bytes_as_the_readable_pack_does(qtype):
+def test_the_cpp_packer_lays_out_any_bytes_as_the_readable_pack_does(isa, qtype):
     """Every bit pattern a file may hold (random bytes: all levels, high bits and sub-scales), 37 rows
     (a last panel of 5): the C++ packer, which forms the packed bytes from the file's own without
-    decoding a level at a time, lays out exactly what pack(block_matrix(...)) does."""
+    decoding a level at a time, lays out exactly what pack(block_matrix(...)) does, on each path (the
+    K-quants' high bit planes are made with AVX2 where there is AVX2)."""
     g = torch.Generator().manual_seed(3)
     blocks = torch.randint(0, 256, (37, 2 * FORMATS[qtype].bytes), dtype=torch.uint8, generator=g)
     packed, readable = kernel_ops().pack_ggml(blocks, qtype), pack(block_matrix(blocks, qtype))

@@ -1635,32 +1635,57 @@ static NibbleSource nibbles_of(const uint8_t* block, int64_t b) {
   return {block + (f.bits == 5 ? 48 : 16) + 32 * (b / 2), true, b % 2 == 1};       // qs after scales (and qh)
 }
 
-// The K-quants' level bits above the nibble, gathered once per row's super-block for all its blocks:
-// byte k of high[n][t] is byte 4k + t of the 32 qh bytes that hold them (q5_k: qh[32], bit b of qh[l]
-// the fifth bit of input l of block b; q6_k: qh[64], bits 2m and 2m + 1 of qh[32n + l] the two high
-// bits of input l of block 4n + m), so each byte of a plane is one multiply (bits_of_bytes).
-template <int K>
-static void gather_high(const uint8_t* block, uint64_t high[2][4]) {
-  constexpr GgmlFormat f = kGgmlFormats[K];
-  for (int n = 0; n < (f.bits == 6 ? 2 : 1); ++n) {
-    const uint8_t* qh = f.bits == 5 ? block + 16 : block + 128 + 32 * n;
-    for (int t = 0; t < 4; ++t) {
-      uint64_t x = 0;
-      for (int k = 0; k < 8; ++k) x |= static_cast<uint64_t>(qh[4 * k + t]) << (8 * k);
-      high[n][t] = x;
-    }
-  }
-}
-
 // Bit k of the result: bit `s` of byte k of x (each byte's bit moved to the top byte by one multiply:
 // the product's terms for byte k land on bit 56 + k, the others on distinct bits, so nothing carries).
 static inline uint32_t bits_of_bytes(uint64_t x, int s) {
   return static_cast<uint32_t>((((x >> s) & 0x0101010101010101ull) * 0x0102040810204080ull) >> 56);
 }
 
+// The K-quants' level bits above the nibble, as the packed planes (bit k of byte t: that bit of input
+// 4k + t of a block), made once per row's super-block for all its blocks. Both formats keep them in
+// 32-byte runs `qh` where bit s of qh[l] is a high bit of input l of some block (q5_k: qh[32], bit b
+// the fifth bit of block b; q6_k: qh[64], bits 2m and 2m + 1 of qh[32n + l] the two high bits of
+// block 4n + m), so a run's eight planes, `planes[s]` the one of bit s, are all a super-block needs.
+// (high_planes_avx2 below makes the same words: the order of the bytes first, then one bit of each.)
+static void run_planes(const uint8_t* qh, uint32_t planes[8]) {
+  uint64_t by_t[4];  // byte k of by_t[t]: qh[4k + t]
+  for (int t = 0; t < 4; ++t) {
+    uint64_t x = 0;
+    for (int k = 0; k < 8; ++k) x |= static_cast<uint64_t>(qh[4 * k + t]) << (8 * k);
+    by_t[t] = x;
+  }
+  for (int s = 0; s < 8; ++s) {
+    planes[s] = bits_of_bytes(by_t[0], s) | bits_of_bytes(by_t[1], s) << 8 | bits_of_bytes(by_t[2], s) << 16 |
+                bits_of_bytes(by_t[3], s) << 24;
+  }
+}
+
+GLASSLM_AVX2 static void run_planes_avx2(const uint8_t* qh, uint32_t planes[8]) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+  // In each 128-bit lane, bytes 4k + t to dword t (k 0-3 in the low lane, 4-7 in the high), then the
+  // two lanes' dword t side by side: byte 8t + k = qh[4k + t], so the top bits of the bytes are a plane.
+  const __m256i by_t = _mm256_permutevar8x32_epi32(
+      _mm256_shuffle_epi8(bytes, _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                                  0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  for (int s = 0; s < 8; ++s) {  // (a word shift by 7 - s puts bit s of each byte at its top: none crosses)
+    planes[s] = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_sll_epi16(by_t, _mm_cvtsi32_si128(7 - s))));
+  }
+}
+
+// Every plane of one row's super-block: planes[8n + s] from run n (q5_k: one run, q6_k: two).
+template <int K>
+static void high_planes(const uint8_t* block, bool avx2, uint32_t planes[16]) {
+  constexpr GgmlFormat f = kGgmlFormats[K];
+  for (int n = 0; n < (f.bits == 6 ? 2 : 1); ++n) {
+    const uint8_t* qh = f.bits == 5 ? block + 16 : block + 128 + 32 * n;
+    avx2 ? run_planes_avx2(qh, planes + 8 * n) : run_planes(qh, planes + 8 * n);
+  }
+}
+
 // Plane `bit` (4 or 5) of block b: bit k of byte t is that bit of input 4k + t's level (pack_panel_block's planes).
 template <int K>
-static uint32_t high_plane(const uint8_t* block, int64_t b, int bit, const uint64_t high[2][4]) {
+static uint32_t high_plane(const uint8_t* block, int64_t b, int bit, const uint32_t planes[16]) {
   constexpr GgmlFormat f = kGgmlFormats[K];
   if (!f.supers) {  // q5_0 / q5_1: one 32-bit word, bit i the fifth bit of input i
     const uint8_t* qh = block + (f.mins ? 4 : 2);
@@ -1671,22 +1696,21 @@ static uint32_t high_plane(const uint8_t* block, int64_t b, int bit, const uint6
     }
     return plane;
   }
-  const uint64_t* x = high[f.bits == 6 ? b / 4 : 0];
-  const int shift = (f.bits == 5 ? static_cast<int>(b) : static_cast<int>(2 * (b % 4))) + bit - 4;
-  return bits_of_bytes(x[0], shift) | bits_of_bytes(x[1], shift) << 8 | bits_of_bytes(x[2], shift) << 16 |
-         bits_of_bytes(x[3], shift) << 24;
+  return f.bits == 5 ? planes[b] : planes[8 * (b / 4) + 2 * (b % 4) + bit - 4];
 }
 
 // Block b (of 32 inputs) of one row's file block, into its row's 4 bytes of each packed chunk (`row`:
 // byte 4 * lane of the panel block): what pack_panel_block makes of the levels block_fields (ggml.py)
 // reads, byte for byte, formed from the file's bytes without a level decoded one at a time.
 template <int K>
-static void direct_block(const uint8_t* block, int64_t b, uint8_t* row, const uint64_t high[2][4]) {
+static void direct_block(const uint8_t* block, int64_t b, uint8_t* row, const uint32_t planes[16]) {
   constexpr GgmlFormat f = kGgmlFormats[K];
   if (f.bits == 8) {  // int8 q -> q + 128, chunk k holding inputs 4k..4k+3
-    const uint8_t* q = block + 2;
+    uint32_t quads[8];  // (a word at a time: each chunk's four bytes are one store)
+    std::memcpy(quads, block + 2, 32);
     for (int k = 0; k < 8; ++k) {
-      for (int t = 0; t < 4; ++t) row[64 * k + t] = q[4 * k + t] ^ 0x80;
+      const uint32_t shifted = quads[k] ^ 0x80808080u;
+      std::memcpy(row + 64 * k, &shifted, 4);
     }
     return;
   }
@@ -1701,16 +1725,17 @@ static void direct_block(const uint8_t* block, int64_t b, uint8_t* row, const ui
   }
   for (int k = 0; k < 4; ++k) std::memcpy(row + 64 * k, pairs + 4 * k, 4);
   for (int bit = 4; bit < f.bits; ++bit) {
-    const uint32_t plane = high_plane<K>(block, b, bit, high);
+    const uint32_t plane = high_plane<K>(block, b, bit, planes);
     std::memcpy(row + 256 + 64 * (bit - 4), &plane, 4);
   }
 }
 
 // One panel's file blocks number `fb` (rows p * 16 ..): packed a row at a time (its 1-8 blocks'
 // bytes land in 2-3 KB that stay in L1 while the panel's 16 rows fill them), and their scales stored.
+constexpr int64_t kAhead = 2;  // file blocks: each lane's next-but-one is fetched while this one is packed
 template <int K>
 static void pack_file_block(const uint8_t* in, int64_t row_bytes, int64_t p, int64_t lanes, int64_t fb, int64_t d_in,
-                            PackedGgml& out) {
+                            bool avx2, PackedGgml& out) {
   constexpr GgmlFormat f = kGgmlFormats[K];
   constexpr int64_t step = f.bits == 8 ? kPanel * kBlock : kPanel * kBlock / 2 + 64 * (f.bits - 4);
   constexpr int64_t per_block = f.inputs / kBlock, per_groups = f.inputs / f.group_size;
@@ -1720,10 +1745,13 @@ static void pack_file_block(const uint8_t* in, int64_t row_bytes, int64_t p, int
   DecodedBlock decoded[kPanel];
   for (int64_t lane = 0; lane < lanes; ++lane) {
     const uint8_t* block = in + (p * kPanel + lane) * row_bytes + fb * f.bytes;
+    if (fb + kAhead < row_bytes / f.bytes) {
+      for (int64_t c = 0; c < f.bytes; c += 64) __builtin_prefetch(block + kAhead * f.bytes + c);
+    }
     f.supers ? decode_k<K>(block, decoded[lane]) : decode_small<K>(block, decoded[lane]);
-    uint64_t high[2][4];
-    if constexpr (f.supers && f.bits > 4) gather_high<K>(block, high);
-    for (int64_t b = 0; b < per_block; ++b) direct_block<K>(block, b, dst + b * step + 4 * lane, high);
+    uint32_t planes[16];
+    if constexpr (f.supers && f.bits > 4) high_planes<K>(block, avx2, planes);
+    for (int64_t b = 0; b < per_block; ++b) direct_block<K>(block, b, dst + b * step + 4 * lane, planes);
   }
   const bool half = f.scale_kind == kHalf;
   for (int64_t lane = 0; lane < lanes; ++lane) {
@@ -1747,11 +1775,12 @@ static void pack_file_block(const uint8_t* in, int64_t row_bytes, int64_t p, int
 
 template <int K>
 static void pack_panels(const uint8_t* in, int64_t row_bytes, int64_t d_out, int64_t d_in, PackedGgml& out) {
+  const bool avx2 = current_isa() >= kAvx2;
   const int64_t panels = (d_out + kPanel - 1) / kPanel, file_blocks = d_in / kGgmlFormats[K].inputs;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t lanes = std::min<int64_t>(kPanel, d_out - p * kPanel);
-      for (int64_t fb = 0; fb < file_blocks; ++fb) pack_file_block<K>(in, row_bytes, p, lanes, fb, d_in, out);
+      for (int64_t fb = 0; fb < file_blocks; ++fb) pack_file_block<K>(in, row_bytes, p, lanes, fb, d_in, avx2, out);
     }
   });
 }
