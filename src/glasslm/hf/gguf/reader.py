@@ -311,14 +311,14 @@ class GGUFFile:
         each row's blocks, one after another)."""
         entry = self._tensor(name)
         raw = self._data[entry.offset:entry.offset + entry.n_bytes]
-        blocks = torch.from_numpy(np.array(raw, dtype=np.uint8)).reshape(entry.shape[0] if len(entry.shape) > 1 else 1, -1)
+        blocks = torch.from_numpy(np.array(raw, dtype=np.uint8)).reshape(self._block_rows(entry), -1)
         self._release(entry)
         return blocks
 
     def blocks_shape(self, name: str) -> tuple[int, int]:
         """(rows, bytes per row) of `blocks(name)`, without reading it."""
         entry = self._tensor(name)
-        rows = entry.shape[0] if len(entry.shape) > 1 else 1
+        rows = self._block_rows(entry)
         return rows, entry.n_bytes // rows
 
     def mapped_blocks(self, name: str) -> Tensor:
@@ -331,7 +331,7 @@ class GGUFFile:
         raw = self._data[entry.offset:entry.offset + entry.n_bytes]
         with warnings.catch_warnings():  # (torch warns of any read-only array: this one is by design)
             warnings.simplefilter("ignore", UserWarning)
-            blocks = torch.from_numpy(raw).reshape(entry.shape[0] if len(entry.shape) > 1 else 1, -1)
+            blocks = torch.from_numpy(raw).reshape(self._block_rows(entry), -1)
         self._mapped.append(entry)
         return blocks
 
@@ -346,7 +346,7 @@ class GGUFFile:
         if self._private is None:
             self._private = np.memmap(self.path, mode="c")
         raw = self._private[entry.offset:entry.offset + entry.n_bytes]
-        return torch.from_numpy(raw).reshape(entry.shape[0] if len(entry.shape) > 1 else 1, -1)
+        return torch.from_numpy(raw).reshape(self._block_rows(entry), -1)
 
     def drop_mapped(self) -> None:
         """Drops the pages of the views `mapped_blocks` gave from this process's memory."""
@@ -377,6 +377,11 @@ class GGUFFile:
             return
         start = entry.offset // mmap.PAGESIZE * mmap.PAGESIZE
         mapped.madvise(mmap.MADV_DONTNEED, start, entry.offset + entry.n_bytes - start)
+
+    @staticmethod
+    def _block_rows(entry: _TensorEntry) -> int:
+        """Rows of `blocks(name)`: PyTorch's first dimension (a 1-D tensor: one row)."""
+        return entry.shape[0] if len(entry.shape) > 1 else 1
 
     @staticmethod
     def _rows(entry: _TensorEntry) -> int:
