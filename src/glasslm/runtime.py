@@ -178,6 +178,33 @@ class ThreadChoice:
 
 
 @contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cycle collector off for the block, then as it was before. For code that makes hundreds
+    of thousands of objects that are either garbage at once (freed by their reference counts) or kept,
+    and no reference cycles, so that a collection in the middle can find nothing: a full one walks every
+    object the process holds, ~0.09 s once torch is imported, and a 49k-token vocabulary's build set
+    one off at every SmolLM2 load. Nothing the caller made is collected differently afterwards.
+
+    Example:
+        >>> import gc
+        >>> with collector_paused():
+        ...     gc.isenabled()
+        False
+        >>> gc.isenabled()
+        True
+    """
+    import gc
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
 def loading_threads() -> Iterator[int]:
     """torch's CPU threads raised, for the block, to every core the machine's load leaves free, then put
     back: loading lays each weight out once for the kernels (a pass over the whole file, bound by

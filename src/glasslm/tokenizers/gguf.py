@@ -37,6 +37,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from glasslm.runtime import collector_paused
 from glasslm.tokenizers.bpe import BPETokenizer, gpt2_vocab, token_text
 from glasslm.tokenizers.char import CharTokenizer
 from glasslm.tokenizers.hf import HFTokenizer, special_token_ids, to_hf_json
@@ -224,6 +225,11 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> HFTokenizer:
     Raises `UnsupportedTokenizerError` for a vocabulary kind or pre-tokenizer it would not run as
     llama.cpp does, and ValueError for a file without a vocabulary.
     """
+    with collector_paused():  # (its lists of merges and their pairs are garbage at once, and hold no cycles)
+        return _tokenizer_from_gguf(metadata)
+
+
+def _tokenizer_from_gguf(metadata: Mapping[str, Any]) -> HFTokenizer:
     tokens = _key(metadata, "tokens")
     if not tokens:
         raise ValueError("this GGUF file holds no vocabulary (tokenizer.ggml.tokens)")
