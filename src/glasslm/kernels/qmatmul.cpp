@@ -322,10 +322,12 @@ GLASSLM_AVX512 inline __m512 group_values512(const Weights& w, int64_t panel, in
   }
 }
 
-GLASSLM_AVX512 inline __m512i broadcast4(const int8_t* p) {
-  int32_t four;
-  std::memcpy(&four, p, 4);
-  return _mm512_set1_epi32(four);
+// acc + dpbusd(levels, the 4 bytes at p in every lane), read by the vpdpbusd itself ({1to16}): GCC
+// otherwise broadcasts them with an instruction of their own, and half the instructions of a prefill
+// tile were those (the wide tile measured 7-14% faster without them).
+GLASSLM_AVX512 inline __m512i dpbusd_at(__m512i acc, __m512i levels, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(levels), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
 }
 
 // One block's 32 inputs x 16 rows as eight registers of unsigned levels, register k holding inputs
@@ -358,8 +360,8 @@ GLASSLM_AVX512 inline void unpack_block512(const uint8_t* block, __m512i* levels
 GLASSLM_AVX512 inline __m512i quads_dot512(const __m512i* levels, const int8_t* xq, __m512i start, int k0, int k1) {
   __m512i odd = _mm512_setzero_si512();
   for (int k = k0; k < k1; k += 2) {
-    start = _mm512_dpbusd_epi32(start, levels[k], broadcast4(xq + 4 * k));
-    odd = _mm512_dpbusd_epi32(odd, levels[k + 1], broadcast4(xq + 4 * k + 4));
+    start = dpbusd_at(start, levels[k], xq + 4 * k);
+    odd = dpbusd_at(odd, levels[k + 1], xq + 4 * k + 4);
   }
   return _mm512_add_epi32(start, odd);
 }
@@ -437,14 +439,14 @@ inline void half_starts_of(const Rows& x, int64_t row, int64_t b, int32_t offset
 GLASSLM_AVX512 inline __m512 half_dot512(const __m512i* levels, const Rows& x, int64_t row, int64_t b, __m512i start, int k0) {
   const int8_t* q1 = x.levels(row, 0, b);
   if (x.passes == 1) {
-    for (int k = k0; k < k0 + 4; ++k) start = _mm512_dpbusd_epi32(start, levels[k], broadcast4(q1 + 4 * k));
+    for (int k = k0; k < k0 + 4; ++k) start = dpbusd_at(start, levels[k], q1 + 4 * k);
     return _mm512_cvtepi32_ps(start);
   }
   const int8_t* q2 = x.levels(row, 1, b);
   __m512i first = _mm512_setzero_si512();
   for (int k = k0; k < k0 + 4; ++k) {
-    first = _mm512_dpbusd_epi32(first, levels[k], broadcast4(q1 + 4 * k));
-    start = _mm512_dpbusd_epi32(start, levels[k], broadcast4(q2 + 4 * k));
+    first = dpbusd_at(first, levels[k], q1 + 4 * k);
+    start = dpbusd_at(start, levels[k], q2 + 4 * k);
   }
   return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(first, 8), start));
 }
@@ -521,10 +523,8 @@ GLASSLM_AVX512 inline void block_dots512(const __m512i* levels, const int8_t* q1
   }
   for (int k = 0; k < 8; ++k) {
     for (int j = 0; j < N; ++j) {
-      first[j] = _mm512_dpbusd_epi32(first[j], levels[k], broadcast4(q1 + kBlock * (r0 + j) + 4 * k));
-      if constexpr (PASSES == kPasses) {
-        second[j] = _mm512_dpbusd_epi32(second[j], levels[k], broadcast4(q2 + kBlock * (r0 + j) + 4 * k));
-      }
+      first[j] = dpbusd_at(first[j], levels[k], q1 + kBlock * (r0 + j) + 4 * k);
+      if constexpr (PASSES == kPasses) second[j] = dpbusd_at(second[j], levels[k], q2 + kBlock * (r0 + j) + 4 * k);
     }
   }
   for (int j = 0; j < N; ++j) {
@@ -587,10 +587,8 @@ GLASSLM_AVX512 inline void half_dots512(const __m512i* levels, const int8_t* q1,
     for (int j = 0; j < N; ++j) {
       for (int h = 0; h < 2; ++h) {
         const int quad = 4 * h + k;
-        one[j][h] = _mm512_dpbusd_epi32(one[j][h], levels[quad], broadcast4(q1 + kBlock * (r0 + j) + 4 * quad));
-        if constexpr (PASSES == kPasses) {
-          two[j][h] = _mm512_dpbusd_epi32(two[j][h], levels[quad], broadcast4(q2 + kBlock * (r0 + j) + 4 * quad));
-        }
+        one[j][h] = dpbusd_at(one[j][h], levels[quad], q1 + kBlock * (r0 + j) + 4 * quad);
+        if constexpr (PASSES == kPasses) two[j][h] = dpbusd_at(two[j][h], levels[quad], q2 + kBlock * (r0 + j) + 4 * quad);
       }
     }
   }
