@@ -1644,7 +1644,7 @@ static inline uint32_t bits_of_bytes(uint64_t x, int s) {
 // 32-byte runs `qh` where bit s of qh[l] is a high bit of input l of some block (q5_k: qh[32], bit b
 // the fifth bit of block b; q6_k: qh[64], bits 2m and 2m + 1 of qh[32n + l] the two high bits of
 // block 4n + m), so a run's eight planes, `planes[s]` the one of bit s, are all a super-block needs.
-// (high_planes_avx2 below makes the same words: the order of the bytes first, then one bit of each.)
+// (run_planes_avx2 below makes the same words: the order of the bytes first, then one bit of each.)
 static void run_planes(const uint8_t* qh, uint32_t planes[8]) {
   uint64_t by_t[4];  // byte k of by_t[t]: qh[4k + t]
   for (int t = 0; t < 4; ++t) {
@@ -1741,9 +1741,10 @@ static void pack_file_block(const uint8_t* in, int64_t row_bytes, int64_t p, int
   uint8_t* dst = out.level_bytes + (p * blocks + fb * per_block) * step;  // block b's at dst + b * step
   if (lanes < kPanel) std::memset(dst, 0, per_block * step);  // (rows past d_out: level 0, as pack_panel_block leaves them)
   DecodedBlock decoded[kPanel];
+  const bool fetch_ahead = fb + kAhead < d_in / f.inputs;  // (a row's file blocks: d_in / f.inputs)
   for (int64_t lane = 0; lane < lanes; ++lane) {
     const uint8_t* block = in + (p * kPanel + lane) * row_bytes + fb * f.bytes;
-    if (fb + kAhead < row_bytes / f.bytes) {
+    if (fetch_ahead) {
       for (int64_t c = 0; c < f.bytes; c += 64) __builtin_prefetch(block + kAhead * f.bytes + c);
     }
     f.supers ? decode_k<K>(block, decoded[lane]) : decode_small<K>(block, decoded[lane]);
