@@ -9,7 +9,7 @@ import pytest
 import glasslm
 
 # walk_packages: the core's modules live in the glasslm.core subpackage.
-MODULES = sorted(m.name for m in pkgutil.walk_packages(glasslm.__path__, "glasslm.") if m.name != "glasslm.__main__")
+MODULES = sorted(m.name for m in pkgutil.walk_packages(glasslm.__path__, "glasslm."))
 # Examples that take seconds (lm-eval loads every task definition it has): run by CI, not the inner loop.
 SLOW_EXAMPLES = {"glasslm.evaluation.harness"}
 

@@ -72,3 +72,26 @@ def test_train_tokenizer_then_prepare(tmp_path, shakespeare_text, capsys):
     char = load_prepared(tmp_path / "char").tokenizer  # the characters, then <|endoftext|>
     assert char.vocab_size == len(set(shakespeare_text[:30000])) + 1
     assert char.special_tokens == {"<|endoftext|>": char.vocab_size - 1}
+
+
+def test_the_executable_freezes_what_its_imports_made_and_importing_the_cli_does_not():
+    """`glasslm` (glasslm.__main__.run) imports the command line with the cycle collector off and freezes
+    what that made, so that neither the command nor the interpreter's exit walks those objects again;
+    a library's `import glasslm.cli` freezes nothing. Either way the collector is on while a command runs."""
+    import subprocess
+    import sys
+
+    probe = ("import atexit, gc, sys\n"
+             "atexit.register(lambda: print('frozen', gc.get_freeze_count(), 'tracked', len(gc.get_objects()),"
+             " 'enabled', gc.isenabled()))\n")
+    entry = probe + "sys.argv = ['glasslm', 'info', '--preset', 'llama-tiny']\nfrom glasslm.__main__ import run\nrun()\n"
+    library = probe + "import glasslm.cli\n"
+    results = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+               for code in (entry, library)]
+    assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
+    assert results[0].stdout.startswith("llama-tiny: ")  # the command itself ran
+    (_, frozen, _, _, _, entry_on), (_, not_frozen, _, tracked, _, library_on) = (
+        r.stdout.split()[-6:] for r in results)
+    assert (entry_on, library_on) == ("True", "True")
+    assert int(not_frozen) == 0
+    assert int(frozen) > int(tracked) // 2  # (most of what importing torch and glasslm.cli leaves tracked)
