@@ -69,7 +69,7 @@ def prompt_ids(tokenizer, template: str, question: str) -> list[int]:
 def test_the_file_reads_as_smollm2_with_its_blocks_kept(gguf, capsys):
     model, tokenizer = load_model(gguf)
     # The Q8_0 token table is kept once: the tied unembedding's own blocks, which the embedding looks rows up in.
-    assert "kept in their blocks: 210 q4_1, 1 q8_0; dequantized to float32: 61 f32" in model.gguf_summary
+    assert "kept in their blocks: 210 q4_1, 1 q8_0; float32 as stored: 61 f32; dequantized to float32: none" in model.gguf_summary
     assert sum(isinstance(m, BlockLinear) for m in model.modules()) == 30 * 5 + 1  # qkv, out, gate, up, down
     assert held_bytes(model) <= 1.02 * gguf.stat().st_size  # the file's weights, held once
     assert model.unembed.qtype == "q8_0" and torch.equal(model.unembed.dequantized_weight(), model.embed.weight)

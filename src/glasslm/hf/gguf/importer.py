@@ -69,15 +69,16 @@ class GGUFImport:
     tokenizer: Any
     family: str
     kept: Counter  # ggml type -> tensors kept in their blocks
-    dequantized: Counter  # ggml type -> tensors dequantized to float32
+    dequantized: Counter  # ggml type -> tensors held as float32 (dequantized, or f32 as stored)
 
     def summary(self) -> str:
-        """One line: the family, parameters, and which tensors were kept and dequantized.
+        """One line: the family, parameters, and which tensors were kept and dequantized (a float32
+        tensor of the file, a norm's weight say, is read as it is: counted apart, not as dequantized).
 
         >>> import collections
         >>> GGUFImport(None, None, "llama", collections.Counter({"q4_1": 210}),
         ...            collections.Counter({"f32": 61, "q8_0": 1})).summary().split("; ", 1)[1]
-        'kept in their blocks: 210 q4_1; dequantized to float32: 61 f32, 1 q8_0'
+        'kept in their blocks: 210 q4_1; float32 as stored: 61 f32; dequantized to float32: 1 q8_0'
         """
         params = f"{parameter_count(self.model):,} parameters" if self.model is not None else "model"
         return f"{self.family} ({params}); {_storage(self.kept, self.dequantized)}"
@@ -87,7 +88,10 @@ def _storage(kept: Counter, dequantized: Counter) -> str:
     def counts(c: Counter) -> str:
         return ", ".join(f"{n} {qtype}" for qtype, n in sorted(c.items())) or "none"
 
-    return f"kept in their blocks: {counts(kept)}; dequantized to float32: {counts(dequantized)}"
+    as_stored = Counter({qtype: n for qtype, n in dequantized.items() if qtype == "f32"})
+    converted = dequantized - as_stored
+    stored = f"float32 as stored: {counts(as_stored)}; " if as_stored else ""
+    return f"kept in their blocks: {counts(kept)}; {stored}dequantized to float32: {counts(converted)}"
 
 
 def gguf_storage(path: str | os.PathLike) -> str:
