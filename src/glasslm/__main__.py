@@ -14,15 +14,14 @@ from __future__ import annotations
 import gc
 from typing import NoReturn
 
+from glasslm.runtime import collector_paused
+
 
 def run() -> NoReturn:
     """Import the command line with the collector off, freeze what the imports made, then run it."""
-    gc.disable()
-    try:
+    with collector_paused():
         from glasslm.cli import run as run_command_line
-    finally:
         gc.freeze()
-        gc.enable()
     run_command_line()
 
 

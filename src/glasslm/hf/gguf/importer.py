@@ -88,9 +88,8 @@ def _storage(kept: Counter, dequantized: Counter) -> str:
     def counts(c: Counter) -> str:
         return ", ".join(f"{n} {qtype}" for qtype, n in sorted(c.items())) or "none"
 
-    as_stored = Counter({qtype: n for qtype, n in dequantized.items() if qtype == "f32"})
-    converted = dequantized - as_stored
-    stored = f"float32 as stored: {counts(as_stored)}; " if as_stored else ""
+    converted = Counter({qtype: n for qtype, n in dequantized.items() if qtype != "f32"})
+    stored = f"float32 as stored: {dequantized['f32']} f32; " if dequantized["f32"] else ""
     return f"kept in their blocks: {counts(kept)}; {stored}dequantized to float32: {counts(converted)}"
 
 
