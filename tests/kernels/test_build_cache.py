@@ -76,3 +76,21 @@ def test_a_build_killed_mid_compile_leaves_no_lock_that_later_processes_wait_on(
                             capture_output=True, text=True, env=env, timeout=600)
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     assert not (folder / "lock").exists() and (folder / build.BUILT).is_file()
+
+
+def test_a_build_in_this_process_leaves_the_cache_folder_it_names_unchanged(tmp_path, monkeypatch):
+    """torch's cpp_extension.load appends its own libraries to the extra_ldflags list it is handed; when
+    that list was build.LDFLAGS itself, a process that had compiled named another cache folder afterwards
+    (found on a fresh machine, where a pytest worker compiled and a later test read cache_dir())."""
+    from torch.utils import cpp_extension
+
+    def load_as_torch_does(name, sources, extra_cflags=None, extra_ldflags=None, **kwargs):
+        extra_ldflags.append("-ltorch_cpu")  # what torch's _prepare_ldflags does to the list it is given
+        extra_cflags.append("-DTORCH_EXTENSION_NAME=" + name)
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", load_as_torch_does)
+    before = build.cache_dir()
+    build._build(before)
+    assert (before / build.BUILT).is_file()  # the fake build ran and was recorded where cache_dir() said
+    assert build.cache_dir() == before

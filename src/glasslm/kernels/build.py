@@ -48,8 +48,11 @@ HEADERS = [Path(__file__).with_name("ops.h")]  # (what the sources declare for o
 # attributes), so one build runs on any x86-64 CPU and picks its path at run time.
 # -ffp-contract=off: a * b + c stays two roundings, as in the readable reference (no fused multiply-add
 # unless the code asks for one).
-CFLAGS = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
-LDFLAGS = ["-fopenmp"]
+# Tuples, handed to torch as fresh lists: torch's build appends its own libraries to the list it is
+# given, which changed this process's cache_dir() once it had compiled (a later cache_dir() named a
+# folder with nothing in it).
+CFLAGS = ("-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off")
+LDFLAGS = ("-fopenmp",)
 
 
 LIBRARY, BUILT = "glasslm_kernels.so", "built.json"  # the library, and the record a build that loaded leaves
@@ -115,8 +118,8 @@ def _build(folder: Path) -> None:
             print(f"glasslm: waited {time.perf_counter() - started:.1f} s for another process building the C++ "
                   f"kernels (cached in {folder})", file=sys.stderr)
             return
-        cpp_extension.load("glasslm_kernels", [str(source) for source in SOURCES], extra_cflags=CFLAGS,
-                           extra_ldflags=LDFLAGS, build_directory=str(folder), is_python_module=False, verbose=False)
+        cpp_extension.load("glasslm_kernels", [str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
+                           extra_ldflags=list(LDFLAGS), build_directory=str(folder), is_python_module=False, verbose=False)
         seconds = time.perf_counter() - started
         staged = folder / f"{BUILT}.{os.getpid()}"
         staged.write_text(json.dumps({"torch": torch.__version__, "seconds": round(seconds, 1)}))
