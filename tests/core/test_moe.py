@@ -50,10 +50,14 @@ def test_grouped_experts_equal_the_token_by_token_definition_with_gradients(d_sh
     (out_r, gx_r, g_r), (out_f, gx_f, g_f) = results["readable"], results["fast"]
     assert out_r.abs().max() > 0.1
     torch.testing.assert_close(out_f, out_r, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(gx_f, gx_r, rtol=1e-5, atol=1e-6)
+    # A gradient element is a sum of terms as large as the tensor's largest (up to ~20 here), so its
+    # float32 rounding scales with that, not with the element: on an AVX2 CPU the readable path itself
+    # was 4e-6 from float64, and the two paths 2.6e-6 apart on an element of 0.06.
+    torch.testing.assert_close(gx_f, gx_r, rtol=1e-5, atol=1e-6 * max(1.0, gx_r.abs().max().item()))
     for name in g_r:
         assert g_r[name].abs().max() > 0, name  # every weight gets a gradient here (all experts used)
-        torch.testing.assert_close(g_f[name], g_r[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(g_f[name], g_r[name], rtol=1e-5, atol=1e-6 * max(1.0, g_r[name].abs().max().item()),
+                                   msg=name)
 
 
 def test_an_unused_expert_gets_no_gradient_and_is_not_read():

@@ -58,6 +58,17 @@ def _tolerance(reference: torch.Tensor) -> float:
     return 2e-5 * max(1.0, reference.abs().max().item())
 
 
+def _own_rounding(peft_model, ids: torch.Tensor, logits: torch.Tensor) -> float:
+    """How far peft's float32 logits are from its own float64 run (experts looped, as grouped_mm has
+    no float64): part of what two float32 implementations may differ by. On an AMD EPYC without
+    AVX-512, peft's olmoe down-only rsLoRA logits were 2.0e-5 from float64 and glasslm's 1.7e-6."""
+    exact = copy.deepcopy(peft_model).double()
+    for module in exact.modules():
+        if hasattr(getattr(module, "config", None), "_experts_implementation"):
+            module.config._experts_implementation = "eager"
+    return (exact(ids).logits - logits.double()).abs().max().item()
+
+
 def _base(family, directory):
     torch.manual_seed(0)
     model = TransformerLM(CONFIGS[family]()).eval()
@@ -131,7 +142,7 @@ def test_a_trained_peft_adapter_imports_onto_glasslm_with_peft_logits(case, tmp_
     import_peft_adapter(ours, adapter)
     with torch.no_grad():
         theirs = peft_model(IDS).logits
-        assert (ours(IDS) - theirs).abs().max() <= _tolerance(theirs)
+        assert (ours(IDS) - theirs).abs().max() <= _tolerance(theirs) + _own_rounding(peft_model, IDS, theirs)
         with peft_model.disable_adapter():
             assert (peft_model(IDS).logits - theirs).abs().max() > 1e-2  # the adapter matters
 

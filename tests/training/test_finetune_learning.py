@@ -87,11 +87,14 @@ def base(tmp_path_factory, one_thread):
     return str(path)
 
 
+# QLoRA at 5e-3: at 1e-2 its run was a coin toss decided by float32 rounding (on an AMD EPYC without
+# AVX-512, seeds 0-3 reached 0.28, 0.72, 0.54 and 1.0 exact match, loss stuck near 0.2 in the misses);
+# at 5e-3 seeds 0-2 reached 1.0 there, and the readable int4 path 0.92 at 1e-2.
 @pytest.mark.parametrize("method,lr", [
     pytest.param(FinetuneConfig(lora_rank=16, lora_alpha=16.0, lora_sites=ALL_SITES, lora_dropout=0.0), 1e-2,
                  id="lora"),
     pytest.param(FinetuneConfig(lora_rank=16, lora_alpha=16.0, lora_sites=ALL_SITES, lora_dropout=0.0,
-                                quantize="int4"), 1e-2, id="qlora-int4"),
+                                quantize="int4"), 5e-3, id="qlora-int4"),
     pytest.param(FinetuneConfig(full=True), 2e-3, id="full"),
 ])
 def test_finetuning_learns_to_reverse(base, method, lr):
