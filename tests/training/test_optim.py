@@ -135,6 +135,26 @@ def test_make_optimizer_follows_impl_and_splits_muon_groups():
     assert len(muon_param_groups(readable, 0.02, 1e-3, 0.1)) == 3
 
 
+@pytest.mark.parametrize("flags, expected", [
+    ({"avx2", "fma"}, "float32"),               # AMD Zen 3: bfloat16 matmuls are emulated
+    ({"avx512f", "avx512_vnni"}, "float32"),    # Intel Xeon without bf16 units
+    ({"avx512f", "avx512_bf16"}, "bfloat16"),   # AMD Zen 4
+    ({"amx_bf16", "amx_tile"}, "bfloat16"),     # Sapphire Rapids
+])
+def test_auto_newton_schulz_precision_is_bfloat16_only_where_the_cpu_multiplies_it(monkeypatch, flags, expected):
+    from glasslm import runtime
+
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset(flags))
+    model = TransformerLM(get_preset("llama-tiny", vocab_size=11, n_layers=1, context_length=8))
+    chosen = {g["ns_dtype"] for g in make_optimizer(model, TrainConfig(optimizer="muon")).param_groups}
+    assert chosen == {expected}
+    for given in ("bfloat16", "float32"):  # a stated precision is kept on any CPU
+        stated = make_optimizer(model, TrainConfig(optimizer="muon", muon_ns_dtype=given))
+        assert {g["ns_dtype"] for g in stated.param_groups} == {given}
+    with pytest.raises(ValueError, match="muon_ns_dtype must be 'auto', 'bfloat16' or 'float32'"):
+        TrainConfig(muon_ns_dtype="float16")
+
+
 def test_clip_grad_norm_equals_torch_and_skips_params_without_grad():
     for max_norm in (0.5, 1e9):
         ours, ref = _params(6), _params(6)

@@ -468,3 +468,18 @@ def test_unavailable_device_is_a_one_line_error(cli_run):
         error = one_line_error(glasslm(command, *args, "--device", "cuda"), command)
         assert "device 'cuda' is not available" in error and "corrupt" not in error
     assert not (run.parent / "never").exists()
+
+
+def test_cli_says_which_newton_schulz_precision_muon_chose_for_this_cpu(cli_run, tmp_path):
+    from glasslm.runtime import cpu_has_bf16
+
+    corpus, _ = cli_run
+    done = glasslm("train", *RUN_ARGS, "--data", str(corpus), "--max-steps", "2", "--optimizer", "muon",
+                   "--out", str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr
+    expected = "bfloat16" if cpu_has_bf16() else "float32"
+    said = [line for line in done.stdout.splitlines() if line.startswith("Muon's Newton–Schulz in ")]
+    assert said and said[0].startswith(f"Muon's Newton–Schulz in {expected}: "), done.stdout
+    stated = glasslm("train", *RUN_ARGS, "--data", str(corpus), "--max-steps", "2", "--optimizer", "muon",
+                     "--muon-ns-dtype", "bfloat16", "--out", str(tmp_path / "stated"))
+    assert stated.returncode == 0 and "Newton–Schulz in" not in stated.stdout, "a stated precision needs no line"

@@ -238,6 +238,8 @@ def _say_start(say: Any, plan: _Plan, data: Any, model_cfg: ModelConfig, label: 
     say(f"model: {label} ({parameter_count(model_cfg):,} parameters) -> {plan.out}"
         + (f", {ctx.world_size} processes, device {ctx.device}" if ctx.enabled else f", device {ctx.device}")
         + (f", resuming from {plan.resumed.checkpoint}" if plan.resumed is not None else ""))
+    if plan.train.optimizer == "muon" and plan.train.muon_ns_dtype == "auto" and plan.resumed is None:
+        say(_newton_schulz_choice(ctx.device))
     if plan.resumed is not None:
         changed = _overridden_settings(plan)
         if changed:
@@ -247,6 +249,19 @@ def _say_start(say: Any, plan: _Plan, data: Any, model_cfg: ModelConfig, label: 
         if end < plan.train.max_steps:
             say(f"learning rate: the run's schedule ends at step {end}; steps after it train at min_lr "
                 f"{plan.train.min_lr:g} (--extend-schedule stretches the cosine to --max-steps instead)")
+
+
+def _newton_schulz_choice(device: str) -> str:
+    from glasslm.training.optim import newton_schulz_dtype
+
+    dtype = newton_schulz_dtype("auto", str(device).split(":")[0])
+    if dtype == "bfloat16":
+        why = "the device multiplies bfloat16 natively"
+    elif str(device).startswith("cpu"):
+        why = "this CPU has no bfloat16 units (no avx512_bf16/amx_bf16 flag), so bfloat16 would be ~6x slower"
+    else:
+        why = f"bfloat16 matmuls are not known to be fast on {device}"
+    return f"Muon's Newton–Schulz in {dtype}: {why} (--muon-ns-dtype sets it)"
 
 
 def _overridden_settings(plan: _Plan) -> dict[str, tuple[Any, Any]]:

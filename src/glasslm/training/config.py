@@ -19,7 +19,7 @@ from glasslm.presets import DEFAULT_RECIPE, lookup_preset, presets_with_recipes
 
 DType = Literal["float32", "bfloat16", "float16"]
 OptimizerName = Literal["adamw", "muon"]
-NSDType = Literal["bfloat16", "float32"]
+NSDType = Literal["auto", "bfloat16", "float32"]
 
 
 @dataclass
@@ -36,7 +36,9 @@ class TrainConfig:
     optimizer: OptimizerName = "adamw"  # adamw, or muon: Newton–Schulz-orthogonalised momentum for the blocks' matrices (AdamW for the rest)
     muon_lr: float = 0.02  # Muon's peak learning rate (lr is then AdamW's, for embeddings, unembedding, norms, biases)
     muon_momentum: float = 0.95  # Muon's momentum (Nesterov)
-    muon_ns_dtype: NSDType = "bfloat16"  # precision of Muon's Newton–Schulz iteration (bfloat16 as torch.optim.Muon)
+    # precision of Muon's Newton–Schulz iteration; auto: bfloat16 (as torch.optim.Muon) where the device multiplies
+    # it natively (CUDA, a CPU with avx512_bf16/AMX), float32 elsewhere (bfloat16 is ~6x slower there)
+    muon_ns_dtype: NSDType = "auto"
     beta1: float = 0.9  # AdamW's decay rate of the gradient's running mean
     beta2: float = 0.99  # AdamW's decay rate of the squared gradient's running mean
     eps: float = 1e-8  # AdamW's term added to the root-mean-square denominator
@@ -80,8 +82,8 @@ class TrainConfig:
             raise ValueError(f"need 0 <= min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}")
         if self.optimizer not in ("adamw", "muon"):
             raise ValueError(f"optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
-        if self.muon_ns_dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"muon_ns_dtype must be 'bfloat16' or 'float32', got {self.muon_ns_dtype!r}")
+        if self.muon_ns_dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"muon_ns_dtype must be 'auto', 'bfloat16' or 'float32', got {self.muon_ns_dtype!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
 

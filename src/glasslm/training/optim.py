@@ -274,6 +274,23 @@ def muon_param_groups(model: nn.Module, muon_lr: float, adamw_lr: float, weight_
             dict(params=adam_plain, lr=adamw_lr, weight_decay=0.0, use_muon=False)]
 
 
+def newton_schulz_dtype(requested: str, device: str) -> str:
+    """The precision Muon's Newton–Schulz runs in for `TrainConfig.muon_ns_dtype` on `device`.
+
+    "auto" is bfloat16 (torch.optim.Muon's choice) only where the device multiplies bfloat16 natively:
+    on a CPU without avx512_bf16 or AMX a bfloat16 matmul is emulated, ~6x slower than float32, and the
+    optimizer step then costs more than the forward and backward of a small model.
+
+    >>> newton_schulz_dtype("auto", "cuda")
+    'bfloat16'
+    >>> newton_schulz_dtype("float32", "cuda")
+    'float32'
+    """
+    from glasslm.runtime import default_dtype
+
+    return default_dtype(device) if requested == "auto" else requested
+
+
 def make_optimizer(model: nn.Module, cfg: "TrainConfig", fused: bool | None = None) -> torch.optim.Optimizer:
     """The optimizer `cfg.optimizer` names, for `model`.
 
@@ -289,9 +306,11 @@ def make_optimizer(model: nn.Module, cfg: "TrainConfig", fused: bool | None = No
     if cfg.optimizer == "muon":
         groups = muon_param_groups(model, cfg.muon_lr, cfg.lr, cfg.weight_decay,
                                    decay_embeddings=cfg.decay_embeddings)
+        device = next(model.parameters()).device.type
         optimizer: torch.optim.Optimizer = Muon(
             [g for g in groups if g["params"]], momentum=cfg.muon_momentum, betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.eps, ns_dtype=cfg.muon_ns_dtype, fused=not readable and fused is not False)
+            eps=cfg.eps, ns_dtype=newton_schulz_dtype(cfg.muon_ns_dtype, device),
+            fused=not readable and fused is not False)
     else:
         decay, no_decay = [], []
         for name, p in model.named_parameters():
