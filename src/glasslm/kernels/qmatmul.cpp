@@ -164,6 +164,9 @@ struct Rows {
   // product for a long prefill on half-block groups (Q6_K), which would otherwise sum them again for
   // every panel; where it is, a tile reads its start from memory.
   const int32_t* half_starts = nullptr;
+  // (count, blocks * 32): 256 * q1 + q2 as int16, made once per product for 8-bit weights on AVX2
+  // (tile8_joined_avx2), which would otherwise join them again for every half panel.
+  const int16_t* joined = nullptr;
 
   // A long prefill's rows on AVX-512 are stored a tile at a time (`tiled`; qlinear_parts decides):
   // each pass of a tile's 16 rows as blocks of 16 x 32 levels, so what the wide tile multiplies next
@@ -709,9 +712,10 @@ GLASSLM_AVX512 void tile_float_avx512(const Weights& w, const Rows& x, int64_t p
 // AVX2: each panel as two halves of 8 rows (the first and last 32 bytes of every 64-byte chunk);
 // vpmaddubsw multiplies unsigned by signed bytes into int16 pairs, vpmaddwd sums those into int32.
 
-// 8 panel rows' values of one group (rows 8 * half .. 8 * half + 7) as float32.
+// 8 panel rows' values of one group (rows 8 * half .. 8 * half + 7) as float32; `super` is the group's
+// super-block (g / w.super_groups), which a tile that counts its blocks knows without dividing.
 template <int SCALE, bool MIN>
-GLASSLM_AVX2 inline __m256 group_values256(const Weights& w, int64_t panel, int64_t g, int half) {
+GLASSLM_AVX2 inline __m256 group_values256(const Weights& w, int64_t panel, int64_t g, int half, int64_t super) {
   const int64_t at = (panel * w.groups + g) * kPanel + 8 * half;
   const void* values = MIN ? w.mins : w.scales;
   if constexpr (SCALE == kHalf || SCALE == kBf16) {
@@ -721,10 +725,14 @@ GLASSLM_AVX2 inline __m256 group_values256(const Weights& w, int64_t panel, int6
   } else {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(values) + at));
     const __m256i sub = SCALE == kSubU8 ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes);
-    const uint16_t* per_super = (MIN ? w.super_mins : w.super_scales) + (panel * w.supers() + g / w.super_groups) * kPanel;
-    const __m256 super = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(per_super + 8 * half)));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(sub), super);
+    const uint16_t* per_super = (MIN ? w.super_mins : w.super_scales) + (panel * w.supers() + super) * kPanel;
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(sub), _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(per_super + 8 * half))));
   }
+}
+
+template <int SCALE, bool MIN>
+GLASSLM_AVX2 inline __m256 group_values256(const Weights& w, int64_t panel, int64_t g, int half) {
+  return group_values256<SCALE, MIN>(w, panel, g, half, SCALE == kHalf || SCALE == kBf16 ? 0 : g / w.super_groups);
 }
 
 GLASSLM_AVX2 inline __m256i broadcast4_avx2(const int8_t* p) {
@@ -828,7 +836,7 @@ GLASSLM_AVX2 inline void joined_block16(const Rows& x, int64_t row, int64_t b, i
   for (int h = 0; h < 2; ++h) {
     const __m256i first = _mm256_cvtepi8_epi16(h ? _mm256_extracti128_si256(q1, 1) : _mm256_castsi256_si128(q1));
     const __m256i second = _mm256_cvtepi8_epi16(h ? _mm256_extracti128_si256(q2, 1) : _mm256_castsi256_si128(q2));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(joined + 16 * h), _mm256_add_epi16(_mm256_slli_epi16(first, 8), second));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(joined + 16 * h), _mm256_add_epi16(_mm256_slli_epi16(first, 8), second));
   }
 }
 
@@ -836,7 +844,7 @@ GLASSLM_AVX2 inline void joined_block16(const Rows& x, int64_t row, int64_t b, i
 // first 16, 4-7 in the next), in row order, for each of ROWS activation rows: a quad's weights are
 // widened once for all of them.
 template <int ROWS>
-GLASSLM_AVX2 inline void joined_dots8_avx2(const uint8_t* half, const int16_t (*joined)[kBlock], __m256i* dots) {
+GLASSLM_AVX2 inline void joined_dots8_avx2(const uint8_t* half, const int16_t* const* joined, __m256i* dots) {
   __m256i low[ROWS], high[ROWS];  // rows 0-3 and 4-7 of the panel half, two sums a row
   for (int r = 0; r < ROWS; ++r) low[r] = high[r] = _mm256_setzero_si256();
   for (int k = 0; k < 8; ++k) {
@@ -866,8 +874,16 @@ GLASSLM_AVX2 void tile8_joined_avx2(const Weights& w, const Rows& x, int64_t pan
     for (int64_t b = 0; b < w.blocks; ++b, block += step) {
       if (b % w.group_blocks() == 0) scale = group_values256<SCALE, false>(w, panel, b / w.group_blocks(), half);
       if (half == 0) prefetch_block<8>(block + kAheadBytes);
-      alignas(32) int16_t joined[ROWS][kBlock];
-      for (int r = 0; r < ROWS; ++r) joined_block16(x, row0 + r, b, joined[r]);
+      alignas(32) int16_t made[ROWS][kBlock];
+      const int16_t* joined[ROWS];
+      for (int r = 0; r < ROWS; ++r) {
+        if (x.joined != nullptr) {
+          joined[r] = x.joined + ((row0 + r) * x.blocks + b) * kBlock;
+        } else {
+          joined_block16(x, row0 + r, b, made[r]);
+          joined[r] = made[r];
+        }
+      }
       __m256i dots[ROWS];
       joined_dots8_avx2<ROWS>(block, joined, dots);
       for (int r = 0; r < ROWS; ++r) {
@@ -880,11 +896,134 @@ GLASSLM_AVX2 void tile8_joined_avx2(const Weights& w, const Rows& x, int64_t pan
   }
 }
 
+// Each sum as it is made, kept in a register: the compiler would otherwise reassociate a run's chain of
+// int16 additions into a tree (wrapping addition is associative), which holds every product of the run
+// at once, for every row, and spills them on 16 registers.
+GLASSLM_AVX2 inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
+
+// Quad k's levels of one half block (8 rows x 4 inputs), unpacked where they are used: chunk k's low
+// nibbles are quad k, its high nibbles quad k + 4; bits 4 and up come from their planes, as
+// unpack_half_block256 takes them.
+template <int BITS>
+GLASSLM_AVX2 inline __m256i quad_levels256(const uint8_t* half, int k) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + 64 * (k % 4)));
+  __m256i levels = _mm256_and_si256(k < 4 ? bytes : _mm256_srli_epi16(bytes, 4), low4);
+  for (int bit = 4; bit < BITS; ++bit) {
+    const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + 256 + 64 * (bit - 4)));
+    const __m256i moved = k <= bit ? _mm256_slli_epi16(plane, bit - k) : _mm256_srli_epi16(plane, k - bit);
+    levels = _mm256_or_si256(levels, _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(1 << bit))));
+  }
+  return levels;
+}
+
+// sum_i u_i (256 q1_i + q2_i) over quads [k0, k1) of one half block, for ROWS rows (q1: each row's first
+// pass; its second is pass_stride bytes on), in int32. Quad by quad: each quad's levels go into every
+// row's int16 sums (one a pass) as soon as they are unpacked. Runs of quads are summed in int16 (8 of
+// 4-bit levels, 4 of 5-bit, 2 of 6-bit: at most 8 * 2 * 15 * 128, 4 * 2 * 31 * 128 and 2 * 2 * 63 * 128,
+// under 2^15), then widened by vpmaddwd, the first pass's times 256: the integers tile_avx2 makes.
+template <int BITS, int PASSES, int ROWS>
+GLASSLM_AVX2 inline __attribute__((always_inline)) void quads_dots256(const uint8_t* half, const int8_t* const* q1,
+                                                                      int64_t pass_stride, int k0, int k1, __m256i* dots) {
+  constexpr int kRun = BITS == 4 ? 8 : BITS == 5 ? 4 : 2;
+  const __m256i ones = _mm256_set1_epi16(1), first_weight = _mm256_set1_epi16(PASSES == 1 ? 1 : 256);
+#pragma GCC unroll 8
+  for (int run = k0; run < k1; run += kRun) {
+    __m256i one[ROWS], two[ROWS];
+    for (int r = 0; r < ROWS; ++r) one[r] = two[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int k = run; k < run + kRun; ++k) {
+      const __m256i levels = quad_levels256<BITS>(half, k);
+#pragma GCC unroll 4
+      for (int r = 0; r < ROWS; ++r) {
+        one[r] = _mm256_add_epi16(one[r], _mm256_maddubs_epi16(levels, broadcast4_avx2(q1[r] + 4 * k)));
+        in_register(one[r]);
+        if constexpr (PASSES == kPasses) {
+          two[r] = _mm256_add_epi16(two[r], _mm256_maddubs_epi16(levels, broadcast4_avx2(q1[r] + pass_stride + 4 * k)));
+          in_register(two[r]);
+        }
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      __m256i joined = _mm256_madd_epi16(one[r], first_weight);
+      if constexpr (PASSES == kPasses) joined = _mm256_add_epi32(joined, _mm256_madd_epi16(two[r], ones));
+      dots[r] = run == k0 ? joined : _mm256_add_epi32(dots[r], joined);
+    }
+  }
+}
+
+// The second half-block group's product (quads 4-7) into acc, after the first's (as tile_avx2 adds them).
+template <int BITS, int PASSES, int ROWS>
+GLASSLM_AVX2 inline __attribute__((always_inline)) void halves_second256(const Rows& x, const uint8_t* half,
+                                                                         const int8_t* const* q1, int64_t row0, int64_t b,
+                                                                         const int32_t (*starts)[2], __m256 scale, __m256* acc) {
+  __m256i dots[ROWS];
+  quads_dots256<BITS, PASSES, ROWS>(half, q1, x.blocks * kBlock, 4, 8, dots);
+  for (int r = 0; r < ROWS; ++r) {
+    const __m256 dx = _mm256_set1_ps(x.d[x.at(row0 + r, PASSES - 1, b)]);
+    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), _mm256_cvtepi32_ps(_mm256_add_epi32(dots[r], _mm256_set1_epi32(starts[r][1]))), acc[r]);
+  }
+}
+
+// 4- to 6-bit weights, groups of whole blocks or (HALVES: Q6_K) of half a block: tile_avx2's numbers,
+// quad by quad (quads_dots256). tile_avx2 unpacked a block's eight quads first and then went row by
+// row; on 16 registers that spilled the levels and the accumulators (perf annotate on a Zen 3).
+template <int BITS, int SCALE, bool MINS, bool HALVES, int PASSES, int ROWS>
+GLASSLM_AVX2 void tile_quads_avx2(const Weights& w, const Rows& x, int64_t panel, int64_t row0, float* y, int64_t ld_y) {
+  const int64_t step = w.panel_block_bytes(), pass_stride = x.blocks * kBlock;
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t* block = w.levels + panel * w.blocks * step + 32 * half;
+    __m256 acc[ROWS], scale = _mm256_setzero_ps(), min = _mm256_setzero_ps(), second_scale = scale;
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+    // Groups and super-blocks counted as the blocks go (a division a block cost Q6_K's tile ~6%).
+    const int64_t group_blocks = w.group_blocks(), super_blocks = std::max<int64_t>(1, w.super_groups * w.group_size / kBlock);
+    int64_t group = 0, super = 0, into_group = 0, into_super = 0;
+    for (int64_t b = 0; b < w.blocks; ++b, block += step) {
+      if (HALVES) {
+        scale = group_values256<SCALE, false>(w, panel, 2 * b, half, super);
+        second_scale = group_values256<SCALE, false>(w, panel, 2 * b + 1, half, super);
+      } else if (into_group == 0) {
+        scale = group_values256<SCALE, false>(w, panel, group, half, super);
+        if constexpr (MINS) min = group_values256<SCALE, true>(w, panel, group, half, super);
+      }
+      if (++into_group == group_blocks) into_group = 0, ++group;
+      if (++into_super == super_blocks) into_super = 0, ++super;
+      if (half == 0) prefetch_block<BITS>(block + kAheadBytes);
+      const int8_t* q1[ROWS];
+      int32_t starts[ROWS][2];  // (HALVES: what each half's product starts from)
+      for (int r = 0; r < ROWS; ++r) {
+        q1[r] = x.levels(row0 + r, 0, b);
+        if constexpr (HALVES) half_starts_of(x, row0 + r, b, w.offset, starts[r]);
+      }
+      __m256i dots[ROWS];
+      quads_dots256<BITS, PASSES, ROWS>(block, q1, pass_stride, 0, HALVES ? 4 : 8, dots);
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t first = x.at(row0 + r, 0, b), last = first + (PASSES - 1) * x.blocks;  // (Rows::joined_sum, step)
+        const __m256 dx = _mm256_set1_ps(x.d[last]);
+        if constexpr (HALVES) {
+          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), _mm256_cvtepi32_ps(_mm256_add_epi32(dots[r], _mm256_set1_epi32(starts[r][0]))), acc[r]);
+          continue;
+        }
+        const int32_t sum = PASSES == 1 ? x.sums[first] : 256 * x.sums[first] + x.sums[last];
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(dots[r], _mm256_set1_epi32(-w.offset * sum)));
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), dot, acc[r]);
+        if constexpr (MINS) acc[r] = _mm256_fmadd_ps(min, _mm256_mul_ps(dx, _mm256_set1_ps(static_cast<float>(sum))), acc[r]);
+      }
+      if constexpr (HALVES) halves_second256<BITS, PASSES, ROWS>(x, block, q1, row0, b, starts, second_scale, acc);
+    }
+    store_half_tile256<ROWS>(w, acc, panel, half, row0, y, ld_y);
+  }
+}
+
 // Groups of whole blocks, or (HALVES: Q6_K) of half a block, each half of a block then its own product.
 template <int BITS, int SCALE, bool MINS, bool HALVES, int ROWS>
 GLASSLM_AVX2 void tile_avx2(const Weights& w, const Rows& x, int64_t panel, int64_t row0, float* y, int64_t ld_y) {
   if constexpr (BITS == 8 && !MINS && !HALVES) {
     if (x.passes == kPasses) return tile8_joined_avx2<SCALE, ROWS>(w, x, panel, row0, y, ld_y);
+  }
+  if constexpr (BITS <= 6) {
+    return x.passes == kPasses ? tile_quads_avx2<BITS, SCALE, MINS, HALVES, kPasses, ROWS>(w, x, panel, row0, y, ld_y)
+                               : tile_quads_avx2<BITS, SCALE, MINS, HALVES, 1, ROWS>(w, x, panel, row0, y, ld_y);
   }
   const int64_t step = w.panel_block_bytes();
   // 8-bit weights of one pass are multiplied as signed numbers here, so no offset is taken off.
@@ -1113,6 +1252,36 @@ void matmul_tiled(const Weights& w, const Rows& x, float* y, int64_t ld_y) {
 }
 #endif
 
+// What every panel's tiles would otherwise compute again from the same rows, made once per product.
+struct ProductTables {
+  std::vector<int32_t> half_starts;
+  std::vector<int16_t> joined;
+};
+
+Rows with_product_tables(const Weights& w, const Rows& x, int64_t isa, ProductTables& tables) {
+  Rows summed = x;
+#if GLASSLM_X86
+  // Half-block starts (8-bit weights take no offset on the AVX2 path: half-block groups of them would not
+  // use the table); on AVX2 for every product: a decoding step's tiles would otherwise sum each half
+  // block again for every panel.
+  if (w.halves() && w.bits < 8 && isa != kScalar && (x.count >= kWideTile || isa == kAvx2) && x.half_starts == nullptr) {
+    tables.half_starts.resize(2 * x.count * x.blocks);
+    for (int64_t row = 0; row < x.count; ++row) {
+      for (int64_t b = 0; b < x.blocks; ++b) half_starts_of(x, row, b, w.offset, tables.half_starts.data() + 2 * (row * x.blocks + b));
+    }
+    summed.half_starts = tables.half_starts.data();
+  }
+  if (w.bits == 8 && !w.halves() && w.mins == nullptr && isa == kAvx2 && x.passes == kPasses && !x.tiled) {
+    tables.joined.resize(x.count * x.blocks * kBlock);
+    for (int64_t row = 0; row < x.count; ++row) {
+      for (int64_t b = 0; b < x.blocks; ++b) joined_block16(x, row, b, tables.joined.data() + (row * x.blocks + b) * kBlock);
+    }
+    summed.joined = tables.joined.data();
+  }
+#endif
+  return summed;
+}
+
 // y (rows of ld_y floats; this matrix's outputs in their first d_out columns) = x @ W.T.
 void matmul_rows(const Weights& w, const Rows& x, float* y, int64_t ld_y) {
 #if GLASSLM_X86
@@ -1122,18 +1291,8 @@ void matmul_rows(const Weights& w, const Rows& x, float* y, int64_t ld_y) {
   const Split split = split_of(w, x);  // (on AVX-512, sixteen rows share each unpacking of a block's levels)
   const int64_t chunk = split.chunk, grain = split.grain;
   const int wide = isa == kAvx512 && !w.floats() ? kWideTile : kTile;  // (float tiles keep four rows)
-  std::vector<int32_t> half_starts;
-  Rows summed = x;
-#if GLASSLM_X86
-  // (8-bit weights take no offset on the AVX2 path: half-block groups of them would not use the table)
-  if (w.halves() && w.bits < 8 && isa != kScalar && x.count >= kWideTile && x.half_starts == nullptr) {
-    half_starts.resize(2 * x.count * x.blocks);
-    for (int64_t row = 0; row < x.count; ++row) {
-      for (int64_t b = 0; b < x.blocks; ++b) half_starts_of(x, row, b, w.offset, half_starts.data() + 2 * (row * x.blocks + b));
-    }
-    summed.half_starts = half_starts.data();
-  }
-#endif
+  ProductTables tables;
+  const Rows summed = with_product_tables(w, x, isa, tables);
   at::parallel_for(0, w.panels, grain, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < x.count; first += chunk) {  // (each thread: its panels over one chunk, then the next)
       const int64_t last = std::min(x.count, first + chunk);
