@@ -741,71 +741,26 @@ GLASSLM_AVX2 inline __m256i broadcast4_avx2(const int8_t* p) {
   return _mm256_set1_epi32(four);
 }
 
-// sum_i w_i x_i over register quads [k0, k1) of one block for 8 rows, in int32. vpmaddubsw's pairs
-// are int16: 4-bit levels (0..15) make pairs of at most 2 * 15 * 127, so eight still fit; 5- and
-// 6-bit levels (up to 63) two. 8-bit levels are turned back into signed weights (u xor 0x80 = w) and
-// multiplied as |w| times x with w's sign, as vpmaddubsw's unsigned operand must be; a pair is then
-// at most 2 * 128 * 127 < 2^15.
-template <int BITS>
-GLASSLM_AVX2 inline __m256i quads_dot_avx2(const __m256i* levels, const int8_t* xq, int k0, int k1) {
+// sum_i w_i x_i over one block for 8 rows, in int32, for 8-bit weights and one pass of activations. The
+// stored levels are turned back into signed weights (u xor 0x80 = w) and multiplied as |w| times x with
+// w's sign, as vpmaddubsw's unsigned operand must be; a pair is then at most 2 * 128 * 127 < 2^15.
+GLASSLM_AVX2 inline __m256i signed_dot_avx2(const __m256i* weights, const int8_t* xq) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i sum = _mm256_setzero_si256();
-  if constexpr (BITS == 8) {
-    for (int k = k0; k < k1; ++k) {
-      const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(levels[k]),
-                                                 _mm256_sign_epi8(broadcast4_avx2(xq + 4 * k), levels[k]));
-      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
-    }
-  } else {
-    constexpr int kRun = BITS == 4 ? 8 : 2;  // quads summed in int16 before widening
-    for (int k = k0; k < k1; k += kRun) {
-      __m256i pairs = _mm256_maddubs_epi16(levels[k], broadcast4_avx2(xq + 4 * k));
-      for (int j = k + 1; j < std::min(k + kRun, k1); ++j) {
-        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(levels[j], broadcast4_avx2(xq + 4 * j)));
-      }
-      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
-    }
+  for (int k = 0; k < 8; ++k) {
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(weights[k]),
+                                               _mm256_sign_epi8(broadcast4_avx2(xq + 4 * k), weights[k]));
+    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
   }
   return sum;
 }
 
-template <int BITS>
-GLASSLM_AVX2 inline void unpack_half_block256(const uint8_t* half, __m256i* levels) {
-  if constexpr (BITS == 8) {
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int k = 0; k < 8; ++k) {
-      levels[k] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + 64 * k)), flip);
-    }
-  } else {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    for (int k = 0; k < 4; ++k) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + 64 * k));
-      levels[k] = _mm256_and_si256(bytes, low4);
-      levels[k + 4] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-    }
-    // Bit k of a plane's byte is quad k's: moved to `bit` by a 16-bit shift of |bit - k| (either way
-    // it reads only its own byte's bits) and kept by the mask, 3 instructions a quad where compare
-    // and select took 4.
-    for (int bit = 4; bit < BITS; ++bit) {
-      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + 256 + 64 * (bit - 4)));
-      const __m256i value = _mm256_set1_epi8(static_cast<char>(1 << bit));
-      for (int k = 0; k < 8; ++k) {
-        const __m256i moved = k <= bit ? _mm256_slli_epi16(plane, bit - k) : _mm256_srli_epi16(plane, k - bit);
-        levels[k] = _mm256_or_si256(levels[k], _mm256_and_si256(moved, value));
-      }
-    }
+// One half block's 8-bit weights, signed (the stored u = w + 128, xor 0x80), quad k in weights[k].
+GLASSLM_AVX2 inline void signed_half_block256(const uint8_t* half, __m256i* weights) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int k = 0; k < 8; ++k) {
+    weights[k] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + 64 * k)), flip);
   }
-}
-
-// sum_i (w_i - offset) (256 q1_i + q2_i) over quads [k0, k1), plus `start` (-offset * the activations' sum).
-template <int BITS>
-GLASSLM_AVX2 inline __m256 joined_dot_avx2(const __m256i* levels, const Rows& x, int64_t row, int64_t b, int32_t start,
-                                           int k0, int k1) {
-  const __m256i first = quads_dot_avx2<BITS>(levels, x.levels(row, 0, b), k0, k1);
-  if (x.passes == 1) return _mm256_cvtepi32_ps(_mm256_add_epi32(first, _mm256_set1_epi32(start)));
-  const __m256i second = quads_dot_avx2<BITS>(levels, x.levels(row, 1, b), k0, k1);
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(first, 8), second),
-                                             _mm256_set1_epi32(start)));
 }
 
 template <int ROWS>
@@ -902,8 +857,9 @@ GLASSLM_AVX2 void tile8_joined_avx2(const Weights& w, const Rows& x, int64_t pan
 GLASSLM_AVX2 inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
 
 // Quad k's levels of one half block (8 rows x 4 inputs), unpacked where they are used: chunk k's low
-// nibbles are quad k, its high nibbles quad k + 4; bits 4 and up come from their planes, as
-// unpack_half_block256 takes them.
+// nibbles are quad k, its high nibbles quad k + 4; bits 4 and up come from their planes. Bit k of a
+// plane's byte is quad k's: moved to `bit` by a 16-bit shift of |bit - k| (either way it reads only its
+// own byte's bits) and kept by the mask, 3 instructions where compare and select take 4.
 template <int BITS>
 GLASSLM_AVX2 inline __m256i quad_levels256(const uint8_t* half, int k) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -1015,51 +971,39 @@ GLASSLM_AVX2 void tile_quads_avx2(const Weights& w, const Rows& x, int64_t panel
   }
 }
 
-// Groups of whole blocks, or (HALVES: Q6_K) of half a block, each half of a block then its own product.
-template <int BITS, int SCALE, bool MINS, bool HALVES, int ROWS>
-GLASSLM_AVX2 void tile_avx2(const Weights& w, const Rows& x, int64_t panel, int64_t row0, float* y, int64_t ld_y) {
-  if constexpr (BITS == 8 && !MINS && !HALVES) {
-    if (x.passes == kPasses) return tile8_joined_avx2<SCALE, ROWS>(w, x, panel, row0, y, ld_y);
-  }
-  if constexpr (BITS <= 6) {
-    return x.passes == kPasses ? tile_quads_avx2<BITS, SCALE, MINS, HALVES, kPasses, ROWS>(w, x, panel, row0, y, ld_y)
-                               : tile_quads_avx2<BITS, SCALE, MINS, HALVES, 1, ROWS>(w, x, panel, row0, y, ld_y);
-  }
+// 8-bit weights and one pass of activations (a prefill asked for int8 activations): signed products,
+// so no offset is taken off.
+template <int SCALE, int ROWS>
+GLASSLM_AVX2 void tile8_one_pass_avx2(const Weights& w, const Rows& x, int64_t panel, int64_t row0, float* y, int64_t ld_y) {
   const int64_t step = w.panel_block_bytes();
-  // 8-bit weights of one pass are multiplied as signed numbers here, so no offset is taken off.
-  const int32_t offset = BITS == 8 ? 0 : w.offset;
   for (int half = 0; half < 2; ++half) {
     const uint8_t* block = w.levels + panel * w.blocks * step + 32 * half;
-    __m256 acc[ROWS], scale = _mm256_setzero_ps(), min = _mm256_setzero_ps(), second_scale = scale;
+    __m256 acc[ROWS], scale = _mm256_setzero_ps();
     for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < w.blocks; ++b, block += step) {
-      if (HALVES) {
-        scale = group_values256<SCALE, false>(w, panel, 2 * b, half);
-        second_scale = group_values256<SCALE, false>(w, panel, 2 * b + 1, half);
-      } else if (b % w.group_blocks() == 0) {
-        scale = group_values256<SCALE, false>(w, panel, b / w.group_blocks(), half);
-        if constexpr (MINS) min = group_values256<SCALE, true>(w, panel, b / w.group_blocks(), half);
-      }
-      if (half == 0) prefetch_block<BITS>(block + kAheadBytes);  // the second half reads the panel again, from cache
-      __m256i levels[8];
-      unpack_half_block256<BITS>(block, levels);
+      if (b % w.group_blocks() == 0) scale = group_values256<SCALE, false>(w, panel, b / w.group_blocks(), half);
+      if (half == 0) prefetch_block<8>(block + kAheadBytes);  // the second half reads the panel again, from cache
+      __m256i weights[8];
+      signed_half_block256(block, weights);
       for (int r = 0; r < ROWS; ++r) {
-        const int64_t row = row0 + r;
-        const int32_t sum = x.joined_sum(row, b);
-        const __m256 dx = _mm256_set1_ps(x.step(row, b));
-        if constexpr (HALVES) {
-          int32_t starts[2];
-          half_starts_of(x, row, b, offset, starts);
-          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), joined_dot_avx2<BITS>(levels, x, row, b, starts[0], 0, 4), acc[r]);
-          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(second_scale, dx),
-                                   joined_dot_avx2<BITS>(levels, x, row, b, starts[1], 4, 8), acc[r]);
-        } else {
-          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), joined_dot_avx2<BITS>(levels, x, row, b, -offset * sum, 0, 8), acc[r]);
-          if constexpr (MINS) acc[r] = _mm256_fmadd_ps(min, _mm256_mul_ps(dx, _mm256_set1_ps(static_cast<float>(sum))), acc[r]);
-        }
+        const __m256 dot = _mm256_cvtepi32_ps(signed_dot_avx2(weights, x.levels(row0 + r, 0, b)));
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(x.step(row0 + r, b))), dot, acc[r]);
       }
     }
     store_half_tile256<ROWS>(w, acc, panel, half, row0, y, ld_y);
+  }
+}
+
+// The AVX2 tile for these weights and this product's passes.
+template <int BITS, int SCALE, bool MINS, bool HALVES, int ROWS>
+GLASSLM_AVX2 void tile_avx2(const Weights& w, const Rows& x, int64_t panel, int64_t row0, float* y, int64_t ld_y) {
+  if constexpr (BITS == 8 && !MINS && !HALVES) {
+    return x.passes == kPasses ? tile8_joined_avx2<SCALE, ROWS>(w, x, panel, row0, y, ld_y)
+                               : tile8_one_pass_avx2<SCALE, ROWS>(w, x, panel, row0, y, ld_y);
+  } else {
+    static_assert(BITS <= 6, "8-bit weights come with fp16 scales, no minimums, whole blocks");
+    return x.passes == kPasses ? tile_quads_avx2<BITS, SCALE, MINS, HALVES, kPasses, ROWS>(w, x, panel, row0, y, ld_y)
+                               : tile_quads_avx2<BITS, SCALE, MINS, HALVES, 1, ROWS>(w, x, panel, row0, y, ld_y);
   }
 }
 
