@@ -713,7 +713,8 @@ GLASSLM_AVX512 void tile_float_avx512(const Weights& w, const Rows& x, int64_t p
 // vpmaddubsw multiplies unsigned by signed bytes into int16 pairs, vpmaddwd sums those into int32.
 
 // 8 panel rows' values of one group (rows 8 * half .. 8 * half + 7) as float32; `super` is the group's
-// super-block (g / w.super_groups), which a tile that counts its blocks knows without dividing.
+// super-block counted over all panels (panel * w.supers() + g / w.super_groups), which a tile that counts
+// its blocks knows without dividing.
 template <int SCALE, bool MIN>
 GLASSLM_AVX2 inline __m256 group_values256(const Weights& w, int64_t panel, int64_t g, int half, int64_t super) {
   const int64_t at = (panel * w.groups + g) * kPanel + 8 * half;
@@ -725,14 +726,14 @@ GLASSLM_AVX2 inline __m256 group_values256(const Weights& w, int64_t panel, int6
   } else {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(values) + at));
     const __m256i sub = SCALE == kSubU8 ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes);
-    const uint16_t* per_super = (MIN ? w.super_mins : w.super_scales) + (panel * w.supers() + super) * kPanel;
+    const uint16_t* per_super = (MIN ? w.super_mins : w.super_scales) + super * kPanel;
     return _mm256_mul_ps(_mm256_cvtepi32_ps(sub), _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(per_super + 8 * half))));
   }
 }
 
 template <int SCALE, bool MIN>
 GLASSLM_AVX2 inline __m256 group_values256(const Weights& w, int64_t panel, int64_t g, int half) {
-  return group_values256<SCALE, MIN>(w, panel, g, half, SCALE == kHalf || SCALE == kBf16 ? 0 : g / w.super_groups);
+  return group_values256<SCALE, MIN>(w, panel, g, half, SCALE == kHalf || SCALE == kBf16 ? 0 : panel * w.supers() + g / w.super_groups);
 }
 
 GLASSLM_AVX2 inline __m256i broadcast4_avx2(const int8_t* p) {
@@ -936,7 +937,7 @@ GLASSLM_AVX2 void tile_quads_avx2(const Weights& w, const Rows& x, int64_t panel
     for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
     // Groups and super-blocks counted as the blocks go (a division a block cost Q6_K's tile ~6%).
     const int64_t group_blocks = w.group_blocks(), super_blocks = std::max<int64_t>(1, w.super_groups * w.group_size / kBlock);
-    int64_t group = 0, super = 0, into_group = 0, into_super = 0;
+    int64_t group = 0, super = SCALE == kHalf || SCALE == kBf16 ? 0 : panel * w.supers(), into_group = 0, into_super = 0;
     for (int64_t b = 0; b < w.blocks; ++b, block += step) {
       if (HALVES) {
         scale = group_values256<SCALE, false>(w, panel, 2 * b, half, super);
